@@ -1,0 +1,121 @@
+"""What exo adds on top of mlx-lm: time to first token and decode speed, side by side, one run.
+
+(a) mlx-lm's stream_generate in this process; (b) the same model and prompt through `exo`'s
+OpenAI API (a separate process with its embedded NATS, the model downloaded from a local
+imitation of the Hub). Greedy, same max tokens; runs alternate so drift hits both alike.
+
+    uv run python bench/overhead.py [--requests 20] [--max-tokens 64] [--hidden 256 --layers 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import httpx  # noqa: E402
+import mlx_lm  # noqa: E402
+
+from tests.exo_process import ExoProcess  # noqa: E402
+from tests.support.fake_hub import FakeHub  # noqa: E402
+from tests.support.tiny_model import TINY_MODEL_ID, Dims, make_tiny_model  # noqa: E402
+
+MESSAGES = [{"role": "user", "content": "Write a short story about a lighthouse keeper and the sea."}]
+
+
+def direct_run(model, tokenizer, prompt: str, max_tokens: int) -> tuple[float, float, int]:
+    start = time.perf_counter()
+    stamps = [time.perf_counter() for _ in mlx_lm.stream_generate(model, tokenizer, prompt, max_tokens=max_tokens)]
+    return stamps[0] - start, _decode_rate(stamps), len(stamps)
+
+
+def cluster_run(http: httpx.Client, max_tokens: int) -> tuple[float, float, int]:
+    body = {"model": TINY_MODEL_ID, "messages": MESSAGES, "temperature": 0, "max_tokens": max_tokens,
+            "stream": True, "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    stamps: list[float] = []
+    tokens = 0
+    with http.stream("POST", "/v1/chat/completions", json=body) as response:
+        for line in response.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            elif chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+                stamps.append(time.perf_counter())
+    # A chunk may carry several tokens (exo coalesces fast streams), so count tokens from usage.
+    return stamps[0] - start, _decode_rate(stamps, tokens), tokens
+
+
+def _decode_rate(stamps: list[float], tokens: int | None = None) -> float:
+    """Tokens after the first, per second from the first token to the last."""
+    return ((tokens or len(stamps)) - 1) / (stamps[-1] - stamps[0])
+
+
+def start_cluster(model_dir: Path, root: Path) -> tuple[FakeHub, ExoProcess]:
+    hub = FakeHub({TINY_MODEL_ID: model_dir})
+    hub.start()
+    env = {"HF_ENDPOINT": hub.endpoint, "HF_HOME": str(root / "hf"), "HF_HUB_DISABLE_TELEMETRY": "1",
+           "EXO_LOG_LEVEL": "WARNING"}
+    exo = ExoProcess(root / "data", env).start()
+    with httpx.Client(base_url=exo.url, timeout=300) as http:
+        http.post("/models/add", json={"model_id": TINY_MODEL_ID}).raise_for_status()
+        http.post("/place_instance", json={"model_id": TINY_MODEL_ID}).raise_for_status()
+    return hub, exo
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=20)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    args = parser.parse_args()
+    dims = Dims(hidden=args.hidden, intermediate=args.hidden * 3, layers=args.layers, heads=8, kv_heads=4)
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        model_dir = make_tiny_model(root / "model", dims)
+        hub, exo = start_cluster(model_dir, root)
+        try:
+            model, tokenizer = mlx_lm.load(str(model_dir))
+            prompt = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
+            with httpx.Client(base_url=exo.url, timeout=300) as http:
+                for _ in range(3):  # warm both paths: kernels, connections, the runner's caches
+                    direct_run(model, tokenizer, prompt, args.max_tokens)
+                    cluster_run(http, args.max_tokens)
+                direct, cluster = [], []
+                for _ in range(args.requests):
+                    direct.append(direct_run(model, tokenizer, prompt, args.max_tokens))
+                    cluster.append(cluster_run(http, args.max_tokens))
+        finally:
+            exo.interrupt()
+            hub.stop()
+    report(args, dims, direct, cluster)
+
+
+def report(args, dims: Dims, direct: list, cluster: list) -> None:
+    def p50(rows: list, column: int) -> float:
+        return statistics.median(r[column] for r in rows)
+
+    ttft_direct, ttft_cluster = p50(direct, 0) * 1000, p50(cluster, 0) * 1000
+    tps_direct, tps_cluster = p50(direct, 1), p50(cluster, 1)
+    print(f"model: llama hidden={dims.hidden} layers={dims.layers}, {args.requests} requests, "
+          f"{args.max_tokens} tokens each, greedy")
+    print(f"{'':26}{'mlx-lm direct':>15}{'through exo':>15}{'exo - direct':>15}{'ratio':>8}")
+    print(f"{'time to first token p50':26}{ttft_direct:>12.2f} ms{ttft_cluster:>12.2f} ms"
+          f"{ttft_cluster - ttft_direct:>12.2f} ms{ttft_cluster / ttft_direct:>8.3f}")
+    print(f"{'decode tokens/s p50':26}{tps_direct:>15.1f}{tps_cluster:>15.1f}"
+          f"{tps_cluster - tps_direct:>15.1f}{tps_cluster / tps_direct:>8.3f}")
+    tokens = {r[2] for r in cluster}
+    print(f"completion tokens per cluster request: {sorted(tokens)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,46 @@
+"""Filling in a custom card from the model's own config.json (local folder or the Hub)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+from huggingface_hub import hf_hub_download
+from huggingface_hub.errors import EntryNotFoundError, GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
+
+from exo.api.errors import ApiError
+from exo.core.types import ModelCard
+
+
+async def complete_card(card: ModelCard) -> ModelCard:
+    if card.n_layers:
+        return card
+    config = await asyncio.to_thread(_read_config, card)
+    text = config.get("text_config", config)  # multimodal configs nest the language model
+    return ModelCard(**{
+        **{f: getattr(card, f) for f in card.__struct_fields__},
+        "name": card.name or card.model_id.rsplit("/", 1)[-1],
+        "n_layers": int(text.get("num_hidden_layers", 0)),
+        "hidden_size": int(text.get("hidden_size", 0)),
+        "num_attention_heads": int(text.get("num_attention_heads", 0)),
+        "num_key_value_heads": int(text.get("num_key_value_heads", text.get("num_attention_heads", 0))),
+        "context_length": int(text.get("max_position_embeddings", 0)),
+    })
+
+
+def _read_config(card: ModelCard) -> dict:
+    if card.path:
+        path = Path(card.path)
+        if not path.is_absolute() or not (path / "config.json").is_file():
+            raise ApiError(400, f"path must be an absolute model directory with a config.json: {card.path}", param="path")
+        return json.loads((path / "config.json").read_text())
+    try:
+        downloaded = hf_hub_download(card.source_repo, "config.json", revision=card.revision)
+    except (RepositoryNotFoundError, GatedRepoError):
+        raise ApiError(404, f"model repository {card.source_repo!r} not found (or it is gated)", param="model_id") from None
+    except (RevisionNotFoundError, EntryNotFoundError):
+        raise ApiError(404, f"{card.source_repo!r} has no config.json at revision {card.revision!r}", param="model_id") from None
+    except Exception as error:  # network and hub failures: tell the caller, keep serving
+        raise ApiError(503, f"cannot reach the model hub for {card.source_repo!r}: {error}") from None
+    return json.loads(Path(downloaded).read_text())

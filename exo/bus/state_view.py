@@ -1,0 +1,57 @@
+"""A node's live copy of State: follows the event log and folds each event in with `apply`."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+from nats.aio.client import Client
+
+from exo.bus.event_log import EventFollower
+from exo.core.apply import apply, skip_event
+from exo.core.events import AnyEvent
+from exo.core.state import State
+
+Listener = Callable[[int, AnyEvent, State], Awaitable[None] | None]
+
+
+class StateView:
+    def __init__(self, nc: Client, initial: State | None = None) -> None:
+        self.state = initial or State()
+        self._listeners: list[Listener] = []
+        self._advanced = asyncio.Condition()
+        self._follower = EventFollower(nc, self._on_event, self._on_undecodable)
+
+    def add_listener(self, listener: Listener) -> None:
+        """Called after each event is folded in, with the new State."""
+        self._listeners.append(listener)
+
+    async def start(self) -> None:
+        await self._follower.start(self.state.last_seq + 1)
+
+    async def stop(self) -> None:
+        await self._follower.stop()
+
+    async def wait_for(self, seq: int, timeout: float = 10.0) -> State:
+        """Return once State includes event `seq` (e.g. one this node just appended)."""
+        async with self._advanced:
+            await asyncio.wait_for(self._advanced.wait_for(lambda: self.state.last_seq >= seq), timeout)
+        return self.state
+
+    async def _on_event(self, seq: int, event: AnyEvent) -> None:
+        self.state = apply(self.state, event, seq)
+        await self._advance(seq, event)
+
+    async def _on_undecodable(self, seq: int, reason: str) -> None:
+        self.state = skip_event(self.state, seq, reason)
+        await self._advance(seq, None)
+
+    async def _advance(self, seq: int, event: AnyEvent | None) -> None:
+        async with self._advanced:
+            self._advanced.notify_all()
+        if event is None:
+            return
+        for listener in self._listeners:
+            result = listener(seq, event, self.state)
+            if result is not None:
+                await result

@@ -1,0 +1,70 @@
+"""The data plane: generated text on exo.tokens.<command_id>, captured by the EXO_TOKENS stream.
+
+Chunks are published without waiting for a JetStream ack each (that would cost a round trip
+per token); the last chunk of a generation is acked, and since one connection keeps order,
+its ack means every chunk before it is stored too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+from nats.aio.client import Client
+from nats.js import api
+
+from exo.bus.subjects import TOKENS_STREAM, token_subject
+from exo.core.types import TokenChunk
+
+_encoder = msgspec.json.Encoder()
+_decoder = msgspec.json.Decoder(TokenChunk)
+
+
+async def publish_chunk(nc: Client, chunk: TokenChunk) -> None:
+    subject = token_subject(chunk.command_id)
+    if chunk.finish_reason is None:
+        await nc.publish(subject, _encoder.encode(chunk))
+    else:
+        await nc.jetstream().publish(subject, _encoder.encode(chunk), stream=TOKENS_STREAM)
+
+
+class TokenListener:
+    """Every chunk of one generation, in order, from its first.
+
+    `live()` subscribes on the plain subject before the command is sent (no round trip, and
+    nothing can be published before the command exists); `from_stream()` replays from
+    JetStream for a listener that arrives late.
+    """
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue[TokenChunk] = asyncio.Queue()
+        self._subscription = None
+
+    @classmethod
+    async def live(cls, nc: Client, command_id: str) -> "TokenListener":
+        listener = cls()
+        listener._subscription = await nc.subscribe(token_subject(command_id), cb=listener._on_msg)
+        return listener
+
+    @classmethod
+    async def from_stream(cls, nc: Client, command_id: str) -> "TokenListener":
+        listener = cls()
+        listener._subscription = await nc.jetstream().subscribe(
+            token_subject(command_id),
+            stream=TOKENS_STREAM,
+            ordered_consumer=True,
+            deliver_policy=api.DeliverPolicy.ALL,
+            cb=listener._on_msg,
+        )
+        return listener
+
+    async def _on_msg(self, msg) -> None:
+        self.queue.put_nowait(_decoder.decode(msg.data))
+
+    async def close(self) -> None:
+        if self._subscription is not None:
+            try:
+                await self._subscription.unsubscribe()
+            except Exception:  # already closed with its connection
+                pass
+            self._subscription = None

@@ -1,0 +1,58 @@
+"""Requests to the master. Each has an explicit wire tag (field "kind") and its own id,
+which the resulting events carry back so the caller can find its answer."""
+
+from __future__ import annotations
+
+import msgspec
+
+from exo.core.types import GenerationParams, ModelCard, Sharding
+
+
+class Command(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind"):
+    command_id: str
+
+
+class PlaceInstance(Command, tag="place_instance", kw_only=True):
+    model_id: str
+    sharding: Sharding = "pipeline"
+    min_nodes: int = 1
+
+
+class DeleteInstance(Command, tag="delete_instance", kw_only=True):
+    instance_id: str
+
+
+class GenerateText(Command, tag="generate_text", kw_only=True):
+    model_id: str
+    params: GenerationParams = GenerationParams()
+    at: float = 0.0
+
+
+class CancelTask(Command, tag="cancel_task", kw_only=True):
+    task_id: str
+
+
+class AddCustomCard(Command, tag="add_card", kw_only=True):
+    card: ModelCard
+
+
+class DeleteCustomCard(Command, tag="delete_card", kw_only=True):
+    model_id: str
+
+
+AnyCommand = PlaceInstance | DeleteInstance | GenerateText | CancelTask | AddCustomCard | DeleteCustomCard
+
+_decoder = msgspec.json.Decoder(AnyCommand)
+_encoder = msgspec.json.Encoder()
+
+
+def encode_command(command: Command) -> bytes:
+    return _encoder.encode(command)
+
+
+def decode_command(data: bytes) -> AnyCommand:
+    return _decoder.decode(data)
+
+
+def command_tag(command: Command) -> str:
+    return type(command).__struct_config__.tag  # type: ignore[return-value]

@@ -1,0 +1,130 @@
+"""Plain data shared by every part of exo: model cards, shards, instances, runners, tasks.
+
+Everything here is a msgspec Struct so it encodes to readable JSON on the wire and
+in snapshots. New fields must get defaults so older logs keep decoding.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+import msgspec
+
+Sharding = Literal["pipeline", "tensor"]
+RunnerStatus = Literal["created", "downloading", "loading", "warming_up", "ready", "failed", "stopped"]
+TaskStatus = Literal["pending", "running", "completed", "cancelled", "failed"]
+FinishReason = Literal["stop", "length", "cancelled", "error"]
+RejectionCode = Literal["invalid", "not_found", "conflict", "unavailable"]
+
+# A model id is a Hugging Face style "org/name" (or a bare "name"): no path tricks.
+_MODEL_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}(/[A-Za-z0-9][A-Za-z0-9._-]{0,95})?$")
+
+
+def is_valid_model_id(model_id: str) -> bool:
+    return bool(_MODEL_ID.match(model_id)) and ".." not in model_id
+
+
+class SamplingDefaults(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    temperature: float | None = None
+    top_p: float | None = None
+
+
+class ModelCard(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """What exo needs to know about a model before it downloads a single byte."""
+
+    model_id: str
+    name: str = ""
+    repo_id: str = ""  # Hugging Face repo; empty means the same as model_id
+    revision: str = "main"
+    path: str = ""  # an absolute local model directory, used instead of downloading
+    n_layers: int = 0
+    hidden_size: int = 0
+    num_attention_heads: int = 0
+    num_key_value_heads: int = 0
+    storage_bytes: int = 0
+    context_length: int = 0
+    sampling: SamplingDefaults = SamplingDefaults()
+
+    @property
+    def source_repo(self) -> str:
+        return self.repo_id or self.model_id
+
+
+class ShardAssignment(msgspec.Struct, frozen=True, kw_only=True):
+    """One rank of an instance: which node runs it and which layers it holds."""
+
+    runner_id: str
+    node_id: str
+    rank: int = 0
+    world_size: int = 1
+    start_layer: int = 0
+    end_layer: int = 0  # exclusive
+
+
+class Instance(msgspec.Struct, frozen=True, kw_only=True):
+    instance_id: str
+    model_id: str
+    sharding: Sharding = "pipeline"
+    shards: list[ShardAssignment] = []
+    created_seq: int = 0  # stream sequence of its creation: a stable order for routing
+
+
+class RunnerInfo(msgspec.Struct, frozen=True, kw_only=True):
+    runner_id: str
+    instance_id: str
+    node_id: str
+    status: RunnerStatus = "created"
+    error: str = ""
+
+
+class NodeInfo(msgspec.Struct, frozen=True, kw_only=True):
+    node_id: str
+    hostname: str = ""
+    memory_total: int = 0
+    memory_available: int = 0
+    cpu_count: int = 0
+    backend: str = ""
+    last_seen: float = 0.0
+
+
+class ChatMessage(msgspec.Struct, frozen=True, kw_only=True):
+    role: str
+    content: str = ""
+
+
+class GenerationParams(msgspec.Struct, frozen=True, kw_only=True):
+    """A text generation request as the runner sees it (already validated by the API)."""
+
+    messages: list[ChatMessage] = []
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: list[str] = []
+
+
+class Task(msgspec.Struct, frozen=True, kw_only=True):
+    task_id: str  # equals the command id that asked for it, so the caller can find it
+    instance_id: str
+    model_id: str
+    params: GenerationParams = GenerationParams()
+    status: TaskStatus = "pending"
+    cancel_requested: bool = False
+    created_at: float = 0.0
+    finish_reason: str = ""
+    error: str = ""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+class TokenChunk(msgspec.Struct, frozen=True, kw_only=True):
+    """One piece of generated text on exo.tokens.<command_id> (data plane, not the event log)."""
+
+    command_id: str
+    index: int
+    text: str = ""
+    token_count: int = 0  # completion tokens so far
+    prompt_tokens: int = 0
+    finish_reason: FinishReason | None = None
+    error: str = ""

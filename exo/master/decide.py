@@ -1,0 +1,128 @@
+"""The master's decisions: command x State -> events. Pure: time and ids come in as arguments."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+
+from exo.core.commands import (
+    AddCustomCard,
+    AnyCommand,
+    CancelTask,
+    DeleteCustomCard,
+    DeleteInstance,
+    GenerateText,
+    PlaceInstance,
+    command_tag,
+)
+from exo.core.events import (
+    CommandRejected,
+    CustomCardAdded,
+    CustomCardDeleted,
+    Event,
+    InstanceCreated,
+    InstanceDeleted,
+    TaskCancelRequested,
+    TaskCreated,
+    TaskFinished,
+)
+from exo.core.placement import Unplaceable, place_instance
+from exo.core.state import State
+from exo.core.types import ModelCard, RejectionCode, Task, is_valid_model_id
+
+
+def decide(
+    state: State,
+    command: AnyCommand,
+    *,
+    builtin_cards: Mapping[str, ModelCard],
+    ids: Iterator[str],
+) -> list[Event]:
+    match command:
+        case PlaceInstance():
+            return _place(state, command, builtin_cards, ids)
+        case DeleteInstance():
+            return _delete_instance(state, command)
+        case GenerateText():
+            return _generate(state, command, builtin_cards)
+        case CancelTask():
+            return _cancel(state, command)
+        case AddCustomCard():
+            return _add_card(state, command, builtin_cards)
+        case DeleteCustomCard():
+            return _delete_card(state, command, builtin_cards)
+
+
+def find_card(state: State, builtin_cards: Mapping[str, ModelCard], model_id: str) -> ModelCard | None:
+    return state.custom_model_cards.get(model_id) or builtin_cards.get(model_id)
+
+
+def _reject(command: AnyCommand, code: RejectionCode, reason: str) -> list[Event]:
+    return [CommandRejected(command_id=command.command_id, command_kind=command_tag(command), code=code, reason=reason)]
+
+
+def _place(state: State, command: PlaceInstance, builtin: Mapping[str, ModelCard], ids: Iterator[str]) -> list[Event]:
+    card = find_card(state, builtin, command.model_id)
+    if card is None:
+        return _reject(command, "not_found", f"unknown model {command.model_id!r}")
+    placed = place_instance(card, command.sharding, command.min_nodes, state, ids)
+    if isinstance(placed, Unplaceable):
+        return _reject(command, placed.code, placed.reason)
+    return [InstanceCreated(command_id=command.command_id, instance=placed)]
+
+
+def _delete_instance(state: State, command: DeleteInstance) -> list[Event]:
+    if command.instance_id not in state.instances:
+        return _reject(command, "not_found", f"unknown instance {command.instance_id!r}")
+    # Open tasks end with the instance, so no caller waits for an answer that cannot come.
+    ended: list[Event] = [
+        TaskFinished(task_id=t.task_id, status="cancelled", finish_reason="cancelled", error="instance deleted")
+        for t in state.open_tasks_of(command.instance_id)
+    ]
+    return [*ended, InstanceDeleted(command_id=command.command_id, instance_id=command.instance_id, reason="deleted on request")]
+
+
+def _generate(state: State, command: GenerateText, builtin: Mapping[str, ModelCard]) -> list[Event]:
+    if find_card(state, builtin, command.model_id) is None:
+        return _reject(command, "not_found", f"unknown model {command.model_id!r}")
+    if command.command_id in state.tasks:
+        return []  # a redelivered command: its task already exists
+    instances = state.instances_of(command.model_id)
+    if not instances:
+        return _reject(command, "unavailable", f"no instance of {command.model_id!r} is running; place one first")
+    least_busy = min(instances, key=lambda i: len(state.open_tasks_of(i.instance_id)))
+    task = Task(
+        task_id=command.command_id,
+        instance_id=least_busy.instance_id,
+        model_id=command.model_id,
+        params=command.params,
+        created_at=command.at,
+    )
+    return [TaskCreated(command_id=command.command_id, task=task)]
+
+
+def _cancel(state: State, command: CancelTask) -> list[Event]:
+    task = state.tasks.get(command.task_id)
+    if task is None:
+        return _reject(command, "not_found", f"unknown task {command.task_id!r}")
+    if task.status not in ("pending", "running") or task.cancel_requested:
+        return []  # already ending: cancelling twice is not an error
+    return [TaskCancelRequested(command_id=command.command_id, task_id=command.task_id)]
+
+
+def _add_card(state: State, command: AddCustomCard, builtin: Mapping[str, ModelCard]) -> list[Event]:
+    model_id = command.card.model_id
+    if not is_valid_model_id(model_id):
+        return _reject(command, "invalid", f"invalid model id {model_id!r}")
+    if model_id in builtin:
+        return _reject(command, "conflict", f"{model_id!r} is a built-in model card")
+    return [CustomCardAdded(command_id=command.command_id, card=command.card)]
+
+
+def _delete_card(state: State, command: DeleteCustomCard, builtin: Mapping[str, ModelCard]) -> list[Event]:
+    if command.model_id in builtin:
+        return _reject(command, "conflict", f"{command.model_id!r} is a built-in model card and cannot be deleted")
+    if command.model_id not in state.custom_model_cards:
+        return _reject(command, "not_found", f"unknown custom model {command.model_id!r}")
+    if state.instances_of(command.model_id):
+        return _reject(command, "conflict", f"{command.model_id!r} has running instances; delete them first")
+    return [CustomCardDeleted(command_id=command.command_id, model_id=command.model_id)]

@@ -1,0 +1,67 @@
+"""Model cards on disk: built-in cards (read-only TOML) and this node's custom-card folder.
+
+Cards decode strictly (a typo is an error). Custom cards live in State; the folder is a
+copy that `reconcile_custom_cards` keeps equal to it, never touching built-in cards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+import msgspec
+import tomlkit
+
+from exo.core.types import ModelCard, is_valid_model_id
+
+
+class CardError(ValueError):
+    pass
+
+
+def card_file_name(model_id: str) -> str:
+    if not is_valid_model_id(model_id):
+        raise CardError(f"invalid model id {model_id!r}")
+    return model_id.replace("/", "--") + ".toml"
+
+
+def read_card(path: Path) -> ModelCard:
+    try:
+        card = msgspec.convert(tomlkit.parse(path.read_text()).unwrap(), ModelCard)
+    except (msgspec.ValidationError, tomlkit.exceptions.TOMLKitError) as error:
+        raise CardError(f"{path}: {error}") from error
+    if not is_valid_model_id(card.model_id):
+        raise CardError(f"{path}: invalid model id {card.model_id!r}")
+    return card
+
+
+def load_builtin_cards(folder: Path) -> dict[str, ModelCard]:
+    cards = [read_card(p) for p in sorted(folder.glob("*.toml"))]
+    return {c.model_id: c for c in cards}
+
+
+def card_to_toml(card: ModelCard) -> str:
+    fields = msgspec.to_builtins(card)
+    defaults = msgspec.to_builtins(ModelCard(model_id=card.model_id))
+    document = tomlkit.document()
+    for key, value in fields.items():
+        if key == "model_id" or value != defaults.get(key):
+            if isinstance(value, dict):
+                value = {k: v for k, v in value.items() if v is not None}
+            document[key] = value
+    return tomlkit.dumps(document)
+
+
+def reconcile_custom_cards(folder: Path, cards: Mapping[str, ModelCard]) -> None:
+    """Make `folder` hold exactly `cards`: write missing or changed ones, delete the rest."""
+    folder.mkdir(parents=True, exist_ok=True)
+    wanted = {card_file_name(c.model_id): card_to_toml(c) for c in cards.values()}
+    for path in folder.glob("*.toml"):
+        if path.name not in wanted:
+            path.unlink()
+    for name, text in wanted.items():
+        path = folder / name
+        if not path.exists() or path.read_text() != text:
+            temporary = path.with_suffix(".tmp")
+            temporary.write_text(text)
+            temporary.replace(path)

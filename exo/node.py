@@ -1,0 +1,164 @@
+"""One exo node: (embedded) NATS, provisioning, then master, worker and API in one process."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import platform
+import socket
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from aiohttp import web
+
+from exo.api.app import build_app
+from exo.api.context import ApiContext
+from exo.api.outcomes import CommandOutcomes
+from exo.bus.connection import connect
+from exo.bus.embedded import EmbeddedNats
+from exo.bus.event_log import EventLog
+from exo.bus.provision import provision
+from exo.bus.state_view import StateView
+from exo.core.events import NodeRegistered
+from exo.core.types import NodeInfo
+from exo.master.service import Master
+from exo.models.cards import load_builtin_cards
+from exo.resources import builtin_cards_dir
+from exo.worker.service import Worker
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class NodeConfig:
+    data_dir: Path
+    nats_urls: list[str] = field(default_factory=list)  # empty: start the embedded server
+    nats_port: int = 4222
+    api_host: str = "0.0.0.0"
+    api_port: int = 52415
+    run_master: bool = True
+    run_worker: bool = True
+    run_api: bool = True
+
+
+class StartupError(Exception):
+    """A reason the node cannot start, said in one line."""
+
+
+def node_id_for(data_dir: Path) -> str:
+    path = data_dir / "node_id"
+    if path.exists():
+        return path.read_text().strip()
+    node_id = uuid.uuid4().hex
+    path.write_text(node_id + "\n")
+    return node_id
+
+
+def check_port_free(host: str, port: int) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as error:
+            raise StartupError(f"cannot listen on {host}:{port}: {error.strerror}") from None
+
+
+def describe_this_node(node_id: str, now: float) -> NodeInfo:
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    available = total
+    meminfo = Path("/proc/meminfo")
+    if meminfo.exists():
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                available = int(line.split()[1]) * 1024
+    backend = "metal" if platform.system() == "Darwin" else "cpu"
+    return NodeInfo(node_id=node_id, hostname=platform.node(), memory_total=total, memory_available=available,
+                    cpu_count=os.cpu_count() or 1, backend=backend, last_seen=now)
+
+
+class Node:
+    def __init__(self, config: NodeConfig) -> None:
+        self.config = config
+        self.embedded: EmbeddedNats | None = None
+        self.worker: Worker | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._nc = None
+        self._view: StateView | None = None
+        self._site_runner: web.AppRunner | None = None
+        self.api_url = ""
+
+    async def start(self) -> None:
+        config = self.config
+        config.data_dir.mkdir(parents=True, exist_ok=True)
+        if config.run_api:
+            check_port_free(config.api_host, config.api_port)
+        urls = config.nats_urls
+        if not urls:
+            self.embedded = EmbeddedNats(config.data_dir / "nats", port=config.nats_port)
+            urls = [await self.embedded.start()]
+        self.nats_urls = urls
+        self._nc = nc = await connect(urls, name="exo-node")
+        await provision(nc)
+        node_id = node_id_for(config.data_dir)
+        builtin = load_builtin_cards(builtin_cards_dir())
+        self._view = view = StateView(nc)
+        last_seq = await EventLog(nc).last_sequence()
+        await view.start()
+        await view.wait_for(last_seq, timeout=60)  # caught up before anything acts on State
+        if config.run_master:
+            self._tasks.append(asyncio.create_task(Master(nc, view, builtin).run(), name="master"))
+        if config.run_worker:
+            self.worker = Worker(nc, view, node_id, config.data_dir, urls, builtin)
+            await EventLog(nc).append(NodeRegistered(node=describe_this_node(node_id, time.time())), uuid.uuid4().hex)
+            self._tasks.append(asyncio.create_task(self.worker.run(), name="worker"))
+        if config.run_api:
+            await self._start_api(ApiContext(nc, view, CommandOutcomes(nc, view), builtin, node_id, config.data_dir))
+
+    async def _start_api(self, ctx: ApiContext) -> None:
+        self._site_runner = web.AppRunner(build_app(ctx), handler_cancellation=True, access_log=None)
+        await self._site_runner.setup()
+        site = web.TCPSite(self._site_runner, self.config.api_host, self.config.api_port)
+        try:
+            await site.start()
+        except OSError as error:
+            raise StartupError(f"cannot listen on {self.config.api_host}:{self.config.api_port}: {error.strerror}") from None
+        shown_host = "localhost" if self.config.api_host in ("0.0.0.0", "::") else self.config.api_host
+        self.api_url = f"http://{shown_host}:{self.config.api_port}"
+
+    async def wait(self) -> None:
+        """Returns if a service stops by itself (a bug): the node then shuts down."""
+        if self._tasks:
+            done, _ = await asyncio.wait(self._tasks, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                if task.exception():
+                    log.error("%s stopped: %r", task.get_name(), task.exception())
+        else:
+            await asyncio.Event().wait()
+
+    async def stop(self) -> None:
+        if self._site_runner is not None:
+            await self._site_runner.cleanup()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.worker is not None:
+            await self.worker.stop()
+        if self._view is not None:
+            await self._view.stop()
+        if self._nc is not None and not self._nc.is_closed:
+            try:
+                await asyncio.wait_for(self._nc.drain(), 5)
+            except Exception:  # the server may be gone already; we are leaving anyway
+                pass
+        if self.embedded is not None:
+            self.embedded.stop()
+
+    def kill(self) -> None:
+        """The second Ctrl-C: no more waiting."""
+        if self.worker is not None:
+            self.worker.kill_runners()
+        if self.embedded is not None:
+            self.embedded.kill()

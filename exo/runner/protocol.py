@@ -1,0 +1,73 @@
+"""Messages between a worker and its runner subprocess: JSON lines on the runner's stdin/stdout."""
+
+from __future__ import annotations
+
+import msgspec
+
+from exo.core.types import GenerationParams, SamplingDefaults
+
+
+class Request(msgspec.Struct, frozen=True, kw_only=True, tag_field="op"):
+    pass
+
+
+class Load(Request, tag="load", kw_only=True):
+    model_path: str
+
+
+class WarmUp(Request, tag="warm_up", kw_only=True):
+    pass
+
+
+class Generate(Request, tag="generate", kw_only=True):
+    task_id: str
+    params: GenerationParams
+    defaults: SamplingDefaults = SamplingDefaults()
+
+
+class Cancel(Request, tag="cancel", kw_only=True):
+    task_id: str
+
+
+class Shutdown(Request, tag="shutdown", kw_only=True):
+    pass
+
+
+class Report(msgspec.Struct, frozen=True, kw_only=True, tag_field="op"):
+    pass
+
+
+class Loaded(Report, tag="loaded", kw_only=True):
+    pass
+
+
+class WarmedUp(Report, tag="warmed_up", kw_only=True):
+    pass
+
+
+class Started(Report, tag="started", kw_only=True):
+    task_id: str
+
+
+class Done(Report, tag="done", kw_only=True):
+    task_id: str
+    finish_reason: str
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    error: str = ""
+
+
+class Failed(Report, tag="failed", kw_only=True):
+    error: str
+
+
+AnyRequest = Load | WarmUp | Generate | Cancel | Shutdown
+AnyReport = Loaded | WarmedUp | Started | Done | Failed
+
+request_decoder = msgspec.json.Decoder(AnyRequest)
+report_decoder = msgspec.json.Decoder(AnyReport)
+encoder = msgspec.json.Encoder()
+
+
+def encode_line(message: Request | Report) -> bytes:
+    return encoder.encode(message) + b"\n"

@@ -1,0 +1,127 @@
+"""What a worker does next: a pure function of State and what this node has locally.
+
+For each runner assigned to this node the lifecycle runs create -> download -> load ->
+warm up -> ready; only a ready runner is given generation tasks. A phase that is in progress
+("downloading", ...) yields no step, so calling `plan` again while it runs repeats nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from exo.core.state import State
+from exo.core.types import Instance, ShardAssignment, Task, TaskStatus
+
+LocalPhase = Literal[
+    "spawning", "spawned", "downloading", "downloaded", "loading", "loaded", "warming_up", "ready", "failed", "stopping"
+]
+
+
+class LocalRunner(msgspec.Struct, frozen=True, kw_only=True):
+    runner_id: str
+    instance_id: str
+    phase: LocalPhase = "spawning"
+    forwarded: frozenset[str] = frozenset()  # task ids handed to the runner process
+    cancels_sent: frozenset[str] = frozenset()
+
+
+class WorkerView(msgspec.Struct, frozen=True, kw_only=True):
+    node_id: str
+    state: State
+    runners: dict[str, LocalRunner] = {}
+    ended_tasks: frozenset[str] = frozenset()  # tasks whose end this node already reported
+
+
+class Step(msgspec.Struct, frozen=True, kw_only=True, tag_field="step"):
+    pass
+
+
+class StopRunner(Step, tag="stop_runner", kw_only=True):
+    runner_id: str
+
+
+class CreateRunner(Step, tag="create_runner", kw_only=True):
+    runner_id: str
+    instance_id: str
+
+
+class DownloadModel(Step, tag="download_model", kw_only=True):
+    runner_id: str
+    model_id: str
+
+
+class LoadModel(Step, tag="load_model", kw_only=True):
+    runner_id: str
+    model_id: str
+
+
+class WarmUp(Step, tag="warm_up", kw_only=True):
+    runner_id: str
+
+
+class ForwardTask(Step, tag="forward_task", kw_only=True):
+    runner_id: str
+    task_id: str
+
+
+class CancelForwardedTask(Step, tag="cancel_task", kw_only=True):
+    runner_id: str
+    task_id: str
+
+
+class EndTask(Step, tag="end_task", kw_only=True):
+    """End a task that no runner will finish: cancelled before it ran, or its runner failed."""
+
+    task_id: str
+    status: TaskStatus
+    reason: str
+
+
+_NEXT_LIFECYCLE_STEP = {"spawned": DownloadModel, "downloaded": LoadModel, "loaded": WarmUp}
+
+
+def plan(view: WorkerView) -> list[Step]:
+    steps: list[Step] = [*_stop_orphans(view)]
+    for instance, shard in _my_shards(view):
+        local = view.runners.get(shard.runner_id)
+        if local is None:
+            steps.append(CreateRunner(runner_id=shard.runner_id, instance_id=instance.instance_id))
+            continue
+        lifecycle = _NEXT_LIFECYCLE_STEP.get(local.phase)
+        if lifecycle is WarmUp:
+            steps.append(WarmUp(runner_id=local.runner_id))
+        elif lifecycle is not None:
+            steps.append(lifecycle(runner_id=local.runner_id, model_id=instance.model_id))
+        steps.extend(_task_steps(view, local, view.state.open_tasks_of(instance.instance_id)))
+    return steps
+
+
+def _stop_orphans(view: WorkerView) -> list[Step]:
+    return [
+        StopRunner(runner_id=r.runner_id)
+        for r in view.runners.values()
+        if r.instance_id not in view.state.instances and r.phase != "stopping"
+    ]
+
+
+def _my_shards(view: WorkerView) -> list[tuple[Instance, ShardAssignment]]:
+    return [(i, s) for i in view.state.instances.values() for s in i.shards if s.node_id == view.node_id]
+
+
+def _task_steps(view: WorkerView, local: LocalRunner, tasks: list[Task]) -> list[Step]:
+    steps: list[Step] = []
+    for task in tasks:
+        if task.task_id in view.ended_tasks:
+            continue
+        forwarded = task.task_id in local.forwarded
+        if local.phase == "failed":
+            steps.append(EndTask(task_id=task.task_id, status="failed", reason="the runner serving it failed"))
+        elif task.cancel_requested and not forwarded:
+            steps.append(EndTask(task_id=task.task_id, status="cancelled", reason="cancelled before it started"))
+        elif task.cancel_requested and task.task_id not in local.cancels_sent:
+            steps.append(CancelForwardedTask(runner_id=local.runner_id, task_id=task.task_id))
+        elif local.phase == "ready" and not forwarded:
+            steps.append(ForwardTask(runner_id=local.runner_id, task_id=task.task_id))
+    return steps

@@ -1,0 +1,71 @@
+"""The worker's side of one runner subprocess: spawn it, send requests, hear its reports."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+from exo.runner.protocol import AnyReport, Request, Shutdown, encode_line, report_decoder
+
+OnReport = Callable[[AnyReport], Awaitable[None]]
+OnExit = Callable[[int, str], Awaitable[None]]
+
+
+class RunnerHost:
+    def __init__(self, runner_id: str, nats_urls: list[str], log_dir: Path) -> None:
+        self.runner_id = runner_id
+        self._nats_urls = nats_urls
+        self._log_path = log_dir / f"runner-{runner_id}.log"
+        self._process: asyncio.subprocess.Process | None = None
+        self._reader: asyncio.Task | None = None
+        self._stopping = False
+
+    async def start(self, on_report: OnReport, on_exit: OnExit) -> None:
+        self._log_path.parent.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, "EXO_RUNNER_NATS": ",".join(self._nats_urls)}
+        with open(self._log_path, "ab") as log:
+            self._process = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "exo.runner",
+                stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=log,
+                env=env, start_new_session=True,  # Ctrl-C reaches the node, which stops runners itself
+            )
+        self._reader = asyncio.create_task(self._read(on_report, on_exit))
+
+    async def send(self, request: Request) -> None:
+        assert self._process is not None and self._process.stdin is not None
+        self._process.stdin.write(encode_line(request))
+        await self._process.stdin.drain()
+
+    async def stop(self, timeout: float = 5.0) -> None:
+        self._stopping = True
+        process = self._process
+        if process is None or process.returncode is not None:
+            return
+        try:
+            await self.send(Shutdown())
+            await asyncio.wait_for(process.wait(), timeout)
+        except (asyncio.TimeoutError, ConnectionError, BrokenPipeError):
+            process.kill()
+            await process.wait()
+
+    def kill(self) -> None:
+        self._stopping = True
+        if self._process is not None and self._process.returncode is None:
+            self._process.kill()
+
+    async def _read(self, on_report: OnReport, on_exit: OnExit) -> None:
+        assert self._process is not None and self._process.stdout is not None
+        async for line in self._process.stdout:
+            await on_report(report_decoder.decode(line))
+        code = await self._process.wait()
+        if not self._stopping:
+            await on_exit(code, self._log_tail())
+
+    def _log_tail(self, lines: int = 5) -> str:
+        try:
+            return " | ".join(self._log_path.read_text(errors="replace").strip().splitlines()[-lines:])
+        except OSError:
+            return ""

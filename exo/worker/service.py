@@ -1,0 +1,208 @@
+"""The worker: keeps State, asks `plan` what to do for the runners bound to this node, does it.
+
+Local facts (which runner processes exist and how far each got) live in `LocalRunner`
+records; everything other nodes need to know is published as an event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+
+from msgspec.structs import replace
+from nats.aio.client import Client
+
+from exo.bus.event_log import EventLog
+from exo.bus.state_view import StateView
+from exo.bus.tokens import publish_chunk
+from exo.core.events import AnyEvent, CustomCardAdded, CustomCardDeleted, Event, RunnerStatusChanged, TaskFinished, TaskStarted
+from exo.core.state import State
+from exo.core.types import ModelCard, RunnerStatus, TokenChunk
+from exo.master.decide import find_card
+from exo.models.cards import reconcile_custom_cards
+from exo.models.download import download_model
+from exo.runner import protocol as rp
+from exo.worker import plan as p
+from exo.worker.runner_host import RunnerHost
+
+log = logging.getLogger(__name__)
+
+
+class Worker:
+    def __init__(
+        self, nc: Client, view: StateView, node_id: str, data_dir: Path,
+        nats_urls: list[str], builtin_cards: Mapping[str, ModelCard],
+    ) -> None:
+        self.node_id = node_id
+        self._nc = nc
+        self._view = view
+        self._log = EventLog(nc)
+        self._data_dir = data_dir
+        self._nats_urls = nats_urls
+        self._builtin_cards = builtin_cards
+        self._runners: dict[str, p.LocalRunner] = {}
+        self._hosts: dict[str, RunnerHost] = {}
+        self._model_paths: dict[str, Path] = {}
+        self._ended: set[str] = set()
+        self._wake = asyncio.Event()
+        self._background: set[asyncio.Task] = set()
+        view.add_listener(self._on_event)
+
+    @property
+    def custom_cards_dir(self) -> Path:
+        return self._data_dir / "custom_cards"
+
+    async def run(self) -> None:
+        reconcile_custom_cards(self.custom_cards_dir, self._view.state.custom_model_cards)
+        self._wake.set()
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            for step in p.plan(self._worker_view()):
+                try:
+                    await self._execute(step)
+                except Exception:  # one failed step must not stop the worker; the next plan retries
+                    log.exception("step %s failed", step)
+
+    async def stop(self) -> None:
+        for task in self._background:
+            task.cancel()
+        await asyncio.gather(*(host.stop() for host in self._hosts.values()), return_exceptions=True)
+
+    def kill_runners(self) -> None:
+        for host in self._hosts.values():
+            host.kill()
+
+    def _worker_view(self) -> p.WorkerView:
+        return p.WorkerView(
+            node_id=self.node_id, state=self._view.state, runners=dict(self._runners), ended_tasks=frozenset(self._ended)
+        )
+
+    def _on_event(self, seq: int, event: AnyEvent, state: State) -> None:
+        if isinstance(event, (CustomCardAdded, CustomCardDeleted)):
+            reconcile_custom_cards(self.custom_cards_dir, state.custom_model_cards)
+        self._wake.set()
+
+    def _set_phase(self, runner_id: str, phase: p.LocalPhase, **changes) -> None:
+        if runner_id in self._runners:
+            self._runners[runner_id] = replace(self._runners[runner_id], phase=phase, **changes)
+        self._wake.set()
+
+    async def _publish(self, event: Event) -> None:
+        await self._log.append(event, event_id=uuid.uuid4().hex)
+
+    async def _publish_status(self, runner_id: str, status: RunnerStatus, error: str = "") -> None:
+        runner = self._runners[runner_id]
+        await self._publish(RunnerStatusChanged(
+            runner_id=runner_id, instance_id=runner.instance_id, node_id=self.node_id, status=status, error=error
+        ))
+
+    def _in_background(self, coroutine) -> None:
+        task = asyncio.create_task(coroutine)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _execute(self, step: p.Step) -> None:
+        log.debug("step %s", step)
+        match step:
+            case p.CreateRunner():
+                await self._create_runner(step)
+            case p.DownloadModel():
+                self._set_phase(step.runner_id, "downloading")
+                self._in_background(self._download(step))
+            case p.LoadModel():
+                await self._send_lifecycle(step.runner_id, "loading", rp.Load(model_path=str(self._model_paths[step.runner_id])))
+            case p.WarmUp():
+                await self._send_lifecycle(step.runner_id, "warming_up", rp.WarmUp())
+            case p.ForwardTask():
+                await self._forward(step)
+            case p.CancelForwardedTask():
+                runner = self._runners[step.runner_id]
+                self._runners[step.runner_id] = replace(runner, cancels_sent=runner.cancels_sent | {step.task_id})
+                await self._hosts[step.runner_id].send(rp.Cancel(task_id=step.task_id))
+            case p.EndTask():
+                await self._end_task(step.task_id, step.status, step.reason)
+            case p.StopRunner():
+                self._set_phase(step.runner_id, "stopping")
+                self._in_background(self._stop_runner(step.runner_id))
+
+    async def _create_runner(self, step: p.CreateRunner) -> None:
+        self._runners[step.runner_id] = p.LocalRunner(runner_id=step.runner_id, instance_id=step.instance_id)
+        host = RunnerHost(step.runner_id, self._nats_urls, self._data_dir / "logs")
+        self._hosts[step.runner_id] = host
+        await host.start(
+            on_report=lambda report: self._on_report(step.runner_id, report),
+            on_exit=lambda code, tail: self._on_runner_exit(step.runner_id, code, tail),
+        )
+        self._set_phase(step.runner_id, "spawned")
+
+    async def _download(self, step: p.DownloadModel) -> None:
+        await self._publish_status(step.runner_id, "downloading")
+        card = find_card(self._view.state, self._builtin_cards, step.model_id)
+        try:
+            if card is None:
+                raise LookupError(f"no model card for {step.model_id}")
+            path = await asyncio.to_thread(download_model, card, self._data_dir / "models")
+        except Exception as error:
+            log.exception("download of %s failed", step.model_id)
+            await self._fail_runner(step.runner_id, f"download failed: {type(error).__name__}: {error}")
+            return
+        self._model_paths[step.runner_id] = path
+        self._set_phase(step.runner_id, "downloaded")
+
+    async def _send_lifecycle(self, runner_id: str, phase: p.LocalPhase, request: rp.Request) -> None:
+        self._set_phase(runner_id, phase)
+        await self._publish_status(runner_id, phase)  # type: ignore[arg-type]
+        await self._hosts[runner_id].send(request)
+
+    async def _forward(self, step: p.ForwardTask) -> None:
+        runner = self._runners[step.runner_id]
+        self._runners[step.runner_id] = replace(runner, forwarded=runner.forwarded | {step.task_id})
+        task = self._view.state.tasks[step.task_id]
+        card = find_card(self._view.state, self._builtin_cards, task.model_id)
+        defaults = card.sampling if card else rp.SamplingDefaults()
+        await self._hosts[step.runner_id].send(rp.Generate(task_id=task.task_id, params=task.params, defaults=defaults))
+
+    async def _on_report(self, runner_id: str, report: rp.AnyReport) -> None:
+        match report:
+            case rp.Loaded():
+                self._set_phase(runner_id, "loaded")
+            case rp.WarmedUp():
+                self._set_phase(runner_id, "ready")
+                await self._publish_status(runner_id, "ready")
+            case rp.Started():
+                await self._publish(TaskStarted(task_id=report.task_id))
+            case rp.Done():
+                self._ended.add(report.task_id)
+                status = {"error": "failed", "cancelled": "cancelled"}.get(report.finish_reason, "completed")
+                await self._publish(TaskFinished(
+                    task_id=report.task_id, status=status, finish_reason=report.finish_reason, error=report.error,
+                    prompt_tokens=report.prompt_tokens, completion_tokens=report.completion_tokens,
+                ))
+            case rp.Failed():
+                await self._fail_runner(runner_id, report.error)
+
+    async def _on_runner_exit(self, runner_id: str, code: int, log_tail: str) -> None:
+        await self._fail_runner(runner_id, f"runner exited with code {code}: {log_tail}")
+
+    async def _fail_runner(self, runner_id: str, error: str) -> None:
+        if runner_id not in self._runners:
+            return
+        self._set_phase(runner_id, "failed")
+        await self._publish_status(runner_id, "failed", error)
+
+    async def _end_task(self, task_id: str, status: str, reason: str) -> None:
+        self._ended.add(task_id)
+        finish = "cancelled" if status == "cancelled" else "error"
+        await publish_chunk(self._nc, TokenChunk(command_id=task_id, index=0, finish_reason=finish, error=reason))
+        await self._publish(TaskFinished(task_id=task_id, status=status, finish_reason=finish, error=reason))
+
+    async def _stop_runner(self, runner_id: str) -> None:
+        host = self._hosts.pop(runner_id, None)
+        if host is not None:
+            await host.stop()
+        self._runners.pop(runner_id, None)
+        self._model_paths.pop(runner_id, None)

@@ -1,0 +1,46 @@
+"""Shared fixtures: a real nats-server per test session (free port, temp store dir)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+
+from exo.bus.connection import connect
+from exo.bus.embedded import EmbeddedNats
+from exo.bus.provision import provision
+
+
+@pytest_asyncio.fixture(scope="session")
+async def nats_url(tmp_path_factory: pytest.TempPathFactory):
+    server = EmbeddedNats(tmp_path_factory.mktemp("nats"), port=0)
+    url = await server.start()
+    yield url
+    server.stop()
+
+
+@pytest_asyncio.fixture
+async def nc(nats_url: str):
+    client = await connect([nats_url], name="exo-test")
+    await provision(client)
+    yield client
+    await client.close()
+
+
+@pytest_asyncio.fixture
+async def fresh_nats(tmp_path: Path):
+    """A server of its own, for tests that change streams."""
+    server = EmbeddedNats(tmp_path / "nats", port=0)
+    url = await server.start()
+    yield url
+    server.stop()
+
+
+async def eventually(predicate, timeout: float = 10.0, interval: float = 0.02):
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(interval)

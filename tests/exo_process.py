@@ -1,0 +1,60 @@
+"""Start `exo` as a separate process, the way a user does, and stop it with Ctrl-C (SIGINT)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def exo_command() -> list[str]:
+    script = Path(sys.executable).parent / "exo"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "exo.main"]
+
+
+class ExoProcess:
+    def __init__(self, data_dir: Path, env: dict[str, str], extra_args: list[str] | None = None) -> None:
+        self.data_dir = data_dir
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.args = [*exo_command(), "--data-dir", str(data_dir), "--nats-port", "0",
+                     "--host", "127.0.0.1", "--api-port", str(self.port), *(extra_args or [])]
+        self.env = {**os.environ, **env}
+        self.log_path = data_dir.parent / f"{data_dir.name}-exo.log"
+        self.process: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 90.0) -> "ExoProcess":
+        self.log = open(self.log_path, "wb")
+        self.process = subprocess.Popen(self.args, stdout=self.log, stderr=subprocess.STDOUT, env=self.env)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"exo exited with {self.process.returncode}:\n{self.output()}")
+            if "node ready" in self.output():
+                return self
+            time.sleep(0.1)
+        raise RuntimeError(f"exo did not become ready in {timeout} s:\n{self.output()}")
+
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def interrupt(self, timeout: float = 30.0) -> int:
+        """Ctrl-C once and wait for a clean exit."""
+        assert self.process is not None
+        self.process.send_signal(signal.SIGINT)
+        try:
+            return self.process.wait(timeout)
+        finally:
+            if self.process.poll() is None:
+                self.process.kill()
+            self.log.close()

@@ -1,0 +1,100 @@
+"""The bus against a real nats-server: provisioning, the event log, the master's command loop."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from exo.bus.command_queue import send_command
+from exo.bus.connection import connect
+from exo.bus.errors import BusError, ConfigMismatch
+from exo.bus.event_log import EventLog
+from exo.bus.provision import provision, stream_configs
+from exo.bus.state_view import StateView
+from exo.core.commands import PlaceInstance
+from exo.core.events import CommandRejected, InstanceCreated, NodeRegistered, TaskStarted
+from exo.core.types import ModelCard, NodeInfo
+from exo.master.service import Master
+
+
+async def test_provisioning_is_idempotent_and_matches_the_files(nc):
+    await provision(nc)  # a second time: nothing changes, nothing fails
+    js = nc.jetstream()
+    for config in stream_configs():
+        info = await js.stream_info(config["name"])
+        assert info.config.subjects == config["subjects"]
+        assert info.config.storage == config["storage"]
+    consumer = await js.consumer_info("EXO_COMMANDS", "exo-master")
+    assert consumer.config.ack_policy == "explicit"
+
+
+async def test_an_existing_stream_with_another_config_is_an_error_not_overwritten(fresh_nats):
+    client = await connect([fresh_nats], name="t")
+    try:
+        config = next(c for c in stream_configs() if c["name"] == "EXO_TOKENS")
+        changed = {**config, "max_bytes": 1024 * 1024}
+        await client.request("$JS.API.STREAM.CREATE.EXO_TOKENS", json.dumps(changed).encode())
+        with pytest.raises(ConfigMismatch, match="EXO_TOKENS"):
+            await provision(client)
+        info = await client.jetstream().stream_info("EXO_TOKENS")
+        assert info.config.max_bytes == 1024 * 1024  # untouched
+    finally:
+        await client.close()
+
+
+async def test_a_bad_url_fails_fast_with_a_clear_error():
+    with pytest.raises(BusError, match="cannot connect to NATS at nats://127.0.0.1:1"):
+        await asyncio.wait_for(connect(["nats://127.0.0.1:1"], name="t"), 10)
+
+
+async def test_events_are_indexed_by_stream_sequence_and_deduplicated(nc):
+    log = EventLog(nc)
+    first = await log.append(TaskStarted(task_id="a"), event_id="dedupe-1")
+    again = await log.append(TaskStarted(task_id="a"), event_id="dedupe-1")
+    second = await log.append(TaskStarted(task_id="b"), event_id="dedupe-2")
+    assert again == first and second == first + 1
+    msg = await nc.jetstream().get_msg("EXO_EVENTS", first)
+    assert msg.subject == "exo.events.task.started"
+    assert json.loads(msg.data) == {"kind": "task.started", "task_id": "a"}
+    assert msg.headers["Nats-Msg-Id"] == "dedupe-1"
+
+
+async def test_a_view_folds_the_whole_log_in_order(nc):
+    log = EventLog(nc)
+    seq = await log.append(NodeRegistered(node=NodeInfo(node_id="fold-test")), event_id="fold-1")
+    view = StateView(nc)
+    await view.start()
+    state = await view.wait_for(seq)
+    assert "fold-test" in state.nodes
+    await view.stop()
+
+
+async def test_master_answers_commands_with_events_and_a_redelivery_decides_the_same(nc):
+    view = StateView(nc)
+    await view.start()
+    await view.wait_for(await EventLog(nc).last_sequence())
+    answers: dict[str, object] = {}
+    view.add_listener(lambda seq, event, state: answers.setdefault(getattr(event, "command_id", ""), event))
+    await EventLog(nc).append(NodeRegistered(node=NodeInfo(node_id="master-test", memory_available=10**12)), "mt-node")
+    builtin = {"org/m": ModelCard(model_id="org/m", n_layers=2)}
+    master = Master(nc, view, builtin)
+    running = asyncio.create_task(master.run())
+    try:
+        await send_command(nc, PlaceInstance(command_id="mt-1", model_id="org/m"))
+        await send_command(nc, PlaceInstance(command_id="mt-2", model_id="org/unknown"))
+        for _ in range(500):
+            if "mt-1" in answers and "mt-2" in answers:
+                break
+            await asyncio.sleep(0.02)
+        created, rejected = answers["mt-1"], answers["mt-2"]
+        assert isinstance(created, InstanceCreated) and created.instance.model_id == "org/m"
+        assert isinstance(rejected, CommandRejected) and rejected.code == "not_found"
+        before = view.state.last_seq
+        await master.handle(PlaceInstance(command_id="mt-1", model_id="org/m"))  # as if redelivered
+        assert view.state.last_seq == before  # same event id, deduplicated by the server
+    finally:
+        master.stop()
+        running.cancel()
+        await view.stop()

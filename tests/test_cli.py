@@ -1,0 +1,58 @@
+"""`exo` as a user runs it: one clear line and a non-zero exit for what it cannot use,
+joining an existing NATS without starting its own, and Ctrl-C twice."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.exo_process import ExoProcess, exo_command
+
+pytestmark = pytest.mark.slow
+
+
+def run_exo(args: list[str], timeout: float = 30) -> subprocess.CompletedProcess:
+    return subprocess.run([*exo_command(), *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_a_port_in_use_is_one_line_and_a_non_zero_exit(tmp_path: Path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = run_exo(["--data-dir", str(tmp_path), "--host", "127.0.0.1", "--api-port", str(port), "--nats-port", "0"])
+    assert result.returncode != 0
+    assert result.stderr.strip().splitlines() == [f"exo: cannot listen on 127.0.0.1:{port}: Address already in use"]
+
+
+def test_an_unusable_nats_url_is_one_line_and_a_non_zero_exit(tmp_path: Path):
+    result = run_exo(["--data-dir", str(tmp_path), "--nats", "nats://127.0.0.1:1", "--api-port", "0"])
+    assert result.returncode != 0
+    (line,) = [l for l in result.stderr.splitlines() if l.startswith("exo:")]
+    assert line.startswith("exo: cannot connect to NATS at nats://127.0.0.1:1")
+    assert not (tmp_path / "nats").exists()  # no embedded server was started
+
+
+def test_joining_an_existing_nats_starts_no_server_of_its_own(tmp_path: Path, nats_url: str):
+    exo = ExoProcess(tmp_path / "data", {}, ["--nats", nats_url]).start()
+    try:
+        assert f"NATS at {nats_url}" in exo.output()
+        assert httpx.get(f"{exo.url}/health").json()["nats_connected"] is True
+        assert not (tmp_path / "data" / "nats").exists()
+    finally:
+        assert exo.interrupt() == 0
+
+
+def test_a_second_ctrl_c_exits_at_once(tmp_path: Path):
+    exo = ExoProcess(tmp_path / "data", {}).start()
+    exo.process.send_signal(2)
+    time.sleep(0.02)  # two signals sent at once would merge into one
+    exo.process.send_signal(2)
+    started = time.monotonic()
+    code = exo.process.wait(10)
+    assert code == 130 and time.monotonic() - started < 5

@@ -1,0 +1,98 @@
+"""The master's decisions on plain data."""
+
+import itertools
+
+from exo.core.apply import apply
+from exo.core.commands import AddCustomCard, CancelTask, DeleteCustomCard, DeleteInstance, GenerateText, PlaceInstance
+from exo.core.events import (
+    CommandRejected, CustomCardAdded, CustomCardDeleted, InstanceCreated, InstanceDeleted, NodeRegistered,
+    TaskCancelRequested, TaskCreated, TaskFinished,
+)
+from exo.core.state import State
+from exo.core.types import GenerationParams, ModelCard, NodeInfo
+from exo.master.decide import decide
+
+BUILTIN = {"org/builtin": ModelCard(model_id="org/builtin", n_layers=8, storage_bytes=1000)}
+
+
+def ids_for(command_id: str):
+    return (f"{command_id}-{n}" for n in itertools.count())
+
+
+def run(state: State, command) -> tuple[State, list]:
+    events = decide(state, command, builtin_cards=BUILTIN, ids=ids_for(command.command_id))
+    for event in events:
+        state = apply(state, event, state.last_seq + 1)
+    return state, events
+
+
+def with_node(memory: int = 10_000) -> State:
+    return apply(State(), NodeRegistered(node=NodeInfo(node_id="n1", memory_available=memory)), 1)
+
+
+def rejection(events) -> tuple[str, str]:
+    assert len(events) == 1 and isinstance(events[0], CommandRejected)
+    return events[0].code, events[0].reason
+
+
+def test_place_puts_every_layer_on_the_node_with_most_memory():
+    state = apply(with_node(), NodeRegistered(node=NodeInfo(node_id="n2", memory_available=20_000)), 2)
+    state, events = run(state, PlaceInstance(command_id="c1", model_id="org/builtin"))
+    (created,) = events
+    assert isinstance(created, InstanceCreated) and created.command_id == "c1"
+    assert created.instance.instance_id == "c1-1"
+    (shard,) = created.instance.shards
+    assert (shard.runner_id, shard.node_id, shard.start_layer, shard.end_layer) == ("c1-0", "n2", 0, 8)
+
+
+def test_place_rejections():
+    assert rejection(run(with_node(), PlaceInstance(command_id="c", model_id="no/such"))[1])[0] == "not_found"
+    assert rejection(run(State(), PlaceInstance(command_id="c", model_id="org/builtin"))[1])[0] == "unavailable"
+    code, reason = rejection(run(with_node(memory=10), PlaceInstance(command_id="c", model_id="org/builtin"))[1])
+    assert code == "conflict" and "needs 1000 bytes" in reason
+    assert rejection(run(with_node(), PlaceInstance(command_id="c", model_id="org/builtin", min_nodes=2))[1])[0] == "conflict"
+
+
+def test_generate_routes_to_the_least_busy_instance_and_is_idempotent():
+    state, _ = run(with_node(), PlaceInstance(command_id="p1", model_id="org/builtin"))
+    state, _ = run(state, PlaceInstance(command_id="p2", model_id="org/builtin"))
+    first, second = state.instances_of("org/builtin")
+    state, events = run(state, GenerateText(command_id="g1", model_id="org/builtin", params=GenerationParams(), at=5.0))
+    assert isinstance(events[0], TaskCreated) and events[0].task.instance_id == first.instance_id
+    assert events[0].task.created_at == 5.0
+    state, events = run(state, GenerateText(command_id="g2", model_id="org/builtin"))
+    assert events[0].task.instance_id == second.instance_id
+    assert run(state, GenerateText(command_id="g1", model_id="org/builtin"))[1] == []
+
+
+def test_generate_rejections():
+    assert rejection(run(with_node(), GenerateText(command_id="g", model_id="no/such"))[1])[0] == "not_found"
+    assert rejection(run(with_node(), GenerateText(command_id="g", model_id="org/builtin"))[1])[0] == "unavailable"
+
+
+def test_cancel_and_delete_instance_end_open_tasks():
+    state, _ = run(with_node(), PlaceInstance(command_id="p1", model_id="org/builtin"))
+    state, _ = run(state, GenerateText(command_id="g1", model_id="org/builtin"))
+    state, events = run(state, CancelTask(command_id="x1", task_id="g1"))
+    assert events == [TaskCancelRequested(command_id="x1", task_id="g1")]
+    assert run(state, CancelTask(command_id="x2", task_id="g1"))[1] == []  # twice is fine
+    assert rejection(run(state, CancelTask(command_id="x3", task_id="nope"))[1])[0] == "not_found"
+    state, _ = run(state, GenerateText(command_id="g2", model_id="org/builtin"))
+    instance_id = state.tasks["g2"].instance_id
+    state, events = run(state, DeleteInstance(command_id="d1", instance_id=instance_id))
+    assert [type(e) for e in events] == [TaskFinished, TaskFinished, InstanceDeleted]
+    assert state.tasks["g2"].status == "cancelled" and state.instances == {}
+    assert rejection(run(state, DeleteInstance(command_id="d2", instance_id=instance_id))[1])[0] == "not_found"
+
+
+def test_custom_cards():
+    card = ModelCard(model_id="org/custom", n_layers=2)
+    state, events = run(State(), AddCustomCard(command_id="a1", card=card))
+    assert events == [CustomCardAdded(command_id="a1", card=card)]
+    assert rejection(run(state, AddCustomCard(command_id="a2", card=BUILTIN["org/builtin"]))[1])[0] == "conflict"
+    bad = ModelCard(model_id="../etc/passwd")
+    assert rejection(run(state, AddCustomCard(command_id="a3", card=bad))[1])[0] == "invalid"
+    assert rejection(run(state, DeleteCustomCard(command_id="d0", model_id="org/builtin"))[1])[0] == "conflict"
+    state, events = run(state, DeleteCustomCard(command_id="d1", model_id="org/custom"))
+    assert events == [CustomCardDeleted(command_id="d1", model_id="org/custom")] and state.custom_model_cards == {}
+    assert rejection(run(state, DeleteCustomCard(command_id="d2", model_id="org/custom"))[1])[0] == "not_found"

@@ -1,0 +1,203 @@
+"""One node end to end: `exo` as a separate process, the official openai client, the tiny model
+downloaded from a local imitation of the Hub, and text compared with mlx-lm's own output."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import httpx
+import mlx_lm
+import openai
+import pytest
+
+from tests.exo_process import ExoProcess
+from tests.support.fake_hub import FakeHub
+from tests.support.tiny_model import TINY_MODEL_ID, make_tiny_model
+
+pytestmark = pytest.mark.slow
+
+MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Tell me about the sea."}]
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("model") / "tiny-llama")
+
+
+@pytest.fixture(scope="module")
+def hub(tiny_model: Path):
+    fake = FakeHub({TINY_MODEL_ID: tiny_model})
+    fake.start()
+    yield fake
+    fake.stop()
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_model: Path) -> dict:
+    """What mlx-lm itself generates for the same model and prompt, greedily."""
+    model, tokenizer = mlx_lm.load(str(tiny_model))
+    prompt = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
+    text = mlx_lm.generate(model, tokenizer, prompt, max_tokens=MAX_TOKENS)
+    assert len(text) > 2 * MAX_TOKENS // 3 and len(set(text)) > 5  # real text to compare, not a degenerate one
+    return {"text": text, "prompt_tokens": len(tokenizer.encode(prompt, add_special_tokens=False))}
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory, hub: FakeHub):
+    root = tmp_path_factory.mktemp("node")
+    env = {"HF_ENDPOINT": hub.endpoint, "HF_HOME": str(root / "hf"), "HF_HUB_DISABLE_TELEMETRY": "1"}
+    exo = ExoProcess(root / "data", env).start()
+    yield exo
+    if exo.process.poll() is None:
+        exo.interrupt()
+
+
+@pytest.fixture(scope="module")
+def http(node: ExoProcess):
+    with httpx.Client(base_url=node.url, timeout=120) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def client(node: ExoProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{node.url}/v1", api_key="unused", timeout=120, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def instance_id(http: httpx.Client, node: ExoProcess, hub: FakeHub) -> str:
+    added = http.post("/models/add", json={"model_id": TINY_MODEL_ID})
+    assert added.status_code == 200, added.text
+    assert added.json()["card"]["n_layers"] == 2
+    placed = http.post("/place_instance", json={"model_id": TINY_MODEL_ID})
+    assert placed.status_code == 200, placed.text
+    return placed.json()["instance_id"]
+
+
+def test_chat_equals_mlx_lm_exactly(client, instance_id, expected, hub):
+    reply = client.chat.completions.create(
+        model=TINY_MODEL_ID, messages=MESSAGES, temperature=0, max_tokens=MAX_TOKENS
+    )
+    assert reply.choices[0].message.content == expected["text"]
+    assert reply.choices[0].finish_reason == "length"
+    assert reply.usage.completion_tokens == MAX_TOKENS
+    assert reply.usage.prompt_tokens == expected["prompt_tokens"]
+    assert hub.downloads[f"{TINY_MODEL_ID}/model.safetensors"] == 1  # the real download path ran
+
+
+def test_streaming_equals_mlx_lm_exactly(client, instance_id, expected):
+    stream = client.chat.completions.create(
+        model=TINY_MODEL_ID, messages=MESSAGES, temperature=0, max_tokens=MAX_TOKENS,
+        stream=True, stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == expected["text"]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == MAX_TOKENS
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_stop_strings_cut_the_text(client, instance_id, expected):
+    stop = expected["text"][10:13]
+    cut = expected["text"].index(stop)
+    reply = client.chat.completions.create(
+        model=TINY_MODEL_ID, messages=MESSAGES, temperature=0, max_tokens=MAX_TOKENS, stop=[stop]
+    )
+    assert reply.choices[0].message.content == expected["text"][:cut]
+    assert reply.choices[0].finish_reason == "stop"
+
+
+def test_sampling_with_a_seed_is_repeatable(client, instance_id):
+    def sample() -> str:
+        reply = client.chat.completions.create(
+            model=TINY_MODEL_ID, messages=MESSAGES, temperature=1.5, top_p=0.95, seed=7, max_tokens=16
+        )
+        return reply.choices[0].message.content
+
+    assert sample() == sample()
+
+
+def test_a_client_that_disconnects_cancels_its_generation(http, node, instance_id):
+    body = {"model": TINY_MODEL_ID, "messages": MESSAGES, "max_tokens": 100_000, "stream": True}
+    with http.stream("POST", "/v1/chat/completions", json=body) as response:
+        lines = response.iter_lines()
+        first = [next(lines) for _ in range(6)]
+    task_id = json.loads(first[0].removeprefix("data: "))["id"].removeprefix("chatcmpl-")
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        task = http.get("/state").json()["tasks"].get(task_id, {})
+        if task.get("status") == "cancelled":
+            break
+        time.sleep(0.1)
+    assert task["status"] == "cancelled"
+    assert 0 < task["completion_tokens"] < 100_000
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body", "status"),
+    [
+        ("POST", "/v1/chat/completions", b"{not json", 400),
+        ("POST", "/v1/chat/completions", b"", 400),
+        ("POST", "/v1/chat/completions", {"model": TINY_MODEL_ID}, 400),
+        ("POST", "/v1/chat/completions", {"model": TINY_MODEL_ID, "messages": []}, 400),
+        ("POST", "/v1/chat/completions", {"model": TINY_MODEL_ID, "messages": MESSAGES, "n": 2}, 400),
+        ("POST", "/v1/chat/completions", {"model": TINY_MODEL_ID, "messages": MESSAGES, "temperature": 9}, 400),
+        ("POST", "/v1/chat/completions", {"model": TINY_MODEL_ID, "messages": [{"role": "wizard", "content": "x"}]}, 400),
+        ("POST", "/v1/chat/completions", {"model": "nobody/nothing", "messages": MESSAGES}, 404),
+        ("POST", "/v1/chat/completions", {"model": "mlx-community/Qwen3-0.6B-4bit", "messages": MESSAGES}, 503),
+        ("DELETE", "/instance/no-such-instance", None, 404),
+        ("GET", "/instance/no-such-instance", None, 404),
+        ("POST", "/place_instance", {"model_id": "nobody/nothing"}, 404),
+        ("POST", "/place_instance", {"model_id": TINY_MODEL_ID, "sharding": "diagonal"}, 400),
+        ("POST", "/models/add", {"model_id": "../../escaped"}, 400),
+        ("POST", "/models/add", {"model_id": "/etc/passwd"}, 400),
+        ("POST", "/models/add", {"model_id": "org/x", "path": "/nonexistent/dir"}, 400),
+        ("POST", "/models/add", {"model_id": "nobody/missing-repo"}, 404),
+        ("POST", "/models/add", {"model_id": "org/typo", "n_layer": 3}, 400),
+        ("DELETE", "/models/custom/..%2F..%2Fescaped", None, 400),
+        ("DELETE", "/models/custom/nobody/nothing", None, 404),
+        ("DELETE", "/models/custom/mlx-community/Qwen3-0.6B-4bit", None, 409),
+        ("GET", "/no/such/route", None, 404),
+    ],
+)
+def test_bad_input_gets_an_openai_style_error_and_the_node_keeps_serving(http, node, instance_id, method, path, body, status):
+    content = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
+    response = http.request(method, path, content=content, headers={"Content-Type": "application/json"})
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["message"] and error["type"]
+    assert http.get("/health").json()["status"] == "ok"
+    written = {p.name for p in node.data_dir.parent.rglob("*escaped*")} | {p.name for p in Path("/").glob("escaped*")}
+    assert written == set()
+
+
+def test_state_node_id_and_models(http, node, instance_id):
+    state = http.get("/state").json()
+    node_id = http.get("/node_id").json()
+    assert node_id in state["nodes"]
+    assert state["instances"][instance_id]["model_id"] == TINY_MODEL_ID
+    (runner,) = [r for r in state["runners"].values() if r["instance_id"] == instance_id]
+    assert runner["status"] == "ready" and runner["node_id"] == node_id
+    ids = [m["id"] for m in http.get("/v1/models").json()["data"]]
+    assert TINY_MODEL_ID in ids and "mlx-community/Llama-3.2-1B-Instruct-4bit" in ids
+    card_file = node.data_dir / "custom_cards" / "exo-test--tiny-llama.toml"
+    assert f'model_id = "{TINY_MODEL_ID}"' in card_file.read_text()
+
+
+def test_zz_delete_instance_then_card_then_ctrl_c_stops_cleanly(http, client, node, instance_id):
+    assert http.delete(f"/instance/{instance_id}").status_code == 200
+    with pytest.raises(openai.APIStatusError) as unavailable:
+        client.chat.completions.create(model=TINY_MODEL_ID, messages=MESSAGES, max_tokens=4)
+    assert unavailable.value.status_code == 503
+    assert http.delete(f"/models/custom/{TINY_MODEL_ID}").status_code == 200
+    card_file = node.data_dir / "custom_cards" / "exo-test--tiny-llama.toml"
+    deadline = time.monotonic() + 10
+    while card_file.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not card_file.exists()
+    assert node.interrupt() == 0
+    assert "exo: stopping" in node.output()
+    assert "Server Exiting" in (node.data_dir / "nats" / "nats-server.log").read_text()

@@ -1,0 +1,66 @@
+"""The worker's planner on plain data: lifecycle order, task forwarding, cancels, failures."""
+
+from exo.core.apply import apply
+from exo.core.events import InstanceCreated, TaskCancelRequested, TaskCreated
+from exo.core.state import State
+from exo.core.types import Instance, ShardAssignment, Task
+from exo.worker.plan import (
+    CancelForwardedTask, CreateRunner, DownloadModel, EndTask, ForwardTask, LoadModel, LocalRunner, StopRunner,
+    WarmUp, WorkerView, plan,
+)
+
+MINE = Instance(instance_id="i1", model_id="m/a", shards=[ShardAssignment(runner_id="r1", node_id="me", end_layer=2)])
+THEIRS = Instance(instance_id="i2", model_id="m/a", shards=[ShardAssignment(runner_id="r2", node_id="other")])
+
+
+def state_with(*events) -> State:
+    state = State()
+    for event in events:
+        state = apply(state, event, state.last_seq + 1)
+    return state
+
+
+def view(state: State, phase: str | None = None, **local) -> WorkerView:
+    runners = {} if phase is None else {"r1": LocalRunner(runner_id="r1", instance_id="i1", phase=phase, **local)}
+    return WorkerView(node_id="me", state=state, runners=runners)
+
+
+def test_lifecycle_runs_create_download_load_warm_up_in_order():
+    state = state_with(InstanceCreated(instance=MINE), InstanceCreated(instance=THEIRS))
+    assert plan(view(state)) == [CreateRunner(runner_id="r1", instance_id="i1")]
+    assert plan(view(state, "spawned")) == [DownloadModel(runner_id="r1", model_id="m/a")]
+    assert plan(view(state, "downloaded")) == [LoadModel(runner_id="r1", model_id="m/a")]
+    assert plan(view(state, "loaded")) == [WarmUp(runner_id="r1")]
+    for busy in ("spawning", "downloading", "loading", "warming_up", "ready"):
+        assert plan(view(state, busy)) == []
+
+
+def test_tasks_wait_for_a_ready_runner_then_are_forwarded_once():
+    task = Task(task_id="t1", instance_id="i1", model_id="m/a")
+    state = state_with(InstanceCreated(instance=MINE), TaskCreated(task=task))
+    assert plan(view(state, "loading")) == []
+    assert plan(view(state, "ready")) == [ForwardTask(runner_id="r1", task_id="t1")]
+    assert plan(view(state, "ready", forwarded=frozenset({"t1"}))) == []
+
+
+def test_cancel_before_and_after_forwarding():
+    task = Task(task_id="t1", instance_id="i1", model_id="m/a")
+    state = state_with(InstanceCreated(instance=MINE), TaskCreated(task=task), TaskCancelRequested(task_id="t1"))
+    (end,) = plan(view(state, "loading"))
+    assert isinstance(end, EndTask) and end.status == "cancelled"
+    assert plan(view(state, "ready", forwarded=frozenset({"t1"}))) == [CancelForwardedTask(runner_id="r1", task_id="t1")]
+    assert plan(view(state, "ready", forwarded=frozenset({"t1"}), cancels_sent=frozenset({"t1"}))) == []
+
+
+def test_a_failed_runner_ends_its_tasks_once():
+    task = Task(task_id="t1", instance_id="i1", model_id="m/a")
+    state = state_with(InstanceCreated(instance=MINE), TaskCreated(task=task))
+    (end,) = plan(view(state, "failed", forwarded=frozenset({"t1"})))
+    assert isinstance(end, EndTask) and end.status == "failed"
+    failed = view(state, "failed")
+    assert plan(WorkerView(node_id="me", state=state, runners=failed.runners, ended_tasks=frozenset({"t1"}))) == []
+
+
+def test_runners_of_deleted_instances_are_stopped():
+    assert plan(view(State(), "ready")) == [StopRunner(runner_id="r1")]
+    assert plan(view(State(), "stopping")) == []

@@ -1,0 +1,87 @@
+"""The reducer on plain data: every event kind, skips that never raise, and bounded history."""
+
+import msgspec
+import pytest
+
+from exo.core.apply import apply
+from exo.core.events import (
+    AnyEvent, CommandRejected, CustomCardAdded, CustomCardDeleted, InstanceCreated, InstanceDeleted,
+    NodeRegistered, RunnerStatusChanged, TaskCancelRequested, TaskCreated, TaskFinished, TaskStarted,
+    decode_event, encode_event,
+)
+from exo.core.state import MAX_FINISHED_TASKS, State, decode_state, encode_state
+from exo.core.types import Instance, ModelCard, NodeInfo, ShardAssignment, Task
+
+INSTANCE = Instance(instance_id="i1", model_id="m/a", shards=[ShardAssignment(runner_id="r1", node_id="n1", end_layer=2)])
+
+
+def fold(events: list[AnyEvent], state: State | None = None) -> State:
+    state = state or State()
+    for event in events:
+        state = apply(state, event, state.last_seq + 1)
+    return state
+
+
+def test_instance_lifecycle_creates_and_removes_its_runners():
+    state = fold([InstanceCreated(instance=INSTANCE)])
+    assert state.instances["i1"].created_seq == 1
+    assert state.runners["r1"].status == "created" and state.runners["r1"].node_id == "n1"
+    state = fold([RunnerStatusChanged(runner_id="r1", instance_id="i1", node_id="n1", status="ready")], state)
+    assert state.runners["r1"].status == "ready"
+    state = fold([InstanceDeleted(instance_id="i1")], state)
+    assert state.instances == {} and state.runners == {} and state.last_seq == 3
+
+
+def test_task_lifecycle():
+    task = Task(task_id="t1", instance_id="i1", model_id="m/a")
+    state = fold([InstanceCreated(instance=INSTANCE), TaskCreated(task=task), TaskStarted(task_id="t1"),
+                  TaskCancelRequested(task_id="t1")])
+    assert state.tasks["t1"].status == "running" and state.tasks["t1"].cancel_requested
+    state = fold([TaskFinished(task_id="t1", status="cancelled", finish_reason="cancelled", completion_tokens=3)], state)
+    assert state.tasks["t1"].status == "cancelled" and state.tasks["t1"].completion_tokens == 3
+    assert state.open_tasks_of("i1") == []
+
+
+def test_events_that_do_not_fit_are_skipped_with_a_reason_not_raised():
+    state = fold([TaskStarted(task_id="nope"), InstanceDeleted(instance_id="gone"), CustomCardDeleted(model_id="x/y")])
+    assert state.last_seq == 3
+    assert [s.seq for s in state.skipped_events] == [1, 2, 3]
+    assert "unknown task nope" in state.skipped_events[0].reason
+    task = Task(task_id="t1", instance_id="i1", model_id="m/a")
+    state = fold([TaskCreated(task=task), TaskFinished(task_id="t1", status="completed"), TaskStarted(task_id="t1")])
+    assert state.tasks["t1"].status == "completed"
+    assert "already completed" in state.skipped_events[-1].reason
+
+
+def test_nodes_cards_and_rejections():
+    card = ModelCard(model_id="org/custom", n_layers=4)
+    state = fold([NodeRegistered(node=NodeInfo(node_id="n1", memory_total=10)), CustomCardAdded(card=card),
+                  CommandRejected(command_id="c", reason="no")])
+    assert state.nodes["n1"].memory_total == 10
+    assert state.custom_model_cards == {"org/custom": card}
+    assert fold([CustomCardDeleted(model_id="org/custom")], state).custom_model_cards == {}
+
+
+def test_finished_tasks_are_bounded():
+    events: list[AnyEvent] = []
+    for n in range(MAX_FINISHED_TASKS + 5):
+        events += [TaskCreated(task=Task(task_id=f"t{n}", instance_id="i", model_id="m")),
+                   TaskFinished(task_id=f"t{n}", status="completed")]
+    events.append(TaskCreated(task=Task(task_id="open", instance_id="i", model_id="m")))
+    state = fold(events)
+    assert len(state.tasks) == MAX_FINISHED_TASKS + 1
+    assert "t0" not in state.tasks and f"t{MAX_FINISHED_TASKS + 4}" in state.tasks and "open" in state.tasks
+
+
+def test_wire_format_is_tagged_and_tolerates_unknown_fields():
+    event = TaskStarted(task_id="t1")
+    assert msgspec.json.decode(encode_event(event)) == {"kind": "task.started", "task_id": "t1"}
+    assert decode_event(b'{"kind":"task.started","task_id":"t1","added_later":42}') == event
+    with pytest.raises(msgspec.ValidationError):
+        decode_event(b'{"kind":"no.such.event"}')
+
+
+def test_state_round_trips_through_json():
+    task = Task(task_id="t1", instance_id="i1", model_id="m/a")
+    state = fold([InstanceCreated(instance=INSTANCE), TaskCreated(task=task), TaskStarted(task_id="nope")])
+    assert decode_state(encode_state(state)) == state
