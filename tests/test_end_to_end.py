@@ -3,7 +3,9 @@ downloaded from a local imitation of the Hub, and text compared with mlx-lm's ow
 
 from __future__ import annotations
 
+import asyncio
 import json
+import re
 import time
 from pathlib import Path
 
@@ -12,6 +14,9 @@ import mlx_lm
 import openai
 import pytest
 
+from exo.bus.connection import connect
+from exo.bus.tokens import TokenListener
+from exo.core.types import TokenChunk
 from tests.exo_process import ExoProcess
 from tests.support.fake_hub import FakeHub
 from tests.support.tiny_model import TINY_MODEL_ID, make_tiny_model
@@ -134,6 +139,47 @@ def test_a_client_that_disconnects_cancels_its_generation(http, node, instance_i
         time.sleep(0.1)
     assert task["status"] == "cancelled"
     assert 0 < task["completion_tokens"] < 100_000
+
+
+def test_a_late_listener_replays_every_chunk_from_jetstream(client, node, instance_id, expected):
+    reply = client.chat.completions.create(model=TINY_MODEL_ID, messages=MESSAGES, temperature=0, max_tokens=MAX_TOKENS)
+    command_id = reply.id.removeprefix("chatcmpl-")
+    nats_url = re.search(r"NATS at (\S+)", node.output()).group(1)
+
+    async def replay() -> list[TokenChunk]:
+        nc = await connect([nats_url], name="late-listener")
+        listener = await TokenListener.from_stream(nc, command_id)
+        chunks = [await asyncio.wait_for(listener.queue.get(), 10)]
+        while chunks[-1].finish_reason is None:
+            chunks.append(await asyncio.wait_for(listener.queue.get(), 10))
+        await nc.close()
+        return chunks
+
+    chunks = asyncio.run(replay())
+    assert "".join(c.text for c in chunks) == expected["text"]
+    assert [c.index for c in chunks] == list(range(len(chunks)))
+    assert chunks[-1].finish_reason == "length" and chunks[-1].token_count == MAX_TOKENS
+
+
+def test_a_card_can_point_at_a_local_model_directory_and_deleting_its_instance_ends_its_stream(
+    http, client, tiny_model, expected, instance_id
+):
+    added = http.post("/models/add", json={"model_id": "local/tiny", "path": str(tiny_model)})
+    assert added.status_code == 200, added.text
+    local_instance = http.post("/place_instance", json={"model_id": "local/tiny"}).json()["instance_id"]
+    reply = client.chat.completions.create(model="local/tiny", messages=MESSAGES, temperature=0, max_tokens=MAX_TOKENS)
+    assert reply.choices[0].message.content == expected["text"]
+
+    body = {"model": "local/tiny", "messages": MESSAGES, "max_tokens": 100_000, "stream": True}
+    with http.stream("POST", "/v1/chat/completions", json=body) as response:
+        lines = response.iter_lines()
+        assert next(lines).startswith("data: {")
+        assert http.delete(f"/instance/{local_instance}").status_code == 200
+        started = time.monotonic()
+        rest = [line for line in lines if line]
+    assert time.monotonic() - started < 15
+    assert any('"error"' in line for line in rest) and rest[-1] == "data: [DONE]"
+    assert http.delete("/models/custom/local/tiny").status_code == 200
 
 
 @pytest.mark.parametrize(

@@ -64,3 +64,13 @@ def test_a_failed_runner_ends_its_tasks_once():
 def test_runners_of_deleted_instances_are_stopped():
     assert plan(view(State(), "ready")) == [StopRunner(runner_id="r1")]
     assert plan(view(State(), "stopping")) == []
+
+
+def test_a_task_left_running_by_a_runner_before_a_restart_is_failed_not_rerun():
+    from exo.core.events import TaskStarted
+
+    task = Task(task_id="t1", instance_id="i1", model_id="m/a")
+    state = state_with(InstanceCreated(instance=MINE), TaskCreated(task=task), TaskStarted(task_id="t1"))
+    (end,) = plan(view(state, "ready"))
+    assert isinstance(end, EndTask) and end.status == "failed"
+    assert plan(view(state, "ready", forwarded=frozenset({"t1"}))) == []

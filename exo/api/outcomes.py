@@ -10,7 +10,7 @@ from exo.api.errors import STATUS_FOR_REJECTION, ApiError
 from exo.bus.command_queue import send_command
 from exo.bus.state_view import StateView
 from exo.core.commands import Command
-from exo.core.events import AnyEvent, CommandRejected, command_id_of
+from exo.core.events import AnyEvent, CommandRejected, TaskFinished, command_id_of
 from exo.core.state import State
 
 COMMAND_TIMEOUT_S = 30.0
@@ -20,6 +20,7 @@ class CommandOutcomes:
     def __init__(self, nc: Client, view: StateView) -> None:
         self._nc = nc
         self._waiters: dict[str, asyncio.Future[AnyEvent]] = {}
+        self._task_ends: dict[str, asyncio.Future[TaskFinished]] = {}
         view.add_listener(self._on_event)
 
     def expect(self, command_id: str) -> asyncio.Future[AnyEvent]:
@@ -30,6 +31,15 @@ class CommandOutcomes:
 
     def forget(self, command_id: str) -> None:
         self._waiters.pop(command_id, None)
+
+    def expect_task_end(self, task_id: str) -> asyncio.Future[TaskFinished]:
+        """Resolves when State says the task ended, whoever ended it (runner, master, worker)."""
+        future = asyncio.get_running_loop().create_future()
+        self._task_ends[task_id] = future
+        return future
+
+    def forget_task_end(self, task_id: str) -> None:
+        self._task_ends.pop(task_id, None)
 
     async def call(self, command: Command) -> AnyEvent:
         """Send a command and return the event that answers it; a rejection becomes an ApiError."""
@@ -48,6 +58,10 @@ class CommandOutcomes:
         future = self._waiters.get(command_id_of(event))
         if future is not None and not future.done():
             future.set_result(event)
+        if isinstance(event, TaskFinished):
+            ended = self._task_ends.get(event.task_id)
+            if ended is not None and not ended.done():
+                ended.set_result(event)
 
 
 def raise_if_rejected(event: AnyEvent) -> None:

@@ -118,6 +118,8 @@ def _task_steps(view: WorkerView, local: LocalRunner, tasks: list[Task]) -> list
         forwarded = task.task_id in local.forwarded
         if local.phase == "failed":
             steps.append(EndTask(task_id=task.task_id, status="failed", reason="the runner serving it failed"))
+        elif task.status == "running" and not forwarded:
+            steps.append(EndTask(task_id=task.task_id, status="failed", reason="its runner restarted mid-generation"))
         elif task.cancel_requested and not forwarded:
             steps.append(EndTask(task_id=task.task_id, status="cancelled", reason="cancelled before it started"))
         elif task.cancel_requested and task.task_id not in local.cancels_sent:

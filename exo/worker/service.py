@@ -202,6 +202,10 @@ class Worker:
 
     async def _stop_runner(self, runner_id: str) -> None:
         host = self._hosts.pop(runner_id, None)
+        runner = self._runners.get(runner_id)
+        if host is not None and runner is not None:
+            for task_id in runner.forwarded - self._ended:  # stop a generation in progress first
+                await host.send(rp.Cancel(task_id=task_id))
         if host is not None:
             await host.stop()
         self._runners.pop(runner_id, None)
