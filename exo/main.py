@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import asyncio
 import logging
 import os
@@ -14,6 +15,7 @@ from exo import event_loop
 from exo.bus.connection import split_urls
 from exo.bus.errors import BusError
 from exo.node import Node, NodeConfig, StartupError
+from exo.tools import TOOLS
 
 
 def parse_args(argv: list[str] | None = None) -> NodeConfig:
@@ -69,6 +71,9 @@ async def run(config: NodeConfig) -> int:
 
 
 def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] in TOOLS:  # `exo replay ...`, `exo events ...`, ...
+        tool = importlib.import_module(TOOLS[sys.argv[1]])
+        sys.exit(tool.main(sys.argv[2:]))
     sys.exit(event_loop.run(run(parse_args())))
 
 
