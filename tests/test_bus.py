@@ -98,3 +98,20 @@ async def test_master_answers_commands_with_events_and_a_redelivery_decides_the_
         master.stop()
         running.cancel()
         await view.stop()
+
+
+async def test_snapshots_never_go_backwards(fresh_nats):
+    from exo.bus.snapshots import read_latest_snapshot, snapshot_history, write_snapshot
+    from exo.core.state import State
+
+    client = await connect([fresh_nats], name="t")
+    try:
+        await provision(client)
+        assert await read_latest_snapshot(client) is None and await snapshot_history(client) == []
+        assert await write_snapshot(client, State(last_seq=5))
+        assert await write_snapshot(client, State(last_seq=9))
+        assert not await write_snapshot(client, State(last_seq=7))  # older: refused
+        assert (await read_latest_snapshot(client)).last_seq == 9
+        assert [s.last_seq for s in await snapshot_history(client)] == [5, 9]
+    finally:
+        await client.close()

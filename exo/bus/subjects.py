@@ -21,3 +21,6 @@ def command_subject(tag: str) -> str:
 
 def token_subject(command_id: str) -> str:
     return f"exo.tokens.{command_id}"
+
+SNAPSHOT_KEY = "snapshot"
+LEADER_KEY = "leader"

@@ -1,0 +1,71 @@
+"""State snapshots in the KV bucket exo-state, key `snapshot`.
+
+The value is the State as JSON (readable with `nats kv get exo-state snapshot`); its
+`last_seq` is the event sequence it covers. The bucket keeps the last 16 revisions, which
+`exo replay --verify` compares with a fresh replay. Writes use the KV revision as an
+expected-last-sequence, so a slow writer can never put an older snapshot over a newer one.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import msgspec
+from nats.aio.client import Client
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NoKeysError
+
+from exo.bus.subjects import SNAPSHOT_KEY, STATE_BUCKET
+from exo.core.state import State, decode_state, encode_state
+
+log = logging.getLogger(__name__)
+
+
+class _CoveredSeq(msgspec.Struct):
+    last_seq: int = 0
+
+
+def covered_seq(snapshot: bytes) -> int:
+    """The sequence a stored snapshot covers, without building the whole State."""
+    return msgspec.json.decode(snapshot, type=_CoveredSeq).last_seq
+
+
+async def read_latest_snapshot(nc: Client) -> State | None:
+    kv = await nc.jetstream().key_value(STATE_BUCKET)
+    try:
+        entry = await kv.get(SNAPSHOT_KEY)
+    except KeyNotFoundError:
+        return None
+    return decode_state(entry.value) if entry.value else None
+
+
+async def snapshot_history(nc: Client) -> list[State]:
+    """Every snapshot the bucket still holds, oldest first."""
+    kv = await nc.jetstream().key_value(STATE_BUCKET)
+    try:
+        entries = await kv.history(SNAPSHOT_KEY)
+    except (KeyNotFoundError, NoKeysError):
+        return []
+    return [decode_state(e.value) for e in entries if e.value]
+
+
+async def write_snapshot(nc: Client, state: State, attempts: int = 5) -> bool:
+    """Store `state` unless the bucket already has one at least as new. True if written."""
+    kv = await nc.jetstream().key_value(STATE_BUCKET)
+    payload = encode_state(state)
+    for _ in range(attempts):
+        try:
+            entry = await kv.get(SNAPSHOT_KEY)
+        except KeyNotFoundError:
+            entry = None
+        try:
+            if entry is None:
+                await kv.create(SNAPSHOT_KEY, payload)
+                return True
+            if entry.value and covered_seq(entry.value) >= state.last_seq:
+                return False
+            await kv.update(SNAPSHOT_KEY, payload, last=entry.revision)
+            return True
+        except KeyWrongLastSequenceError:
+            continue  # another writer got there first: look again
+    log.warning("gave up writing the snapshot at sequence %d after %d races", state.last_seq, attempts)
+    return False
