@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from exo import event_loop
-from exo.bus.connection import split_urls
+from exo.bus.connection import SECURITY_ENV, split_urls
 from exo.bus.errors import BusError
 from exo.node import Node, NodeConfig, StartupError
 from exo.tools import TOOLS
@@ -31,14 +31,47 @@ def parse_args(argv: list[str] | None = None) -> NodeConfig:
     parser.add_argument("--no-master", action="store_true", help="do not run a master on this node")
     parser.add_argument("--no-worker", action="store_true", help="do not run models on this node")
     parser.add_argument("--no-api", action="store_true", help="do not serve the HTTP API")
+    parser.add_argument("--snapshot-every", type=int, default=int(os.environ.get("EXO_SNAPSHOT_EVERY", "1000")),
+                        help="the master snapshots State to KV every this many events...")
+    parser.add_argument("--snapshot-interval", type=float, default=float(os.environ.get("EXO_SNAPSHOT_INTERVAL", "30")),
+                        help="...or every this many seconds, whichever comes first")
+    parser.add_argument("--events-max-age", type=float, default=_env_number("EXO_EVENTS_MAX_AGE_S"),
+                        help="seconds the event log keeps events (applies when the stream is created)")
+    parser.add_argument("--events-max-bytes", type=int, default=_env_number("EXO_EVENTS_MAX_BYTES", int),
+                        help="bytes the event log keeps (applies when the stream is created)")
+    parser.add_argument("--api-key", action="append", default=[],
+                        help="require this API key (repeatable; env EXO_API_KEYS, comma-separated)")
+    parser.add_argument("--max-queue", type=int, default=_env_number("EXO_MAX_QUEUE", int),
+                        help="open requests an instance admits before answering 429 (default 64)")
+    parser.add_argument("--replicas", type=int, default=_env_number("EXO_REPLICAS", int),
+                        help="replicas of every stream and bucket when they are created (3 on a 3-server NATS cluster)")
+    security = parser.add_argument_group("NATS security (or the environment variables named)")
+    for key, env in SECURITY_ENV.items():
+        flag = "--nats-" + key.replace("_", "-").replace("user-credentials", "creds")
+        security.add_argument(flag, dest=f"security_{key}", help=f"env {env}")
     parser.add_argument("--log-level", default=os.environ.get("EXO_LOG_LEVEL", "INFO"))
     args = parser.parse_args(argv)
+    if args.api_key:
+        os.environ["EXO_API_KEYS"] = ",".join([*split_urls(os.environ.get("EXO_API_KEYS", "")), *args.api_key])
+    for key, env in SECURITY_ENV.items():  # children (runners) inherit the environment
+        if getattr(args, f"security_{key}"):
+            os.environ[env] = getattr(args, f"security_{key}")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for chatty in ("httpx", "httpx2", "huggingface_hub"):  # one line per HTTP request is noise here
+        logging.getLogger(chatty).setLevel(logging.WARNING)
     return NodeConfig(
         data_dir=Path(args.data_dir).expanduser(), nats_urls=split_urls(args.nats), nats_port=args.nats_port,
         api_host=args.host, api_port=args.api_port,
         run_master=not args.no_master, run_worker=not args.no_worker, run_api=not args.no_api,
+        snapshot_every=args.snapshot_every, snapshot_interval=args.snapshot_interval,
+        events_max_age_s=args.events_max_age, events_max_bytes=args.events_max_bytes, replicas=args.replicas,
+        max_queue=args.max_queue,
     )
+
+
+def _env_number(name: str, kind=float):
+    value = os.environ.get(name)
+    return kind(value) if value else None
 
 
 async def run(config: NodeConfig) -> int:

@@ -15,12 +15,15 @@ from pathlib import Path
 from aiohttp import web
 
 from exo.api.app import build_app
+from exo.api.auth import warn_if_exposed
 from exo.api.context import ApiContext
 from exo.api.outcomes import CommandOutcomes
 from exo.bus.connection import connect
 from exo.bus.embedded import EmbeddedNats
+from exo.bus.errors import LogGap
 from exo.bus.event_log import EventLog
-from exo.bus.provision import provision
+from exo.bus.catch_up import catch_up
+from exo.bus.provision import event_retention, provision
 from exo.bus.state_view import StateView
 from exo.core.events import NodeRegistered
 from exo.core.types import NodeInfo
@@ -42,6 +45,12 @@ class NodeConfig:
     run_master: bool = True
     run_worker: bool = True
     run_api: bool = True
+    snapshot_every: int = 1000  # events between State snapshots...
+    snapshot_interval: float = 30.0  # ...or seconds, whichever comes first
+    events_max_age_s: float | None = None  # None: as streams/EXO_EVENTS.json says
+    events_max_bytes: int | None = None
+    replicas: int | None = None  # None: as streams/*.json say (1)
+    max_queue: int | None = None  # open tasks per instance before 429; None: decide's default
 
 
 class StartupError(Exception):
@@ -101,15 +110,13 @@ class Node:
             urls = [await self.embedded.start()]
         self.nats_urls = urls
         self._nc = nc = await connect(urls, name="exo-node")
-        await provision(nc)
+        await provision(nc, replicas=config.replicas, overrides=event_retention(config.events_max_age_s, config.events_max_bytes))
         node_id = node_id_for(config.data_dir)
         builtin = load_builtin_cards(builtin_cards_dir())
-        self._view = view = StateView(nc)
-        last_seq = await EventLog(nc).last_sequence()
-        await view.start()
-        await view.wait_for(last_seq, timeout=60)  # caught up before anything acts on State
+        self._view = view = await self._catch_up(nc)
         if config.run_master:
-            self._tasks.append(asyncio.create_task(Master(nc, view, builtin).run(), name="master"))
+            master = Master(nc, view, builtin, node_id, config.snapshot_every, config.snapshot_interval, config.max_queue)
+            self._tasks.append(asyncio.create_task(master.run(), name="master"))
         if config.run_worker:
             self.worker = Worker(nc, view, node_id, config.data_dir, urls, builtin)
             await EventLog(nc).append(NodeRegistered(node=describe_this_node(node_id, time.time())), uuid.uuid4().hex)
@@ -117,7 +124,15 @@ class Node:
         if config.run_api:
             await self._start_api(ApiContext(nc, view, CommandOutcomes(nc, view), builtin, node_id, config.data_dir))
 
+    async def _catch_up(self, nc) -> StateView:
+        try:
+            view, self.caught_up_from = await catch_up(nc)
+        except LogGap as gap:
+            raise StartupError(f"cannot catch up: {gap}") from None
+        return view
+
     async def _start_api(self, ctx: ApiContext) -> None:
+        warn_if_exposed(self.config.api_host, ctx.settings)
         self._site_runner = web.AppRunner(build_app(ctx), handler_cancellation=True, access_log=None)
         await self._site_runner.setup()
         site = web.TCPSite(self._site_runner, self.config.api_host, self.config.api_port)

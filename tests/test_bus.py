@@ -57,7 +57,7 @@ async def test_events_are_indexed_by_stream_sequence_and_deduplicated(nc):
     assert again == first and second == first + 1
     msg = await nc.jetstream().get_msg("EXO_EVENTS", first)
     assert msg.subject == "exo.events.task.started"
-    assert json.loads(msg.data) == {"kind": "task.started", "task_id": "a"}
+    assert json.loads(msg.data) == {"kind": "task.started", "term": 0, "task_id": "a"}
     assert msg.headers["Nats-Msg-Id"] == "dedupe-1"
 
 
@@ -79,7 +79,7 @@ async def test_master_answers_commands_with_events_and_a_redelivery_decides_the_
     view.add_listener(lambda seq, event, state: answers.setdefault(getattr(event, "command_id", ""), event))
     await EventLog(nc).append(NodeRegistered(node=NodeInfo(node_id="master-test", memory_available=10**12)), "mt-node")
     builtin = {"org/m": ModelCard(model_id="org/m", n_layers=2)}
-    master = Master(nc, view, builtin)
+    master = Master(nc, view, builtin, node_id="master-test")
     running = asyncio.create_task(master.run())
     try:
         await send_command(nc, PlaceInstance(command_id="mt-1", model_id="org/m"))
@@ -95,8 +95,8 @@ async def test_master_answers_commands_with_events_and_a_redelivery_decides_the_
         await master.handle(PlaceInstance(command_id="mt-1", model_id="org/m"))  # as if redelivered
         assert view.state.last_seq == before  # same event id, deduplicated by the server
     finally:
-        master.stop()
         running.cancel()
+        await asyncio.gather(running, return_exceptions=True)
         await view.stop()
 
 
@@ -113,5 +113,64 @@ async def test_snapshots_never_go_backwards(fresh_nats):
         assert not await write_snapshot(client, State(last_seq=7))  # older: refused
         assert (await read_latest_snapshot(client)).last_seq == 9
         assert [s.last_seq for s in await snapshot_history(client)] == [5, 9]
+    finally:
+        await client.close()
+
+
+async def test_images_are_stored_once_by_hash_and_fetched_verified(nc):
+    import os
+
+    from exo.bus.images import ImageMissing, fetch_image, image_digest, store_image
+
+    data = os.urandom(3 * 128 * 1024 + 17)  # several chunks and a partial one
+    digest, uploaded = await store_image(nc, data)
+    assert digest == image_digest(data) and uploaded
+    assert await store_image(nc, data) == (digest, False)  # the second send skips the upload
+    assert await fetch_image(nc, digest) == data
+    with pytest.raises(ImageMissing):
+        await fetch_image(nc, "0" * 64)
+
+
+async def test_catch_up_starts_from_the_snapshot_and_says_clearly_when_the_log_was_trimmed_past_it(fresh_nats):
+    from exo.bus.catch_up import catch_up
+    from exo.bus.errors import LogGap
+    from exo.bus.snapshots import write_snapshot
+    from exo.core.apply import apply
+    from exo.core.state import State
+
+    client = await connect([fresh_nats], name="t")
+    try:
+        await provision(client)
+        log, state = EventLog(client), State()
+        for n in range(100):
+            event = NodeRegistered(node=NodeInfo(node_id=f"n{n % 5}", memory_available=n))
+            state = apply(state, event, await log.append(event, f"e{n}"))
+            if n == 94:
+                at_95 = state
+        await client.jetstream().purge_stream("EXO_EVENTS", keep=10)  # history before 91 is gone
+        with pytest.raises(LogGap, match="starts at sequence 91 but this reader needs 1"):
+            await catch_up(client)
+        await write_snapshot(client, at_95)
+        view, from_seq = await catch_up(client)
+        assert from_seq == 95 and view.state == state
+        await view.stop()
+    finally:
+        await client.close()
+
+
+async def test_a_snapshot_of_ten_thousand_tasks_and_a_hundred_nodes_round_trips(fresh_nats):
+    from exo.bus.snapshots import read_latest_snapshot, write_snapshot
+    from exo.core.state import State
+    from exo.core.types import ChatMessage, GenerationParams, Task
+
+    params = GenerationParams(messages=[ChatMessage(role="user", content="a question of some length " * 4)])
+    tasks = {f"t{n}": Task(task_id=f"t{n}", instance_id="i", model_id="org/m", params=params) for n in range(10_000)}
+    nodes = {f"n{n}": NodeInfo(node_id=f"n{n}", memory_total=n) for n in range(100)}
+    big = State(last_seq=123_456, tasks=tasks, nodes=nodes)
+    client = await connect([fresh_nats], name="t")
+    try:
+        await provision(client)
+        assert await write_snapshot(client, big)
+        assert await read_latest_snapshot(client) == big
     finally:
         await client.close()

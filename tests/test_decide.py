@@ -96,3 +96,12 @@ def test_custom_cards():
     state, events = run(state, DeleteCustomCard(command_id="d1", model_id="org/custom"))
     assert events == [CustomCardDeleted(command_id="d1", model_id="org/custom")] and state.custom_model_cards == {}
     assert rejection(run(state, DeleteCustomCard(command_id="d2", model_id="org/custom"))[1])[0] == "not_found"
+
+
+def test_a_command_the_log_already_answered_is_not_decided_again():
+    card = ModelCard(model_id="org/custom", n_layers=2)
+    state, events = run(State(), AddCustomCard(command_id="a1", card=card))
+    assert state.answered_commands == {"a1": 1}
+    assert run(state, AddCustomCard(command_id="a1", card=card))[1] == []  # redelivered to a new master
+    state, _ = run(state, DeleteCustomCard(command_id="d1", model_id="org/custom"))
+    assert run(state, DeleteCustomCard(command_id="d1", model_id="org/custom"))[1] == []

@@ -129,7 +129,7 @@ def test_a_client_that_disconnects_cancels_its_generation(http, node, instance_i
     body = {"model": TINY_MODEL_ID, "messages": MESSAGES, "max_tokens": 100_000, "stream": True}
     with http.stream("POST", "/v1/chat/completions", json=body) as response:
         lines = response.iter_lines()
-        first = [next(lines) for _ in range(6)]
+        first = [line for line in (next(lines) for _ in range(12)) if line.startswith("data: ")]
     task_id = json.loads(first[0].removeprefix("data: "))["id"].removeprefix("chatcmpl-")
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
@@ -173,7 +173,7 @@ def test_a_card_can_point_at_a_local_model_directory_and_deleting_its_instance_e
     body = {"model": "local/tiny", "messages": MESSAGES, "max_tokens": 100_000, "stream": True}
     with http.stream("POST", "/v1/chat/completions", json=body) as response:
         lines = response.iter_lines()
-        assert next(lines).startswith("data: {")
+        assert next(lines).startswith("id: ") and next(lines).startswith("data: {")
         assert http.delete(f"/instance/{local_instance}").status_code == 200
         started = time.monotonic()
         rest = [line for line in lines if line]

@@ -74,3 +74,21 @@ def test_a_task_left_running_by_a_runner_before_a_restart_is_failed_not_rerun():
     (end,) = plan(view(state, "ready"))
     assert isinstance(end, EndTask) and end.status == "failed"
     assert plan(view(state, "ready", forwarded=frozenset({"t1"}))) == []
+
+
+def test_a_task_is_forwarded_only_once_its_images_are_on_this_node():
+    from exo.core.types import ChatMessage, GenerationParams
+    from exo.worker.plan import FetchImages
+
+    params = GenerationParams(messages=[ChatMessage(role="user", content="look", images=["aa", "bb"])])
+    task = Task(task_id="t1", instance_id="i1", model_id="m/a", params=params)
+    state = state_with(InstanceCreated(instance=MINE), TaskCreated(task=task))
+    ready = view(state, "ready")
+    assert plan(ready) == [FetchImages(digests=["aa", "bb"])]
+    fetching = WorkerView(node_id="me", state=state, runners=ready.runners, images_in_flight=frozenset({"aa"}),
+                          local_images=frozenset({"bb"}))
+    assert plan(fetching) == []
+    fetched = WorkerView(node_id="me", state=state, runners=ready.runners, local_images=frozenset({"aa", "bb"}))
+    assert plan(fetched) == [ForwardTask(runner_id="r1", task_id="t1")]
+    loading = WorkerView(node_id="me", state=state, runners=view(state, "loading").runners)
+    assert plan(loading) == [FetchImages(digests=["aa", "bb"])]  # fetched while the model loads

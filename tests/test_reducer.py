@@ -75,7 +75,7 @@ def test_finished_tasks_are_bounded():
 
 def test_wire_format_is_tagged_and_tolerates_unknown_fields():
     event = TaskStarted(task_id="t1")
-    assert msgspec.json.decode(encode_event(event)) == {"kind": "task.started", "task_id": "t1"}
+    assert msgspec.json.decode(encode_event(event)) == {"kind": "task.started", "term": 0, "task_id": "t1"}
     assert decode_event(b'{"kind":"task.started","task_id":"t1","added_later":42}') == event
     with pytest.raises(msgspec.ValidationError):
         decode_event(b'{"kind":"no.such.event"}')
@@ -85,3 +85,16 @@ def test_state_round_trips_through_json():
     task = Task(task_id="t1", instance_id="i1", model_id="m/a")
     state = fold([InstanceCreated(instance=INSTANCE), TaskCreated(task=task), TaskStarted(task_id="nope")])
     assert decode_state(encode_state(state)) == state
+
+
+def test_events_from_a_deposed_masters_term_are_ignored():
+    from exo.core.events import LeaderElected
+
+    state = fold([LeaderElected(node_id="a", term=3), InstanceCreated(instance=INSTANCE, term=3)])
+    assert state.leader_term == 3 and state.leader_node == "a" and "i1" in state.instances
+    state = fold([LeaderElected(node_id="b", term=7), InstanceDeleted(instance_id="i1", term=3)], state)
+    assert "i1" in state.instances and "older than the leader's term 7" in state.skipped_events[-1].reason
+    state = fold([LeaderElected(node_id="a", term=5)], state)  # an election that lost the race
+    assert state.leader_node == "b" and state.leader_term == 7
+    state = fold([InstanceDeleted(instance_id="i1", term=7), TaskStarted(task_id="x")], state)
+    assert state.instances == {}

@@ -21,6 +21,7 @@ class PlaceInstanceRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=T
     model_id: str
     sharding: Sharding = "pipeline"
     min_nodes: int = 1
+    max_queue: int = 0  # open tasks admitted before 429s; 0: the master's default
 
 
 async def place_instance(request: web.Request) -> web.Response:
@@ -28,7 +29,10 @@ async def place_instance(request: web.Request) -> web.Response:
     ctx = context_of(request)
     if ctx.card(body.model_id) is None:
         raise ApiError(404, f"unknown model {body.model_id!r}", param="model_id", code="model_not_found")
-    command = PlaceInstance(command_id=uuid.uuid4().hex, model_id=body.model_id, sharding=body.sharding, min_nodes=body.min_nodes)
+    if not 0 <= body.max_queue <= 100_000:
+        raise ApiError(400, "max_queue must be between 0 (the default) and 100000", param="max_queue")
+    command = PlaceInstance(command_id=uuid.uuid4().hex, model_id=body.model_id, sharding=body.sharding,
+                            min_nodes=body.min_nodes, max_queue=body.max_queue)
     event = await ctx.outcomes.call(command)
     assert isinstance(event, InstanceCreated)
     return web.json_response({"message": "instance placed", "command_id": command.command_id,

@@ -4,24 +4,57 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from exo.api import admin, openai_chat
+from exo.api import (
+    admin, anthropic_messages, cluster, events_sse, ollama, openai_chat, openai_chat_stream, openai_completions,
+    openai_responses, prometheus,
+)
+from exo.api.auth import auth_middleware
 from exo.api.context import CONTEXT_KEY, ApiContext
 from exo.api.errors import error_middleware
-from exo.api.request_body import MAX_BODY_BYTES
+from exo.api.request_metrics import metrics_middleware
 
 
 def build_app(ctx: ApiContext) -> web.Application:
-    app = web.Application(middlewares=[error_middleware], client_max_size=MAX_BODY_BYTES)
+    # Outermost first: count every answer, then shape errors, then check the key.
+    app = web.Application(middlewares=[metrics_middleware, error_middleware, auth_middleware],
+                          client_max_size=ctx.settings.max_body_bytes)
     app[CONTEXT_KEY] = ctx
-    app.router.add_post("/v1/chat/completions", openai_chat.chat_completions)
-    app.router.add_get("/v1/models", admin.list_models)
-    app.router.add_get("/models", admin.list_models)
-    app.router.add_post("/place_instance", admin.place_instance)
-    app.router.add_get("/instance/{instance_id}", admin.get_instance)
-    app.router.add_delete("/instance/{instance_id}", admin.delete_instance)
-    app.router.add_post("/models/add", admin.add_model)
-    app.router.add_delete("/models/custom/{model_id:.+}", admin.delete_custom_model)
-    app.router.add_get("/state", admin.get_state)
-    app.router.add_get("/node_id", admin.get_node_id)
-    app.router.add_get("/health", admin.health)
+    _openai(app.router)
+    _anthropic_and_ollama(app.router)
+    _cluster(app.router)
     return app
+
+
+def _openai(router: web.UrlDispatcher) -> None:
+    router.add_post("/v1/chat/completions", openai_chat.chat_completions)
+    router.add_get("/v1/chat/completions/{id}/stream", openai_chat_stream.resume_chat_route)
+    router.add_post("/v1/completions", openai_completions.completions)
+    router.add_post("/v1/responses", openai_responses.responses)
+    router.add_get("/v1/models", admin.list_models)
+    router.add_get("/v1/models/{model_id:.+}", cluster.get_model)
+    router.add_get("/models", admin.list_models)
+    router.add_post("/v1/cancel/{command_id}", cluster.cancel)
+
+
+def _anthropic_and_ollama(router: web.UrlDispatcher) -> None:
+    router.add_post("/v1/messages", anthropic_messages.messages)
+    router.add_post("/api/chat", ollama.chat)
+    router.add_post("/api/generate", ollama.generate)
+    router.add_get("/api/tags", ollama.tags)
+    router.add_post("/api/show", ollama.show)
+    router.add_get("/api/ps", ollama.ps)
+    router.add_get("/api/version", ollama.version)
+
+
+def _cluster(router: web.UrlDispatcher) -> None:
+    router.add_post("/place_instance", admin.place_instance)
+    router.add_get("/instance/previews", cluster.instance_previews)
+    router.add_get("/instance/{instance_id}", admin.get_instance)
+    router.add_delete("/instance/{instance_id}", admin.delete_instance)
+    router.add_post("/models/add", admin.add_model)
+    router.add_delete("/models/custom/{model_id:.+}", admin.delete_custom_model)
+    router.add_get("/state", admin.get_state)
+    router.add_get("/events", events_sse.events)
+    router.add_get("/node_id", admin.get_node_id)
+    router.add_get("/health", admin.health)
+    router.add_get("/metrics", prometheus.metrics)

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
+import asyncio
+from collections.abc import Coroutine, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from aiohttp import web
 from nats.aio.client import Client
 
+from exo.api.metrics import Metrics
 from exo.api.outcomes import CommandOutcomes
+from exo.api.settings import ApiSettings
 from exo.bus.state_view import StateView
 from exo.core.types import ModelCard
 from exo.master.decide import find_card
@@ -23,9 +26,19 @@ class ApiContext:
     builtin_cards: Mapping[str, ModelCard]
     node_id: str
     data_dir: Path
+    settings: ApiSettings = field(default_factory=ApiSettings.from_env)
+    metrics: Metrics = field(default_factory=Metrics)
+    # Cancels waiting out the resume grace of a dropped stream, by command id (this node only).
+    pending_cancels: dict[str, asyncio.TimerHandle] = field(default_factory=dict)
+    _background: set[asyncio.Task] = field(default_factory=set)
 
     def card(self, model_id: str) -> ModelCard | None:
         return find_card(self.view.state, self.builtin_cards, model_id)
+
+    def in_background(self, coroutine: Coroutine) -> None:
+        task = asyncio.get_running_loop().create_task(coroutine)
+        self._background.add(task)  # the loop keeps only weak references
+        task.add_done_callback(self._background.discard)
 
     def all_cards(self) -> dict[str, ModelCard]:
         return {**self.builtin_cards, **self.view.state.custom_model_cards}

@@ -1,4 +1,8 @@
-"""The one request path into the cluster for text generation, shared by every API surface."""
+"""The one request path into the cluster for text generation, shared by every API surface.
+
+`start_generation` queues a request; `resume_generation` attaches to one already under way
+(or done) and replays its text from JetStream. Both give a `Generation` to iterate.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 
 from exo.api.context import ApiContext
 from exo.api.errors import ApiError
@@ -15,7 +20,7 @@ from exo.bus.command_queue import send_command
 from exo.bus.tokens import TokenListener
 from exo.core.commands import CancelTask, GenerateText
 from exo.core.events import TaskFinished
-from exo.core.types import GenerationParams, TokenChunk
+from exo.core.types import GenerationParams, TokenChunk, TokenLogprob, ToolCall
 
 log = logging.getLogger(__name__)
 
@@ -28,18 +33,41 @@ TASK_END_GRACE_S = 1.0
 class Generation:
     """A running generation: iterate its chunks; `close()` cancels it if it has not finished."""
 
-    def __init__(self, ctx: ApiContext, command_id: str, listener: TokenListener, ended: asyncio.Future[TaskFinished]) -> None:
+    def __init__(self, ctx: ApiContext, command_id: str, listener: TokenListener,
+                 ended: asyncio.Future[TaskFinished], after: int = -1) -> None:
         self.command_id = command_id
         self._ctx = ctx
         self._listener = listener
         self._ended = ended
+        self._after = after  # chunks up to this index were delivered before (a resumed stream)
+        self._started = time.perf_counter()
+        self._last_at: float | None = None
+        self._tokens_seen = 0
         self.finished = False
 
     async def chunks(self) -> AsyncIterator[TokenChunk]:
         while not self.finished:
             chunk = await self._next_chunk()
+            if chunk.finish_reason is None and chunk.index <= self._after:
+                continue
             self.finished = chunk.finish_reason is not None
+            self._measure(chunk)
             yield chunk
+
+    def _measure(self, chunk: TokenChunk) -> None:
+        metrics, now = self._ctx.metrics, time.perf_counter()
+        new_tokens = max(0, chunk.token_count - self._tokens_seen)
+        if self._after >= 0:
+            return  # a resumption: the first stream measured this generation
+        if chunk.finish_reason is not None:
+            metrics.count_tokens(chunk.prompt_tokens, chunk.token_count)
+        elif self._last_at is None:
+            metrics.ttft.observe(now - self._started)
+        elif new_tokens:
+            for _ in range(new_tokens):  # a chunk carries every token since the last one
+                metrics.inter_token.observe((now - self._last_at) / new_tokens)
+        if chunk.finish_reason is None:
+            self._last_at, self._tokens_seen = now, chunk.token_count
 
     async def _next_chunk(self) -> TokenChunk:
         queue = self._listener.queue
@@ -53,16 +81,32 @@ class Generation:
             return await asyncio.wait_for(queue.get(), TASK_END_GRACE_S)
         except asyncio.TimeoutError:
             end = self._ended.result()
+            if end.status == "completed":  # its text is gone (EXO_TOKENS keeps it ten minutes)
+                reason = end.finish_reason if end.finish_reason in ("stop", "length") else "stop"
+                return TokenChunk(command_id=self.command_id, index=-1, finish_reason=reason,  # type: ignore[arg-type]
+                                  prompt_tokens=end.prompt_tokens, token_count=end.completion_tokens)
             reason = "error" if end.status == "failed" else "cancelled"
             return TokenChunk(command_id=self.command_id, index=-1, finish_reason=reason, error=end.error or f"task {end.status}")
 
-    async def close(self) -> None:
-        self._ctx.outcomes.forget_task_end(self.command_id)
+    async def close(self, resume_grace_s: float = 0.0) -> None:
+        """Stop listening. An unfinished generation is cancelled, at once or, for a stream
+        its client may resume, after `resume_grace_s` unless a resumption claims it."""
+        self._ctx.outcomes.forget_task_end(self.command_id, self._ended)
         await self._listener.close()
-        if not self.finished:
-            # The caller went away: stop the runner within one decode step.
-            cancel = CancelTask(command_id=uuid.uuid4().hex, task_id=self.command_id)
-            await asyncio.shield(send_command(self._ctx.nc, cancel))
+        if self.finished:
+            return
+        if resume_grace_s > 0:
+            ctx, command_id = self._ctx, self.command_id
+            ctx.pending_cancels[command_id] = asyncio.get_running_loop().call_later(
+                resume_grace_s, lambda: ctx.in_background(cancel_generation(ctx, command_id)))
+            return
+        await asyncio.shield(cancel_generation(self._ctx, self.command_id))
+
+
+async def cancel_generation(ctx: ApiContext, command_id: str) -> None:
+    """Ask the master to stop a generation; the runner stops within one decode step."""
+    ctx.pending_cancels.pop(command_id, None)
+    await send_command(ctx.nc, CancelTask(command_id=uuid.uuid4().hex, task_id=command_id))
 
 
 async def start_generation(ctx: ApiContext, model_id: str, params: GenerationParams) -> Generation:
@@ -75,13 +119,70 @@ async def start_generation(ctx: ApiContext, model_id: str, params: GenerationPar
         await send_command(ctx.nc, GenerateText(command_id=command_id, model_id=model_id, params=params, at=time.time()))
         raise_if_rejected(await asyncio.wait_for(answer, COMMAND_TIMEOUT_S))
     except asyncio.TimeoutError:
-        ctx.outcomes.forget_task_end(command_id)
+        ctx.outcomes.forget_task_end(command_id, ended)
         await listener.close()
         raise ApiError(504, "the master did not answer in time; is it running?") from None
     except BaseException:
-        ctx.outcomes.forget_task_end(command_id)
+        ctx.outcomes.forget_task_end(command_id, ended)
         await listener.close()
         raise
     finally:
         ctx.outcomes.forget(command_id)
     return Generation(ctx, command_id, listener, ended)
+
+
+async def resume_generation(ctx: ApiContext, command_id: str, after: int) -> Generation:
+    """The rest of a generation after chunk `after`, replayed from JetStream, then live."""
+    task = ctx.view.state.tasks.get(command_id)
+    if task is None:
+        raise ApiError(404, f"no generation {command_id!r} (unknown, or finished too long ago)", param="id")
+    pending = ctx.pending_cancels.pop(command_id, None)
+    if pending is not None:
+        pending.cancel()  # its client is back: keep generating
+    ended = ctx.outcomes.expect_task_end(command_id)
+    if task.status not in ("pending", "running") and not ended.done():
+        ended.set_result(TaskFinished(task_id=command_id, status=task.status, finish_reason=task.finish_reason,
+                                      error=task.error, prompt_tokens=task.prompt_tokens,
+                                      completion_tokens=task.completion_tokens))
+    listener = await TokenListener.from_stream(ctx.nc, command_id)
+    return Generation(ctx, command_id, listener, ended, after=after)
+
+
+@dataclass
+class Collected:
+    """A whole generation, for the surfaces that answer in one piece."""
+
+    text: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    final: TokenChunk | None = None
+
+    @property
+    def finish_reason(self) -> str:
+        assert self.final is not None and self.final.finish_reason is not None
+        if self.tool_calls and self.final.finish_reason == "stop":
+            return "tool_calls"
+        return self.final.finish_reason
+
+
+async def collect(generation: Generation) -> Collected:
+    """Every chunk until the last; a failed or cancelled generation becomes an ApiError."""
+    collected, text = Collected(), []
+    async for chunk in generation.chunks():
+        text.append(chunk.text)
+        collected.tool_calls.extend(chunk.tool_calls)
+        collected.logprobs.extend(chunk.logprobs)
+        raise_if_failed(chunk)
+        if chunk.finish_reason:
+            collected.final = chunk
+    if collected.final is None:
+        raise ApiError(500, "generation ended without a finish reason")
+    collected.text = "".join(text)
+    return collected
+
+
+def raise_if_failed(chunk: TokenChunk) -> None:
+    if chunk.finish_reason == "error":
+        raise ApiError(500, chunk.error or "generation failed")
+    if chunk.finish_reason == "cancelled":
+        raise ApiError(503, chunk.error or "generation was cancelled")

@@ -2,27 +2,36 @@
 
 from __future__ import annotations
 
-import json
-import time
-
 import msgspec
 from aiohttp import web
 
 from exo.api.context import context_of
 from exo.api.errors import ApiError
-from exo.api.generation import Generation, start_generation
+from exo.api.generation import start_generation
+from exo.api.openai_chat_stream import complete_chat, parse_event_id, resume_chat, stream_chat
+from exo.api.openai_tools import RequestToolCall, ToolChoice, check_logprobs, check_penalty, offered_tools, tool_turn
+from exo.api.images import ImageUploads
 from exo.api.request_body import decode_body
 from exo.core.types import ChatMessage, GenerationParams
+
+
+class ImageUrl(msgspec.Struct, kw_only=True):
+    url: str
+    detail: str = "auto"
 
 
 class ContentPart(msgspec.Struct, kw_only=True):
     type: str
     text: str = ""
+    image_url: ImageUrl | None = None
 
 
 class ChatRequestMessage(msgspec.Struct, kw_only=True):
     role: str
     content: str | list[ContentPart] | None = None
+    tool_calls: list[RequestToolCall] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
@@ -41,12 +50,19 @@ class ChatRequest(msgspec.Struct, kw_only=True):
     seed: int | None = None
     stop: str | list[str] | None = None
     n: int = 1
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict] | None = None
+    tool_choice: str | ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
 
 _ROLES = {"system", "developer", "user", "assistant", "tool"}
 
 
-def to_params(body: ChatRequest) -> GenerationParams:
+def to_params(body: ChatRequest, uploads: ImageUploads) -> GenerationParams:
     if not body.messages:
         raise ApiError(400, "messages must contain at least one message", param="messages")
     if body.n != 1:
@@ -60,85 +76,70 @@ def to_params(body: ChatRequest) -> GenerationParams:
         raise ApiError(400, "top_p must be between 0 and 1", param="top_p")
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     return GenerationParams(
-        messages=[_to_message(i, m) for i, m in enumerate(body.messages)],
+        messages=[_to_message(i, m, uploads) for i, m in enumerate(body.messages)],
         max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, seed=body.seed, stop=stop,
+        **_openai_extras(body),
     )
 
 
-def _to_message(index: int, message: ChatRequestMessage) -> ChatMessage:
+def _openai_extras(body: ChatRequest) -> dict:
+    """Penalties, logprobs and tools, validated, as GenerationParams fields."""
+    turns = [tool_turn(i, m.role, m.tool_calls, m.tool_call_id, m.name) for i, m in enumerate(body.messages)]
+    return {
+        "presence_penalty": check_penalty(body.presence_penalty, "presence_penalty"),
+        "frequency_penalty": check_penalty(body.frequency_penalty, "frequency_penalty"),
+        "logprobs": body.logprobs,
+        "top_logprobs": check_logprobs(body.logprobs, body.top_logprobs),
+        "tools": offered_tools(body.tools, body.tool_choice),
+        "tool_turns": [t for t in turns if t is not None],
+    }
+
+
+def _to_message(index: int, message: ChatRequestMessage, uploads: ImageUploads) -> ChatMessage:
     if message.role not in _ROLES:
         raise ApiError(400, f"messages[{index}].role must be one of {sorted(_ROLES)}", param=f"messages[{index}].role")
     content = message.content
-    if isinstance(content, list):
-        unsupported = [p.type for p in content if p.type != "text"]
-        if unsupported:
-            raise ApiError(400, f"content part type {unsupported[0]!r} is not supported yet", param=f"messages[{index}].content")
-        content = "".join(p.text for p in content)
-    return ChatMessage(role=message.role, content=content or "")
+    if not isinstance(content, list):
+        return ChatMessage(role=message.role, content=content or "")
+    texts: list[str] = []
+    images: list[str] = []
+    for n, part in enumerate(content):
+        param = f"messages[{index}].content[{n}]"
+        if part.type == "text":
+            texts.append(part.text)
+        elif part.type == "image_url" and part.image_url is not None:
+            images.append(uploads.add_data_url(part.image_url.url, param))
+        else:
+            raise ApiError(400, f"content part type {part.type!r} is not supported", param=param)
+    return ChatMessage(role=message.role, content="".join(texts), images=images)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
+    if "Last-Event-ID" in request.headers:  # a dropped stream reconnecting: the same generation, not a new one
+        command_id, after = parse_event_id(request.headers["Last-Event-ID"])
+        return await resume_chat(request, command_id, after, include_usage=_wants_usage(await request.read()))
     body = await decode_body(request, ChatRequest)
-    params = to_params(body)
+    uploads = ImageUploads()
+    params = to_params(body, uploads)
     ctx = context_of(request)
-    if ctx.card(body.model) is None:
+    card = ctx.card(body.model)
+    if card is None:
         raise ApiError(404, f"The model {body.model!r} does not exist", param="model", code="model_not_found")
+    if uploads.by_digest and not card.supports_images:
+        raise ApiError(400, f"the model {body.model!r} does not take image inputs", param="messages")
+    await uploads.store(ctx.nc)
     generation = await start_generation(ctx, body.model, params)
     try:
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return await _stream(request, generation, body.model, include_usage)
-        return await _complete(generation, body.model)
+            return await stream_chat(request, generation, body.model, include_usage, body.logprobs)
+        return await complete_chat(generation, body.model, body.logprobs)
     finally:
-        await generation.close()
+        await generation.close(ctx.settings.resume_grace_s if body.stream else 0.0)
 
 
-def _envelope(generation: Generation, model: str, kind: str) -> dict:
-    return {"id": f"chatcmpl-{generation.command_id}", "object": kind, "created": int(time.time()), "model": model}
-
-
-def _usage(prompt: int, completion: int) -> dict:
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-
-async def _complete(generation: Generation, model: str) -> web.Response:
-    text: list[str] = []
-    async for chunk in generation.chunks():
-        text.append(chunk.text)
-        if chunk.finish_reason == "error" or chunk.finish_reason == "cancelled":
-            raise ApiError(500 if chunk.finish_reason == "error" else 503, chunk.error or "generation was cancelled")
-        if chunk.finish_reason:
-            message = {"role": "assistant", "content": "".join(text)}
-            body = _envelope(generation, model, "chat.completion") | {
-                "choices": [{"index": 0, "message": message, "finish_reason": chunk.finish_reason, "logprobs": None}],
-                "usage": _usage(chunk.prompt_tokens, chunk.token_count),
-            }
-            return web.json_response(body)
-    raise ApiError(500, "generation ended without a finish reason")
-
-
-async def _stream(request: web.Request, generation: Generation, model: str, include_usage: bool) -> web.StreamResponse:
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-    await response.prepare(request)
-    envelope = _envelope(generation, model, "chat.completion.chunk")
-
-    async def send(payload: dict | str) -> None:
-        data = payload if isinstance(payload, str) else json.dumps(payload)
-        await response.write(f"data: {data}\n\n".encode())
-
-    def choice(delta: dict, finish_reason: str | None) -> dict:
-        return envelope | {"choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}]}
-
-    await send(choice({"role": "assistant", "content": ""}, None))
-    async for chunk in generation.chunks():
-        if chunk.text:
-            await send(choice({"content": chunk.text}, None))
-        if chunk.finish_reason in ("error", "cancelled"):
-            await send({"error": {"message": chunk.error or "generation was cancelled", "type": "internal_error"}})
-        elif chunk.finish_reason:
-            await send(choice({}, chunk.finish_reason))
-            if include_usage:
-                await send(envelope | {"choices": [], "usage": _usage(chunk.prompt_tokens, chunk.token_count)})
-    await send("[DONE]")
-    await response.write_eof()
-    return response
+def _wants_usage(raw: bytes) -> bool:
+    try:
+        return bool(msgspec.json.decode(raw or b"{}", type=dict).get("stream_options", {}).get("include_usage"))
+    except (msgspec.DecodeError, AttributeError):
+        return False

@@ -20,7 +20,7 @@ class CommandOutcomes:
     def __init__(self, nc: Client, view: StateView) -> None:
         self._nc = nc
         self._waiters: dict[str, asyncio.Future[AnyEvent]] = {}
-        self._task_ends: dict[str, asyncio.Future[TaskFinished]] = {}
+        self._task_ends: dict[str, list[asyncio.Future[TaskFinished]]] = {}
         view.add_listener(self._on_event)
 
     def expect(self, command_id: str) -> asyncio.Future[AnyEvent]:
@@ -33,13 +33,16 @@ class CommandOutcomes:
         self._waiters.pop(command_id, None)
 
     def expect_task_end(self, task_id: str) -> asyncio.Future[TaskFinished]:
-        """Resolves when State says the task ended, whoever ended it (runner, master, worker)."""
+        """Resolves when State says the task ended, whoever ended it (runner, master, worker).
+        Several callers may wait on one task (a stream and its resumption)."""
         future = asyncio.get_running_loop().create_future()
-        self._task_ends[task_id] = future
+        self._task_ends.setdefault(task_id, []).append(future)
         return future
 
-    def forget_task_end(self, task_id: str) -> None:
-        self._task_ends.pop(task_id, None)
+    def forget_task_end(self, task_id: str, future: asyncio.Future | None = None) -> None:
+        waiting = [f for f in self._task_ends.pop(task_id, []) if future is not None and f is not future]
+        if waiting:
+            self._task_ends[task_id] = waiting
 
     async def call(self, command: Command) -> AnyEvent:
         """Send a command and return the event that answers it; a rejection becomes an ApiError."""
@@ -59,11 +62,16 @@ class CommandOutcomes:
         if future is not None and not future.done():
             future.set_result(event)
         if isinstance(event, TaskFinished):
-            ended = self._task_ends.get(event.task_id)
-            if ended is not None and not ended.done():
-                ended.set_result(event)
+            for ended in self._task_ends.get(event.task_id, []):
+                if not ended.done():
+                    ended.set_result(event)
+
+
+# What a client told "overloaded" should wait before it tries again.
+RETRY_AFTER_S = 1
 
 
 def raise_if_rejected(event: AnyEvent) -> None:
     if isinstance(event, CommandRejected):
-        raise ApiError(STATUS_FOR_REJECTION[event.code], event.reason, code=event.code)
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if event.code == "overloaded" else None
+        raise ApiError(STATUS_FOR_REJECTION[event.code], event.reason, code=event.code, headers=headers)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import TypeVar
 
 import msgspec
@@ -11,7 +12,7 @@ from exo.api.errors import ApiError
 
 T = TypeVar("T")
 
-MAX_BODY_BYTES = 32 * 1024 * 1024
+MAX_BODY_BYTES = int(os.environ.get("EXO_MAX_BODY_BYTES", str(128 * 1024 * 1024)))  # images ride in bodies, base64
 
 
 async def decode_body(request: web.Request, kind: type[T]) -> T:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import os
+import ssl
 
 import nats
 from nats.aio.client import Client
@@ -20,26 +22,51 @@ def split_urls(urls: str) -> list[str]:
     return [u.strip() for u in urls.split(",") if u.strip()]
 
 
+# NATS security settings, read from the environment so that every exo process (runners
+# included, which inherit it) connects the same way. `exo --nats-user ...` sets these too.
+SECURITY_ENV = {
+    "user": "EXO_NATS_USER", "password": "EXO_NATS_PASSWORD", "token": "EXO_NATS_TOKEN",
+    "user_credentials": "EXO_NATS_CREDS", "tls_ca": "EXO_NATS_TLS_CA", "tls_cert": "EXO_NATS_TLS_CERT",
+    "tls_key": "EXO_NATS_TLS_KEY",
+}
+
+
+def security_options() -> dict:
+    """nats.connect keyword arguments for auth and TLS, from the environment."""
+    values = {key: os.environ[env] for key, env in SECURITY_ENV.items() if os.environ.get(env)}
+    tls_ca, tls_cert, tls_key = values.pop("tls_ca", None), values.pop("tls_cert", None), values.pop("tls_key", None)
+    if tls_ca or tls_cert:
+        context = ssl.create_default_context(cafile=tls_ca)
+        if tls_cert:
+            context.load_cert_chain(tls_cert, tls_key)
+        values["tls"] = context
+    return values
+
+
 async def connect(urls: list[str], name: str) -> Client:
     """Connect once (a bad URL fails fast), then reconnect forever once connected."""
+
+    client = Client()
 
     async def on_error(error: Exception) -> None:
         log.warning("nats (%s): %s", name, error)
 
     async def on_disconnected() -> None:
-        log.warning("nats (%s): disconnected, reconnecting", name)
+        if not (client.is_closed or client.is_draining):  # closing on purpose is no news
+            log.warning("nats (%s): disconnected, reconnecting", name)
 
     try:
         # nats-py never gives up on a first connection when reconnects are unlimited, so a
         # one-shot probe turns a wrong URL into a prompt, clear error.
         # (nats-py retries a refused first connect until max_reconnect_attempts, whatever
         # allow_reconnect says, and 0 means forever; hence 1).
+        security = security_options()
         probe = await nats.connect(
             servers=urls, allow_reconnect=False, max_reconnect_attempts=1, reconnect_time_wait=0.2,
-            connect_timeout=3, error_cb=_quiet,
+            connect_timeout=3, error_cb=_quiet, **security,
         )
         await probe.close()
-        return await nats.connect(
+        await client.connect(
             servers=urls,
             name=name,
             max_reconnect_attempts=-1,
@@ -48,6 +75,8 @@ async def connect(urls: list[str], name: str) -> Client:
             allow_reconnect=True,
             error_cb=on_error,
             disconnected_cb=on_disconnected,
+            **security,
         )
+        return client
     except Exception as error:  # nats-py raises several unrelated types here
         raise BusError(f"cannot connect to NATS at {', '.join(urls)}: {error or type(error).__name__}") from error

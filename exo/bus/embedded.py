@@ -14,6 +14,11 @@ from pathlib import Path
 from exo.bus.errors import BusError
 
 
+# State snapshots are single KV values; nats-server's default 1 MB payload limit is too small
+# for a busy cluster's State. 64 MB is the server's own ceiling.
+MAX_PAYLOAD_BYTES = 32 * 1024 * 1024
+
+
 def nats_server_binary() -> str:
     beside_python = Path(sys.executable).parent / "nats-server"
     if beside_python.exists():
@@ -46,8 +51,10 @@ class EmbeddedNats:
         ports_dir.mkdir(exist_ok=True)
         for stale in ports_dir.glob("*.ports"):
             stale.unlink()
+        config = self.store_dir / "nats-server.conf"
+        config.write_text(f"max_payload: {MAX_PAYLOAD_BYTES}\n")
         args = [
-            nats_server_binary(), "--jetstream", "--store_dir", str(self.store_dir / "jetstream"),
+            nats_server_binary(), "--config", str(config), "--jetstream", "--store_dir", str(self.store_dir / "jetstream"),
             "--addr", self.host, "--port", str(self.port if self.port else -1),
             "--ports_file_dir", str(ports_dir), "--server_name", "exo-embedded",
         ]

@@ -15,6 +15,7 @@ from nats.aio.msg import Msg
 from nats.js import api
 
 from exo.bus.errors import LogGap
+from exo.bus.publish import publish_durably
 from exo.bus.subjects import ALL_EVENTS, EVENTS_STREAM, event_subject
 from exo.core.events import AnyEvent, Event, decode_event, encode_event, event_tag
 
@@ -27,16 +28,12 @@ OnUndecodable = Callable[[int, str], Awaitable[None]]
 
 class EventLog:
     def __init__(self, nc: Client) -> None:
+        self._nc = nc
         self._js = nc.jetstream()
 
     async def append(self, event: Event, event_id: str) -> int:
         """Append one event; returns its sequence (the original one if it was a duplicate)."""
-        ack = await self._js.publish(
-            event_subject(event_tag(event)),
-            encode_event(event),
-            stream=EVENTS_STREAM,
-            headers={"Nats-Msg-Id": event_id},
-        )
+        ack = await publish_durably(self._nc, event_subject(event_tag(event)), encode_event(event), EVENTS_STREAM, event_id)
         return ack.seq
 
     async def last_sequence(self) -> int:
@@ -57,6 +54,7 @@ class EventFollower:
         self._on_undecodable = on_undecodable
         self._next_seq = 1
         self._subscription = None
+        self.gap: str = ""  # set if the log skipped sequences this reader needed
 
     async def start(self, start_seq: int = 1) -> None:
         self._next_seq = start_seq
@@ -90,7 +88,9 @@ class EventFollower:
         if seq < self._next_seq:
             return  # already applied (a consumer recreated after a reconnect resends)
         if seq > self._next_seq:
-            log.error("event log gap: expected %d, got %d", self._next_seq, seq)
+            # The server silently starts later than asked when the history was trimmed.
+            self.gap = f"the event log skipped from sequence {self._next_seq} to {seq}"
+            log.error(self.gap)
         self._next_seq = seq + 1
         try:
             event = decode_event(msg.data)

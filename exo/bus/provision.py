@@ -14,18 +14,35 @@ from typing import Any
 from nats.aio.client import Client
 
 from exo.bus.errors import BusError, ConfigMismatch
+from exo.bus.subjects import EVENTS_STREAM
 from exo.resources import streams_dir
 
 _STREAM_IN_USE = 10058  # "stream name already in use with a different configuration"
 _CONSUMER_EXISTS = 10148  # "consumer already exists" (with another config)
 
 
-def stream_configs(folder: Path | None = None, replicas: int | None = None) -> list[dict[str, Any]]:
+Overrides = dict[str, dict[str, Any]]  # stream name -> fields that replace the file's
+
+
+def stream_configs(
+    folder: Path | None = None, replicas: int | None = None, overrides: Overrides | None = None
+) -> list[dict[str, Any]]:
     folder = folder or streams_dir()
     configs = [json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))]
     if replicas is not None:
         configs = [{**c, "num_replicas": replicas} for c in configs]
-    return configs
+    overrides = overrides or {}
+    return [{**c, **overrides.get(c["name"], {})} for c in configs]
+
+
+def event_retention(max_age_s: float | None, max_bytes: int | None) -> Overrides:
+    """Bounds for the event log (snapshots are what make trimming it safe)."""
+    fields: dict[str, Any] = {}
+    if max_age_s is not None:
+        fields["max_age"] = int(max_age_s * 1e9)
+    if max_bytes is not None:
+        fields["max_bytes"] = max_bytes
+    return {EVENTS_STREAM: fields} if fields else {}
 
 
 def consumer_configs(folder: Path | None = None) -> list[tuple[str, dict[str, Any]]]:
@@ -34,8 +51,8 @@ def consumer_configs(folder: Path | None = None) -> list[tuple[str, dict[str, An
     return [(p.name.split(".", 1)[0], json.loads(p.read_text())) for p in sorted(folder.glob("*.json"))]
 
 
-async def provision(nc: Client, replicas: int | None = None) -> None:
-    for config in stream_configs(replicas=replicas):
+async def provision(nc: Client, replicas: int | None = None, overrides: Overrides | None = None) -> None:
+    for config in stream_configs(replicas=replicas, overrides=overrides):
         await _create_stream(nc, config)
     for stream, config in consumer_configs():
         await _create_consumer(nc, stream, config)

@@ -14,6 +14,7 @@ import msgspec
 from nats.aio.client import Client
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NoKeysError
 
+from exo.bus.embedded import MAX_PAYLOAD_BYTES
 from exo.bus.subjects import SNAPSHOT_KEY, STATE_BUCKET
 from exo.core.state import State, decode_state, encode_state
 
@@ -52,6 +53,11 @@ async def write_snapshot(nc: Client, state: State, attempts: int = 5) -> bool:
     """Store `state` unless the bucket already has one at least as new. True if written."""
     kv = await nc.jetstream().key_value(STATE_BUCKET)
     payload = encode_state(state)
+    if len(payload) > nc.max_payload:
+        log.error("State at sequence %d is %d bytes, over this NATS server's max_payload of %d: "
+                  "no snapshot written; raise max_payload in the server's config (the embedded server uses %d)",
+                  state.last_seq, len(payload), nc.max_payload, MAX_PAYLOAD_BYTES)
+        return False
     for _ in range(attempts):
         try:
             entry = await kv.get(SNAPSHOT_KEY)

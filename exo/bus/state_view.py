@@ -29,6 +29,11 @@ class StateView:
     async def start(self) -> None:
         await self._follower.start(self.state.last_seq + 1)
 
+    @property
+    def gap(self) -> str:
+        """Why this view is not a faithful fold of the log ("" when it is)."""
+        return self._follower.gap
+
     async def stop(self) -> None:
         await self._follower.stop()
 

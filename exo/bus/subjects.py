@@ -24,3 +24,9 @@ def token_subject(command_id: str) -> str:
 
 SNAPSHOT_KEY = "snapshot"
 LEADER_KEY = "leader"
+LEADER_BUCKET = "exo-leader"
+IMAGES_STREAM = f"OBJ_{IMAGES_BUCKET}"
+
+
+def image_chunks_subject(nuid: str) -> str:
+    return f"$O.{IMAGES_BUCKET}.C.{nuid}"

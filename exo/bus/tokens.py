@@ -13,6 +13,7 @@ import msgspec
 from nats.aio.client import Client
 from nats.js import api
 
+from exo.bus.publish import publish_durably
 from exo.bus.subjects import TOKENS_STREAM, token_subject
 from exo.core.types import TokenChunk
 
@@ -25,7 +26,8 @@ async def publish_chunk(nc: Client, chunk: TokenChunk) -> None:
     if chunk.finish_reason is None:
         await nc.publish(subject, _encoder.encode(chunk))
     else:
-        await nc.jetstream().publish(subject, _encoder.encode(chunk), stream=TOKENS_STREAM)
+        msg_id = f"{chunk.command_id}:{chunk.index}:{chunk.finish_reason}"
+        await publish_durably(nc, subject, _encoder.encode(chunk), TOKENS_STREAM, msg_id)
 
 
 class TokenListener:

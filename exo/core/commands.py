@@ -16,6 +16,7 @@ class PlaceInstance(Command, tag="place_instance", kw_only=True):
     model_id: str
     sharding: Sharding = "pipeline"
     min_nodes: int = 1
+    max_queue: int = 0  # open tasks the instance admits before it refuses more; 0: the default
 
 
 class DeleteInstance(Command, tag="delete_instance", kw_only=True):

@@ -9,6 +9,8 @@ from __future__ import annotations
 import msgspec
 
 from exo.core.types import (
+    DownloadErrorCode,
+    DownloadProgress,
     Instance,
     ModelCard,
     NodeInfo,
@@ -20,7 +22,14 @@ from exo.core.types import (
 
 
 class Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind"):
-    pass
+    # The master's term for events a master appends (0 for workers' events). The reducer
+    # ignores master events from a term older than the latest leader.elected: a deposed
+    # master that wakes up late cannot change State.
+    term: int = 0
+
+
+class LeaderElected(Event, tag="leader.elected", kw_only=True):
+    node_id: str
 
 
 class NodeRegistered(Event, tag="node.registered", kw_only=True):
@@ -88,8 +97,31 @@ class CommandRejected(Event, tag="command.rejected", kw_only=True):
     reason: str = ""
 
 
+class DownloadProgressed(Event, tag="download.progress", kw_only=True):
+    """A node's download of a model started, moved on (at most about once a second), completed
+    or was cancelled: the whole record, so the latest one is all a reader needs."""
+
+    progress: DownloadProgress
+
+
+class DownloadFailed(Event, tag="download.failed", kw_only=True):
+    node_id: str
+    model_id: str
+    code: DownloadErrorCode = "unknown"
+    reason: str = ""
+    at: float = 0.0
+
+
+class DownloadDeleted(Event, tag="download.deleted", kw_only=True):
+    """The node removed the model's files (never from a read-only directory) and its status."""
+
+    node_id: str
+    model_id: str
+
+
 AnyEvent = (
-    NodeRegistered
+    LeaderElected
+    | NodeRegistered
     | InstanceCreated
     | InstanceDeleted
     | RunnerStatusChanged
@@ -100,6 +132,9 @@ AnyEvent = (
     | CustomCardAdded
     | CustomCardDeleted
     | CommandRejected
+    | DownloadProgressed
+    | DownloadFailed
+    | DownloadDeleted
 )
 
 _decoder = msgspec.json.Decoder(AnyEvent)

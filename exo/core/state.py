@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import msgspec
 
-from exo.core.types import Instance, ModelCard, NodeInfo, RunnerInfo, Task
+from exo.core.types import DownloadProgress, Instance, ModelCard, NodeInfo, RunnerInfo, Task
 
 MAX_SKIPPED_KEPT = 100
 MAX_FINISHED_TASKS = 1000
+MAX_ANSWERED_COMMANDS = 1024
 
 
 class SkippedEvent(msgspec.Struct, frozen=True, kw_only=True):
@@ -17,18 +18,28 @@ class SkippedEvent(msgspec.Struct, frozen=True, kw_only=True):
 
 class State(msgspec.Struct, frozen=True, kw_only=True):
     last_seq: int = 0  # stream sequence of the last event folded in
+    leader_term: int = 0
+    leader_node: str = ""
     nodes: dict[str, NodeInfo] = {}
     instances: dict[str, Instance] = {}
     runners: dict[str, RunnerInfo] = {}
     tasks: dict[str, Task] = {}
     custom_model_cards: dict[str, ModelCard] = {}
     skipped_events: list[SkippedEvent] = []  # the most recent events the reducer could not use
+    finished_task_ids: list[str] = []  # oldest first; bounds how many finished tasks State keeps
+    # The most recent commands the log already answers (command id -> sequence): a command
+    # redelivered to a new master after its first master died is not decided twice.
+    answered_commands: dict[str, int] = {}
+    downloads: dict[str, dict[str, DownloadProgress]] = {}  # node id -> model id -> latest progress
 
     def instances_of(self, model_id: str) -> list[Instance]:
         return sorted(
             (i for i in self.instances.values() if i.model_id == model_id),
             key=lambda i: (i.created_seq, i.instance_id),
         )
+
+    def download_of(self, node_id: str, model_id: str) -> DownloadProgress | None:
+        return self.downloads.get(node_id, {}).get(model_id)
 
     def open_tasks_of(self, instance_id: str) -> list[Task]:
         return [

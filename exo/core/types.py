@@ -15,7 +15,12 @@ Sharding = Literal["pipeline", "tensor"]
 RunnerStatus = Literal["created", "downloading", "loading", "warming_up", "ready", "failed", "stopped"]
 TaskStatus = Literal["pending", "running", "completed", "cancelled", "failed"]
 FinishReason = Literal["stop", "length", "cancelled", "error"]
-RejectionCode = Literal["invalid", "not_found", "conflict", "unavailable"]
+RejectionCode = Literal["invalid", "not_found", "conflict", "unavailable", "overloaded"]
+DownloadStatus = Literal["pending", "downloading", "completed", "failed", "cancelled"]
+# Why a download failed, for programs; the event's reason says it for people.
+DownloadErrorCode = Literal[
+    "not_found", "gated", "unauthorized", "disk_full", "network", "rate_limited", "corrupt", "offline", "io", "unknown"
+]
 
 # A model id is a Hugging Face style "org/name" (or a bare "name"): no path tricks.
 _MODEL_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}(/[A-Za-z0-9][A-Za-z0-9._-]{0,95})?$")
@@ -44,6 +49,7 @@ class ModelCard(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     num_key_value_heads: int = 0
     storage_bytes: int = 0
     context_length: int = 0
+    supports_images: bool = False
     sampling: SamplingDefaults = SamplingDefaults()
 
     @property
@@ -68,6 +74,7 @@ class Instance(msgspec.Struct, frozen=True, kw_only=True):
     sharding: Sharding = "pipeline"
     shards: list[ShardAssignment] = []
     created_seq: int = 0  # stream sequence of its creation: a stable order for routing
+    max_queue: int = 0  # open tasks it admits; 0: the master's default
 
 
 class RunnerInfo(msgspec.Struct, frozen=True, kw_only=True):
@@ -88,9 +95,34 @@ class NodeInfo(msgspec.Struct, frozen=True, kw_only=True):
     last_seen: float = 0.0
 
 
+class FileProgress(msgspec.Struct, frozen=True, kw_only=True):
+    path: str  # relative to the model directory
+    done: int = 0  # bytes on disk (verified or partial)
+    total: int = 0
+
+
+class DownloadProgress(msgspec.Struct, frozen=True, kw_only=True):
+    """One model on one node: what State.downloads[node_id][model_id] holds."""
+
+    node_id: str
+    model_id: str
+    status: DownloadStatus = "pending"
+    done_bytes: int = 0  # of the files this node needs (its shard's weights, config, tokenizer)
+    total_bytes: int = 0
+    speed_bps: float = 0.0  # bytes per second over the last few seconds
+    eta_s: float | None = None  # None while the speed is unknown
+    files: list[FileProgress] = []
+    source: str = ""  # "hub", "peer:<node id>" or "local" (already on disk)
+    path: str = ""  # the model directory on that node
+    error_code: str = ""  # a DownloadErrorCode when status is "failed"
+    error: str = ""
+    updated_at: float = 0.0  # the node's clock (time.time()) when it reported this
+
+
 class ChatMessage(msgspec.Struct, frozen=True, kw_only=True):
     role: str
     content: str = ""
+    images: list[str] = []  # sha256 hex of each image, in the object store exo-images
 
 
 class GenerationParams(msgspec.Struct, frozen=True, kw_only=True):
@@ -102,6 +134,14 @@ class GenerationParams(msgspec.Struct, frozen=True, kw_only=True):
     top_p: float | None = None
     seed: int | None = None
     stop: list[str] = []
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    top_k: int | None = None
+    logprobs: bool = False
+    top_logprobs: int = 0  # alternatives per token, when logprobs is on
+    tools: list[dict] = []  # OpenAI-style function tools, given to the chat template
+    tool_turns: list[ToolTurn] = []  # tool calls and results of earlier turns (see ToolTurn)
+    prompt: str | None = None  # raw prompt text (completions): used as is, no chat template
 
 
 class Task(msgspec.Struct, frozen=True, kw_only=True):
@@ -118,7 +158,7 @@ class Task(msgspec.Struct, frozen=True, kw_only=True):
     completion_tokens: int = 0
 
 
-class TokenChunk(msgspec.Struct, frozen=True, kw_only=True):
+class TokenChunk(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """One piece of generated text on exo.tokens.<command_id> (data plane, not the event log)."""
 
     command_id: str
@@ -128,3 +168,32 @@ class TokenChunk(msgspec.Struct, frozen=True, kw_only=True):
     prompt_tokens: int = 0
     finish_reason: FinishReason | None = None
     error: str = ""
+    logprobs: list[TokenLogprob] = []  # one per generated token, when asked for
+    tool_calls: list[ToolCall] = []  # parsed from the model's output by the tokenizer's tool parser
+    stop_sequence: str = ""  # the stop string that ended generation, if one did
+
+
+class ToolCall(msgspec.Struct, frozen=True, kw_only=True):
+    id: str
+    name: str
+    arguments: str = "{}"  # JSON text, as OpenAI sends it
+
+
+class ToolTurn(msgspec.Struct, frozen=True, kw_only=True):
+    """The tool side of messages[index]: an assistant's calls, or which call a tool message answers."""
+
+    index: int
+    tool_calls: list[ToolCall] = []
+    tool_call_id: str = ""
+    name: str = ""
+
+
+class TopLogprob(msgspec.Struct, frozen=True, kw_only=True):
+    token: str
+    logprob: float
+
+
+class TokenLogprob(msgspec.Struct, frozen=True, kw_only=True):
+    token: str
+    logprob: float
+    top_logprobs: list[TopLogprob] = []

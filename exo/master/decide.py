@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 
+from msgspec.structs import replace
+
 from exo.core.commands import (
     AddCustomCard,
     AnyCommand,
@@ -30,20 +32,27 @@ from exo.core.state import State
 from exo.core.types import ModelCard, RejectionCode, Task, is_valid_model_id
 
 
+# Open (pending or running) tasks an instance admits, unless placed with its own max_queue.
+DEFAULT_MAX_QUEUE = 64
+
+
 def decide(
     state: State,
     command: AnyCommand,
     *,
     builtin_cards: Mapping[str, ModelCard],
     ids: Iterator[str],
+    default_max_queue: int = DEFAULT_MAX_QUEUE,
 ) -> list[Event]:
+    if command.command_id in state.answered_commands:
+        return []  # redelivered after its first master appended the answer: decided already
     match command:
         case PlaceInstance():
             return _place(state, command, builtin_cards, ids)
         case DeleteInstance():
             return _delete_instance(state, command)
         case GenerateText():
-            return _generate(state, command, builtin_cards)
+            return _generate(state, command, builtin_cards, default_max_queue)
         case CancelTask():
             return _cancel(state, command)
         case AddCustomCard():
@@ -67,7 +76,7 @@ def _place(state: State, command: PlaceInstance, builtin: Mapping[str, ModelCard
     placed = place_instance(card, command.sharding, command.min_nodes, state, ids)
     if isinstance(placed, Unplaceable):
         return _reject(command, placed.code, placed.reason)
-    return [InstanceCreated(command_id=command.command_id, instance=placed)]
+    return [InstanceCreated(command_id=command.command_id, instance=replace(placed, max_queue=command.max_queue))]
 
 
 def _delete_instance(state: State, command: DeleteInstance) -> list[Event]:
@@ -81,15 +90,19 @@ def _delete_instance(state: State, command: DeleteInstance) -> list[Event]:
     return [*ended, InstanceDeleted(command_id=command.command_id, instance_id=command.instance_id, reason="deleted on request")]
 
 
-def _generate(state: State, command: GenerateText, builtin: Mapping[str, ModelCard]) -> list[Event]:
+def _generate(state: State, command: GenerateText, builtin: Mapping[str, ModelCard], default_max_queue: int) -> list[Event]:
     if find_card(state, builtin, command.model_id) is None:
         return _reject(command, "not_found", f"unknown model {command.model_id!r}")
-    if command.command_id in state.tasks:
-        return []  # a redelivered command: its task already exists
     instances = state.instances_of(command.model_id)
     if not instances:
         return _reject(command, "unavailable", f"no instance of {command.model_id!r} is running; place one first")
-    least_busy = min(instances, key=lambda i: len(state.open_tasks_of(i.instance_id)))
+    # Admission: the least busy instance with room in its queue; none with room: try later.
+    open_tasks = {i.instance_id: len(state.open_tasks_of(i.instance_id)) for i in instances}
+    with_room = [i for i in instances if open_tasks[i.instance_id] < (i.max_queue or default_max_queue)]
+    if not with_room:
+        return _reject(command, "overloaded",
+                       f"every instance of {command.model_id!r} has a full queue; try again shortly")
+    least_busy = min(with_room, key=lambda i: open_tasks[i.instance_id])
     task = Task(
         task_id=command.command_id,
         instance_id=least_busy.instance_id,

@@ -1,18 +1,28 @@
-"""The master: receive a command, decide, append its events, wait until State has them, ack."""
+"""The master: win the lease, then receive a command, decide, append its events, wait until
+State has them, ack. Snapshots of State go to the KV bucket while it leads."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
+import time
 import uuid
 from collections.abc import Iterator, Mapping
 
+from msgspec.structs import replace
 from nats.aio.client import Client
 
-from exo.bus.command_queue import CommandConsumer
+from nats.errors import Error as NatsError
+
+from exo.bus.errors import BusError
+from exo.bus.command_queue import NotLeader, consume_commands
 from exo.bus.event_log import EventLog
+from exo.bus.leadership import Lease
+from exo.bus.snapshots import write_snapshot
 from exo.bus.state_view import StateView
 from exo.core.commands import AnyCommand
+from exo.core.events import LeaderElected
 from exo.core.types import ModelCard
 from exo.master.decide import decide
 
@@ -27,24 +37,102 @@ def ids_for(command_id: str) -> Iterator[str]:
 
 
 class Master:
-    def __init__(self, nc: Client, view: StateView, builtin_cards: Mapping[str, ModelCard]) -> None:
+    def __init__(
+        self, nc: Client, view: StateView, builtin_cards: Mapping[str, ModelCard], node_id: str,
+        snapshot_every: int = 1000, snapshot_interval: float = 30.0, max_queue: int | None = None,
+    ) -> None:
+        self._max_queue = max_queue
+        self._nc = nc
         self._view = view
         self._log = EventLog(nc)
         self._builtin_cards = builtin_cards
-        self._consumer = CommandConsumer(nc, self.handle)
+        self._lease = Lease(nc, node_id)
+        self._node_id = node_id
+        self._snapshotter = Snapshotter(nc, view, snapshot_every, snapshot_interval)
+        self.term = 0
 
     async def run(self) -> None:
-        await self._consumer.run()
+        """Campaign for the lease until this node wins it, lead until it is lost, repeat."""
+        try:
+            while True:
+                try:
+                    if await self._lease.try_acquire() is None:
+                        await asyncio.sleep(self._lease.ttl / 5)
+                        continue
+                    await self._lead()
+                except (BusError, NatsError, asyncio.TimeoutError) as error:
+                    # The broker is changing leaders or we are reconnecting: campaign again.
+                    log.warning("master: %r; campaigning again", error)
+                    await asyncio.sleep(1)
+        finally:
+            await self._lease.release()
 
-    def stop(self) -> None:
-        self._consumer.stop()
+    async def _lead(self) -> None:
+        term = self._lease.term
+        seq = await self._log.append(LeaderElected(node_id=self._node_id, term=term), event_id=f"leader:{term}")
+        await self._view.wait_for(seq)
+        if self._view.state.leader_term != term:
+            return  # a newer leader was elected meanwhile
+        self.term = term
+        log.info("master: leading with term %d", term)
+        renewing = asyncio.create_task(self._keep_lease())
+        snapshots = asyncio.create_task(self._snapshotter.run(self._lease.valid))
+        try:
+            await consume_commands(self._nc, self.handle, self._lease.valid)
+        finally:
+            renewing.cancel()
+            snapshots.cancel()
+            self.term = 0
+            log.warning("master: no longer leading (term %d)", term)
+
+    async def _keep_lease(self) -> None:
+        while await self._lease.renew():
+            await asyncio.sleep(self._lease.ttl / 5)
 
     async def handle(self, command: AnyCommand) -> None:
-        events = decide(self._view.state, command, builtin_cards=self._builtin_cards, ids=ids_for(command.command_id))
+        term = self.term
+        limits = {} if self._max_queue is None else {"default_max_queue": self._max_queue}
+        events = decide(
+            self._view.state, command, builtin_cards=self._builtin_cards, ids=ids_for(command.command_id), **limits
+        )
         last_seq = 0
         for n, event in enumerate(events):
-            last_seq = await self._log.append(event, event_id=f"{command.command_id}:{n}")
+            if not self._lease.valid():
+                raise NotLeader()
+            last_seq = await self._log.append(replace(event, term=term), event_id=f"{command.command_id}:{term}:{n}")
         if last_seq:
             # The next decision must see these events, whoever else appended meanwhile.
             await self._view.wait_for(last_seq)
-        log.debug("command %s -> %d event(s)", command.command_id, len(events))
+        if self._view.state.leader_term != term:
+            raise NotLeader()  # our events were fenced off: the new master decides this command
+
+
+class Snapshotter:
+    """Writes State to the KV bucket every `every` events or `interval` seconds, whichever first."""
+
+    def __init__(self, nc: Client, view: StateView, every: int, interval: float) -> None:
+        self._nc = nc
+        self._view = view
+        self._every = every
+        self._interval = interval
+        self._due = asyncio.Event()
+        self._written_seq = 0
+        view.add_listener(self._on_event)
+
+    def _on_event(self, seq, event, state) -> None:
+        if seq - self._written_seq >= self._every:
+            self._due.set()
+
+    async def run(self, still_leader) -> None:
+        while still_leader():
+            try:
+                await asyncio.wait_for(self._due.wait(), self._interval)
+            except asyncio.TimeoutError:
+                pass
+            self._due.clear()
+            state = self._view.state
+            if state.last_seq > self._written_seq and still_leader():
+                started = time.perf_counter()
+                await write_snapshot(self._nc, state)
+                self._written_seq = state.last_seq
+                log.info("snapshot at sequence %d (%.0f ms)", state.last_seq, (time.perf_counter() - started) * 1000)

@@ -10,6 +10,8 @@ from huggingface_hub import snapshot_download
 from exo.core.types import ModelCard
 from exo.models.cards import card_file_name
 
+COMPLETE_MARKER = ".exo-download-complete"  # holds the revision; a restart then needs no network
+
 # What mlx-lm needs to load a model: weights, config, tokenizer and chat templates.
 MODEL_FILE_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken", "*.jinja"]
 
@@ -26,10 +28,14 @@ def download_model(card: ModelCard, models_dir: Path) -> Path:
         if not (target / "config.json").is_file():
             raise FileNotFoundError(f"{card.model_id}: no config.json in local model directory {target}")
         return target
+    marker = target / COMPLETE_MARKER
+    if marker.is_file() and marker.read_text() == card.revision:
+        return target
     snapshot_download(
         repo_id=card.source_repo,
         revision=card.revision,
         local_dir=target,
         allow_patterns=MODEL_FILE_PATTERNS,
     )
+    marker.write_text(card.revision)
     return target

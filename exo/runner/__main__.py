@@ -20,7 +20,7 @@ from exo.bus.connection import connect, split_urls
 from exo.bus.tokens import publish_chunk
 from exo.core.types import TokenChunk
 from exo.runner.coalesce import Coalescer
-from exo.runner.engine import Engine
+from exo.runner.engine import Engine, Output
 from exo.runner.protocol import (
     Cancel, Done, Failed, Generate, Load, Loaded, Report, Shutdown, Started, WarmedUp, WarmUp,
     encode_line, request_decoder,
@@ -78,20 +78,27 @@ class Runner:
             return
         index = 0
         coalescer = Coalescer(STREAM_INTERVAL_S)
+        held = Output("", 0, 0, [], [])  # logprobs and tool calls ride with the text they came with
 
         def chunk_of(text: str, completion: int, prompt: int) -> TokenChunk:
             nonlocal index
             index += 1
-            return TokenChunk(command_id=task_id, index=index - 1, text=text, token_count=completion, prompt_tokens=prompt)
+            logprobs, tool_calls, held.logprobs, held.tool_calls = held.logprobs, held.tool_calls, [], []
+            return TokenChunk(command_id=task_id, index=index - 1, text=text, token_count=completion, prompt_tokens=prompt,
+                              logprobs=logprobs, tool_calls=tool_calls)
 
-        def on_text(text: str, completion: int, prompt: int) -> None:  # on the model thread
-            ready = coalescer.add(text, time.perf_counter())
-            if ready:
-                loop.call_soon_threadsafe(self._chunks.put_nowait, chunk_of(ready, completion, prompt))
+        def on_output(out: Output) -> None:  # on the model thread
+            held.logprobs.extend(out.logprobs)
+            held.tool_calls.extend(out.tool_calls)
+            now = time.perf_counter()
+            # A tool call is sent at once, with any text held before it.
+            ready = (coalescer.flush(now) or "") if out.tool_calls else coalescer.add(out.text, now)
+            if ready or out.tool_calls:
+                loop.call_soon_threadsafe(self._chunks.put_nowait, chunk_of(ready or "", out.completion_tokens, out.prompt_tokens))
 
         running = loop.run_in_executor(
-            self._mlx_thread, self._engine.generate, request.params, request.defaults, on_text,
-            lambda: task_id in self._cancelled,
+            self._mlx_thread, self._engine.generate, request.params, request.defaults, on_output,
+            lambda: task_id in self._cancelled, task_id,
         )
         self.report(Started(task_id=task_id))  # after the model thread has its work: off the first token's path
         try:
@@ -101,14 +108,15 @@ class Runner:
             await self._finish(task_id, index, "error", 0, 0, error=f"{type(error).__name__}: {error}")
             return
         rest = coalescer.flush(time.perf_counter())
-        if rest:  # on the loop thread, after every chunk the model thread scheduled
-            self._chunks.put_nowait(chunk_of(rest, result.completion_tokens, result.prompt_tokens))
-        await self._finish(task_id, index, result.finish_reason, result.prompt_tokens, result.completion_tokens)
+        if rest or held.logprobs:  # on the loop thread, after every chunk the model thread scheduled
+            self._chunks.put_nowait(chunk_of(rest or "", result.completion_tokens, result.prompt_tokens))
+        await self._finish(task_id, index, result.finish_reason, result.prompt_tokens, result.completion_tokens,
+                           stop_sequence=result.stop_sequence)
 
-    async def _finish(self, task_id, index, reason, prompt, completion, error: str = "") -> None:
+    async def _finish(self, task_id, index, reason, prompt, completion, error: str = "", stop_sequence: str = "") -> None:
         final = TokenChunk(
             command_id=task_id, index=index, token_count=completion, prompt_tokens=prompt,
-            finish_reason=reason, error=error,
+            finish_reason=reason, error=error, stop_sequence=stop_sequence,
         )
         self._chunks.put_nowait(final)
         await self._chunks.join()

@@ -23,6 +23,7 @@ class Generate(Request, tag="generate", kw_only=True):
     task_id: str
     params: GenerationParams
     defaults: SamplingDefaults = SamplingDefaults()
+    image_paths: dict[str, str] = {}  # sha256 -> file on this node, verified by the worker
 
 
 class Cancel(Request, tag="cancel", kw_only=True):

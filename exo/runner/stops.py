@@ -8,14 +8,16 @@ class StopMatcher:
         self._stops = [s for s in stops if s]
         self._held = ""
         self.stopped = False
+        self.matched = ""  # the stop string that ended it
 
     def feed(self, text: str) -> str:
         """Returns the text that is safe to emit now; sets `stopped` once a stop string appears."""
         if self.stopped:
             return ""
         self._held += text
-        cut = min((i for i in (self._held.find(s) for s in self._stops) if i >= 0), default=-1)
-        if cut >= 0:
+        found = [(i, s) for s in self._stops if (i := self._held.find(s)) >= 0]
+        if found:
+            cut, self.matched = min(found)
             self.stopped = True
             emitted, self._held = self._held[:cut], ""
             return emitted

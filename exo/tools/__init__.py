@@ -1,3 +1,8 @@
 """Operator tools, run as `exo <tool> ...`. Each module here has `main(argv: list[str]) -> int`."""
 
-TOOLS: dict[str, str] = {}  # subcommand name -> module path, e.g. {"replay": "exo.tools.replay"}
+# subcommand name -> module path
+TOOLS: dict[str, str] = {
+    "replay": "exo.tools.replay",
+    "events": "exo.tools.events",
+    "inspect": "exo.tools.inspect",
+}

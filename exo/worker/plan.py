@@ -32,6 +32,8 @@ class WorkerView(msgspec.Struct, frozen=True, kw_only=True):
     state: State
     runners: dict[str, LocalRunner] = {}
     ended_tasks: frozenset[str] = frozenset()  # tasks whose end this node already reported
+    local_images: frozenset[str] = frozenset()  # sha256 of images on this node's disk
+    images_in_flight: frozenset[str] = frozenset()  # being fetched right now
 
 
 class Step(msgspec.Struct, frozen=True, kw_only=True, tag_field="step"):
@@ -71,6 +73,10 @@ class CancelForwardedTask(Step, tag="cancel_task", kw_only=True):
     task_id: str
 
 
+class FetchImages(Step, tag="fetch_images", kw_only=True):
+    digests: list[str]
+
+
 class EndTask(Step, tag="end_task", kw_only=True):
     """End a task that no runner will finish: cancelled before it ran, or its runner failed."""
 
@@ -84,6 +90,8 @@ _NEXT_LIFECYCLE_STEP = {"spawned": DownloadModel, "downloaded": LoadModel, "load
 
 def plan(view: WorkerView) -> list[Step]:
     steps: list[Step] = [*_stop_orphans(view)]
+    if fetch := images_to_fetch(view):
+        steps.append(FetchImages(digests=fetch))
     for instance, shard in _my_shards(view):
         local = view.runners.get(shard.runner_id)
         if local is None:
@@ -124,6 +132,24 @@ def _task_steps(view: WorkerView, local: LocalRunner, tasks: list[Task]) -> list
             steps.append(EndTask(task_id=task.task_id, status="cancelled", reason="cancelled before it started"))
         elif task.cancel_requested and task.task_id not in local.cancels_sent:
             steps.append(CancelForwardedTask(runner_id=local.runner_id, task_id=task.task_id))
-        elif local.phase == "ready" and not forwarded:
+        elif local.phase == "ready" and not forwarded and not missing_images(view, task):
             steps.append(ForwardTask(runner_id=local.runner_id, task_id=task.task_id))
     return steps
+
+
+def images_of(task: Task) -> list[str]:
+    return [digest for message in task.params.messages for digest in message.images]
+
+
+def missing_images(view: WorkerView, task: Task) -> list[str]:
+    return [d for d in images_of(task) if d not in view.local_images]
+
+
+def images_to_fetch(view: WorkerView) -> list[str]:
+    """Images of this node's open tasks that it lacks and is not already fetching, in order."""
+    wanted: dict[str, None] = {}
+    for instance, _ in _my_shards(view):
+        for task in view.state.open_tasks_of(instance.instance_id):
+            if task.task_id not in view.ended_tasks:
+                wanted.update((d, None) for d in missing_images(view, task) if d not in view.images_in_flight)
+    return list(wanted)

@@ -15,7 +15,9 @@ from pathlib import Path
 from msgspec.structs import replace
 from nats.aio.client import Client
 
+from exo.bus.errors import BusError
 from exo.bus.event_log import EventLog
+from exo.bus.images import fetch_image
 from exo.bus.state_view import StateView
 from exo.bus.tokens import publish_chunk
 from exo.core.events import AnyEvent, CustomCardAdded, CustomCardDeleted, Event, RunnerStatusChanged, TaskFinished, TaskStarted
@@ -47,6 +49,8 @@ class Worker:
         self._hosts: dict[str, RunnerHost] = {}
         self._model_paths: dict[str, Path] = {}
         self._ended: set[str] = set()
+        self._local_images: set[str] = {p.name for p in self.images_dir.glob("[0-9a-f]*")} if self.images_dir.is_dir() else set()
+        self._images_in_flight: set[str] = set()
         self._wake = asyncio.Event()
         self._background: set[asyncio.Task] = set()
         view.add_listener(self._on_event)
@@ -55,8 +59,16 @@ class Worker:
     def custom_cards_dir(self) -> Path:
         return self._data_dir / "custom_cards"
 
+    @property
+    def images_dir(self) -> Path:
+        return self._data_dir / "images"
+
     async def run(self) -> None:
+        # A late joiner first makes its disk match State (cards, then the images its pending
+        # tasks need); only then does it plan anything.
         reconcile_custom_cards(self.custom_cards_dir, self._view.state.custom_model_cards)
+        await self._fetch_images(p.images_to_fetch(self._worker_view()))
+        log.info("worker: disk reconciled with State at sequence %d; planning starts", self._view.state.last_seq)
         self._wake.set()
         while True:
             await self._wake.wait()
@@ -78,7 +90,8 @@ class Worker:
 
     def _worker_view(self) -> p.WorkerView:
         return p.WorkerView(
-            node_id=self.node_id, state=self._view.state, runners=dict(self._runners), ended_tasks=frozenset(self._ended)
+            node_id=self.node_id, state=self._view.state, runners=dict(self._runners), ended_tasks=frozenset(self._ended),
+            local_images=frozenset(self._local_images), images_in_flight=frozenset(self._images_in_flight),
         )
 
     def _on_event(self, seq: int, event: AnyEvent, state: State) -> None:
@@ -123,11 +136,37 @@ class Worker:
                 runner = self._runners[step.runner_id]
                 self._runners[step.runner_id] = replace(runner, cancels_sent=runner.cancels_sent | {step.task_id})
                 await self._hosts[step.runner_id].send(rp.Cancel(task_id=step.task_id))
+            case p.FetchImages():
+                self._images_in_flight.update(step.digests)
+                self._in_background(self._fetch_images(step.digests))
             case p.EndTask():
                 await self._end_task(step.task_id, step.status, step.reason)
             case p.StopRunner():
                 self._set_phase(step.runner_id, "stopping")
                 self._in_background(self._stop_runner(step.runner_id))
+
+    async def _fetch_images(self, digests: list[str]) -> None:
+        self.images_dir.mkdir(parents=True, exist_ok=True)
+        for digest in digests:
+            try:
+                data = await fetch_image(self._nc, digest)  # verified against its hash
+            except BusError as error:
+                log.error("cannot fetch image %s: %s", digest, error)
+                self._fail_tasks_needing(digest, str(error))
+                continue
+            finally:
+                self._images_in_flight.discard(digest)
+            temporary = self.images_dir / f".{digest}.tmp"
+            await asyncio.to_thread(temporary.write_bytes, data)
+            temporary.replace(self.images_dir / digest)
+            self._local_images.add(digest)
+            log.info("worker: image %s fetched and verified (%d bytes)", digest, len(data))
+        self._wake.set()
+
+    def _fail_tasks_needing(self, digest: str, reason: str) -> None:
+        for task in self._view.state.tasks.values():
+            if task.status == "pending" and digest in p.images_of(task) and task.task_id not in self._ended:
+                self._in_background(self._end_task(task.task_id, "failed", reason))
 
     async def _create_runner(self, step: p.CreateRunner) -> None:
         self._runners[step.runner_id] = p.LocalRunner(runner_id=step.runner_id, instance_id=step.instance_id)
@@ -164,7 +203,11 @@ class Worker:
         task = self._view.state.tasks[step.task_id]
         card = find_card(self._view.state, self._builtin_cards, task.model_id)
         defaults = card.sampling if card else rp.SamplingDefaults()
-        await self._hosts[step.runner_id].send(rp.Generate(task_id=task.task_id, params=task.params, defaults=defaults))
+        images = {d: str(self.images_dir / d) for d in p.images_of(task)}
+        log.info("worker: task %s forwarded to runner %s", task.task_id, step.runner_id)
+        await self._hosts[step.runner_id].send(
+            rp.Generate(task_id=task.task_id, params=task.params, defaults=defaults, image_paths=images)
+        )
 
     async def _on_report(self, runner_id: str, report: rp.AnyReport) -> None:
         match report:

@@ -1,0 +1,130 @@
+"""How long a joining node takes to be ready to plan, with a snapshot and with a replay from
+sequence 1, against logs of 10k, 100k and 1M events; and image transfer through the object
+store. One run, side by side, with ratios.
+
+    uv run python bench/late_join.py [--sizes 10000,100000,1000000] [--image-mb 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from exo.bus.catch_up import catch_up  # noqa: E402
+from exo.bus.connection import connect  # noqa: E402
+from exo.bus.embedded import EmbeddedNats  # noqa: E402
+from exo.bus.images import fetch_image, store_image  # noqa: E402
+from exo.bus.provision import provision  # noqa: E402
+from exo.bus.snapshots import write_snapshot  # noqa: E402
+from exo.bus.subjects import IMAGES_BUCKET, event_subject  # noqa: E402
+from exo.core.events import NodeRegistered, TaskCreated, TaskFinished, TaskStarted, encode_event, event_tag  # noqa: E402
+from exo.core.state import encode_state  # noqa: E402
+from exo.core.types import GenerationParams, NodeInfo, Task  # noqa: E402
+
+TAIL = 500  # events after the snapshot, as between two snapshots of a busy master
+
+
+def history_event(n: int):
+    """A busy cluster's steady state: every task is created, started and finished, and nodes
+    report in between; State stays bounded (1,000 finished tasks are kept)."""
+    match n % 4:
+        case 0:
+            params = GenerationParams(max_tokens=n)
+            return TaskCreated(task=Task(task_id=f"t{n}", instance_id="i", model_id="m", params=params), term=1)
+        case 1:
+            return TaskStarted(task_id=f"t{n - 1}")
+        case 2:
+            return TaskFinished(task_id=f"t{n - 2}", status="completed", completion_tokens=n)
+        case _:
+            return NodeRegistered(node=NodeInfo(node_id=f"node-{n % 7}", memory_available=n))
+
+
+async def append_history(nc, start: int, stop: int) -> None:
+    """Core publishes into the stream (no ack per event), then one flush: the fastest way in."""
+    for n in range(start, stop):
+        event = history_event(n)
+        await nc.publish(event_subject(event_tag(event)), encode_event(event))
+        if n % 5000 == 0:
+            await nc.flush()
+    await nc.flush()
+    js = nc.jetstream()
+    while (await js.stream_info("EXO_EVENTS")).state.last_seq < stop - 1:
+        await asyncio.sleep(0.05)
+
+
+async def time_catch_up(nc, use_snapshot: bool) -> tuple[float, object]:
+    started = time.perf_counter()
+    view, _ = await catch_up(nc, use_snapshot=use_snapshot)
+    elapsed = time.perf_counter() - started
+    await view.stop()
+    return elapsed, view.state
+
+
+async def bench_late_join(nc, sizes: list[int]) -> list[tuple]:
+    rows, appended = [], 0
+    for size in sizes:
+        await append_history(nc, appended + 1, size + 1)
+        replay_s, state = await time_catch_up(nc, use_snapshot=False)
+        await write_snapshot(nc, state)
+        await append_history(nc, size + 1, size + TAIL + 1)
+        appended = size + TAIL
+        snapshot_s, _ = await time_catch_up(nc, use_snapshot=True)
+        rows.append((size, replay_s, snapshot_s, len(encode_state(state))))
+        print(f"  {size:>9,} events: replay {replay_s:8.3f} s, snapshot + {TAIL} tail {snapshot_s:6.3f} s", flush=True)
+    return rows
+
+
+async def bench_images(nc, megabytes: int) -> dict[str, float]:
+    data = os.urandom(megabytes * 1024 * 1024)
+    started = time.perf_counter()
+    digest, _ = await store_image(nc, data)
+    upload = time.perf_counter() - started
+    started = time.perf_counter()
+    await store_image(nc, data)
+    second = time.perf_counter() - started
+    started = time.perf_counter()
+    assert await fetch_image(nc, digest) == data
+    fetch = time.perf_counter() - started
+    store = await nc.jetstream().object_store(IMAGES_BUCKET)
+    started = time.perf_counter()
+    await store.get(digest)
+    library_get = time.perf_counter() - started
+    return {"upload": upload, "second": second, "fetch": fetch, "library_get": library_get}
+
+
+async def main(sizes: list[int], image_mb: int) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        server = EmbeddedNats(Path(tmp), port=0)
+        url = await server.start()
+        try:
+            nc = await connect([url], name="bench")
+            await provision(nc)
+            print("late join (time until ready to plan):", flush=True)
+            rows = await bench_late_join(nc, sizes)
+            images = await bench_images(nc, image_mb)
+            await nc.close()
+        finally:
+            server.stop()
+    print(f"\n{'events':>10} {'replay from 1':>15} {'snapshot + tail':>17} {'speed-up':>9} {'snapshot size':>14}")
+    for size, replay_s, snapshot_s, snapshot_bytes in rows:
+        print(f"{size:>10,} {replay_s:>13.3f} s {snapshot_s:>15.3f} s {replay_s / snapshot_s:>8.1f}x {snapshot_bytes / 1e6:>11.2f} MB")
+    mb = image_mb
+    print(f"\nimage of {mb} MB: upload {mb / images['upload']:.0f} MB/s ({images['upload'] * 1000:.0f} ms), "
+          f"second send {images['second'] * 1000:.1f} ms (upload skipped), "
+          f"worker fetch {mb / images['fetch']:.0f} MB/s ({images['fetch'] * 1000:.0f} ms) "
+          f"vs nats-py ObjectStore.get {mb / images['library_get']:.0f} MB/s ({images['library_get'] * 1000:.0f} ms)")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default="10000,100000,1000000")
+    parser.add_argument("--image-mb", type=int, default=10)
+    args = parser.parse_args()
+    asyncio.run(main([int(s) for s in args.sizes.split(",")], args.image_mb))

@@ -1,0 +1,58 @@
+"""API keys: with keys set, every route but /health needs `Authorization: Bearer <key>`
+(Anthropic clients send `x-api-key`, accepted on /v1/messages). A wrong or missing key gets
+401 in the surface's own error shape (see errors.py)."""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import logging
+
+from aiohttp import web
+
+from exo.api.context import context_of
+from exo.api.errors import ApiError
+from exo.api.settings import ApiSettings
+
+log = logging.getLogger(__name__)
+
+OPEN_PATHS = frozenset({"/health"})
+
+
+@web.middleware
+async def auth_middleware(request: web.Request, handler):
+    keys = context_of(request).settings.api_keys
+    if keys and request.path not in OPEN_PATHS and not _key_matches(_presented_key(request), keys):
+        raise ApiError(401, "a valid API key is required: send 'Authorization: Bearer <key>'",
+                       code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+    return await handler(request)
+
+
+def _presented_key(request: web.Request) -> str:
+    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+    if scheme.lower() == "bearer" and token.strip():
+        return token.strip()
+    if request.path.startswith("/v1/messages"):
+        return request.headers.get("x-api-key", "")
+    return ""
+
+
+def _key_matches(presented: str, keys: frozenset[str]) -> bool:
+    # Compare against every key in constant time: how long it takes says nothing about the keys.
+    matched = False
+    for key in keys:
+        matched |= hmac.compare_digest(presented.encode(), key.encode())
+    return matched and bool(presented)
+
+
+def warn_if_exposed(host: str, settings: ApiSettings) -> None:
+    """Call at start: an API on a non-loopback address without keys is open to the network."""
+    if settings.api_keys:
+        return
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback:
+        log.warning("the API listens on %s without API keys: anyone who can reach it can use it "
+                    "(set EXO_API_KEYS to require a key)", host)

@@ -1,0 +1,73 @@
+"""More cluster routes: placement previews, cancelling a generation, one model's card."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+import msgspec
+from aiohttp import web
+
+from exo.api.context import context_of
+from exo.api.errors import ApiError
+from exo.api.generation import cancel_generation
+from exo.core.placement import Unplaceable, place_instance
+from exo.core.types import Sharding
+
+CANCEL_WAIT_S = 10.0  # how long the cancel route waits to report how the task ended
+_ID_PREFIXES = ("chatcmpl-", "cmpl-", "resp_", "msg_")
+_SHARDINGS: tuple[Sharding, ...] = ("pipeline", "tensor")
+
+
+async def cancel(request: web.Request) -> web.Response:
+    """POST /v1/cancel/{command_id}: stop a generation; answers with how its task ended."""
+    ctx = context_of(request)
+    command_id = request.match_info["command_id"]
+    for prefix in _ID_PREFIXES:  # the ids the surfaces show, as well as the bare command id
+        command_id = command_id.removeprefix(prefix)
+    task = ctx.view.state.tasks.get(command_id)
+    if task is None:
+        raise ApiError(404, f"no generation {command_id!r}", param="command_id")
+    if task.status in ("pending", "running"):
+        ended = ctx.outcomes.expect_task_end(command_id)
+        try:
+            await cancel_generation(ctx, command_id)
+            await asyncio.wait_for(asyncio.shield(ended), CANCEL_WAIT_S)
+        except asyncio.TimeoutError:
+            pass  # still ending; the answer says so
+        finally:
+            ctx.outcomes.forget_task_end(command_id, ended)
+    task = ctx.view.state.tasks.get(command_id, task)
+    return web.json_response({"message": "cancel requested", "command_id": command_id, "status": task.status,
+                              "finish_reason": task.finish_reason})
+
+
+async def instance_previews(request: web.Request) -> web.Response:
+    """GET /instance/previews?model_id=X: where each kind of placement would put the model, placing nothing."""
+    ctx = context_of(request)
+    model_id = request.query.get("model_id", "")
+    card = ctx.card(model_id)
+    if card is None:
+        raise ApiError(404, f"unknown model {model_id!r}", param="model_id", code="model_not_found")
+    state = ctx.view.state
+    previews = []
+    for sharding, min_nodes in itertools.product(_SHARDINGS, range(1, max(1, len(state.nodes)) + 1)):
+        placed = place_instance(card, sharding, min_nodes, state, (f"preview-{n}" for n in itertools.count()))
+        preview = {"model_id": model_id, "sharding": sharding, "min_nodes": min_nodes}
+        if isinstance(placed, Unplaceable):
+            previews.append(preview | {"instance": None, "error": placed.reason})
+        else:
+            previews.append(preview | {"instance": msgspec.to_builtins(placed), "error": None})
+    return web.json_response({"previews": previews})
+
+
+async def get_model(request: web.Request) -> web.Response:
+    """GET /v1/models/{model_id}: OpenAI's model object, with the card beside it."""
+    ctx = context_of(request)
+    model_id = request.match_info["model_id"]
+    card = ctx.card(model_id)
+    if card is None:
+        raise ApiError(404, f"The model {model_id!r} does not exist", param="model", code="model_not_found")
+    return web.json_response({"id": card.model_id, "object": "model", "created": 0, "owned_by": "exo",
+                              "name": card.name or card.model_id, "context_length": card.context_length,
+                              "card": msgspec.to_builtins(card)})

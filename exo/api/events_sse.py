@@ -1,0 +1,64 @@
+"""GET /events: the event log as server-sent events, as events are appended.
+
+`?since=SEQ` (or `Last-Event-ID: SEQ` on a reconnect) starts after event SEQ; without it the
+stream starts with the next event. Each event's SSE id is its stream sequence and its SSE
+event name its wire tag, so `curl -N host/events?since=0` shows the whole history.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from aiohttp import web
+
+from exo.api.context import context_of
+from exo.api.errors import ApiError
+from exo.api.sse import SseStream
+from exo.bus.errors import LogGap
+from exo.bus.event_log import EventFollower
+from exo.core.events import AnyEvent, encode_event, event_tag
+
+KEEP_ALIVE_S = 15.0  # a comment line this often keeps idle connections (and proxies) open
+_QUEUE_BOUND = 1024  # a slow client holds back its own reader, not the node
+
+
+async def events(request: web.Request) -> web.StreamResponse:
+    ctx = context_of(request)
+    since = _since(request, default=ctx.view.state.last_seq)
+    queue: asyncio.Queue[tuple[int, str, str]] = asyncio.Queue(_QUEUE_BOUND)
+
+    async def on_event(seq: int, event: AnyEvent) -> None:
+        await queue.put((seq, event_tag(event), encode_event(event).decode()))
+
+    async def on_undecodable(seq: int, reason: str) -> None:
+        await queue.put((seq, "undecodable", reason))
+
+    follower = EventFollower(ctx.nc, on_event, on_undecodable)
+    try:
+        await follower.start(since + 1)
+    except LogGap as gap:
+        raise ApiError(410, str(gap), param="since") from None
+    try:
+        sse = await SseStream.open(request)
+        while True:
+            try:
+                seq, tag, data = await asyncio.wait_for(queue.get(), KEEP_ALIVE_S)
+            except asyncio.TimeoutError:
+                await sse.response.write(b": keep-alive\n\n")
+                continue
+            await sse.send(data, event=tag, event_id=str(seq))
+    finally:
+        await follower.stop()
+
+
+def _since(request: web.Request, default: int) -> int:
+    raw = request.headers.get("Last-Event-ID") or request.query.get("since")
+    if raw is None:
+        return default
+    try:
+        since = int(raw)
+    except ValueError:
+        raise ApiError(400, f"since must be an event sequence number, got {raw!r}", param="since") from None
+    if since < 0:
+        raise ApiError(400, "since must be 0 or more", param="since")
+    return since

@@ -1,0 +1,198 @@
+"""Ollama's API: /api/chat and /api/generate (NDJSON streams, the default, and not), /api/tags,
+/api/show, /api/ps, /api/version. Errors are Ollama's {"error": "..."} (see errors.py)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from datetime import datetime, timezone
+
+import msgspec
+from aiohttp import web
+
+from exo.api.context import context_of
+from exo.api.errors import ApiError
+from exo.api.generation import Generation, collect, start_generation
+from exo.api.request_body import decode_body
+from exo.api.validate import at_least_one, in_range, stop_list
+from exo.core.types import ChatMessage, GenerationParams, ModelCard
+
+OLLAMA_VERSION = "0.9.0"  # the Ollama API level these routes follow
+
+
+class Options(msgspec.Struct, kw_only=True):
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    num_predict: int | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+
+
+class OllamaMessage(msgspec.Struct, kw_only=True):
+    role: str
+    content: str = ""
+    images: list[str] | None = None
+
+
+class ChatRequest(msgspec.Struct, kw_only=True):
+    model: str
+    messages: list[OllamaMessage] = []
+    stream: bool = True
+    options: Options | None = None
+    format: str | dict | None = None
+    tools: list[dict] | None = None
+    keep_alive: str | int | float | None = None
+    think: bool | str | None = None
+
+
+class GenerateRequest(msgspec.Struct, kw_only=True):
+    model: str
+    prompt: str = ""
+    system: str | None = None
+    raw: bool = False
+    stream: bool = True
+    options: Options | None = None
+    format: str | dict | None = None
+    images: list[str] | None = None
+    suffix: str | None = None
+    keep_alive: str | int | float | None = None
+
+
+class ModelRequest(msgspec.Struct, kw_only=True):
+    model: str = ""
+    name: str = ""  # older clients send "name"
+
+
+def _params(options: Options | None, **fields) -> GenerationParams:
+    o = options or Options()
+    num_predict = None if o.num_predict is None or o.num_predict < 0 else at_least_one(o.num_predict, "num_predict")
+    return GenerationParams(
+        **fields, max_tokens=num_predict, temperature=in_range(o.temperature, 0.0, 2.0, "temperature"),
+        top_p=in_range(o.top_p, 0.0, 1.0, "top_p"), top_k=at_least_one(o.top_k, "top_k"), seed=o.seed,
+        stop=stop_list(o.stop), presence_penalty=in_range(o.presence_penalty, -2.0, 2.0, "presence_penalty"),
+        frequency_penalty=in_range(o.frequency_penalty, -2.0, 2.0, "frequency_penalty"),
+    )
+
+
+def _unsupported(**given: object) -> None:
+    for name, value in given.items():
+        if value:
+            raise ApiError(400, f"{name} is not supported by this server")
+
+
+async def chat(request: web.Request) -> web.StreamResponse:
+    body = await decode_body(request, ChatRequest)
+    _unsupported(format=body.format, tools=body.tools, images=any(m.images for m in body.messages))
+    if not body.messages:
+        raise ApiError(400, "messages must contain at least one message")
+    roles = {"system", "user", "assistant", "tool"}
+    if bad := [m.role for m in body.messages if m.role not in roles]:
+        raise ApiError(400, f"invalid role {bad[0]!r}: use one of {sorted(roles)}")
+    params = _params(body.options, messages=[ChatMessage(role=m.role, content=m.content) for m in body.messages])
+    return await _run(request, body.model, params, body.stream, _chat_piece)
+
+
+async def generate(request: web.Request) -> web.StreamResponse:
+    body = await decode_body(request, GenerateRequest)
+    _unsupported(format=body.format, images=body.images, suffix=body.suffix)
+    if body.raw:
+        params = _params(body.options, prompt=body.prompt)
+    else:
+        system = [ChatMessage(role="system", content=body.system)] if body.system else []
+        params = _params(body.options, messages=[*system, ChatMessage(role="user", content=body.prompt)])
+    return await _run(request, body.model, params, body.stream, lambda text: {"response": text})
+
+
+def _chat_piece(text: str) -> dict:
+    return {"message": {"role": "assistant", "content": text}}
+
+
+async def _run(request: web.Request, model: str, params: GenerationParams, stream: bool, piece) -> web.StreamResponse:
+    ctx = context_of(request)
+    if ctx.card(model) is None:
+        raise ApiError(404, f"model '{model}' not found")
+    started = time.perf_counter_ns()
+    generation = await start_generation(ctx, model, params)
+    try:
+        if stream:
+            return await _stream(request, generation, model, piece, started)
+        done = await collect(generation)
+        assert done.final is not None
+        return web.json_response(_head(model) | piece(done.text) | _done(done.final, started))
+    finally:
+        await generation.close()
+
+
+def _head(model: str) -> dict:
+    return {"model": model, "created_at": datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")}
+
+
+def _done(final, started_ns: int) -> dict:
+    total = time.perf_counter_ns() - started_ns
+    return {"done": True, "done_reason": "length" if final.finish_reason == "length" else "stop",
+            "total_duration": total, "load_duration": 0, "prompt_eval_count": final.prompt_tokens,
+            "prompt_eval_duration": 0, "eval_count": final.token_count, "eval_duration": total}
+
+
+async def _stream(request: web.Request, generation: Generation, model: str, piece, started: int) -> web.StreamResponse:
+    response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+    await response.prepare(request)
+
+    async def send(obj: dict) -> None:
+        await response.write(json.dumps(obj, ensure_ascii=False).encode() + b"\n")
+
+    async for chunk in generation.chunks():
+        if chunk.text:
+            await send(_head(model) | piece(chunk.text) | {"done": False})
+        if chunk.finish_reason in ("error", "cancelled"):
+            await send({"error": chunk.error or "generation was cancelled"})
+        elif chunk.finish_reason:
+            await send(_head(model) | piece("") | _done(chunk, started))
+    await response.write_eof()
+    return response
+
+
+def _model_entry(card: ModelCard) -> dict:
+    digest = hashlib.sha256(f"{card.model_id}@{card.revision}".encode()).hexdigest()
+    return {"name": card.model_id, "model": card.model_id, "modified_at": "1970-01-01T00:00:00Z",
+            "size": card.storage_bytes, "digest": digest, "details": _details(card)}
+
+
+def _details(card: ModelCard) -> dict:
+    return {"parent_model": "", "format": "mlx", "family": "", "families": None, "parameter_size": "",
+            "quantization_level": ""}
+
+
+async def tags(request: web.Request) -> web.Response:
+    cards = sorted(context_of(request).all_cards().values(), key=lambda c: c.model_id)
+    return web.json_response({"models": [_model_entry(c) for c in cards]})
+
+
+async def show(request: web.Request) -> web.Response:
+    body = await decode_body(request, ModelRequest)
+    model_id = body.model or body.name
+    card = context_of(request).card(model_id)
+    if card is None:
+        raise ApiError(404, f"model '{model_id}' not found")
+    info = {"general.architecture": "", "general.context_length": card.context_length,
+            "general.block_count": card.n_layers, "general.embedding_length": card.hidden_size}
+    return web.json_response({"modelfile": "", "parameters": "", "template": "", "license": "",
+                              "details": _details(card), "model_info": info, "capabilities": ["completion"],
+                              "modified_at": "1970-01-01T00:00:00Z"})
+
+
+async def ps(request: web.Request) -> web.Response:
+    ctx = context_of(request)
+    running = sorted({i.model_id for i in ctx.view.state.instances.values()})
+    models = [_model_entry(card) | {"expires_at": "2999-01-01T00:00:00Z", "size_vram": 0,
+                                    "context_length": card.context_length}
+              for model_id in running if (card := ctx.card(model_id)) is not None]
+    return web.json_response({"models": models})
+
+
+async def version(request: web.Request) -> web.Response:
+    return web.json_response({"version": OLLAMA_VERSION})

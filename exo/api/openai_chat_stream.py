@@ -1,0 +1,122 @@
+"""Chat completion answers in OpenAI's shapes: whole, streamed, and streams resumed.
+
+Every streamed event carries `id: <command_id>:<chunk index>`. A client that lost its
+connection sends the last id back (`Last-Event-ID`, on a POST to /v1/chat/completions or a
+GET of /v1/chat/completions/{id}/stream) or asks for `?after=N`, and gets the rest of the same
+generation: the text is in JetStream, so nothing is generated twice.
+"""
+
+from __future__ import annotations
+
+import time
+
+from aiohttp import web
+
+from exo.api.context import context_of
+from exo.api.errors import ApiError
+from exo.api.generation import Generation, collect, resume_generation
+from exo.api.openai_tools import logprobs_json, tool_calls_json
+from exo.api.sse import SseStream
+from exo.core.types import TokenChunk
+
+ID_PREFIX = "chatcmpl-"
+
+
+def envelope(command_id: str, model: str, kind: str) -> dict:
+    return {"id": f"{ID_PREFIX}{command_id}", "object": kind, "created": int(time.time()), "model": model,
+            "system_fingerprint": None}
+
+
+def usage(prompt: int, completion: int) -> dict:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+async def complete_chat(generation: Generation, model: str, with_logprobs: bool) -> web.Response:
+    done = await collect(generation)
+    assert done.final is not None
+    message: dict = {"role": "assistant", "content": done.text if done.text or not done.tool_calls else None,
+                     "refusal": None}
+    if done.tool_calls:
+        message["tool_calls"] = tool_calls_json(done.tool_calls)
+    choice = {"index": 0, "message": message, "finish_reason": done.finish_reason,
+              "logprobs": logprobs_json(done.logprobs) if with_logprobs else None}
+    body = envelope(generation.command_id, model, "chat.completion") | {
+        "choices": [choice], "usage": usage(done.final.prompt_tokens, done.final.token_count)}
+    return web.json_response(body)
+
+
+async def stream_chat(request: web.Request, generation: Generation, model: str, include_usage: bool,
+                      with_logprobs: bool, resumed: bool = False) -> web.StreamResponse:
+    sse = await SseStream.open(request)
+    base = envelope(generation.command_id, model, "chat.completion.chunk")
+
+    def choice(delta: dict, finish_reason: str | None = None, logprobs: dict | None = None) -> dict:
+        return base | {"choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}]}
+
+    if not resumed:
+        await sse.send(choice({"role": "assistant", "content": ""}), event_id=f"{generation.command_id}:-1")
+    calls_sent = 0
+    async for chunk in generation.chunks():
+        event_id = f"{generation.command_id}:{chunk.index}"
+        delta = _delta(chunk, calls_sent)
+        calls_sent += len(chunk.tool_calls)
+        if delta or (with_logprobs and chunk.logprobs):
+            await sse.send(choice(delta, None, logprobs_json(chunk.logprobs) if with_logprobs else None), event_id=event_id)
+        if chunk.finish_reason in ("error", "cancelled"):
+            message = chunk.error or "generation was cancelled"
+            await sse.send({"error": {"message": message, "type": "internal_error", "code": chunk.finish_reason}},
+                           event_id=event_id)
+        elif chunk.finish_reason:
+            reason = "tool_calls" if calls_sent and chunk.finish_reason == "stop" else chunk.finish_reason
+            await sse.send(choice({}, reason), event_id=event_id)
+            if include_usage:
+                await sse.send(base | {"choices": [], "usage": usage(chunk.prompt_tokens, chunk.token_count)},
+                               event_id=event_id)
+    await sse.send("[DONE]")
+    return await sse.close()
+
+
+def _delta(chunk: TokenChunk, calls_sent: int) -> dict:
+    delta: dict = {}
+    if chunk.text:
+        delta["content"] = chunk.text
+    if chunk.tool_calls:
+        delta["tool_calls"] = tool_calls_json(chunk.tool_calls, first_index=calls_sent)
+    return delta
+
+
+def parse_event_id(value: str, command_id: str | None = None) -> tuple[str, int]:
+    """`<command_id>:<index>` (or a bare index when the command is known) -> (command_id, index)."""
+    named, _, index = value.strip().rpartition(":")
+    named = named.removeprefix(ID_PREFIX)
+    try:
+        after = int(index)
+    except ValueError:
+        raise ApiError(400, f"bad event id {value!r}: expected '<id>:<chunk index>'", param="Last-Event-ID") from None
+    if (named and command_id and named != command_id) or not (named or command_id):
+        raise ApiError(400, f"event id {value!r} names another generation", param="Last-Event-ID")
+    return named or command_id or "", after
+
+
+async def resume_chat(request: web.Request, command_id: str, after: int, include_usage: bool) -> web.StreamResponse:
+    ctx = context_of(request)
+    generation = await resume_generation(ctx, command_id, after)
+    task = ctx.view.state.tasks[command_id]
+    try:
+        return await stream_chat(request, generation, task.model_id, include_usage, task.params.logprobs, resumed=True)
+    finally:
+        await generation.close(ctx.settings.resume_grace_s)
+
+
+async def resume_chat_route(request: web.Request) -> web.StreamResponse:
+    """GET /v1/chat/completions/{id}/stream?after=N (or with Last-Event-ID)."""
+    command_id = request.match_info["id"].removeprefix(ID_PREFIX)
+    if "Last-Event-ID" in request.headers:
+        command_id, after = parse_event_id(request.headers["Last-Event-ID"], command_id)
+    else:
+        try:
+            after = int(request.query.get("after", "-1"))
+        except ValueError:
+            raise ApiError(400, "after must be a chunk index (an integer)", param="after") from None
+    include_usage = request.query.get("include_usage", "false").lower() in ("1", "true")
+    return await resume_chat(request, command_id, after, include_usage)

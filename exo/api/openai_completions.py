@@ -1,0 +1,135 @@
+"""POST /v1/completions in OpenAI's shapes: prompt text in, text out, no chat template."""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+from aiohttp import web
+
+from exo.api.context import context_of
+from exo.api.errors import ApiError
+from exo.api.generation import Generation, collect, start_generation
+from exo.api.openai_chat_stream import usage
+from exo.api.openai_tools import check_penalty
+from exo.api.request_body import decode_body
+from exo.api.sse import SseStream
+from exo.core.types import GenerationParams, TokenLogprob
+
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default for this endpoint
+MAX_LOGPROBS = 5  # the completions API's own limit
+
+
+class StreamOptions(msgspec.Struct, kw_only=True):
+    include_usage: bool = False
+
+
+class CompletionRequest(msgspec.Struct, kw_only=True):
+    model: str
+    prompt: str | list[str]
+    max_tokens: int | None = DEFAULT_MAX_TOKENS
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = 1
+    best_of: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    user: str | None = None
+
+
+def to_params(body: CompletionRequest) -> GenerationParams:
+    prompt = body.prompt
+    if isinstance(prompt, list):
+        if len(prompt) != 1:
+            raise ApiError(400, "prompt must be one string (a list of several prompts is not supported)", param="prompt")
+        prompt = prompt[0]
+    if not prompt:
+        raise ApiError(400, "prompt must not be empty", param="prompt")
+    for name, value, allowed in (("n", body.n, 1), ("best_of", body.best_of or 1, 1)):
+        if value != allowed:
+            raise ApiError(400, f"only {name}=1 is supported", param=name)
+    if body.echo or body.suffix:
+        raise ApiError(400, "echo and suffix are not supported", param="echo" if body.echo else "suffix")
+    if body.max_tokens is not None and body.max_tokens < 1:
+        raise ApiError(400, "max_tokens must be at least 1", param="max_tokens")
+    if body.temperature is not None and not 0 <= body.temperature <= 2:
+        raise ApiError(400, "temperature must be between 0 and 2", param="temperature")
+    if body.top_p is not None and not 0 <= body.top_p <= 1:
+        raise ApiError(400, "top_p must be between 0 and 1", param="top_p")
+    if body.logprobs is not None and not 0 <= body.logprobs <= MAX_LOGPROBS:
+        raise ApiError(400, f"logprobs must be between 0 and {MAX_LOGPROBS}", param="logprobs")
+    return GenerationParams(
+        prompt=prompt, max_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p, seed=body.seed,
+        stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
+        presence_penalty=check_penalty(body.presence_penalty, "presence_penalty"),
+        frequency_penalty=check_penalty(body.frequency_penalty, "frequency_penalty"),
+        logprobs=body.logprobs is not None, top_logprobs=body.logprobs or 0,
+    )
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    body = await decode_body(request, CompletionRequest)
+    params = to_params(body)
+    ctx = context_of(request)
+    if ctx.card(body.model) is None:
+        raise ApiError(404, f"The model {body.model!r} does not exist", param="model", code="model_not_found")
+    generation = await start_generation(ctx, body.model, params)
+    try:
+        if body.stream:
+            return await _stream(request, generation, body)
+        return await _complete(generation, body)
+    finally:
+        await generation.close()
+
+
+def _envelope(generation: Generation, model: str) -> dict:
+    return {"id": f"cmpl-{generation.command_id}", "object": "text_completion", "created": int(time.time()), "model": model}
+
+
+def _logprobs(entries: list[TokenLogprob], offset: int) -> dict:
+    """The completions API's older logprobs shape: parallel lists, top alternatives as maps."""
+    offsets, at = [], offset
+    for entry in entries:
+        offsets.append(at)
+        at += len(entry.token)
+    return {"tokens": [e.token for e in entries], "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{t.token: t.logprob for t in e.top_logprobs} for e in entries], "text_offset": offsets}
+
+
+async def _complete(generation: Generation, body: CompletionRequest) -> web.Response:
+    done = await collect(generation)
+    assert done.final is not None
+    choice = {"index": 0, "text": done.text, "finish_reason": done.finish_reason,
+              "logprobs": _logprobs(done.logprobs, 0) if body.logprobs is not None else None}
+    return web.json_response(_envelope(generation, body.model) | {
+        "choices": [choice], "usage": usage(done.final.prompt_tokens, done.final.token_count)})
+
+
+async def _stream(request: web.Request, generation: Generation, body: CompletionRequest) -> web.StreamResponse:
+    sse = await SseStream.open(request)
+    base = _envelope(generation, body.model)
+    offset = 0
+    async for chunk in generation.chunks():
+        event_id = f"{generation.command_id}:{chunk.index}"
+        logprobs = _logprobs(chunk.logprobs, offset) if body.logprobs is not None else None
+        offset += len(chunk.text)
+        if chunk.text or (logprobs and chunk.logprobs):
+            await sse.send(base | {"choices": [{"index": 0, "text": chunk.text, "finish_reason": None, "logprobs": logprobs}]},
+                           event_id=event_id)
+        if chunk.finish_reason in ("error", "cancelled"):
+            await sse.send({"error": {"message": chunk.error or "generation was cancelled", "type": "internal_error",
+                                      "code": chunk.finish_reason}}, event_id=event_id)
+        elif chunk.finish_reason:
+            await sse.send(base | {"choices": [{"index": 0, "text": "", "finish_reason": chunk.finish_reason, "logprobs": None}]},
+                           event_id=event_id)
+            if body.stream_options and body.stream_options.include_usage:
+                await sse.send(base | {"choices": [], "usage": usage(chunk.prompt_tokens, chunk.token_count)}, event_id=event_id)
+    await sse.send("[DONE]")
+    return await sse.close()

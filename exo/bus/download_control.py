@@ -1,0 +1,86 @@
+"""Asking one node's download coordinator to start, cancel or delete a model's download.
+
+Core NATS request/reply on `exo.downloads.<node id>.<action>`: the node answers at once (the
+download itself reports through events), and a node that is not running answers nothing, which
+the caller hears as "unreachable" instead of a request queued for a node that may never return.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Literal
+
+import msgspec
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.errors import Error as NatsError
+from nats.errors import NoRespondersError
+
+from exo.bus.errors import BusError
+
+Action = Literal["start", "cancel", "delete"]
+ACTIONS: tuple[Action, ...] = ("start", "cancel", "delete")
+
+
+class DownloadRequest(msgspec.Struct, frozen=True, kw_only=True):
+    model_id: str
+
+
+class DownloadReply(msgspec.Struct, frozen=True, kw_only=True):
+    ok: bool
+    code: str = ""  # "not_found", "conflict", ... when not ok
+    message: str = ""
+
+
+class NodeUnreachable(BusError):
+    pass
+
+
+Handler = Callable[[Action, str], Awaitable[DownloadReply]]
+
+
+def control_subject(node_id: str, action: Action) -> str:
+    return f"exo.downloads.{node_id}.{action}"
+
+
+class DownloadControlServer:
+    def __init__(self, nc: Client, node_id: str, handler: Handler) -> None:
+        self._nc = nc
+        self._node_id = node_id
+        self._handler = handler
+        self._subscriptions = []
+
+    async def start(self) -> None:
+        for action in ACTIONS:
+            async def on_request(msg: Msg, action: Action = action) -> None:
+                await self._answer(msg, action)
+            self._subscriptions.append(await self._nc.subscribe(control_subject(self._node_id, action), cb=on_request))
+
+    async def stop(self) -> None:
+        for subscription in self._subscriptions:
+            try:
+                await subscription.unsubscribe()
+            except NatsError:
+                pass
+        self._subscriptions = []
+
+    async def _answer(self, msg: Msg, action: Action) -> None:
+        try:
+            request = msgspec.json.decode(msg.data, type=DownloadRequest)
+            reply = await self._handler(action, request.model_id)
+        except msgspec.MsgspecError as error:
+            reply = DownloadReply(ok=False, code="invalid", message=f"bad request: {error}")
+        await msg.respond(msgspec.json.encode(reply))
+
+
+async def request_download_action(nc: Client, node_id: str, action: Action, model_id: str,
+                                  timeout: float = 30.0) -> DownloadReply:
+    try:
+        msg = await nc.request(control_subject(node_id, action), msgspec.json.encode(DownloadRequest(model_id=model_id)),
+                               timeout=timeout)
+    except NoRespondersError:
+        raise NodeUnreachable(f"node {node_id} is not running a worker (no answer)") from None
+    except (NatsError, asyncio.TimeoutError) as error:
+        raise NodeUnreachable(f"node {node_id} did not answer: {type(error).__name__}") from None
+    return msgspec.json.decode(msg.data, type=DownloadReply)

@@ -1,0 +1,77 @@
+"""Chat images in the object store exo-images, named by the sha256 hex of their bytes.
+
+Storing skips the upload when the object is already there (same name, same bytes). Fetching
+reads the chunks with our own callback consumer: nats-py's ObjectStore.get is very slow for
+large objects. Every fetch is verified against the name.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+
+from nats.aio.client import Client
+from nats.js import api
+from nats.js.errors import ObjectNotFoundError
+
+from exo.bus.errors import BusError
+from exo.bus.subjects import IMAGES_BUCKET, IMAGES_STREAM, image_chunks_subject
+
+
+class ImageMissing(BusError):
+    pass
+
+
+class ImageCorrupt(BusError):
+    pass
+
+
+def image_digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+async def store_image(nc: Client, data: bytes) -> tuple[str, bool]:
+    """(sha256 hex, whether it was uploaded now rather than already there)."""
+    digest = image_digest(data)
+    store = await nc.jetstream().object_store(IMAGES_BUCKET)
+    try:
+        info = await store.get_info(digest)
+        if info.size == len(data):
+            return digest, False
+    except ObjectNotFoundError:
+        pass
+    await store.put(digest, data)
+    return digest, True
+
+
+async def fetch_image(nc: Client, digest: str, timeout: float = 60.0) -> bytes:
+    js = nc.jetstream()
+    store = await js.object_store(IMAGES_BUCKET)
+    try:
+        info = await store.get_info(digest)
+    except ObjectNotFoundError:
+        raise ImageMissing(f"image {digest} is not in the object store (expired or never stored)") from None
+    data = await _read_chunks(js, info, timeout) if info.chunks else b""
+    if image_digest(data) != digest:
+        raise ImageCorrupt(f"image {digest}: the bytes read back hash to {image_digest(data)}")
+    return data
+
+
+async def _read_chunks(js, info, timeout: float) -> bytes:
+    chunks: list[bytes] = []
+    done = asyncio.get_running_loop().create_future()
+
+    async def on_chunk(msg) -> None:
+        chunks.append(msg.data)
+        if len(chunks) == info.chunks and not done.done():
+            done.set_result(None)
+
+    subscription = await js.subscribe(
+        image_chunks_subject(info.nuid), stream=IMAGES_STREAM, ordered_consumer=True,
+        deliver_policy=api.DeliverPolicy.ALL, cb=on_chunk,
+    )
+    try:
+        await asyncio.wait_for(done, timeout)
+    finally:
+        await subscription.unsubscribe()
+    return b"".join(chunks)

@@ -1,0 +1,183 @@
+"""Reading the event log as raw records, fast, for the operator tools (replay, export, tail).
+
+A record is what the stream holds: sequence, subject, store time, headers and the payload
+bytes, undecoded, so a tool can show or export events that do not decode. Reading uses a
+callback-based ordered push consumer: the server streams with flow control and nats-py
+recreates the consumer after a gap. (Pull fetching and per-message gets are several times
+slower for a million events; see docs/benchmarks.md.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import msgspec
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.js import api
+
+from exo.bus.errors import BusError, LogGap
+from exo.bus.subjects import ALL_EVENTS, EVENTS_STREAM
+
+
+class LogRecord(msgspec.Struct, frozen=True, gc=False):
+    seq: int
+    subject: str
+    time_ns: int  # when the server stored it, nanoseconds since the epoch
+    headers: dict[str, str] | None
+    data: bytes
+
+
+class LogBounds(msgspec.Struct, frozen=True):
+    first_seq: int  # 0 when the stream is empty
+    last_seq: int
+
+
+OnRecord = Callable[[LogRecord], None]
+
+# Idle heartbeats tell an ordered consumer that the server lost it; 2 s finds that soon.
+_HEARTBEAT_S = 2.0
+
+
+def record_of(msg: Msg) -> LogRecord:
+    """A record from a message delivered by a JetStream consumer (its reply subject carries
+    the stream sequence and store time; parsed here directly, it is on the hot path)."""
+    tokens = msg.reply.split(".")
+    if len(tokens) == 9:  # $JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ts>.<pending>
+        seq, time_ns = int(tokens[5]), int(tokens[7])
+    else:  # with domain and account hash: $JS.ACK.<domain>.<hash>.<stream>.<consumer>.<delivered>.<sseq>...
+        seq, time_ns = int(tokens[7]), int(tokens[9])
+    return LogRecord(seq=seq, subject=msg.subject, time_ns=time_ns, headers=msg.headers, data=msg.data)
+
+
+async def log_bounds(nc: Client) -> LogBounds:
+    state = (await nc.jetstream().stream_info(EVENTS_STREAM)).state
+    return LogBounds(first_seq=state.first_seq if state.messages else 0, last_seq=state.last_seq)
+
+
+async def read_log(
+    nc: Client, on_record: OnRecord, first_seq: int = 1, last_seq: int | None = None, stall_timeout: float = 10.0
+) -> int:
+    """Call `on_record` for every stored event from `first_seq` to `last_seq` (default: the
+    last one stored when the read starts), in order. Returns how many were delivered.
+
+    Raises LogGap when the stream no longer holds `first_seq` (nats-py would silently start
+    at the stream's first sequence), and BusError when the server stops sending for
+    `stall_timeout` seconds. An exception raised by `on_record` ends the read and is re-raised.
+    """
+    bounds = await log_bounds(nc)
+    end = bounds.last_seq if last_seq is None else min(last_seq, bounds.last_seq)
+    if bounds.first_seq == 0 or end < first_seq:
+        return 0
+    if bounds.first_seq > first_seq:
+        raise LogGap(f"the event stream starts at sequence {bounds.first_seq}; sequences from {first_seq} are gone")
+    reader = _RangeReader(on_record, first_seq, end)
+    subscription = await nc.jetstream().subscribe(
+        ALL_EVENTS, stream=EVENTS_STREAM, ordered_consumer=True, cb=reader.on_msg, idle_heartbeat=_HEARTBEAT_S,
+        deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE, config=api.ConsumerConfig(opt_start_seq=first_seq),
+    )
+    try:
+        await reader.wait(stall_timeout)
+    finally:
+        await _unsubscribe(subscription)
+    return reader.delivered
+
+
+class _RangeReader:
+    def __init__(self, on_record: OnRecord, first: int, end: int) -> None:
+        self._on_record = on_record
+        self._first = first
+        self._end = end
+        self._done = asyncio.Event()
+        self.delivered = 0
+        self.error: BaseException | None = None
+
+    async def on_msg(self, msg: Msg) -> None:
+        if self._done.is_set():
+            return  # past the end, or the callback failed: drain quietly
+        record = record_of(msg)
+        if self.delivered == 0 and record.seq != self._first:
+            # The head aged out between our look at the stream and the subscription.
+            self.error = LogGap(f"the event stream starts at sequence {record.seq}; sequences from {self._first} are gone")
+            self._done.set()
+            return
+        if record.seq > self._end:
+            self._done.set()
+            return
+        try:
+            self._on_record(record)
+        except Exception as error:  # handed back to the caller of read_log
+            self.error = error
+            self._done.set()
+            return
+        self.delivered += 1
+        if record.seq >= self._end:
+            self._done.set()
+
+    async def wait(self, stall_timeout: float) -> None:
+        seen = -1
+        while not self._done.is_set():
+            if self.delivered == seen:
+                raise BusError(f"the event stream stopped sending after {seen} events ({stall_timeout} s without one)")
+            seen = self.delivered
+            try:
+                await asyncio.wait_for(self._done.wait(), stall_timeout)
+            except asyncio.TimeoutError:
+                continue
+        if self.error is not None:
+            raise self.error
+
+
+async def read_log_fetching(nc: Client, on_record: OnRecord, first_seq: int = 1, batch: int = 1000) -> int:
+    """The same read as `read_log` through a pull consumer, one fetch request per `batch`.
+    Not used by the tools: it is the slower way, kept so bench/replay.py compares like with like."""
+    end = (await log_bounds(nc)).last_seq
+    config = api.ConsumerConfig(ack_policy=api.AckPolicy.NONE, deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE,
+                                opt_start_seq=first_seq, inactive_threshold=30.0)
+    subscription = await nc.jetstream().pull_subscribe(ALL_EVENTS, stream=EVENTS_STREAM, config=config)
+    delivered, seq = 0, first_seq - 1
+    try:
+        while seq < end:
+            for msg in await subscription.fetch(batch=batch, timeout=10):
+                record = record_of(msg)
+                seq = record.seq
+                on_record(record)
+                delivered += 1
+    finally:
+        await _unsubscribe(subscription)
+    return delivered
+
+
+class LogFollower:
+    """Delivers events as they are appended, from `start_seq` (None: only new ones), until stopped."""
+
+    def __init__(self, nc: Client, on_record: OnRecord) -> None:
+        self._js = nc.jetstream()
+        self._on_record = on_record
+        self._subscription = None
+
+    async def start(self, start_seq: int | None = None) -> None:
+        if start_seq is None:
+            policy, config = api.DeliverPolicy.NEW, None
+        else:
+            policy, config = api.DeliverPolicy.BY_START_SEQUENCE, api.ConsumerConfig(opt_start_seq=max(start_seq, 1))
+        self._subscription = await self._js.subscribe(
+            ALL_EVENTS, stream=EVENTS_STREAM, ordered_consumer=True, cb=self._on_msg, idle_heartbeat=_HEARTBEAT_S,
+            deliver_policy=policy, config=config,
+        )
+
+    async def stop(self) -> None:
+        if self._subscription is not None:
+            await _unsubscribe(self._subscription)
+            self._subscription = None
+
+    async def _on_msg(self, msg: Msg) -> None:
+        self._on_record(record_of(msg))
+
+
+async def _unsubscribe(subscription) -> None:
+    try:
+        await subscription.unsubscribe()
+    except Exception:  # the connection may be closing already; the server drops the consumer itself
+        pass

@@ -1,0 +1,50 @@
+"""JetStream publishes that ride out a leader change or a reconnect.
+
+A retry keeps the same Nats-Msg-Id, so the server's duplicate window turns a publish that
+did land (but whose ack was lost) into a no-op that returns the original sequence: nothing
+is lost and nothing is written twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client
+from nats.js.api import PubAck
+
+from exo.bus.errors import BusError
+
+log = logging.getLogger(__name__)
+
+_TRANSIENT = (
+    nats.errors.TimeoutError,
+    nats.errors.NoRespondersError,
+    nats.js.errors.NoStreamResponseError,
+    nats.js.errors.ServiceUnavailableError,
+    nats.errors.ConnectionReconnectingError,
+    nats.errors.OutboundBufferLimitError,
+    nats.errors.StaleConnectionError,
+)
+
+RETRY_FOR_S = 30.0
+
+
+async def publish_durably(
+    nc: Client, subject: str, payload: bytes, stream: str, msg_id: str, retry_for: float = RETRY_FOR_S
+) -> PubAck:
+    js = nc.jetstream()
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + retry_for
+    delay = 0.05
+    while True:
+        try:
+            return await js.publish(subject, payload, stream=stream, headers={"Nats-Msg-Id": msg_id}, timeout=2)
+        except _TRANSIENT as error:
+            if loop.time() + delay > deadline:
+                raise BusError(f"could not publish to {stream} for {retry_for:.0f} s: {error!r}") from error
+            log.info("publish to %s not acknowledged (%r); retrying with the same id", stream, error)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 1.0)

@@ -1,0 +1,114 @@
+"""Which files a node needs, and what each should be: pure functions over plain data.
+
+A model repository is config, tokenizer and template files plus safetensors weights. A node
+running layers [start, end) of a model needs every support file and only the weight files
+that hold those layers, found from `model.safetensors.index.json` with mlx-lm's own rule
+(`mlx_lm.utils.sharded_load`), so what we fetch is exactly what its pipeline loader reads.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+
+import msgspec
+
+INDEX_FILE = "model.safetensors.index.json"
+WEIGHT_SUFFIX = ".safetensors"
+# What mlx-lm needs besides the weights: config, tokenizer and chat templates. No *.py: exo
+# never runs a repository's code.
+SUPPORT_PATTERNS = ("*.json", "*.jsonl", "*.txt", "*.model", "*.tiktoken", "*.jinja")
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+class FileMeta(msgspec.Struct, frozen=True, kw_only=True):
+    """What a file must be. The Hub gives sha256 for LFS files and a git blob id for the rest;
+    once a node has verified a file it also knows its sha256, which is what peers check."""
+
+    size: int
+    sha256: str = ""
+    git_oid: str = ""
+
+
+class Manifest(msgspec.Struct, frozen=True, kw_only=True):
+    """A model at one commit: every file the source offers, and which of them are verified on
+    this disk (a node's copy of this is `.exo-manifest.json` in the model directory)."""
+
+    repo_id: str
+    revision: str = "main"
+    commit: str = ""
+    files: dict[str, FileMeta] = {}
+    verified: list[str] = []
+
+
+def is_support_file(path: str) -> bool:
+    return any(fnmatch.fnmatch(path, pattern) for pattern in SUPPORT_PATTERNS)
+
+
+def is_weight_file(path: str) -> bool:
+    return path.endswith(WEIGHT_SUFFIX)
+
+
+def layer_files(weight_map: dict[str, str], start: int, end: int) -> set[str]:
+    """Weight files holding layers [start, end), plus those holding tensors of no layer
+    (embeddings, final norm, head), which every pipeline stage keeps."""
+    files: set[str] = set()
+    for tensor, file in weight_map.items():
+        match = _LAYER.search(tensor)
+        if match is None or start <= int(match.group(1)) < end:
+            files.add(file)
+    return files
+
+
+def needed_files(paths: list[str], index: dict | None, start: int, end: int) -> list[str]:
+    """The files of `paths` a node running layers [start, end) needs, sorted. `end <= start`
+    (a shard of unknown size) or no index (one weight file) means every weight file."""
+    support = [p for p in paths if is_support_file(p)]
+    weights = [p for p in paths if is_weight_file(p)]
+    if index is not None and end > start:
+        wanted = layer_files(index.get("weight_map", {}), start, end)
+        weights = [p for p in weights if p in wanted]
+    return sorted({*support, *weights})
+
+
+def with_verified(manifest: Manifest, path: str, meta: FileMeta) -> Manifest:
+    files = {**manifest.files, path: meta}
+    return msgspec.structs.replace(manifest, files=files, verified=sorted({*manifest.verified, path}))
+
+
+def rebase(local: Manifest | None, source: Manifest) -> Manifest:
+    """The source's listing, keeping as verified only local files the source still has the same."""
+    if local is None:
+        return msgspec.structs.replace(source, verified=[])
+    files = dict(source.files)
+    verified = []
+    for path in local.verified:
+        mine, theirs = local.files.get(path), source.files.get(path)
+        if mine is not None and theirs is not None and same_content(mine, theirs):
+            files[path] = mine if mine.sha256 else theirs  # keep the sha256 we computed
+            verified.append(path)
+    return msgspec.structs.replace(source, files=files, verified=sorted(verified))
+
+
+def same_content(a: FileMeta, b: FileMeta) -> bool:
+    if a.size != b.size:
+        return False
+    if a.sha256 and b.sha256:
+        return a.sha256 == b.sha256
+    return bool(a.git_oid) and a.git_oid == b.git_oid
+
+
+def missing(manifest: Manifest, needed: list[str]) -> list[str]:
+    verified = set(manifest.verified)
+    return [p for p in needed if p not in verified]
+
+
+_manifest_decoder = msgspec.json.Decoder(Manifest)
+
+
+def decode_manifest(data: bytes) -> Manifest:
+    return _manifest_decoder.decode(data)
+
+
+def encode_manifest(manifest: Manifest) -> bytes:
+    return msgspec.json.encode(manifest)

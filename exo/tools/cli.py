@@ -1,0 +1,70 @@
+"""What every `exo <tool>` shares: the --nats option, connecting, output, exit codes."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Coroutine
+from typing import Any
+
+from nats.aio.client import Client
+
+from exo import event_loop
+from exo.bus.connection import connect, split_urls
+from exo.bus.errors import BusError
+from exo.tools.export_format import ExportFormatError
+
+DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
+EXIT_OK = 0
+EXIT_FAILED = 1  # the tool ran and found a problem (e.g. a snapshot disagrees with the replay)
+EXIT_ERROR = 2  # the tool could not do its job (bad arguments, no NATS, unreadable file)
+
+
+class ToolError(Exception):
+    """A reason a tool cannot do its job, said in one line."""
+
+
+def add_nats_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--nats", default=os.environ.get("EXO_NATS_URL") or DEFAULT_NATS_URL,
+                        help=f"NATS URL(s), comma-separated (env EXO_NATS_URL; default {DEFAULT_NATS_URL})")
+
+
+async def open_nats(urls: str, tool: str) -> Client:
+    return await connect(split_urls(urls), name=f"exo-{tool}")
+
+
+def run_tool(tool: str, main: Coroutine[Any, Any, int]) -> int:
+    """Run a tool's coroutine; its errors become one line on stderr and an exit code."""
+    try:
+        return event_loop.run(main)
+    except (BusError, ToolError, ExportFormatError, OSError) as error:
+        if isinstance(error, BrokenPipeError):  # `exo replay ... | head`: the reader left
+            _silence_stdout()
+            return EXIT_OK
+        print(f"exo {tool}: {error}", file=sys.stderr, flush=True)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        return 130
+
+
+def _silence_stdout() -> None:
+    # Python flushes stdout at exit; a closed pipe would make that fail loudly.
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+
+
+class Output:
+    """Buffered writes to stdout: a million lines must not cost a million system calls."""
+
+    def __init__(self) -> None:
+        self._out = sys.stdout.buffer
+
+    def line(self, text: str) -> None:
+        self._out.write(text.encode() + b"\n")
+
+    def raw(self, data: bytes) -> None:
+        self._out.write(data)
+
+    def flush(self) -> None:
+        self._out.flush()

@@ -1,0 +1,82 @@
+"""Helpers for tests that run several exo processes against one real nats-server."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from pathlib import Path
+
+import httpx
+
+from exo.bus.connection import connect
+from exo.bus.embedded import EmbeddedNats
+from exo.bus.event_log import EventFollower
+from exo.core.apply import apply, skip_event
+from exo.core.events import AnyEvent
+from exo.core.state import State, decode_state
+from tests.exo_process import ExoProcess
+
+
+class NatsServer:
+    """A nats-server of the test's own (sync API), restartable on the same port and store."""
+
+    def __init__(self, store: Path) -> None:
+        self.server = EmbeddedNats(store, port=0)
+        self.url = asyncio.run(self.server.start())
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
+def start_node(root: Path, name: str, nats_url: str, *flags: str, env: dict | None = None) -> ExoProcess:
+    return ExoProcess(root / name, env or {}, ["--nats", nats_url, *flags]).start()
+
+
+def state_of(node: ExoProcess) -> State:
+    return decode_state(httpx.get(f"{node.url}/state", timeout=30).content)
+
+
+def wait_until(predicate, timeout: float, interval: float = 0.1, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"{what} not met within {timeout} s")
+
+
+def log_line(node: ExoProcess, pattern: str) -> re.Match | None:
+    return re.search(pattern, node.output())
+
+
+def replay(nats_url: str, upto: int) -> tuple[State, list[tuple[int, AnyEvent, bool]]]:
+    """Fold the log from sequence 1 to `upto`; also says, per event, whether it was applied."""
+
+    async def run() -> tuple[State, list]:
+        nc = await connect([nats_url], name="test-replay")
+        state = State()
+        seen: list[tuple[int, AnyEvent, bool]] = []
+        done = asyncio.get_running_loop().create_future()
+
+        async def on_event(seq: int, event: AnyEvent) -> None:
+            nonlocal state
+            state = apply(state, event, seq)
+            skipped = bool(state.skipped_events) and state.skipped_events[-1].seq == seq
+            seen.append((seq, event, not skipped))
+            if seq >= upto and not done.done():
+                done.set_result(None)
+
+        async def on_undecodable(seq: int, reason: str) -> None:
+            nonlocal state
+            state = skip_event(state, seq, reason)
+
+        follower = EventFollower(nc, on_event, on_undecodable)
+        await follower.start(1)
+        await asyncio.wait_for(done, 120)
+        await follower.stop()
+        await nc.close()
+        return state, seen
+
+    return asyncio.run(run())

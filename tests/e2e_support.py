@@ -1,0 +1,54 @@
+"""What the API end-to-end modules share: an exo process on a fake Hub serving the tiny test
+models, and what mlx-lm itself generates, to compare with exactly."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import httpx
+import mlx_lm
+
+from tests.exo_process import ExoProcess
+from tests.support.fake_hub import FakeHub
+
+
+def start_exo(root: Path, hub: FakeHub, env: dict[str, str] | None = None) -> ExoProcess:
+    base = {"HF_ENDPOINT": hub.endpoint, "HF_HOME": str(root / "hf"), "HF_HUB_DISABLE_TELEMETRY": "1"}
+    return ExoProcess(root / "data", base | (env or {})).start()
+
+
+def nats_url_of(node: ExoProcess) -> str:
+    return re.search(r"NATS at (\S+)", node.output()).group(1)
+
+
+def place(http: httpx.Client, model_id: str, **extra) -> str:
+    """Add the model's card from the (fake) Hub and place an instance; returns its id once ready."""
+    if model_id not in [m["id"] for m in http.get("/v1/models").json()["data"]]:
+        added = http.post("/models/add", json={"model_id": model_id})
+        assert added.status_code == 200, added.text
+    placed = http.post("/place_instance", json={"model_id": model_id, **extra})
+    assert placed.status_code == 200, placed.text
+    return placed.json()["instance_id"]
+
+
+class Reference:
+    """mlx-lm on the same model directory: the text the cluster must reproduce exactly."""
+
+    def __init__(self, model_dir: Path) -> None:
+        self.model, self.tokenizer = mlx_lm.load(str(model_dir))
+
+    def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+        return self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+
+    def generate(self, prompt: str, max_tokens: int, **kwargs) -> str:
+        return mlx_lm.generate(self.model, self.tokenizer, prompt, max_tokens=max_tokens, **kwargs)
+
+    def chat(self, messages: list[dict], max_tokens: int, tools: list[dict] | None = None, **kwargs) -> str:
+        return self.generate(self.chat_prompt(messages, tools), max_tokens, **kwargs)
+
+    def prompt_tokens(self, prompt: str) -> int:
+        return len(self.tokenizer.encode(prompt, add_special_tokens=not prompt.startswith(self.tokenizer.bos_token or "\0")))
+
+    def steps(self, prompt: str, max_tokens: int, **kwargs) -> list:
+        return list(mlx_lm.stream_generate(self.model, self.tokenizer, prompt, max_tokens=max_tokens, **kwargs))

@@ -1,0 +1,74 @@
+"""Admission in the master's pure decide: a bounded queue per instance, beyond it "overloaded"."""
+
+import itertools
+
+from exo.core.apply import apply
+from exo.core.commands import GenerateText, PlaceInstance
+from exo.core.events import CommandRejected, NodeRegistered, TaskCreated, TaskFinished
+from exo.core.state import State
+from exo.core.types import ModelCard, NodeInfo
+from exo.master.decide import DEFAULT_MAX_QUEUE, decide
+
+CARDS = {"org/m": ModelCard(model_id="org/m", n_layers=4, storage_bytes=100)}
+
+
+def run(state: State, command, **kwargs) -> tuple[State, list]:
+    ids = (f"{command.command_id}-{n}" for n in itertools.count())
+    events = decide(state, command, builtin_cards=CARDS, ids=ids, **kwargs)
+    for event in events:
+        state = apply(state, event, state.last_seq + 1)
+    return state, events
+
+
+def placed(max_queue: int = 0, instances: int = 1) -> State:
+    state = apply(State(), NodeRegistered(node=NodeInfo(node_id="n1", memory_available=10**9)), 1)
+    for n in range(instances):
+        state, _ = run(state, PlaceInstance(command_id=f"p{n}", model_id="org/m", max_queue=max_queue))
+    return state
+
+
+def generate(state: State, n: int, **kwargs) -> tuple[State, list]:
+    return run(state, GenerateText(command_id=f"g{n}", model_id="org/m"), **kwargs)
+
+
+def test_an_instance_admits_max_queue_open_tasks_then_refuses_as_overloaded():
+    state = placed(max_queue=2)
+    (instance,) = state.instances.values()
+    assert instance.max_queue == 2
+    state, first = generate(state, 1)
+    state, second = generate(state, 2)
+    assert isinstance(first[0], TaskCreated) and isinstance(second[0], TaskCreated)
+    state, third = generate(state, 3)
+    assert len(third) == 1 and isinstance(third[0], CommandRejected)
+    assert third[0].code == "overloaded" and "full queue" in third[0].reason
+    assert "g3" not in state.tasks
+
+
+def test_a_finished_task_frees_its_place_in_the_queue():
+    state = placed(max_queue=1)
+    state, _ = generate(state, 1)
+    state, refused = generate(state, 2)
+    assert refused[0].code == "overloaded"
+    state = apply(state, TaskFinished(task_id="g1", status="completed"), state.last_seq + 1)
+    state, admitted = generate(state, 3)
+    assert isinstance(admitted[0], TaskCreated)
+
+
+def test_a_full_instance_sends_work_to_one_with_room():
+    state = placed(max_queue=1, instances=2)
+    state, first = generate(state, 1)
+    state, second = generate(state, 2)
+    assert {first[0].task.instance_id, second[0].task.instance_id} == set(state.instances)
+    state, third = generate(state, 3)
+    assert third[0].code == "overloaded"
+
+
+def test_instances_without_their_own_limit_use_the_masters_default():
+    state = placed()
+    assert next(iter(state.instances.values())).max_queue == 0
+    for n in range(3):
+        state, events = generate(state, n, default_max_queue=3)
+        assert isinstance(events[0], TaskCreated)
+    state, events = generate(state, 99, default_max_queue=3)
+    assert events[0].code == "overloaded"
+    assert DEFAULT_MAX_QUEUE >= 32  # the default admits a benchmark's concurrency

@@ -1,0 +1,124 @@
+"""API keys and body limits, against `exo` as a process started with EXO_API_KEYS: every route
+but /health refuses a request without a valid key, in its surface's own error shape."""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from exo.api.app import build_app
+from exo.api.auth import warn_if_exposed
+from exo.api.context import ApiContext
+from exo.api.settings import ApiSettings
+from tests.e2e_support import start_exo
+from tests.support.fake_hub import FakeHub
+
+pytestmark = pytest.mark.slow
+
+KEYS = ("first-key", "second-key")
+MAX_BODY = 64 * 1024
+
+
+def every_route() -> list[tuple[str, str]]:
+    """(method, path) of every route the app registers, placeholders filled in."""
+    app = build_app(ApiContext(nc=None, view=None, outcomes=None, builtin_cards={}, node_id="", data_dir=Path(".")))  # type: ignore[arg-type]
+    routes = []
+    for route in app.router.routes():
+        if route.method == "HEAD":
+            continue
+        path = re.sub(r"\{[^}]+\}", "x", route.resource.canonical)
+        routes.append((route.method, path))
+    return routes
+
+
+ROUTES = every_route()
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory):
+    with FakeHub({}) as hub:
+        env = {"EXO_API_KEYS": ",".join(KEYS), "EXO_MAX_BODY_BYTES": str(MAX_BODY)}
+        exo = start_exo(tmp_path_factory.mktemp("node"), hub, env)
+        yield exo
+        exo.interrupt()
+
+
+@pytest.fixture(scope="module")
+def http(node):
+    with httpx.Client(base_url=node.url, timeout=30) as client:
+        yield client
+
+
+def status_of(http: httpx.Client, method: str, path: str, headers: dict[str, str]) -> tuple[int, object]:
+    with http.stream(method, path, headers=headers, json={} if method == "POST" else None) as response:
+        if response.headers.get("Content-Type", "").startswith("text/event-stream"):
+            return response.status_code, None  # an open stream: its status is the answer
+        response.read()
+        is_json = response.headers.get("Content-Type", "").startswith("application/json")
+        return response.status_code, response.json() if is_json else None
+
+
+@pytest.mark.parametrize(("method", "path"), ROUTES)
+def test_every_route_but_health_needs_a_key(http, method, path):
+    status, body = status_of(http, method, path, {})
+    if path == "/health":
+        assert status == 200
+        return
+    assert status == 401, (method, path, body)
+    if path.startswith("/api/"):
+        assert isinstance(body["error"], str)  # Ollama's shape
+    elif path == "/v1/messages":
+        assert body["type"] == "error" and body["error"]["type"] == "authentication_error"
+    else:
+        assert body["error"]["type"] == "authentication_error" and body["error"]["code"] == "invalid_api_key"
+    assert status_of(http, method, path, {"Authorization": "Bearer wrong"})[0] == 401
+    for key in KEYS:
+        assert status_of(http, method, path, {"Authorization": f"Bearer {key}"})[0] != 401
+
+
+def test_the_route_list_covers_every_surface():
+    paths = {p for _, p in ROUTES}
+    assert {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages", "/api/chat", "/metrics",
+            "/events", "/v1/cancel/x", "/health"} <= paths
+
+
+def test_anthropic_clients_may_send_x_api_key_on_messages_only(http, node):
+    claude = anthropic.Anthropic(base_url=node.url, api_key=KEYS[0], max_retries=0)
+    with pytest.raises(anthropic.NotFoundError):  # past the key check, to the unknown model
+        claude.messages.create(model="nobody/nothing", max_tokens=4, messages=[{"role": "user", "content": "x"}])
+    with pytest.raises(anthropic.AuthenticationError):
+        anthropic.Anthropic(base_url=node.url, api_key="wrong", max_retries=0).messages.create(
+            model="nobody/nothing", max_tokens=4, messages=[{"role": "user", "content": "x"}])
+    assert http.get("/state", headers={"x-api-key": KEYS[0]}).status_code == 401
+
+
+def test_openai_clients_send_their_key_as_a_bearer_token(node):
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{node.url}/v1", api_key="wrong", max_retries=0).models.list()
+    models = openai.OpenAI(base_url=f"{node.url}/v1", api_key=KEYS[1], max_retries=0).models.list()
+    assert "mlx-community/Llama-3.2-1B-Instruct-4bit" in [m.id for m in models.data]
+
+
+def test_a_body_over_the_limit_gets_413_in_the_surface_shape(http):
+    headers = {"Authorization": f"Bearer {KEYS[0]}", "Content-Type": "application/json"}
+    big = b'{"model": "m", "messages": [{"role": "user", "content": "' + b"x" * MAX_BODY + b'"}]}'
+    response = http.post("/v1/chat/completions", content=big, headers=headers)
+    assert response.status_code == 413 and response.json()["error"]["message"]
+    ollama_shaped = http.post("/api/chat", content=big, headers=headers)
+    assert ollama_shaped.status_code == 413 and isinstance(ollama_shaped.json()["error"], str)
+    assert http.get("/health").status_code == 200
+
+
+def test_an_api_open_to_the_network_without_keys_warns(caplog):
+    with caplog.at_level(logging.WARNING, logger="exo.api.auth"):
+        warn_if_exposed("127.0.0.1", ApiSettings())
+        warn_if_exposed("0.0.0.0", ApiSettings(api_keys=frozenset({"k"})))
+        assert not caplog.records
+        warn_if_exposed("0.0.0.0", ApiSettings())
+    assert "without API keys" in caplog.records[0].getMessage()

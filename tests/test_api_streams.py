@@ -1,0 +1,235 @@
+"""Streams and the queue, against `exo` as a process: resuming a dropped stream from JetStream,
+cancelling, admission (429 + Retry-After), the event log as SSE, and /metrics."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+
+from tests.e2e_support import Reference, place, start_exo
+from tests.support.fake_hub import FakeHub
+from tests.support.tiny_model import TINY_MODEL_ID, make_tiny_model
+
+pytestmark = pytest.mark.slow
+
+MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Tell me about the sea."}]
+LONG = 1500  # tokens: about a second and a half on the tiny model, long enough to drop a stream mid-way
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("model") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory, model_dir):
+    with FakeHub({TINY_MODEL_ID: model_dir}) as hub:
+        exo = start_exo(tmp_path_factory.mktemp("node"), hub)
+        yield exo
+        exo.interrupt()
+
+
+@pytest.fixture(scope="module")
+def http(node):
+    with httpx.Client(base_url=node.url, timeout=120) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def client(node) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{node.url}/v1", api_key="unused", timeout=120, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def tiny(http, model_dir) -> Reference:
+    place(http, TINY_MODEL_ID)
+    return Reference(model_dir)
+
+
+@pytest.fixture(scope="module")
+def expected_long(tiny) -> str:
+    return tiny.chat(MESSAGES, LONG)
+
+
+def sse_events(lines: Iterator[str]) -> Iterator[dict]:
+    """Server-sent events as {"id", "event", "data"} dicts (data decoded when it is JSON)."""
+    event: dict = {}
+    for line in lines:
+        if not line:
+            if "data" in event:
+                yield event
+            event = {}
+        elif not line.startswith(":"):
+            field, _, value = line.partition(": ")
+            event[field] = json.loads(value) if field == "data" and value.startswith("{") else value
+
+
+def content_of(events: list[dict]) -> str:
+    return "".join(e["data"]["choices"][0]["delta"].get("content") or ""
+                   for e in events if isinstance(e["data"], dict) and e["data"].get("choices"))
+
+
+def task_of(http: httpx.Client, task_id: str) -> dict:
+    return http.get("/state").json()["tasks"].get(task_id, {})
+
+
+def wait_for_status(http: httpx.Client, task_id: str, *statuses: str, timeout: float = 30) -> dict:
+    deadline = time.monotonic() + timeout
+    while (task := task_of(http, task_id)).get("status") not in statuses and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return task
+
+
+def open_stream(http: httpx.Client, take: int, **body) -> tuple[str, list[dict]]:
+    """Start a chat stream, read `take` events, drop the connection; returns (command id, events)."""
+    body = {"model": TINY_MODEL_ID, "messages": MESSAGES, "temperature": 0, "stream": True} | body
+    events = []
+    with http.stream("POST", "/v1/chat/completions", json=body) as response:
+        for event in sse_events(response.iter_lines()):
+            events.append(event)
+            if len(events) == take:
+                break
+    return events[0]["data"]["id"].removeprefix("chatcmpl-"), events
+
+
+def test_every_stream_event_carries_an_id(http, tiny):
+    _, events = open_stream(http, 1000, max_tokens=24, stream_options={"include_usage": True})
+    command_id = events[0]["data"]["id"].removeprefix("chatcmpl-")
+    assert all(re.fullmatch(rf"{command_id}:-?\d+", e["id"]) for e in events if e["data"] != "[DONE]")
+    indexes = [int(e["id"].rsplit(":", 1)[1]) for e in events if "id" in e]
+    assert indexes == sorted(indexes) and indexes[0] == -1
+
+
+def test_a_dropped_stream_resumes_with_the_rest_of_the_same_generation(http, tiny, expected_long):
+    command_id, first = open_stream(http, 4, max_tokens=LONG)
+    assert task_of(http, command_id)["status"] == "running"  # dropped mid-generation
+    after = first[-1]["id"].rsplit(":", 1)[1]
+    with http.stream("GET", f"/v1/chat/completions/chatcmpl-{command_id}/stream", params={"after": after}) as response:
+        assert response.status_code == 200
+        second = []
+        for event in sse_events(response.iter_lines()):  # drop this one too, and resume with Last-Event-ID
+            second.append(event)
+            if len(second) == 3:
+                break
+    headers = {"Last-Event-ID": second[-1]["id"]}
+    with http.stream("POST", "/v1/chat/completions", headers=headers, json={}) as response:
+        third = list(sse_events(response.iter_lines()))
+    assert content_of(first) + content_of(second) + content_of(third) == expected_long
+    assert third[-1]["data"] == "[DONE]" and third[-2]["data"]["choices"][0]["finish_reason"] == "length"
+    task = wait_for_status(http, command_id, "completed")
+    assert task["status"] == "completed" and task["completion_tokens"] == LONG  # generated once, never cancelled
+
+
+def test_a_finished_generation_replays_whole_from_the_start(http, client, tiny):
+    reply = client.chat.completions.create(model=TINY_MODEL_ID, messages=MESSAGES, temperature=0, max_tokens=24)
+    with http.stream("GET", f"/v1/chat/completions/{reply.id}/stream", params={"include_usage": "true"}) as response:
+        events = list(sse_events(response.iter_lines()))
+    assert content_of(events) == reply.choices[0].message.content == tiny.chat(MESSAGES, 24)
+    assert events[-2]["data"]["usage"]["completion_tokens"] == 24
+
+
+def test_resuming_something_unknown_is_a_clear_error(http, tiny):
+    assert http.get("/v1/chat/completions/chatcmpl-nope/stream").status_code == 404
+    assert http.get("/v1/chat/completions/x/stream", params={"after": "many"}).status_code == 400
+    bad = http.post("/v1/chat/completions", headers={"Last-Event-ID": "garbage"}, json={})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "Last-Event-ID"
+
+
+def test_cancel_stops_a_generation_and_frees_the_runner(http, client, tiny):
+    body = {"model": TINY_MODEL_ID, "messages": MESSAGES, "max_tokens": 100_000, "stream": True}
+    with http.stream("POST", "/v1/chat/completions", json=body) as response:
+        events = sse_events(response.iter_lines())
+        command_id = next(events)["data"]["id"].removeprefix("chatcmpl-")
+        next(events)
+        cancelled = http.post(f"/v1/cancel/chatcmpl-{command_id}")
+        rest = list(events)
+    assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled"
+    assert rest[-1]["data"] == "[DONE]" and rest[-2]["data"]["error"]["code"] == "cancelled"
+    task = task_of(http, command_id)
+    assert task["status"] == "cancelled" and 0 < task["completion_tokens"] < 100_000
+    reply = client.chat.completions.create(model=TINY_MODEL_ID, messages=MESSAGES, temperature=0, max_tokens=24)
+    assert reply.choices[0].message.content == tiny.chat(MESSAGES, 24)
+    again = http.post(f"/v1/cancel/{command_id}")  # already over: says how it ended
+    assert again.status_code == 200 and again.json()["status"] == "cancelled"
+    assert http.post("/v1/cancel/no-such-task").status_code == 404
+
+
+def test_a_full_queue_answers_429_with_retry_after(http, client, model_dir, tiny):
+    assert http.post("/models/add", json={"model_id": "local/queue", "path": str(model_dir)}).status_code == 200
+    place(http, "local/queue", max_queue=1)
+    body = {"model": "local/queue", "messages": MESSAGES, "max_tokens": 100_000, "stream": True}
+    with http.stream("POST", "/v1/chat/completions", json=body) as response:
+        command_id = next(sse_events(response.iter_lines()))["data"]["id"].removeprefix("chatcmpl-")
+        refused = http.post("/v1/chat/completions", json={**body, "stream": False})
+        with pytest.raises(openai.RateLimitError):
+            client.chat.completions.create(model="local/queue", messages=MESSAGES, max_tokens=4)
+        assert http.post(f"/v1/cancel/{command_id}").json()["status"] == "cancelled"
+    assert refused.status_code == 429 and refused.headers["Retry-After"] == "1"
+    assert refused.json()["error"]["code"] == "overloaded"
+    reply = client.chat.completions.create(model="local/queue", messages=MESSAGES, temperature=0, max_tokens=8)
+    assert reply.choices[0].message.content == tiny.chat(MESSAGES, 8)  # admitted again once the queue drained
+
+
+def test_events_replay_the_log_from_since_and_follow_it_live(http, client, tiny):
+    with http.stream("GET", "/events", params={"since": 0}) as response:
+        history = [e for _, e in zip(range(3), sse_events(response.iter_lines()))]
+    assert [int(e["id"]) for e in history] == [1, 2, 3]
+    assert all(e["data"]["kind"] == e["event"] for e in history)
+    with http.stream("GET", "/events", headers={"Last-Event-ID": "2"}) as response:
+        assert next(sse_events(response.iter_lines()))["id"] == "3"
+
+    last_seq = http.get("/state").json()["last_seq"]
+    reply: list = []
+    ask = threading.Thread(target=lambda: reply.append(client.chat.completions.create(
+        model=TINY_MODEL_ID, messages=MESSAGES, temperature=0, max_tokens=4)))
+    with http.stream("GET", "/events") as response:
+        ask.start()
+        live = []
+        for event in sse_events(response.iter_lines()):
+            live.append(event)
+            if event["event"] == "task.finished":
+                break
+    ask.join()
+    task_id = reply[0].id.removeprefix("chatcmpl-")
+    assert int(live[0]["id"]) == last_seq + 1
+    assert [e["event"] for e in live] == ["task.created", "task.started", "task.finished"]
+    assert all(e["data"].get("task_id", e["data"].get("task", {}).get("task_id")) == task_id for e in live)
+    assert http.get("/events", params={"since": "soon"}).status_code == 400
+
+
+def metric_values(http: httpx.Client) -> dict[str, float]:
+    response = http.get("/metrics")
+    assert response.status_code == 200 and response.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in response.text.splitlines() if line and not line.startswith("#")}
+
+
+def test_metrics_count_requests_latency_tokens_queue_and_the_log(http, client, tiny):
+    before = metric_values(http)
+    chat = 'exo_http_requests_total{method="POST",route="/v1/chat/completions",status="200"}'
+    client.chat.completions.create(model=TINY_MODEL_ID, messages=MESSAGES, temperature=0, max_tokens=10)
+    list(client.chat.completions.create(model=TINY_MODEL_ID, messages=MESSAGES, temperature=0, max_tokens=10, stream=True))
+    assert http.post("/v1/chat/completions", json={"model": "nobody/nothing", "messages": MESSAGES}).status_code == 404
+    after = metric_values(http)
+    prompt = tiny.prompt_tokens(tiny.chat_prompt(MESSAGES))
+    assert after[chat] - before.get(chat, 0) == 2
+    assert after['exo_http_requests_total{method="POST",route="/v1/chat/completions",status="404"}'] >= 1
+    assert after["exo_time_to_first_token_seconds_count"] - before["exo_time_to_first_token_seconds_count"] == 2
+    assert after["exo_completion_tokens_total"] - before["exo_completion_tokens_total"] == 20
+    assert after["exo_prompt_tokens_total"] - before["exo_prompt_tokens_total"] == 2 * prompt
+    # every token after each first chunk is one gap (how many the first chunk holds depends on timing)
+    assert 2 <= after["exo_inter_token_latency_seconds_count"] - before["exo_inter_token_latency_seconds_count"] <= 18
+    assert after['exo_time_to_first_token_seconds_bucket{le="+Inf"}'] == after["exo_time_to_first_token_seconds_count"]
+    state = http.get("/state").json()
+    for instance_id, instance in state["instances"].items():
+        key = f'exo_instance_queue_depth{{instance_id="{instance_id}",model_id="{instance["model_id"]}"}}'
+        assert after[key] == 0
+    assert after['exo_runners{status="ready"}'] == len(state["runners"])
+    assert after["exo_events_applied"] == state["last_seq"] and after["exo_follower_lag_events"] == 0

@@ -1,0 +1,106 @@
+"""`exo inspect` against a real nats-server: streams, consumers and their lag, KV keys (the
+snapshot's sequence), objects, and the server's monitoring endpoint when given."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import subprocess
+import uuid
+from pathlib import Path
+
+import pytest
+
+from exo.bus.command_queue import send_command
+from exo.bus.connection import connect
+from exo.bus.embedded import nats_server_binary
+from exo.bus.event_log import EventLog
+from exo.bus.images import store_image
+from exo.bus.provision import provision
+from exo.bus.snapshots import write_snapshot
+from exo.core.commands import PlaceInstance
+from exo.core.events import TaskStarted
+from exo.core.state import State
+from tests.exo_process import free_port
+from tests.support.exo_tools import in_thread, run_tool
+
+pytestmark = pytest.mark.slow  # starts `exo inspect` processes
+
+IMAGE = b"\x89PNG not really, but bytes all the same"
+
+
+@pytest.fixture
+async def populated(fresh_nats: str):
+    """Three events, one command nobody consumed yet, a snapshot and an image."""
+    nc = await connect([fresh_nats], name="test-inspect")
+    await provision(nc)
+    for n in range(3):
+        await EventLog(nc).append(TaskStarted(task_id=f"t{n}"), uuid.uuid4().hex)
+    await send_command(nc, PlaceInstance(command_id="waiting", model_id="org/m"))
+    assert await write_snapshot(nc, State(last_seq=2)) and await write_snapshot(nc, State(last_seq=3))
+    digest, _ = await store_image(nc, IMAGE)
+    yield fresh_nats, digest
+    await nc.close()
+
+
+async def test_inspect_json_shows_streams_consumers_keys_and_objects(populated):
+    url, digest = populated
+    done = await in_thread(run_tool, ["inspect", "--json"], url)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    streams = {s["name"]: s for s in report["streams"]}
+    events = streams["EXO_EVENTS"]
+    assert (events["messages"], events["first_seq"], events["last_seq"], events["consumers"]) == (3, 1, 3, [])
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT.+Z", events["last_time"])
+    (master,) = streams["EXO_COMMANDS"]["consumers"]
+    assert master == {"name": "exo-master", "durable": True, "pull": True, "filter": "exo.commands.>", "lag": 1,
+                      "ack_pending": 0, "redelivered": 0, "waiting_pulls": 0, "delivered_seq": 0, "ack_floor_seq": 0}
+    (state_bucket,) = [b for b in report["buckets"] if b["bucket"] == "exo-state"]
+    (snapshot,) = state_bucket["keys"]
+    assert (snapshot["key"], snapshot["revision"], snapshot["revisions_kept"], snapshot["note"]) == \
+        ("snapshot", 2, 2, "State at sequence 3")
+    (images,) = report["object_stores"]
+    assert images["bucket"] == "exo-images"
+    assert [(o["name"], o["size"], o["chunks"]) for o in images["objects"]] == [(digest, len(IMAGE), 1)]
+    assert report["server"]["url"] == url and report["server"]["monitor"] is None
+
+
+async def test_inspect_text_is_a_readable_report(populated):
+    url, digest = populated
+    done = await in_thread(run_tool, ["inspect"], url)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith(f"NATS {url} (nats-server 2.")
+    assert re.search(r"^  EXO_EVENTS +3 +\S+ \S+ +1 +3 +\d{4}-\S+Z +0$", done.stdout, re.M)
+    assert re.search(r"^  EXO_COMMANDS +exo-master +durable pull +1 +0 +0 +0 +0 +0$", done.stdout, re.M)
+    assert re.search(r"^  snapshot +2 +\S+ \S+ +2 +State at sequence 3$", done.stdout, re.M)
+    assert re.search(rf"^  {digest} +{len(IMAGE)} B +1 +\S+ +SHA-256=", done.stdout, re.M)
+    assert "Object store exo-images: 1 object(s)" in done.stdout
+
+
+async def test_inspect_reads_the_monitoring_endpoint_when_given(tmp_path: Path):
+    port, monitor_port = free_port(), free_port()
+    server = subprocess.Popen([nats_server_binary(), "--jetstream", "--store_dir", str(tmp_path), "--addr", "127.0.0.1",
+                               "--port", str(port), "--http_port", str(monitor_port), "--server_name", "monitored"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        url = f"nats://127.0.0.1:{port}"
+        for _ in range(200):
+            try:
+                nc = await connect([url], name="probe")
+                break
+            except Exception:
+                await asyncio.sleep(0.05)
+        await provision(nc)
+        await nc.close()
+        done = await in_thread(run_tool, ["inspect", "--monitor", f"http://127.0.0.1:{monitor_port}"], url)
+        assert done.returncode == 0, done.stderr
+        assert re.search(r"^server: server_name=monitored, version=2\.\d+\.\d+, uptime=\S+, connections=1,",
+                         done.stdout, re.M)
+        wrong = await in_thread(run_tool, ["inspect", "--monitor", "http://127.0.0.1:1"], url)
+        assert wrong.returncode == 2
+        assert wrong.stderr.startswith("exo inspect: cannot read the NATS monitoring endpoint http://127.0.0.1:1/varz")
+    finally:
+        server.terminate()
+        server.wait(10)
