@@ -9,16 +9,20 @@ import logging
 import os
 import signal
 import sys
+from typing import TYPE_CHECKING
 from pathlib import Path
 
 from exo import event_loop
 from exo.bus.connection import SECURITY_ENV, split_urls
-from exo.bus.errors import BusError
-from exo.node import Node, NodeConfig, StartupError
 from exo.tools import TOOLS
+
+if TYPE_CHECKING:
+    from exo.node import NodeConfig
 
 
 def parse_args(argv: list[str] | None = None) -> NodeConfig:
+    from exo.node import NodeConfig  # here, not at the top: `exo <tool>` should not pay for it
+
     parser = argparse.ArgumentParser(prog="exo", description="Run an exo node (master, worker and API).")
     parser.add_argument("--nats", default=os.environ.get("EXO_NATS_URL", ""),
                         help="NATS URL(s), comma-separated (env EXO_NATS_URL); default: start an embedded nats-server")
@@ -49,6 +53,10 @@ def parse_args(argv: list[str] | None = None) -> NodeConfig:
     for key, env in SECURITY_ENV.items():
         flag = "--nats-" + key.replace("_", "-").replace("user-credentials", "creds")
         security.add_argument(flag, dest=f"security_{key}", help=f"env {env}")
+    parser.add_argument("--offline", action="store_true", default=_env_flag("EXO_OFFLINE"),
+                        help="use only complete models already in the model directories: no Hub, no peers (env EXO_OFFLINE)")
+    parser.add_argument("--no-model-sharing", action="store_true",
+                        help="do not serve models to other nodes nor fetch from them (env EXO_MODEL_SHARING=0)")
     parser.add_argument("--log-level", default=os.environ.get("EXO_LOG_LEVEL", "INFO"))
     args = parser.parse_args(argv)
     if args.api_key:
@@ -65,8 +73,12 @@ def parse_args(argv: list[str] | None = None) -> NodeConfig:
         run_master=not args.no_master, run_worker=not args.no_worker, run_api=not args.no_api,
         snapshot_every=args.snapshot_every, snapshot_interval=args.snapshot_interval,
         events_max_age_s=args.events_max_age, events_max_bytes=args.events_max_bytes, replicas=args.replicas,
-        max_queue=args.max_queue,
+        max_queue=args.max_queue, offline=args.offline, model_sharing=False if args.no_model_sharing else None,
     )
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").lower() in ("1", "true", "yes", "on")
 
 
 def _env_number(name: str, kind=float):
@@ -75,6 +87,9 @@ def _env_number(name: str, kind=float):
 
 
 async def run(config: NodeConfig) -> int:
+    from exo.bus.errors import BusError
+    from exo.node import Node, StartupError
+
     node = Node(config)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -29,6 +29,8 @@ from exo.core.events import NodeRegistered
 from exo.core.types import NodeInfo
 from exo.master.service import Master
 from exo.models.cards import load_builtin_cards
+from exo.models.dirs import DownloadSettings
+from exo.models.hub import set_offline
 from exo.resources import builtin_cards_dir
 from exo.worker.service import Worker
 
@@ -49,6 +51,8 @@ class NodeConfig:
     snapshot_interval: float = 30.0  # ...or seconds, whichever comes first
     events_max_age_s: float | None = None  # None: as streams/EXO_EVENTS.json says
     events_max_bytes: int | None = None
+    offline: bool = False  # models only from local directories: no Hub, no peers
+    model_sharing: bool | None = None  # serve models to peers and fetch from them; None: EXO_MODEL_SHARING (on)
     replicas: int | None = None  # None: as streams/*.json say (1)
     max_queue: int | None = None  # open tasks per instance before 429; None: decide's default
 
@@ -108,6 +112,7 @@ class Node:
         if not urls:
             self.embedded = EmbeddedNats(config.data_dir / "nats", port=config.nats_port)
             urls = [await self.embedded.start()]
+            self._tasks.append(asyncio.create_task(self.embedded.supervise(), name="embedded nats-server"))
         self.nats_urls = urls
         self._nc = nc = await connect(urls, name="exo-node")
         await provision(nc, replicas=config.replicas, overrides=event_retention(config.events_max_age_s, config.events_max_bytes))
@@ -117,8 +122,12 @@ class Node:
         if config.run_master:
             master = Master(nc, view, builtin, node_id, config.snapshot_every, config.snapshot_interval, config.max_queue)
             self._tasks.append(asyncio.create_task(master.run(), name="master"))
+        if config.offline:
+            set_offline()
+            os.environ["HF_HUB_OFFLINE"] = "1"  # runner processes inherit it
         if config.run_worker:
-            self.worker = Worker(nc, view, node_id, config.data_dir, urls, builtin)
+            downloads = DownloadSettings.from_env(config.data_dir, offline=config.offline, share=config.model_sharing)
+            self.worker = Worker(nc, view, node_id, config.data_dir, urls, builtin, downloads)
             await EventLog(nc).append(NodeRegistered(node=describe_this_node(node_id, time.time())), uuid.uuid4().hex)
             self._tasks.append(asyncio.create_task(self.worker.run(), name="worker"))
         if config.run_api:

@@ -34,7 +34,11 @@ def start_node(root: Path, name: str, nats_url: str, *flags: str, env: dict | No
 
 
 def state_of(node: ExoProcess) -> State:
-    return decode_state(httpx.get(f"{node.url}/state", timeout=30).content)
+    return state_of_url(node.url)
+
+
+def state_of_url(api_url: str) -> State:
+    return decode_state(httpx.get(f"{api_url}/state", timeout=30).content)
 
 
 def wait_until(predicate, timeout: float, interval: float = 0.1, what: str = "condition"):
@@ -51,11 +55,11 @@ def log_line(node: ExoProcess, pattern: str) -> re.Match | None:
     return re.search(pattern, node.output())
 
 
-def replay(nats_url: str, upto: int) -> tuple[State, list[tuple[int, AnyEvent, bool]]]:
+def replay(nats_url: str | list[str], upto: int) -> tuple[State, list[tuple[int, AnyEvent, bool]]]:
     """Fold the log from sequence 1 to `upto`; also says, per event, whether it was applied."""
 
     async def run() -> tuple[State, list]:
-        nc = await connect([nats_url], name="test-replay")
+        nc = await connect(nats_url if isinstance(nats_url, list) else [nats_url], name="test-replay")
         state = State()
         seen: list[tuple[int, AnyEvent, bool]] = []
         done = asyncio.get_running_loop().create_future()

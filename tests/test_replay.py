@@ -43,9 +43,11 @@ async def scripted(fresh_nats: str):
     await nc.close()
 
 
-def _result(stdout: str) -> dict:
-    (result,) = [line for line in json_lines(stdout) if line["type"] in ("result", "verify")]
-    return result
+def _result(done) -> dict:
+    """The last JSON line of a replay: its result (or verification)."""
+    results = [line for line in json_lines(done.stdout) if line["type"] in ("result", "verify")]
+    assert len(results) == 1, f"exit {done.returncode}: {done.stderr}"
+    return results[0]
 
 
 @pytest.mark.slow  # starts `exo replay` processes
@@ -55,7 +57,7 @@ async def test_replay_equals_the_live_state_and_lists_what_it_could_not_use(scri
     assert [s.seq for s in states[len(SCRIPT)].skipped_events] == [GARBAGE_SEQ, IMPOSSIBLE_SEQ]
     done = await in_thread(run_tool, ["replay", "--json"], url)
     assert done.returncode == 0, done.stderr
-    result = _result(done.stdout)
+    result = _result(done)
     assert result["state"] == builtins(states[len(SCRIPT)])
     assert (result["from_seq"], result["last_seq"], result["replayed"]) == (0, len(SCRIPT), len(SCRIPT))
     assert [s["seq"] for s in result["skipped"]] == [GARBAGE_SEQ, IMPOSSIBLE_SEQ]
@@ -78,7 +80,7 @@ async def test_until_equals_the_state_live_nodes_had_at_that_sequence(scripted):
     url, states, _ = scripted
     for seq in (1, 3, GARBAGE_SEQ, IMPOSSIBLE_SEQ, 10):
         done = await in_thread(run_tool, ["replay", "--until", str(seq), "--json"], url)
-        assert _result(done.stdout)["state"] == builtins(states[seq]), f"--until {seq}"
+        assert _result(done)["state"] == builtins(states[seq]), f"--until {seq}"
 
 
 @pytest.mark.slow  # starts `exo replay` processes
@@ -93,10 +95,10 @@ async def test_export_then_offline_replay_equals_live(scripted, tmp_path: Path):
     # The file needs no NATS: point --nats nowhere to prove it.
     offline = await in_thread(run_tool, ["replay", "--file", str(export), "--json", "--nats", "nats://127.0.0.1:1"])
     assert offline.returncode == 0, offline.stderr
-    assert _result(offline.stdout)["state"] == builtins(states[len(SCRIPT)])
-    assert [s["seq"] for s in _result(offline.stdout)["skipped"]] == [GARBAGE_SEQ, IMPOSSIBLE_SEQ]
+    assert _result(offline)["state"] == builtins(states[len(SCRIPT)])
+    assert [s["seq"] for s in _result(offline)["skipped"]] == [GARBAGE_SEQ, IMPOSSIBLE_SEQ]
     until = await in_thread(run_tool, ["replay", "--file", str(export), "--until", "5", "--json"])
-    assert _result(until.stdout)["state"] == builtins(states[5])
+    assert _result(until)["state"] == builtins(states[5])
 
 
 @pytest.mark.slow  # starts `exo replay` processes
@@ -158,7 +160,7 @@ async def test_verify_agrees_with_honest_snapshots_then_names_a_corrupted_one(sc
         'snapshot revision 3 at sequence 9: DIFFERS at tasks.t1.status: replay has "completed", snapshot has "failed"',
         "verify: FAILED: the replay first diverges from a snapshot at sequence 9, at tasks.t1.status",
     ]
-    as_json = _result((await in_thread(run_tool, ["replay", "--verify", "--json"], url)).stdout)
+    as_json = _result(await in_thread(run_tool, ["replay", "--verify", "--json"], url))
     assert as_json["agrees"] is False
     assert [(c["seq"], c["agrees"], c["path"]) for c in as_json["checks"]] == [
         (4, True, ""), (7, True, ""), (9, False, "tasks.t1.status")]
@@ -176,14 +178,14 @@ async def test_from_snapshot_starts_at_the_latest_snapshot_at_or_before_until(sc
     marked = msgspec.structs.replace(states[5], nodes={**states[5].nodes, "only-in-snapshot": NodeInfo(node_id="x")})
     assert await write_snapshot(nc, marked)
     done = await in_thread(run_tool, ["replay", "--from-snapshot", "--until", "9", "--json"], url)
-    result = _result(done.stdout)
+    result = _result(done)
     assert (result["from_seq"], result["replayed"], result["last_seq"]) == (5, 4, 9)
     assert set(result["state"]["nodes"]) == {"n1", "only-in-snapshot"}
     assert result["state"]["tasks"] == builtins(states[9])["tasks"]
     assert "on top of a snapshot at 5" in done.stderr
 
     before = await in_thread(run_tool, ["replay", "--from-snapshot", "--until", "4", "--json"], url)
-    assert _result(before.stdout)["state"] == builtins(states[4])
+    assert _result(before)["state"] == builtins(states[4])
     assert "no stored snapshot at or before 4; replaying from the start" in before.stderr
 
 
@@ -200,7 +202,7 @@ async def test_a_trimmed_log_needs_a_snapshot_and_says_so(scripted):
     for seq in (3, 5, 9):
         assert await write_snapshot(nc, states[seq])
     from_snapshot = await in_thread(run_tool, ["replay", "--from-snapshot", "--json"], url)
-    assert _result(from_snapshot.stdout)["state"] == builtins(states[len(SCRIPT)])
+    assert _result(from_snapshot)["state"] == builtins(states[len(SCRIPT)])
     verify = await in_thread(run_tool, ["replay", "--verify"], url)
     assert verify.returncode == 0, verify.stdout + verify.stderr
     assert "verifying from snapshot revision 2 (sequence 5); 1 older snapshot(s) not checked" in verify.stderr
@@ -299,12 +301,12 @@ def test_replay_of_a_cluster_session_equals_the_live_state(tmp_path: Path):
             seen = _run_session(http, tmp_path / "model")
         for live in seen:
             done = run_tool(["replay", "--until", str(live["last_seq"]), "--json"], url)
-            assert _result(done.stdout)["state"] == live, f"--until {live['last_seq']}"
+            assert _result(done)["state"] == live, f"--until {live['last_seq']}"
         final = msgspec.json.decode(httpx.get(f"{node.url}/state").content)
         export = tmp_path / "session.jsonl"
         assert run_tool(["events", "export", "--until", str(final["last_seq"]), "-o", str(export)], url).returncode == 0
         offline = run_tool(["replay", "--file", str(export), "--json"])
-        assert _result(offline.stdout)["state"] == final
+        assert _result(offline)["state"] == final
         verify = run_tool(["replay", "--verify"], url)
         assert verify.returncode == 0, verify.stdout + verify.stderr
     finally:

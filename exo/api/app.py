@@ -5,9 +5,10 @@ from __future__ import annotations
 from aiohttp import web
 
 from exo.api import (
-    admin, anthropic_messages, cluster, events_sse, ollama, openai_chat, openai_chat_stream, openai_completions,
+    admin, anthropic_messages, cluster, downloads, events_sse, ollama, openai_chat, openai_chat_stream, openai_completions,
     openai_responses, prometheus,
 )
+from exo.api import dashboard
 from exo.api.auth import auth_middleware
 from exo.api.context import CONTEXT_KEY, ApiContext
 from exo.api.errors import error_middleware
@@ -22,6 +23,7 @@ def build_app(ctx: ApiContext) -> web.Application:
     _openai(app.router)
     _anthropic_and_ollama(app.router)
     _cluster(app.router)
+    dashboard.add_routes(app.router)
     return app
 
 
@@ -58,3 +60,7 @@ def _cluster(router: web.UrlDispatcher) -> None:
     router.add_get("/node_id", admin.get_node_id)
     router.add_get("/health", admin.health)
     router.add_get("/metrics", prometheus.metrics)
+    router.add_post("/download/start", downloads.start)
+    router.add_post("/download/cancel", downloads.cancel)
+    router.add_delete("/download/{node_id}/{model_id:.+}", downloads.delete)
+    router.add_get("/downloads", downloads.list_downloads)

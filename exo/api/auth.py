@@ -1,6 +1,6 @@
-"""API keys: with keys set, every route but /health needs `Authorization: Bearer <key>`
-(Anthropic clients send `x-api-key`, accepted on /v1/messages). A wrong or missing key gets
-401 in the surface's own error shape (see errors.py)."""
+"""API keys: with keys set, every route but /health and the dashboard's page and static files
+needs `Authorization: Bearer <key>` (Anthropic clients send `x-api-key`, accepted on
+/v1/messages). A wrong or missing key gets 401 in the surface's own error shape (see errors.py)."""
 
 from __future__ import annotations
 
@@ -16,13 +16,20 @@ from exo.api.settings import ApiSettings
 
 log = logging.getLogger(__name__)
 
-OPEN_PATHS = frozenset({"/health"})
+OPEN_PATHS = frozenset({"/health", "/"})
+# The dashboard's static files hold no cluster data; a browser cannot send a Bearer header when
+# it loads a page, so the page is public and asks for the key itself for its data requests.
+OPEN_PREFIXES = ("/dashboard/",)
+
+
+def is_open_path(path: str) -> bool:
+    return path in OPEN_PATHS or path.startswith(OPEN_PREFIXES)
 
 
 @web.middleware
 async def auth_middleware(request: web.Request, handler):
     keys = context_of(request).settings.api_keys
-    if keys and request.path not in OPEN_PATHS and not _key_matches(_presented_key(request), keys):
+    if keys and not is_open_path(request.path) and not _key_matches(_presented_key(request), keys):
         raise ApiError(401, "a valid API key is required: send 'Authorization: Bearer <key>'",
                        code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
     return await handler(request)

@@ -56,6 +56,7 @@ class DownloadControlServer:
             async def on_request(msg: Msg, action: Action = action) -> None:
                 await self._answer(msg, action)
             self._subscriptions.append(await self._nc.subscribe(control_subject(self._node_id, action), cb=on_request))
+        await self._nc.flush()  # the server knows the subscriptions: requests reach us from now on
 
     async def stop(self) -> None:
         for subscription in self._subscriptions:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import shutil
 import signal
@@ -12,6 +13,8 @@ import sys
 from pathlib import Path
 
 from exo.bus.errors import BusError
+
+log = logging.getLogger(__name__)
 
 
 # State snapshots are single KV values; nats-server's default 1 MB payload limit is too small
@@ -40,6 +43,7 @@ class EmbeddedNats:
         self.host = host
         self.port = port
         self.process: subprocess.Popen[bytes] | None = None
+        self._stopping = False
 
     @property
     def url(self) -> str:
@@ -57,6 +61,7 @@ class EmbeddedNats:
             nats_server_binary(), "--config", str(config), "--jetstream", "--store_dir", str(self.store_dir / "jetstream"),
             "--addr", self.host, "--port", str(self.port if self.port else -1),
             "--ports_file_dir", str(ports_dir), "--server_name", "exo-embedded",
+            "--http_port", "-1",  # monitoring (varz, jsz) on a free loopback port: see its ports file
         ]
         log = open(self.store_dir / "nats-server.log", "ab")
         # A session of its own: a Ctrl-C in the terminal reaches exo, which stops the server last.
@@ -82,7 +87,23 @@ class EmbeddedNats:
             await asyncio.sleep(0.02)
         raise BusError(f"embedded nats-server did not start within {timeout} s")
 
+    async def supervise(self) -> None:
+        """Restart the server on its port if it dies under a running node: clients reconnect
+        and JetStream's file store brings back everything that was acknowledged."""
+        while not self._stopping:
+            assert self.process is not None
+            code = await asyncio.to_thread(self.process.wait)
+            if self._stopping:
+                return
+            log.warning("embedded nats-server exited with code %s; restarting it on port %d", code, self.port)
+            try:
+                await self.start()
+            except BusError as error:
+                log.error("%s; retrying", error)
+                await asyncio.sleep(1)
+
     def stop(self, timeout: float = 10.0) -> None:
+        self._stopping = True
         if self.process is None or self.process.poll() is not None:
             return
         self.process.send_signal(signal.SIGTERM)
@@ -93,5 +114,6 @@ class EmbeddedNats:
             self.process.wait()
 
     def kill(self) -> None:
+        self._stopping = True
         if self.process is not None and self.process.poll() is None:
             os.kill(self.process.pid, signal.SIGKILL)

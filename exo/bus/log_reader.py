@@ -88,6 +88,7 @@ class _RangeReader:
     def __init__(self, on_record: OnRecord, first: int, end: int) -> None:
         self._on_record = on_record
         self._first = first
+        self._next = first  # the lowest sequence still to deliver
         self._end = end
         self._done = asyncio.Event()
         self.delivered = 0
@@ -97,11 +98,16 @@ class _RangeReader:
         if self._done.is_set():
             return  # past the end, or the callback failed: drain quietly
         record = record_of(msg)
-        if self.delivered == 0 and record.seq != self._first:
+        if record.seq < self._next:
+            # Already delivered, or before our start: nats-py recreates an ordered consumer from
+            # the last sequence it saw plus one, which is 1 if it had seen none yet.
+            return
+        if self.delivered == 0 and record.seq > self._first:
             # The head aged out between our look at the stream and the subscription.
             self.error = LogGap(f"the event stream starts at sequence {record.seq}; sequences from {self._first} are gone")
             self._done.set()
             return
+        self._next = record.seq + 1
         if record.seq > self._end:
             self._done.set()
             return
@@ -156,12 +162,14 @@ class LogFollower:
         self._js = nc.jetstream()
         self._on_record = on_record
         self._subscription = None
+        self._next = 0  # the lowest sequence still to deliver (0: whatever comes first)
 
     async def start(self, start_seq: int | None = None) -> None:
         if start_seq is None:
             policy, config = api.DeliverPolicy.NEW, None
         else:
-            policy, config = api.DeliverPolicy.BY_START_SEQUENCE, api.ConsumerConfig(opt_start_seq=max(start_seq, 1))
+            self._next = max(start_seq, 1)
+            policy, config = api.DeliverPolicy.BY_START_SEQUENCE, api.ConsumerConfig(opt_start_seq=self._next)
         self._subscription = await self._js.subscribe(
             ALL_EVENTS, stream=EVENTS_STREAM, ordered_consumer=True, cb=self._on_msg, idle_heartbeat=_HEARTBEAT_S,
             deliver_policy=policy, config=config,
@@ -173,7 +181,11 @@ class LogFollower:
             self._subscription = None
 
     async def _on_msg(self, msg: Msg) -> None:
-        self._on_record(record_of(msg))
+        record = record_of(msg)
+        if record.seq < self._next:
+            return  # resent by a recreated consumer (see _RangeReader.on_msg)
+        self._next = record.seq + 1
+        self._on_record(record)
 
 
 async def _unsubscribe(subscription) -> None:

@@ -27,8 +27,9 @@ from exo.models.files import Manifest, decode_manifest, encode_manifest
 
 log = logging.getLogger(__name__)
 
-MAX_CHUNK = 4 << 20  # bytes per reply; below the server's max_payload (see `chunk_size`)
-WINDOW = 8  # chunk requests in flight per file
+MAX_CHUNK = 2 << 20  # bytes per reply; below the server's max_payload (see `chunk_size`)
+WINDOW = 4  # chunk requests in flight per file...
+IN_FLIGHT = 8  # ...and per fetching node (see fetch_from_peer): 16 MB at most
 _ERROR_HEADER = "Exo-Error"
 
 # model id -> (model directory, manifest) of a model this node can serve, or None.
@@ -75,6 +76,7 @@ class ModelShareServer:
             await self._nc.subscribe(share_subject(self._node_id, "manifest"), cb=self._on_manifest),
             await self._nc.subscribe(share_subject(self._node_id, "chunk"), cb=self._on_chunk),
         ]
+        await self._nc.flush()  # the server knows the subscriptions: peers can ask from now on
 
     async def stop(self) -> None:
         for subscription in self._subscriptions:
@@ -139,27 +141,40 @@ async def peer_manifest(nc: Client, peer: str, model_id: str, timeout: float = 5
 
 async def fetch_from_peer(
     nc: Client, peer: str, model_id: str, path: str, start: int, size: int,
-    write: Callable[[bytes], Awaitable[None]], window: int = WINDOW, timeout: float = 30.0,
+    write: Callable[[bytes], Awaitable[None]], slots: asyncio.Semaphore, window: int = WINDOW, timeout: float = 30.0,
 ) -> None:
-    """Bytes [start, size) of one file, handed to `write` in order."""
+    """Bytes [start, size) of one file, handed to `write` in order.
+
+    `slots` bounds the chunks in flight across every file this node fetches: replies that
+    outrun the reader pile up in the client and the server, and past nats-server's per-client
+    limit (64 MB) it cuts the whole connection as a slow consumer. A file waits for a slot only
+    while it has nothing in flight, so files holding slots always drain them (no deadlock).
+    """
     subject = share_subject(peer, "chunk")
     step = chunk_size(nc)
-    offsets = iter(range(start, size, step))
+    offsets = deque(range(start, size, step))
+    in_flight: deque[tuple[int, asyncio.Task]] = deque()
 
-    def ask(offset: int) -> asyncio.Task:
-        request = ShareRequest(model_id=model_id, path=path, offset=offset, length=min(step, size - offset))
-        return asyncio.ensure_future(_request(nc, subject, request, timeout))
+    async def fill() -> None:
+        while offsets and len(in_flight) < window and not (in_flight and slots.locked()):
+            await slots.acquire()
+            offset = offsets.popleft()
+            request = ShareRequest(model_id=model_id, path=path, offset=offset, length=min(step, size - offset))
+            in_flight.append((offset, asyncio.ensure_future(_request(nc, subject, request, timeout))))
 
-    in_flight: deque[tuple[int, asyncio.Task]] = deque((o, ask(o)) for _, o in zip(range(window), offsets))
     try:
+        await fill()
         while in_flight:
-            offset, reply = in_flight.popleft()
+            offset, reply = in_flight[0]
             data = await reply
-            if (next_offset := next(offsets, None)) is not None:
-                in_flight.append((next_offset, ask(next_offset)))
-            if len(data) != min(step, size - offset):
-                raise PeerError(f"node {peer} sent {len(data)} bytes of {path} at {offset}, expected {min(step, size - offset)}")
+            in_flight.popleft()
+            slots.release()
+            expected = min(step, size - offset)
+            if len(data) != expected:
+                raise PeerError(f"node {peer} sent {len(data)} bytes of {path} at {offset}, expected {expected}")
+            await fill()
             await write(data)
     finally:
         for _, pending in in_flight:
             pending.cancel()
+            slots.release()

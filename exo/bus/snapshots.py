@@ -26,8 +26,12 @@ class _CoveredSeq(msgspec.Struct):
 
 
 def covered_seq(snapshot: bytes) -> int:
-    """The sequence a stored snapshot covers, without building the whole State."""
-    return msgspec.json.decode(snapshot, type=_CoveredSeq).last_seq
+    """The sequence a stored snapshot covers, without building the whole State (0 for a value
+    that is not a snapshot, e.g. one written by hand: the next snapshot replaces it)."""
+    try:
+        return msgspec.json.decode(snapshot, type=_CoveredSeq).last_seq
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return 0
 
 
 async def read_latest_snapshot(nc: Client) -> State | None:

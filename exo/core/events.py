@@ -9,7 +9,6 @@ from __future__ import annotations
 import msgspec
 
 from exo.core.types import (
-    DownloadErrorCode,
     DownloadProgress,
     Instance,
     ModelCard,
@@ -107,7 +106,8 @@ class DownloadProgressed(Event, tag="download.progress", kw_only=True):
 class DownloadFailed(Event, tag="download.failed", kw_only=True):
     node_id: str
     model_id: str
-    code: DownloadErrorCode = "unknown"
+    # A DownloadErrorCode; a plain string so that older nodes still read codes added later.
+    code: str = "unknown"
     reason: str = ""
     at: float = 0.0
 

@@ -139,12 +139,14 @@ def _complete_by_manifest(path: Path, manifest: Manifest, card: ModelCard, start
 
 
 def _complete_as_found(path: Path, start: int, end: int, writable: bool) -> LocalCopy | None:
-    present = [p.relative_to(path).as_posix() for p in path.rglob("*") if p.is_file() and not p.name.startswith(".")]
+    relative = (p.relative_to(path).as_posix() for p in path.rglob("*") if p.is_file())
+    present = [r for r in relative if not any(part.startswith(".") for part in r.split("/"))]  # no caches, partials
     index = _read_index(path)
     if "config.json" not in present:
         return None
     if index is not None:
-        wanted = layer_files(index.get("weight_map", {}), start, end) if end > start else set(index.get("weight_map", {}).values())
+        weight_map = index.get("weight_map", {})
+        wanted = layer_files(weight_map, start, end) if end > start else set(weight_map.values())
         if not wanted <= set(present):
             return None
     needed = needed_files(present, index, start, end)

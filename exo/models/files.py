@@ -76,8 +76,16 @@ def with_verified(manifest: Manifest, path: str, meta: FileMeta) -> Manifest:
     return msgspec.structs.replace(manifest, files=files, verified=sorted({*manifest.verified, path}))
 
 
+def is_safe_path(path: str) -> bool:
+    """A relative path that stays inside the model directory (a peer's manifest is not trusted)."""
+    parts = path.split("/")
+    return bool(path) and not path.startswith("/") and "\\" not in path and all(p not in ("", ".", "..") for p in parts)
+
+
 def rebase(local: Manifest | None, source: Manifest) -> Manifest:
-    """The source's listing, keeping as verified only local files the source still has the same."""
+    """The source's listing (only paths inside the model directory), keeping as verified only
+    local files the source still has the same."""
+    source = msgspec.structs.replace(source, files={p: m for p, m in source.files.items() if is_safe_path(p)})
     if local is None:
         return msgspec.structs.replace(source, verified=[])
     files = dict(source.files)

@@ -29,7 +29,6 @@ from exo.models.transfer import Corrupt, DownloadCancelled, DownloadError, Parti
 
 log = logging.getLogger(__name__)
 
-_CHUNK = 1 << 20
 _CORRUPT_REFETCHES = 2  # a file that fails verification is fetched again this many times
 
 
@@ -53,10 +52,13 @@ def classify(error: BaseException, what: str) -> DownloadError | _Retry:
         return error
     if isinstance(error, OfflineModeIsEnabled):
         return DownloadError("offline", f"offline mode: cannot fetch {what} from the Hub")
+    # Repository-wide refusals name the repository, whichever of its files met them first.
     if isinstance(error, GatedRepoError):  # before RepositoryNotFoundError: it is a subclass
-        return DownloadError("gated", f"{what} is gated: accept its terms on the Hub and set HF_TOKEN")
+        repo = error.repo_id or what
+        return DownloadError("gated", f"{repo} is gated: accept its terms on the Hub and set HF_TOKEN")
     if isinstance(error, RepositoryNotFoundError):
-        return DownloadError("not_found", f"repository not found on the Hub: {what} (a private one needs HF_TOKEN)")
+        repo = error.repo_id or what
+        return DownloadError("not_found", f"repository not found on the Hub: {repo} (a private one needs HF_TOKEN)")
     if isinstance(error, RevisionNotFoundError):
         return DownloadError("not_found", f"revision not found on the Hub: {what}")
     if isinstance(error, RemoteEntryNotFoundError):
@@ -101,7 +103,8 @@ def with_retries(action: Callable[[], object], what: str, policy: RetryPolicy, c
             delay = next_delay(policy, failures, outcome.retry_after)
             if delay is None:
                 raise DownloadError(outcome.code, f"{outcome.reason}; gave up after {failures} attempts") from None
-            log.warning("%s; retrying in %.1f s (attempt %d of %d)", outcome.reason, delay, failures + 1, policy.attempts)
+            log.warning("%s; retrying in %.1f s (attempt %d of %d)",
+                        outcome.reason, delay, failures + 1, policy.attempts)
             if cancelled.wait(delay):
                 raise DownloadCancelled(what) from None
 
@@ -128,13 +131,7 @@ def fetch_from_hub(manifest: Manifest, partial: PartialFile, endpoint: str | Non
     url = hf_hub_url(manifest.repo_id, partial.path, revision=manifest.commit or manifest.revision, endpoint=endpoint)
     what = f"{manifest.repo_id}/{partial.path}"
     for attempt in range(_CORRUPT_REFETCHES + 1):
-        before = [partial.size]
-
-        def progressed() -> bool:
-            moved, before[0] = partial.size > before[0], partial.size
-            return moved
-
-        with_retries(lambda: _get_into(url, partial, cancelled), what, policy, cancelled, progressed)
+        with_retries(lambda: _get_into(url, partial, cancelled), what, policy, cancelled, _grew(partial))
         try:
             return partial.finish()
         except Corrupt as corrupt:
@@ -143,6 +140,17 @@ def fetch_from_hub(manifest: Manifest, partial: PartialFile, endpoint: str | Non
             if attempt == _CORRUPT_REFETCHES:
                 raise DownloadError("corrupt", f"{corrupt} (fetched {attempt + 1} times)") from None
     raise AssertionError("unreachable")
+
+
+def _grew(partial: PartialFile) -> Callable[[], bool]:
+    """Whether `partial` grew since the last call: a failure after progress starts the count again."""
+    last = [partial.size]
+
+    def check() -> bool:
+        grew, last[0] = partial.size > last[0], partial.size
+        return grew
+
+    return check
 
 
 def _get_into(url: str, partial: PartialFile, cancelled: threading.Event) -> None:
@@ -159,7 +167,7 @@ def _get_into(url: str, partial: PartialFile, cancelled: threading.Event) -> Non
             hf_raise_for_status(response)
         if start and response.status_code != 206:
             partial.reset()  # the server ignored the range: take the whole file again
-        for data in response.iter_bytes(_CHUNK):
+        for data in response.iter_bytes():  # as it arrives: a chunk size would hold bytes back from a dropped body
             if cancelled.is_set():
                 raise DownloadCancelled(partial.path)
             partial.write(data)

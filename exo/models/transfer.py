@@ -53,6 +53,7 @@ class PartialFile:
     def open(self) -> int:
         """Start or resume; returns the bytes already on disk (hashed again, so a resumed
         file is verified as a whole)."""
+        self.close()
         self.partial.parent.mkdir(parents=True, exist_ok=True)
         have = self.partial.stat().st_size if self.partial.exists() else 0
         if have > self.meta.size:
@@ -77,7 +78,7 @@ class PartialFile:
             self._file.write(data)
         except OSError as error:
             if error.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise DownloadError("disk_full", f"disk full while writing {self.path} to {self.partial.parent}") from None
+                raise DownloadError("disk_full", f"disk full writing {self.path} in {self.partial.parent}") from None
             raise DownloadError("io", f"cannot write {self.partial}: {error.strerror}") from None
         self._hash(data)
         self.size += len(data)

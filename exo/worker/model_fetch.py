@@ -33,8 +33,9 @@ class ModelFetch:
     """Progress (`totals`, `done_of`) is read by the coordinator's reporter while this runs."""
 
     def __init__(self, nc: Client, card: ModelCard, start: int, end: int, settings: DownloadSettings,
-                 peers: Callable[[], list[str]]) -> None:
+                 peers: Callable[[], list[str]], slots: asyncio.Semaphore) -> None:
         self._nc = nc
+        self._slots = slots  # chunk requests to peers in flight, shared by this node's downloads
         self.card = card
         self.start, self.end = start, end
         self._settings = settings
@@ -54,6 +55,10 @@ class ModelFetch:
         return {p: (self._active[p].size if p in self._active else self._done.get(p, 0), t) for p, t in self.totals.items()}
 
     async def run(self) -> Path:
+        if self._settings.offline:
+            dirs = self._settings.dirs
+            raise DownloadError("offline", f"offline mode: {self.card.model_id} is not complete in any model directory "
+                                           f"({_dir_list(dirs.writable + dirs.read_only)})")
         source = await self._open_source()
         self.target = await asyncio.to_thread(self._choose_target, source)
         self.target.mkdir(parents=True, exist_ok=True)
@@ -78,7 +83,8 @@ class ModelFetch:
             except PeerError as error:
                 log.info("download %s: peer %s cannot serve it (%s)", self.card.model_id, peer, error)
                 continue
-            if self.card.revision in (manifest.revision, manifest.commit) and manifest.verified:
+            same = manifest.repo_id == self.card.source_repo and self.card.revision in (manifest.revision, manifest.commit)
+            if same and manifest.verified:
                 self.source, self._peer, self._peer_files = f"peer:{peer}", peer, set(manifest.verified)
                 return manifest
         self.source = "hub"
@@ -141,7 +147,7 @@ class ModelFetch:
         tasks = [asyncio.ensure_future(one(p)) for p in paths]
         if not tasks:
             return
-        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
         failed = [t.exception() for t in tasks if t.done() and t.exception() is not None]
         if failed:
             # One failure ends the download. The others stop at their next chunk (threads cannot
@@ -179,7 +185,7 @@ class ModelFetch:
             await asyncio.to_thread(partial.write, data)
 
         await fetch_from_peer(self._nc, self._peer, self.card.model_id, partial.path, partial.size,
-                              partial.meta.size, write)
+                              partial.meta.size, write, self._slots)
         try:
             return await asyncio.to_thread(partial.finish)
         except Corrupt as corrupt:

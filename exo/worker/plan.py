@@ -25,6 +25,7 @@ class LocalRunner(msgspec.Struct, frozen=True, kw_only=True):
     phase: LocalPhase = "spawning"
     forwarded: frozenset[str] = frozenset()  # task ids handed to the runner process
     cancels_sent: frozenset[str] = frozenset()
+    error: str = ""  # why it failed, told to the callers of the tasks it cannot serve
 
 
 class WorkerView(msgspec.Struct, frozen=True, kw_only=True):
@@ -125,7 +126,8 @@ def _task_steps(view: WorkerView, local: LocalRunner, tasks: list[Task]) -> list
             continue
         forwarded = task.task_id in local.forwarded
         if local.phase == "failed":
-            steps.append(EndTask(task_id=task.task_id, status="failed", reason="the runner serving it failed"))
+            reason = f"the runner serving it failed: {local.error}" if local.error else "the runner serving it failed"
+            steps.append(EndTask(task_id=task.task_id, status="failed", reason=reason))
         elif task.status == "running" and not forwarded:
             steps.append(EndTask(task_id=task.task_id, status="failed", reason="its runner restarted mid-generation"))
         elif task.cancel_requested and not forwarded:

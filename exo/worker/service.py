@@ -22,12 +22,14 @@ from exo.bus.state_view import StateView
 from exo.bus.tokens import publish_chunk
 from exo.core.events import AnyEvent, CustomCardAdded, CustomCardDeleted, Event, RunnerStatusChanged, TaskFinished, TaskStarted
 from exo.core.state import State
-from exo.core.types import ModelCard, RunnerStatus, TokenChunk
+from exo.core.types import ModelCard, RunnerStatus, ShardAssignment, TokenChunk
 from exo.master.decide import find_card
 from exo.models.cards import reconcile_custom_cards
-from exo.models.download import download_model
+from exo.models.dirs import DownloadSettings
+from exo.models.transfer import DownloadCancelled, DownloadError
 from exo.runner import protocol as rp
 from exo.worker import plan as p
+from exo.worker.downloads import DownloadCoordinator
 from exo.worker.runner_host import RunnerHost
 
 log = logging.getLogger(__name__)
@@ -36,7 +38,7 @@ log = logging.getLogger(__name__)
 class Worker:
     def __init__(
         self, nc: Client, view: StateView, node_id: str, data_dir: Path,
-        nats_urls: list[str], builtin_cards: Mapping[str, ModelCard],
+        nats_urls: list[str], builtin_cards: Mapping[str, ModelCard], download_settings: DownloadSettings | None = None,
     ) -> None:
         self.node_id = node_id
         self._nc = nc
@@ -53,6 +55,10 @@ class Worker:
         self._images_in_flight: set[str] = set()
         self._wake = asyncio.Event()
         self._background: set[asyncio.Task] = set()
+        self.downloads = DownloadCoordinator(
+            nc, node_id, download_settings or DownloadSettings.from_env(data_dir), self._publish,
+            lambda: self._view.state, lambda model_id: find_card(self._view.state, builtin_cards, model_id),
+        )
         view.add_listener(self._on_event)
 
     @property
@@ -67,6 +73,7 @@ class Worker:
         # A late joiner first makes its disk match State (cards, then the images its pending
         # tasks need); only then does it plan anything.
         reconcile_custom_cards(self.custom_cards_dir, self._view.state.custom_model_cards)
+        await self.downloads.start()
         await self._fetch_images(p.images_to_fetch(self._worker_view()))
         log.info("worker: disk reconciled with State at sequence %d; planning starts", self._view.state.last_seq)
         self._wake.set()
@@ -80,6 +87,7 @@ class Worker:
                     log.exception("step %s failed", step)
 
     async def stop(self) -> None:
+        await self.downloads.stop()
         for task in self._background:
             task.cancel()
         await asyncio.gather(*(host.stop() for host in self._hosts.values()), return_exceptions=True)
@@ -179,18 +187,29 @@ class Worker:
         self._set_phase(step.runner_id, "spawned")
 
     async def _download(self, step: p.DownloadModel) -> None:
+        """The coordinator fetches only the files this runner's layers need (see exo/models/files)."""
         await self._publish_status(step.runner_id, "downloading")
         card = find_card(self._view.state, self._builtin_cards, step.model_id)
+        shard = self._shard_of(step.runner_id)
         try:
             if card is None:
-                raise LookupError(f"no model card for {step.model_id}")
-            path = await asyncio.to_thread(download_model, card, self._data_dir / "models")
+                raise DownloadError("not_found", f"no model card for {step.model_id}")
+            path = await self.downloads.ensure(card, shard.start_layer, shard.end_layer)
+        except (DownloadError, DownloadCancelled) as error:
+            await self._fail_runner(step.runner_id, f"download failed: {error}")
+            return
         except Exception as error:
             log.exception("download of %s failed", step.model_id)
             await self._fail_runner(step.runner_id, f"download failed: {type(error).__name__}: {error}")
             return
         self._model_paths[step.runner_id] = path
         self._set_phase(step.runner_id, "downloaded")
+
+    def _shard_of(self, runner_id: str) -> ShardAssignment:
+        runner = self._view.state.runners.get(runner_id)
+        instance = self._view.state.instances.get(runner.instance_id) if runner else None
+        shards = [s for s in instance.shards if s.runner_id == runner_id] if instance else []
+        return shards[0] if shards else ShardAssignment(runner_id=runner_id, node_id=self.node_id)  # all layers
 
     async def _send_lifecycle(self, runner_id: str, phase: p.LocalPhase, request: rp.Request) -> None:
         self._set_phase(runner_id, phase)
@@ -234,7 +253,7 @@ class Worker:
     async def _fail_runner(self, runner_id: str, error: str) -> None:
         if runner_id not in self._runners:
             return
-        self._set_phase(runner_id, "failed")
+        self._set_phase(runner_id, "failed", error=error)
         await self._publish_status(runner_id, "failed", error)
 
     async def _end_task(self, task_id: str, status: str, reason: str) -> None:

@@ -19,9 +19,16 @@ What the client needs, and what this server therefore sends (see huggingface_hub
   so again no Xet. `Range: bytes=N-` is honoured for resumed downloads.
 * `GET /api/agent-harnesses`: an empty registry (huggingface_hub 2.4 fetches it to
   build its User-Agent unless HF_HUB_DISABLE_TELEMETRY=1).
-* Errors carry `X-Error-Code` (`RepoNotFound`, `RevisionNotFound`, `EntryNotFound`)
-  and a JSON `{"error": ...}` body; `hf_raise_for_status` maps those headers to
-  RepositoryNotFoundError / RevisionNotFoundError / RemoteEntryNotFoundError.
+* Errors carry `X-Error-Code` (`RepoNotFound`, `RevisionNotFound`, `EntryNotFound`,
+  `GatedRepo`) and a JSON `{"error": ...}` body; `hf_raise_for_status` maps those headers to
+  RepositoryNotFoundError / RevisionNotFoundError / RemoteEntryNotFoundError / GatedRepoError.
+
+Failure knobs, for download tests (each applies to the next GET bodies of one file, keyed
+"<repo_id>/<filename>" like `downloads`): `drop_after` sends part of the body and closes the
+connection, `corrupt` sends the right length of wrong bytes, `rate_limit` answers 429 with
+Retry-After. `gated` repos answer 403 GatedRepo on file downloads, as the Hub does before
+their terms are accepted. `throttle_bps` slows every body down (progress tests). `ranges`
+records the first byte of every body served.
 
 Only model repos with ids of the form "namespace/name" are supported. Directory
 contents are (re)hashed on demand, so editing a repo directory yields a new commit.
@@ -32,14 +39,16 @@ from __future__ import annotations
 import hashlib
 import json
 import pathlib
-import shutil
+import socket
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, unquote, urlsplit
 
 # Files the real Hub would store in LFS (by the default .gitattributes).
 _LFS_SUFFIXES = (".safetensors", ".bin", ".gguf", ".npz", ".pt", ".pth", ".h5", ".onnx", ".msgpack")
 _DATE = "2024-01-01T00:00:00.000Z"
+_FLIP = bytes(range(255, -1, -1))  # every byte inverted: same length, wrong content
 
 
 class _File:
@@ -109,6 +118,11 @@ class FakeHub:
         self.repos = {repo_id: pathlib.Path(path) for repo_id, path in repos.items()}
         self.downloads: dict[str, int] = {}
         self.requests: list[str] = []
+        self.ranges: list[tuple[str, int]] = []  # (repo_id/filename, first byte) per body served
+        self.gated: set[str] = set()
+        self.throttle_bps: int | None = None
+        self._faults: dict[str, list[tuple]] = {}
+        self._connections: set[socket.socket] = set()  # open keep-alive connections, closed by stop()
         self._lock = threading.Lock()
         self._snapshots: dict[pathlib.Path, tuple[tuple, _Snapshot]] = {}
         self._server: ThreadingHTTPServer | None = None
@@ -131,10 +145,19 @@ class FakeHub:
         return self.endpoint
 
     def stop(self) -> None:
+        """Stop listening and close every open connection: a client's keep-alive connection
+        must not outlive the Hub (a real Hub that goes away takes them with it)."""
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
             self._server = None
+        with self._lock:
+            connections, self._connections = list(self._connections), set()
+        for connection in connections:
+            try:
+                connection.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
         if self._thread is not None:
             self._thread.join(timeout=5)
             self._thread = None
@@ -145,6 +168,27 @@ class FakeHub:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+    def drop_after(self, key: str, nbytes: int, times: int = 1) -> None:
+        """The next `times` bodies of `key` stop after `nbytes` bytes: the connection closes."""
+        self._add_fault(key, ("drop", nbytes), times)
+
+    def corrupt(self, key: str, times: int = 1) -> None:
+        """The next `times` bodies of `key` have the right length and the wrong bytes."""
+        self._add_fault(key, ("corrupt",), times)
+
+    def rate_limit(self, key: str, retry_after: int = 1, times: int = 1) -> None:
+        """The next `times` GETs of `key` answer 429 with `Retry-After: retry_after`."""
+        self._add_fault(key, ("429", retry_after), times)
+
+    def _add_fault(self, key: str, fault: tuple, times: int) -> None:
+        with self._lock:
+            self._faults.setdefault(key, []).extend([fault] * times)
+
+    def _next_fault(self, key: str) -> tuple | None:
+        with self._lock:
+            queue = self._faults.get(key)
+            return queue.pop(0) if queue else None
 
     def _log(self, line: str) -> None:
         with self._lock:
@@ -173,6 +217,19 @@ class _Handler(BaseHTTPRequestHandler):
 
     def log_message(self, format: str, *args: object) -> None:  # silence stderr access log
         pass
+
+    def setup(self) -> None:
+        super().setup()
+        with self.fake_hub._lock:
+            self.fake_hub._connections.add(self.connection)
+
+    def finish(self) -> None:
+        with self.fake_hub._lock:
+            self.fake_hub._connections.discard(self.connection)
+        try:
+            super().finish()
+        except OSError:  # the connection was shut down by stop()
+            pass
 
     # -- plumbing -----------------------------------------------------------------
 
@@ -243,7 +300,7 @@ class _Handler(BaseHTTPRequestHandler):
                 "lastModified": _DATE,
                 "createdAt": _DATE,
                 "private": False,
-                "gated": False,
+                "gated": "manual" if repo_id in self.fake_hub.gated else False,
                 "disabled": False,
                 "downloads": 0,
                 "likes": 0,
@@ -282,6 +339,9 @@ class _Handler(BaseHTTPRequestHandler):
         if f is None:
             self._error(404, "EntryNotFound", "Entry not found", commit)
             return
+        if repo_id in self.fake_hub.gated:
+            self._error(403, "GatedRepo", "Access to this model is restricted: accept its terms first", commit)
+            return
         headers = {**commit, "ETag": f'"{f.etag}"', "Accept-Ranges": "bytes"}
         if f.lfs:
             headers |= {"X-Linked-Etag": f'"{f.etag}"', "X-Linked-Size": str(f.size)}
@@ -294,8 +354,33 @@ class _Handler(BaseHTTPRequestHandler):
             start = min(int(range_header[6:].split("-")[0]), f.size)  # only "bytes=N-", as the client sends
             status = 206
             headers["Content-Range"] = f"bytes {start}-{f.size - 1}/{f.size}"
-        self.fake_hub._count_download(f"{repo_id}/{filename}")
+        key = f"{repo_id}/{filename}"
+        fault = self.fake_hub._next_fault(key)
+        if fault is not None and fault[0] == "429":
+            self._error(429, "RateLimited", "Too many requests", {"Retry-After": str(fault[1])})
+            return
+        self.fake_hub._count_download(key)
+        with self.fake_hub._lock:
+            self.fake_hub.ranges.append((key, start))
         self._send(status, headers=headers, content_type="application/octet-stream", length=f.size - start)
         with open(snap.root / filename, "rb") as fh:
             fh.seek(start)
-            shutil.copyfileobj(fh, self.wfile)
+            self._write_body(fh, f.size - start, fault)
+
+    def _write_body(self, fh, length: int, fault: tuple | None) -> None:
+        limit = fault[1] if fault is not None and fault[0] == "drop" else length
+        throttle = self.fake_hub.throttle_bps
+        sent = 0
+        while sent < min(limit, length):
+            block = fh.read(min(64 << 10, limit - sent))
+            if not block:
+                break
+            if fault is not None and fault[0] == "corrupt":
+                block = block.translate(_FLIP)
+            self.wfile.write(block)
+            sent += len(block)
+            if throttle:
+                time.sleep(len(block) / throttle)
+        if sent < length:  # a dropped connection: the client sees a short body
+            self.wfile.flush()
+            self.close_connection = True

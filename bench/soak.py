@@ -1,0 +1,136 @@
+"""Soak: mixed load against the compose topology (3 NATS servers, an API node, two workers, as
+local processes) with a NATS server killed (kill -9) and restarted every few minutes.
+At the end: State equals a replay of the log, and no request hung. Exit code 1 otherwise.
+
+    uv run python bench/soak.py --duration 1800 --fault-every 180   # the report's run
+    uv run python bench/soak.py --duration 180 --fault-every 60     # CI's run
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import httpx  # noqa: E402
+
+from tests.cluster import replay, state_of_url  # noqa: E402
+from tests.compose_topology import LocalTopology  # noqa: E402
+from tests.support.fake_hub import FakeHub  # noqa: E402
+from tests.support.tiny_model import TINY_MODEL_ID, make_tiny_model  # noqa: E402
+
+REQUEST_TIMEOUT_S = 60
+
+
+class Load:
+    """Chats and custom-card commands in two bounded loops on loopback."""
+
+    def __init__(self, api_url: str) -> None:
+        self.api_url = api_url
+        self.outcomes: list[tuple[float, str, str]] = []  # (time, kind, outcome)
+        self.stop = threading.Event()
+        self.threads = [threading.Thread(target=self._loop, args=(kind,), daemon=True) for kind in ("chat", "card")]
+
+    def _loop(self, kind: str) -> None:
+        with httpx.Client(base_url=self.api_url, timeout=REQUEST_TIMEOUT_S) as http:
+            n = 0
+            while not self.stop.is_set():
+                n += 1
+                try:
+                    if kind == "chat":
+                        body = {"model": TINY_MODEL_ID, "messages": [{"role": "user", "content": f"soak {n}"}],
+                                "max_tokens": 16}
+                        response = http.post("/v1/chat/completions", json=body)
+                    else:
+                        response = http.post("/models/add", json={"model_id": f"soak/m{n}", "n_layers": 2})
+                        time.sleep(0.2)
+                    outcome = "ok" if response.status_code == 200 else f"http {response.status_code}"
+                except httpx.TimeoutException:
+                    outcome = "hung"
+                except httpx.HTTPError as error:
+                    outcome = f"error {type(error).__name__}"
+                    time.sleep(0.2)
+                self.outcomes.append((time.monotonic(), kind, outcome))
+
+    def first_ok_after(self, moment: float, kind: str) -> float | None:
+        return next((at - moment for at, k, o in list(self.outcomes) if at > moment and k == kind and o == "ok"), None)
+
+
+def run(duration: float, fault_every: float, restart_after: float, root: Path) -> bool:
+    hub = FakeHub({TINY_MODEL_ID: make_tiny_model(root / "model")})
+    hub.start()
+    topology = LocalTopology(root / "compose", {"HF_ENDPOINT": hub.endpoint, "HF_HUB_DISABLE_TELEMETRY": "1"})
+    try:
+        topology.start()
+        with httpx.Client(base_url=topology.api_url, timeout=120) as http:
+            http.post("/models/add", json={"model_id": TINY_MODEL_ID}).raise_for_status()
+            http.post("/place_instance", json={"model_id": TINY_MODEL_ID}).raise_for_status()
+        load = Load(topology.api_url)
+        for thread in load.threads:
+            thread.start()
+        faults = inject_faults(topology, load, duration, fault_every, restart_after)
+        load.stop.set()
+        for thread in load.threads:
+            thread.join(REQUEST_TIMEOUT_S + 10)
+        return report(topology, load, faults)
+    finally:
+        topology.stop()
+        hub.stop()
+
+
+def inject_faults(topology: LocalTopology, load: Load, duration: float, every: float, restart_after: float) -> list:
+    started, faults, n = time.monotonic(), [], 0
+    while time.monotonic() - started + every <= duration:
+        time.sleep(every - restart_after)
+        name = topology.nats_names[n % len(topology.nats_names)]
+        n += 1
+        topology.services[name].process.kill()
+        killed_at = time.monotonic()
+        print(f"[{killed_at - started:6.0f} s] kill -9 {name}", flush=True)
+        time.sleep(restart_after)
+        topology.services[name] = topology.nats_service(name).start()
+        faults.append((name, killed_at))
+    time.sleep(max(0.0, duration - (time.monotonic() - started)))
+    return faults
+
+
+def report(topology: LocalTopology, load: Load, faults: list) -> bool:
+    quiet_since, last = time.monotonic(), -1
+    while time.monotonic() - quiet_since < 3:  # let in-flight events settle
+        seq = state_of_url(topology.api_url).last_seq
+        quiet_since, last = (quiet_since, last) if seq == last else (time.monotonic(), seq)
+        time.sleep(0.5)
+    live = state_of_url(topology.api_url)
+    replayed, _ = replay(topology.nats_urls, live.last_seq)
+    counts: dict[str, int] = {}
+    for _, kind, outcome in load.outcomes:
+        key = f"{kind} {outcome.split()[0]}"
+        counts[key] = counts.get(key, 0) + 1
+    print(f"\nrequests: {dict(sorted(counts.items()))}")
+    for name, killed_at in faults:
+        chat, card = load.first_ok_after(killed_at, "chat"), load.first_ok_after(killed_at, "card")
+        print(f"kill -9 {name}: next chat ok after {chat or float('nan'):.1f} s, next command ok after "
+              f"{card or float('nan'):.1f} s")
+    hung = sum(1 for _, _, o in load.outcomes if o == "hung")
+    equal = replayed == live
+    print(f"events: {live.last_seq}; State equals a replay of the log: {equal}; hung requests: {hung}")
+    return equal and hung == 0
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--duration", type=float, default=1800)
+    parser.add_argument("--fault-every", type=float, default=180)
+    parser.add_argument("--restart-after", type=float, default=10)
+    parser.add_argument("--keep", type=Path, help="keep every process's log and store in this folder")
+    args = parser.parse_args()
+    if args.keep:
+        args.keep.mkdir(parents=True, exist_ok=True)
+        sys.exit(0 if run(args.duration, args.fault_every, args.restart_after, args.keep) else 1)
+    with tempfile.TemporaryDirectory() as tmp:
+        sys.exit(0 if run(args.duration, args.fault_every, args.restart_after, Path(tmp)) else 1)

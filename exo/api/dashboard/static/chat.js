@@ -1,0 +1,188 @@
+// The chat panel: streams a reply from any model with an instance through
+// /v1/chat/completions, shows time to first token and tokens per second, and can stop it.
+
+import {errorMessage, json, readSse, request} from "./api.js";
+import {h, replaceChildren} from "./util.js";
+import {instanceStatus} from "./cluster.js";
+
+const ABORT_AFTER_CANCEL_MS = 3000; // if the stream has not ended by then, drop it ourselves
+
+export class Chat {
+  constructor(ctx) {
+    this.ctx = ctx;
+    this.history = []; // the conversation so far, as the API takes it
+    this.current = null; // the generation streaming now
+    this.last = null; // the latest generation, for stats that arrive after it ended
+    this.signature = null; // the model choices the select shows
+    this.el = Object.fromEntries(["chat-form", "chat-model", "chat-max-tokens", "chat-temperature", "chat-system",
+      "chat-log", "chat-input", "chat-send", "chat-stop", "chat-clear", "chat-stats"].map((id) => [id, document.getElementById(id)]));
+    this.el["chat-form"].addEventListener("submit", (event) => { event.preventDefault(); this.send(); });
+    this.el["chat-input"].addEventListener("keydown", (event) => {
+      if (event.key === "Enter" && !event.shiftKey && !event.isComposing) { event.preventDefault(); this.send(); }
+    });
+    this.el["chat-stop"].addEventListener("click", () => this.stop());
+    this.el["chat-clear"].addEventListener("click", () => this.clear());
+  }
+
+  // The models that have an instance, the ready ones first.
+  update(state) {
+    const select = this.el["chat-model"];
+    const best = new Map();
+    for (const instance of Object.values(state.instances)) {
+      const status = instanceStatus(instance, state);
+      if (best.get(instance.model_id) !== "ready") best.set(instance.model_id, status);
+    }
+    const ids = [...best.keys()].sort((a, b) => (best.get(a) === "ready" ? 0 : 1) - (best.get(b) === "ready" ? 0 : 1) || a.localeCompare(b));
+    // Rebuilt only when the choice changes: rebuilding closes a list the user has open.
+    const signature = ids.map((id) => `${id}=${best.get(id)}`).join("\n");
+    this.el["chat-send"].disabled = Boolean(this.current) || !ids.length;
+    if (signature === this.signature) return;
+    this.signature = signature;
+    const chosen = select.value;
+    if (!ids.length) {
+      replaceChildren(select, [h("option", {value: ""}, "no running model: place one")]);
+    } else {
+      replaceChildren(select, ids.map((id) => h("option", {value: id, "data-status": best.get(id)},
+        best.get(id) === "ready" ? id : `${id} (${best.get(id).replace("_", " ")})`)));
+      select.value = ids.includes(chosen) ? chosen : ids[0];
+    }
+  }
+
+  clear() {
+    if (this.current) return;
+    this.history = [];
+    replaceChildren(this.el["chat-log"], []);
+    this.el["chat-stats"].textContent = "";
+  }
+
+  body(content) {
+    const system = this.el["chat-system"].value.trim();
+    const messages = [...(system ? [{role: "system", content: system}] : []), ...this.history, {role: "user", content}];
+    const body = {model: this.el["chat-model"].value, messages, stream: true, stream_options: {include_usage: true}};
+    const maxTokens = this.el["chat-max-tokens"].value.trim();
+    const temperature = this.el["chat-temperature"].value.trim();
+    if (maxTokens) body.max_tokens = Number(maxTokens);
+    if (temperature) body.temperature = Number(temperature);
+    return body;
+  }
+
+  async send() {
+    const content = this.el["chat-input"].value;
+    if (this.current || !content.trim() || !this.el["chat-model"].value) return;
+    const body = this.body(content);
+    this.el["chat-input"].value = "";
+    this.history.push({role: "user", content});
+    const text = document.createTextNode("");
+    const meta = h("div", {class: "meta small muted"}, "waiting for the first token…");
+    const message = h("div", {class: "msg assistant", "data-streaming": "true"},
+      h("div", {class: "role small"}, body.model), h("div", {class: "text"}, text), meta);
+    this.el["chat-log"].append(h("div", {class: "msg user"}, h("div", {class: "text"}, content)), message);
+    const g = {controller: new AbortController(), started: performance.now(), firstAt: null, lastAt: null, pieces: 0,
+               tokens: null, commandId: null, finish: null, error: null, stopped: false, text, message, meta};
+    this.current = this.last = g;
+    this.setBusy(true);
+    try {
+      await this.stream(g, body);
+    } catch (error) {
+      if (!g.stopped) g.error = error.message;
+    } finally {
+      clearTimeout(g.abortTimer);
+      if (g.stopped && !g.finish) g.finish = "cancelled";
+      this.history.push({role: "assistant", content: text.data});
+      message.dataset.streaming = "false";
+      message.dataset.finish = g.finish || "error";
+      if (g.error) message.append(h("div", {class: "error small"}, g.error));
+      this.current = null;
+      this.setBusy(false);
+      this.showStats(g);
+      this.scroll();
+    }
+  }
+
+  async stream(g, body) {
+    const response = await request("POST", "/v1/chat/completions", body, {signal: g.controller.signal});
+    if (!response.ok) {
+      const data = await response.json().catch(() => null);
+      throw new Error(errorMessage(data) || `${response.status} ${response.statusText}`);
+    }
+    for await (const event of readSse(response)) {
+      if (event.data === "[DONE]") break;
+      const chunk = JSON.parse(event.data);
+      if (chunk.error) { // the stream's way of saying the generation ended badly or was stopped
+        g.finish = chunk.error.code || "error";
+        if (g.finish !== "cancelled") g.error = chunk.error.message;
+        continue;
+      }
+      if (!g.commandId && chunk.id) {
+        g.commandId = chunk.id.replace(/^chatcmpl-/, "");
+        g.message.dataset.commandId = g.commandId;
+      }
+      for (const choice of chunk.choices || []) {
+        const piece = choice.delta && choice.delta.content;
+        if (piece) {
+          const now = performance.now();
+          g.firstAt ??= now;
+          g.lastAt = now;
+          g.pieces += 1;
+          g.text.appendData(piece);
+        }
+        if (choice.finish_reason) g.finish = choice.finish_reason;
+      }
+      if (chunk.usage) g.tokens = chunk.usage.completion_tokens;
+      this.showStats(g);
+      this.scroll();
+    }
+  }
+
+  async stop() {
+    const g = this.current;
+    if (!g || g.stopped) return;
+    g.stopped = true;
+    this.el["chat-stop"].disabled = true;
+    g.abortTimer = setTimeout(() => g.controller.abort(), ABORT_AFTER_CANCEL_MS);
+    if (!g.commandId) return g.controller.abort(); // nothing to name yet: dropping the stream cancels it
+    try {
+      await json("POST", `/v1/cancel/${g.commandId}`);
+    } catch (error) {
+      g.controller.abort();
+      this.ctx.toast(`Stopping failed: ${error.message}`);
+    }
+  }
+
+  // A stopped stream has no usage chunk: its task's count arrives with task.finished.
+  taskFinished(data) {
+    const g = this.last;
+    if (g && g.commandId === data.task_id && g.tokens === null) {
+      g.tokens = data.completion_tokens;
+      this.showStats(g);
+    }
+  }
+
+  showStats(g) {
+    const ttft = g.firstAt === null ? null : g.firstAt - g.started;
+    const tokens = g.tokens ?? g.pieces;
+    const seconds = g.firstAt === null ? 0 : ((this.current === g ? performance.now() : g.lastAt) - g.firstAt) / 1000;
+    // The first token's time is TTFT; the rate is over the tokens after it.
+    const rate = seconds > 0 && tokens > 1 ? (tokens - 1) / seconds : null;
+    const parts = [ttft === null ? "waiting for the first token…" : `TTFT ${Math.round(ttft)} ms`];
+    if (rate !== null) parts.push(`${rate.toFixed(1)} tok/s`);
+    if (g.firstAt !== null) parts.push(`${g.tokens === null ? "~" : ""}${tokens} tokens`); // ~: counted from chunks
+    if (g.finish) parts.push(g.finish === "cancelled" ? "stopped" : g.finish);
+    const line = parts.join(" · ");
+    g.meta.textContent = line;
+    if (ttft !== null) g.message.dataset.ttftMs = String(Math.round(ttft));
+    if (rate !== null) g.message.dataset.tokensPerS = rate.toFixed(2);
+    this.el["chat-stats"].textContent = line;
+  }
+
+  setBusy(busy) {
+    this.el["chat-send"].disabled = busy || !this.el["chat-model"].value;
+    this.el["chat-stop"].disabled = !busy;
+    this.el["chat-clear"].disabled = busy;
+  }
+
+  scroll() {
+    const log = this.el["chat-log"];
+    log.scrollTop = log.scrollHeight;
+  }
+}

@@ -1,0 +1,64 @@
+// Wires the panels to the live State: every State change redraws the panels from it, every
+// event goes to the feed.
+
+import {askForKey, forgetKey, json} from "./api.js";
+import {Chat} from "./chat.js";
+import {renderInstances, renderNodes} from "./cluster.js";
+import {renderDownloads} from "./downloads.js";
+import {EventFeed} from "./events.js";
+import {Live} from "./live.js";
+import {Models} from "./models.js";
+import {h} from "./util.js";
+
+const AGES_EVERY_MS = 5000; // "heard 12 s ago" is redrawn locally; nothing is fetched for it
+
+const ctx = {
+  nodeId: null,
+  connected: false,
+  state: () => live.state,
+  toast,
+};
+const feed = new EventFeed();
+const models = new Models(ctx);
+const chat = new Chat(ctx);
+const live = new Live({onState: render, onEvent, onConnection});
+
+function render(state) {
+  renderNodes(document.getElementById("nodes"), state, ctx);
+  renderInstances(document.getElementById("instances"), state, ctx);
+  renderDownloads(document.getElementById("downloads"), state);
+  models.update(state);
+  chat.update(state);
+  document.getElementById("seq").textContent = `seq ${state.last_seq}`;
+  document.getElementById("seq").title = "the last event folded into this State (exo replay --until takes it)";
+}
+
+function onEvent(event) {
+  feed.add(event);
+  if (event.kind === "task.finished") chat.taskFinished(event.data);
+}
+
+function onConnection(status, detail) {
+  ctx.connected = status === "live";
+  const badge = document.getElementById("conn");
+  badge.dataset.state = status;
+  badge.textContent = status === "live" ? "live" : status === "reconnecting" ? "reconnecting…" : "error";
+  badge.title = detail || "following /events";
+}
+
+function toast(message, kind = "error") {
+  const note = h("div", {class: `toast ${kind}`, role: "status"}, message);
+  document.getElementById("toasts").append(note);
+  setTimeout(() => note.remove(), 6000);
+}
+
+document.getElementById("key-button").addEventListener("click", async () => {
+  forgetKey();
+  await askForKey("Enter the API key for this exo cluster:");
+  live.refresh();
+});
+
+setInterval(() => { if (live.state) renderNodes(document.getElementById("nodes"), live.state, ctx); }, AGES_EVERY_MS);
+
+ctx.nodeId = await json("GET", "/node_id").catch(() => null);
+live.start();

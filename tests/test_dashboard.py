@@ -1,0 +1,312 @@
+"""The dashboard at GET /: its files are served (and public under API keys) in process, then the
+whole page drives a real `exo` node in headless Chromium: key prompt, add a card, place an
+instance from a preview, watch its runner become ready, chat (the streamed text equals the API's
+answer to the same request), stop a long generation, delete the instance and the card."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from exo.api.app import build_app
+from exo.api.context import ApiContext
+from exo.api.dashboard import STATIC_DIR
+from exo.api.settings import ApiSettings
+from tests.e2e_support import start_exo
+from tests.support.fake_hub import FakeHub
+from tests.support.tiny_model import TINY_MODEL_ID, make_tiny_model
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+KEY = "dashboard-test-key"
+PROMPT = "Tell me about the sea."
+MAX_TOKENS = 24
+LONG = 100_000  # never reached: the tiny model does not stop on its own
+REVIEW_SCREENSHOT = Path("/tmp/dashboard.png")
+
+
+# -- the files, in process: no exo, no browser -----------------------------------------------
+
+def app_client(keys: frozenset[str]) -> TestClient:
+    # Only the dashboard routes and the key check run here: nothing touches NATS or State.
+    ctx = ApiContext(nc=None, view=None, outcomes=None, builtin_cards={}, node_id="", data_dir=Path("."),  # type: ignore[arg-type]
+                     settings=ApiSettings(api_keys=keys))
+    return TestClient(TestServer(build_app(ctx)))
+
+
+def referenced_files() -> set[str]:
+    """Every file the page loads: index.html's links, then the modules' imports, transitively."""
+    html = (STATIC_DIR / "index.html").read_text()
+    found = set(re.findall(r'(?:href|src)="/dashboard/([^"]+)"', html))
+    queue = [name for name in found if name.endswith(".js")]
+    while queue:
+        for name in re.findall(r'from "\./([^"]+)"', (STATIC_DIR / queue.pop()).read_text()):
+            if name not in found:
+                found.add(name)
+                queue.append(name)
+    return found
+
+
+async def test_every_file_the_page_loads_is_served_with_its_type_and_without_a_key():
+    files = referenced_files()
+    assert {"app.css", "main.js", "api.js", "live.js", "chat.js", "events.js"} <= files
+    async with app_client(frozenset({KEY})) as client:
+        page = await client.get("/")
+        assert page.status == 200 and page.content_type == "text/html"
+        assert page.headers["Cache-Control"] == "no-cache"
+        assert '<script type="module" src="/dashboard/main.js">' in await page.text()
+        for name in sorted(files):
+            response = await client.get(f"/dashboard/{name}")
+            assert response.status == 200, name
+            assert response.content_type == ("text/css" if name.endswith(".css") else "text/javascript"), name
+            body = (STATIC_DIR / name).read_bytes()
+            assert await response.read() == body
+            # Revalidation by the content's hash: unchanged files cost a 304, changed ones never do.
+            etag = response.headers["ETag"]
+            assert etag == f'"{hashlib.sha256(body).hexdigest()[:20]}"'
+            assert (await client.get(f"/dashboard/{name}", headers={"If-None-Match": etag})).status == 304
+            assert (await client.get(f"/dashboard/{name}", headers={"If-None-Match": '"stale"'})).status == 200
+        # The data stays behind the key.
+        assert (await client.get("/state")).status == 401
+        assert (await client.get("/events")).status == 401
+
+
+@pytest.mark.parametrize("path", ["/dashboard/index.html", "/dashboard/nothing.js", "/dashboard/..%2F__init__.py",
+                                  "/dashboard/.hidden.js", "/dashboard/", "/dashboard/%2e%2e%2fauth.py"])
+async def test_nothing_but_the_static_files_is_served(path):
+    async with app_client(frozenset()) as client:
+        response = await client.get(path)
+        assert response.status == 404, path
+        assert "import" not in await response.text()  # no source file leaked
+
+
+# -- the page in Chromium against a real node ------------------------------------------------
+
+def require_browser() -> None:
+    if CHROMIUM.exists():
+        return
+    message = f"{CHROMIUM} is missing: apt-get install chromium (Debian's package)"
+    if os.environ.get("EXO_REQUIRE_BROWSER") == "1":
+        pytest.fail(message)
+    pytest.skip(message)
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory):
+    require_browser()
+    tiny = make_tiny_model(tmp_path_factory.mktemp("model") / "tiny-llama")
+    with FakeHub({TINY_MODEL_ID: tiny}) as hub:
+        exo = start_exo(tmp_path_factory.mktemp("node"), hub, {"EXO_API_KEYS": KEY})
+        yield exo
+        if exo.process.poll() is None:
+            exo.interrupt()
+
+
+@pytest.fixture(scope="module")
+def http(node):
+    with httpx.Client(base_url=node.url, timeout=120, headers={"Authorization": f"Bearer {KEY}"}) as client:
+        yield client
+
+
+@pytest.fixture
+def page(tmp_path):
+    require_browser()
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        context = playwright.chromium.launch_persistent_context(
+            str(tmp_path / "chromium-profile"), executable_path=str(CHROMIUM), args=CHROMIUM_ARGS, headless=True,
+            viewport={"width": 1440, "height": 1000})
+        context.set_default_timeout(30_000)
+        page = context.pages[0] if context.pages else context.new_page()
+        page.errors = []  # uncaught exceptions in the page's scripts
+        page.on("pageerror", lambda error: page.errors.append(str(error)))
+        yield page
+        context.close()
+
+
+@pytest.mark.slow
+def test_the_dashboard_places_chats_stops_and_deletes(page, node, http, tmp_path):
+    node_id = http.get("/node_id").json()
+    state_fetches: list[float] = []
+    page.on("request", lambda r: state_fetches.append(time.monotonic()) if r.url.endswith("/state") else None)
+
+    page.goto(node.url)
+    _enter_the_key_once(page)
+    node_card = page.locator(f'.card.node[data-node-id="{node_id}"]')
+    assert "this node" in node_card.inner_text() and "backend cpu" in node_card.inner_text()
+
+    _add_the_card(page, http)
+    instance_id = _place_from_a_preview(page, http, node_id)
+    _the_feed_shows_sequences(page, http, instance_id)
+    _chat_equals_the_api(page, http)
+    command_id = _stop_a_long_generation(page, http)
+
+    page.evaluate("window.scrollTo(0, 0)")  # else the sticky header is drawn mid-page
+    page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
+    shutil.copyfile(tmp_path / "dashboard.png", REVIEW_SCREENSHOT)
+    page.set_viewport_size({"width": 390, "height": 844})
+    page.emulate_media(color_scheme="dark")  # the dark look; the laptop shot shows the light one
+    page.evaluate("window.scrollTo(0, 0)")
+    page.screenshot(path=str(tmp_path / "dashboard-phone.png"), full_page=True)
+    shutil.copyfile(tmp_path / "dashboard-phone.png", REVIEW_SCREENSHOT.with_name("dashboard-phone.png"))
+    _fits_the_width(page, 390)
+    page.set_viewport_size({"width": 1440, "height": 1000})
+
+    _no_polling(page, state_fetches)
+    _delete_instance_and_card(page, http, instance_id)
+    assert page.errors == [], page.errors
+    assert http.get("/state").json()["tasks"][command_id]["status"] == "cancelled"
+
+
+def _enter_the_key_once(page) -> None:
+    dialog = page.locator("#key-dialog")
+    dialog.wait_for(state="visible")
+    page.fill("#key-input", KEY)
+    page.press("#key-input", "Enter")
+    dialog.wait_for(state="hidden")
+    page.wait_for_selector('#conn[data-state="live"]')
+    assert page.evaluate("localStorage.getItem('exo.apiKey')") == KEY
+    page.reload()  # kept: the page does not ask again
+    page.wait_for_selector('#conn[data-state="live"]')
+    assert not page.locator("#key-dialog").is_visible()
+
+
+def _add_the_card(page, http) -> None:
+    page.fill("#add-model-id", TINY_MODEL_ID)
+    page.click("#add-model-form button[type=submit]")
+    row = page.locator(f'.model-row[data-model-id="{TINY_MODEL_ID}"]')
+    row.locator(".tag.custom").wait_for()
+    assert "2 layers" in row.inner_text()
+    assert TINY_MODEL_ID in http.get("/state").json()["custom_model_cards"]
+    builtin = page.locator('.model-row[data-model-id="mlx-community/Qwen3-0.6B-4bit"]')
+    assert "built-in" in builtin.inner_text() and builtin.locator('[data-action="delete-model"]').count() == 0
+
+
+def _place_from_a_preview(page, http, node_id: str) -> str:
+    page.locator(f'.model-row[data-model-id="{TINY_MODEL_ID}"] [data-action="choose-model"]').click()
+    preview = page.locator('.preview[data-sharding="pipeline"][data-min-nodes="1"]')
+    preview.locator('[data-action="place"]').wait_for()
+    hostname = http.get("/state").json()["nodes"][node_id]["hostname"]
+    assert f"rank 0 on {hostname}: layers 0–1" in preview.inner_text()
+    assert http.get("/state").json()["instances"] == {}  # a preview places nothing
+    preview.locator('[data-action="place"]').click()
+
+    card = page.locator(f'.card.instance[data-model-id="{TINY_MODEL_ID}"]')
+    card.wait_for()
+    instance_id = card.get_attribute("data-instance-id")
+    card.locator('[data-runner-status="ready"]').wait_for(timeout=180_000)
+    assert card.get_attribute("data-status") == "ready"
+    (instance,) = http.get("/state").json()["instances"].values()
+    assert instance["instance_id"] == instance_id
+    (runner,) = [r for r in http.get("/state").json()["runners"].values() if r["instance_id"] == instance_id]
+    assert runner["status"] == "ready"
+    shard = page.locator(f'.card.node[data-node-id="{node_id}"] .shard')
+    assert "pipeline · rank 0/1 · layers 0–1 of 2" in shard.inner_text()
+    assert shard.locator('[data-runner-status="ready"]').count() == 1
+    return instance_id
+
+
+def _the_feed_shows_sequences(page, http, instance_id: str) -> None:
+    created_seq = http.get(f"/instance/{instance_id}").json()["created_seq"]
+    row = page.locator(f'.event[data-seq="{created_seq}"]')
+    assert row.get_attribute("data-kind") == "instance.created"
+    assert row.locator(".seq").inner_text() == f"#{created_seq}"
+    # The runner's way to ready is in the feed, in order.
+    statuses = [re.search(r"→ (\w+)", t).group(1) for t in page.locator('.event[data-kind="runner.status"] .summary').all_inner_texts()]
+    assert statuses[0] == "ready" and "loading" in statuses  # newest first
+    page.select_option("#events-kind", "instance.created")
+    assert page.locator(".event").count() == 1
+    page.select_option("#events-kind", "")
+    page.fill("#events-filter", f"#{created_seq}")
+    assert [int(s) for s in page.locator(".event").evaluate_all("rows => rows.map(r => r.dataset.seq)")] == [created_seq]
+    page.fill("#events-filter", "")
+
+
+def _chat_equals_the_api(page, http) -> None:
+    page.fill("#chat-max-tokens", str(MAX_TOKENS))
+    page.fill("#chat-temperature", "0")
+    page.fill("#chat-input", PROMPT)
+    page.evaluate("""() => {  // count text changes: the reply must arrive in pieces, not at once
+        window.textChanges = 0;
+        new MutationObserver((m) => { window.textChanges += m.length; })
+            .observe(document.getElementById('chat-log'), {subtree: true, characterData: true});
+    }""")
+    with page.expect_request(lambda r: r.url.endswith("/v1/chat/completions")) as sent:
+        page.click("#chat-send")
+    body = json.loads(sent.value.post_data)
+    assert body == {"model": TINY_MODEL_ID, "messages": [{"role": "user", "content": PROMPT}], "stream": True,
+                    "stream_options": {"include_usage": True}, "max_tokens": MAX_TOKENS, "temperature": 0}
+    reply = page.locator('.msg.assistant[data-streaming="false"]')
+    reply.wait_for(timeout=60_000)
+    shown = reply.locator(".text").text_content()
+
+    api = http.post("/v1/chat/completions", json=body | {"stream": False}).json()
+    assert shown == api["choices"][0]["message"]["content"]
+    assert len(shown) > MAX_TOKENS // 2
+    assert page.evaluate("window.textChanges") > 1
+    assert reply.get_attribute("data-finish") == "length"
+    assert int(reply.get_attribute("data-ttft-ms")) > 0 and float(reply.get_attribute("data-tokens-per-s")) > 0
+    stats = page.inner_text("#chat-stats")
+    assert re.fullmatch(rf"TTFT \d+ ms · [\d.]+ tok/s · {MAX_TOKENS} tokens · length", stats), stats
+
+
+def _stop_a_long_generation(page, http) -> str:
+    page.click("#chat-clear")
+    assert page.locator(".msg").count() == 0
+    page.fill("#chat-max-tokens", str(LONG))
+    page.fill("#chat-input", PROMPT)
+    page.click("#chat-send")
+    reply = page.locator(".msg.assistant")
+    page.wait_for_function("() => document.querySelector('.msg.assistant .text').textContent.length > 20")
+    command_id = reply.get_attribute("data-command-id")
+    assert http.get("/state").json()["tasks"][command_id]["status"] == "running"
+    started = time.monotonic()
+    page.click("#chat-stop")
+    page.wait_for_selector('.msg.assistant[data-streaming="false"]', timeout=15_000)
+    assert time.monotonic() - started < 5  # the cancel route, not the resume grace or the abort fallback
+    assert reply.get_attribute("data-finish") == "cancelled"
+    task = http.get("/state").json()["tasks"][command_id]
+    assert task["status"] == "cancelled" and 0 < task["completion_tokens"] < LONG
+    # The stopped stream had no usage chunk; the count comes from its task.finished event.
+    page.wait_for_function(f"() => document.getElementById('chat-stats').textContent.includes(' {task['completion_tokens']} tokens')")
+    assert "stopped" in page.inner_text("#chat-stats")
+    assert page.is_enabled("#chat-send") and not page.is_enabled("#chat-stop")
+    return command_id
+
+
+def _fits_the_width(page, width: int) -> None:
+    overflow = page.evaluate("() => document.documentElement.scrollWidth")
+    assert overflow <= width, f"the page is {overflow} px wide on a {width} px screen"
+
+
+def _no_polling(page, state_fetches: list[float]) -> None:
+    quiet_from = time.monotonic()
+    page.wait_for_timeout(3000)
+    assert [t for t in state_fetches if t > quiet_from] == []
+
+
+def _delete_instance_and_card(page, http, instance_id: str) -> None:
+    delete = page.locator(f'.card.instance[data-instance-id="{instance_id}"] [data-action="delete-instance"]')
+    delete.click()
+    assert http.get("/state").json()["instances"] != {}  # the first click only asks
+    delete.click()
+    page.locator(".card.instance").first.wait_for(state="detached")
+    assert http.get("/state").json()["instances"] == {}
+    page.wait_for_selector("#chat-model option:text('no running model: place one')", state="attached")
+
+    delete_card = page.locator(f'.model-row[data-model-id="{TINY_MODEL_ID}"] [data-action="delete-model"]')
+    delete_card.click()
+    delete_card.click()
+    page.locator(f'.model-row[data-model-id="{TINY_MODEL_ID}"]').wait_for(state="detached")
+    assert http.get("/state").json()["custom_model_cards"] == {}
