@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import httpx
+import openai
 import pytest
 import pytest_asyncio
 
@@ -44,3 +46,15 @@ async def eventually(predicate, timeout: float = 10.0, interval: float = 0.02):
         if asyncio.get_running_loop().time() > deadline:
             raise AssertionError("condition not met in time")
         await asyncio.sleep(interval)
+
+
+# Clients of the module's `node` fixture (an `exo` process), for the end-to-end API tests.
+@pytest.fixture(scope="module")
+def http(node):
+    with httpx.Client(base_url=node.url, timeout=120) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def client(node) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{node.url}/v1", api_key="unused", timeout=120, max_retries=0)

@@ -4,7 +4,6 @@ greedy text equals mlx-lm's, and errors come in each surface's own shape."""
 from __future__ import annotations
 
 import anthropic
-import httpx
 import ollama
 import pytest
 
@@ -30,12 +29,6 @@ def node(tmp_path_factory, model_dir):
         exo = start_exo(tmp_path_factory.mktemp("node"), hub)
         yield exo
         exo.interrupt()
-
-
-@pytest.fixture(scope="module")
-def http(node):
-    with httpx.Client(base_url=node.url, timeout=120) as client:
-        yield client
 
 
 @pytest.fixture(scope="module")

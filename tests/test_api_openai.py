@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -42,17 +41,6 @@ def node(tmp_path_factory, hub):
     exo = start_exo(tmp_path_factory.mktemp("node"), hub)
     yield exo
     exo.interrupt()
-
-
-@pytest.fixture(scope="module")
-def http(node):
-    with httpx.Client(base_url=node.url, timeout=120) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
-def client(node) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{node.url}/v1", api_key="unused", timeout=120, max_retries=0)
 
 
 @pytest.fixture(scope="module")

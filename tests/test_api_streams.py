@@ -37,17 +37,6 @@ def node(tmp_path_factory, model_dir):
 
 
 @pytest.fixture(scope="module")
-def http(node):
-    with httpx.Client(base_url=node.url, timeout=120) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
-def client(node) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{node.url}/v1", api_key="unused", timeout=120, max_retries=0)
-
-
-@pytest.fixture(scope="module")
 def tiny(http, model_dir) -> Reference:
     place(http, TINY_MODEL_ID)
     return Reference(model_dir)
