@@ -167,7 +167,8 @@ class Node:
             await self._site_runner.cleanup()
         for task in self._tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=10)  # a stuck service must not block Ctrl-C
         if self.worker is not None:
             await self.worker.stop()
         if self._view is not None:

@@ -48,7 +48,10 @@ async def consume_commands(nc: Client, on_command: OnCommand, still_leader: Call
                 if not await _handle(msg, on_command, still_leader):
                     return
     finally:
-        await subscription.unsubscribe()
+        try:  # bounded: a fetch cancelled mid-request must not hold up shutdown
+            await asyncio.wait_for(subscription.unsubscribe(), 5)
+        except (asyncio.TimeoutError, NatsError):
+            pass
 
 
 async def _handle(msg, on_command: OnCommand, still_leader: Callable[[], bool]) -> bool:
