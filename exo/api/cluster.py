@@ -65,9 +65,7 @@ async def get_model(request: web.Request) -> web.Response:
     """GET /v1/models/{model_id}: OpenAI's model object, with the card beside it."""
     ctx = context_of(request)
     model_id = request.match_info["model_id"]
-    card = ctx.card(model_id)
-    if card is None:
-        raise ApiError(404, f"The model {model_id!r} does not exist", param="model", code="model_not_found")
+    card = ctx.require_card(model_id)
     return web.json_response({"id": card.model_id, "object": "model", "created": 0, "owned_by": "exo",
                               "name": card.name or card.model_id, "context_length": card.context_length,
                               "card": msgspec.to_builtins(card)})

@@ -10,6 +10,7 @@ from pathlib import Path
 from aiohttp import web
 from nats.aio.client import Client
 
+from exo.api.errors import ApiError
 from exo.api.metrics import Metrics
 from exo.api.outcomes import CommandOutcomes
 from exo.api.settings import ApiSettings
@@ -34,6 +35,13 @@ class ApiContext:
 
     def card(self, model_id: str) -> ModelCard | None:
         return find_card(self.view.state, self.builtin_cards, model_id)
+
+    def require_card(self, model_id: str) -> ModelCard:
+        """The card, or the OpenAI-style 404 every surface answers for an unknown model."""
+        card = self.card(model_id)
+        if card is None:
+            raise ApiError(404, f"The model {model_id!r} does not exist", param="model", code="model_not_found")
+        return card
 
     def in_background(self, coroutine: Coroutine) -> None:
         task = asyncio.get_running_loop().create_task(coroutine)

@@ -122,9 +122,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     uploads = ImageUploads()
     params = to_params(body, uploads)
     ctx = context_of(request)
-    card = ctx.card(body.model)
-    if card is None:
-        raise ApiError(404, f"The model {body.model!r} does not exist", param="model", code="model_not_found")
+    card = ctx.require_card(body.model)
     if uploads.by_digest and not card.supports_images:
         raise ApiError(400, f"the model {body.model!r} does not take image inputs", param="messages")
     await uploads.store(ctx.nc)

@@ -78,8 +78,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     body = await decode_body(request, CompletionRequest)
     params = to_params(body)
     ctx = context_of(request)
-    if ctx.card(body.model) is None:
-        raise ApiError(404, f"The model {body.model!r} does not exist", param="model", code="model_not_found")
+    ctx.require_card(body.model)
     generation = await start_generation(ctx, body.model, params)
     try:
         if body.stream:

@@ -76,8 +76,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
     body = await decode_body(request, ResponsesRequest)
     params = to_params(body)
     ctx = context_of(request)
-    if ctx.card(body.model) is None:
-        raise ApiError(404, f"The model {body.model!r} does not exist", param="model", code="model_not_found")
+    ctx.require_card(body.model)
     generation = await start_generation(ctx, body.model, params)
     try:
         if body.stream:
