@@ -4,7 +4,9 @@ OpenAI API side by side with mlx_lm.server on the same model, in the same run.
 Each client loops: a streamed, greedy chat completion of --max-tokens tokens, then the next;
 requests/s is completed requests over wall time; TTFT is from sending to the first content.
 
-    uv run python bench/api_load.py [--concurrency 1 8 32] [--requests-per-client 4] [--max-tokens 64]
+    uv run python bench/api_load.py [--concurrency 1 8 32] [--requests-per-client 4] [--max-tokens 64] [--max-batch N]
+
+--max-batch sets EXO_MAX_BATCH for exo's runner (how many requests decode together; 1: one at a time).
 """
 
 from __future__ import annotations
@@ -72,11 +74,13 @@ async def load(url: str, model: str, concurrency: int, per_client: int, max_toke
             "p99": ttfts[min(len(ttfts) - 1, round(0.99 * (len(ttfts) - 1)))] * 1000, "failed": len(results) - len(ttfts)}
 
 
-def start_exo(model_dir: Path, root: Path) -> tuple[FakeHub, ExoProcess]:
+def start_exo(model_dir: Path, root: Path, max_batch: int | None = None) -> tuple[FakeHub, ExoProcess]:
     hub = FakeHub({TINY_MODEL_ID: model_dir})
     hub.start()
     env = {"HF_ENDPOINT": hub.endpoint, "HF_HOME": str(root / "hf"), "HF_HUB_DISABLE_TELEMETRY": "1",
            "EXO_LOG_LEVEL": "WARNING"}
+    if max_batch is not None:
+        env["EXO_MAX_BATCH"] = str(max_batch)
     exo = ExoProcess(root / "data", env).start()
     with httpx.Client(base_url=exo.url, timeout=300) as http:
         http.post("/models/add", json={"model_id": TINY_MODEL_ID}).raise_for_status()
@@ -107,12 +111,13 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--requests-per-client", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--max-batch", type=int, default=None, help="EXO_MAX_BATCH for exo (default: exo's own)")
     args = parser.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         model_dir = make_tiny_model(root / "model")
-        hub, exo = start_exo(model_dir, root)
+        hub, exo = start_exo(model_dir, root, args.max_batch)
         server, server_url = start_mlx_lm_server(model_dir, root / "mlx_lm_server.log")
         try:
             for concurrency in args.concurrency:  # alternate the two servers at each level
@@ -125,7 +130,8 @@ def main() -> None:
             server.wait(10)
             exo.interrupt()
             hub.stop()
-    print(f"tiny model (hidden 64, 2 layers), {args.max_tokens} tokens per request, greedy, streamed")
+    batch = f"EXO_MAX_BATCH={args.max_batch}" if args.max_batch is not None else "exo's default batch limit"
+    print(f"tiny model (hidden 64, 2 layers), {args.max_tokens} tokens per request, greedy, streamed, {batch}")
     print("| concurrency | requests | exo req/s | mlx_lm.server req/s | exo TTFT p50 / p99 | "
           "mlx_lm.server TTFT p50 / p99 | failed (exo / mlx_lm.server) |")
     print("|---|---|---|---|---|---|---|")

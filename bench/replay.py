@@ -1,24 +1,28 @@
 """How fast `exo replay` rebuilds State: events/s from the stream and from an export file.
 
 For each size, a fresh embedded nats-server gets that many generated events (a node, a card,
-an instance, then chat tasks created / started / finished, like a busy cluster's log), then,
-in one run, side by side:
-  read only, ordered push consumer (callback)   what exo.bus.log_reader.read_log does
-  read only, pull consumer fetch(1000)          the alternative it replaces
-  replay (decode + apply), ordered push consumer
-  replay (decode + apply), pull fetch
-  export to a JSON Lines file, replay from that file
+an instance, then chat tasks created / started / finished, like a busy cluster's log), then
+every variant runs `--runs` times (median reported, with the range and this process's CPU
+time per event, which says more than wall time on a shared machine):
+  read only: raw reader                          what exo.bus.log_reader.read_log does now
+  read only: nats-py ordered push consumer       what it did before (read_log_ordered)
+  read only: pull consumer fetch(1000)
+  replay from stream: raw reader + batch fold    `exo replay`
+  replay from stream: ordered consumer, one apply per event   (before)
+  export to JSON Lines, replay from that file (batch fold)
   direct get per message (a 5,000-event sample: a million would take minutes)
-  decode + apply alone, records already in memory (a 100,000-event sample): the reducer's ceiling
+  decode + apply alone, records already in memory (a 100,000-event sample), batch fold and
+  one apply per event: the reducer's ceiling
 All replays must end in the same State, or the run fails.
 
-    uv run python bench/replay.py [--events 100000 1000000]
+    uv run python bench/replay.py [--events 100000 1000000] [--runs 3]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import statistics
 import sys
 import tempfile
 import time
@@ -29,7 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from exo import event_loop  # noqa: E402
 from exo.bus.connection import connect  # noqa: E402
 from exo.bus.embedded import EmbeddedNats  # noqa: E402
-from exo.bus.log_reader import log_bounds, read_log, read_log_fetching  # noqa: E402
+from exo.bus.log_reader import (  # noqa: E402
+    log_bounds, read_log, read_log_batches, read_log_fetching, read_log_ordered,
+)
 from exo.bus.provision import provision  # noqa: E402
 from exo.bus.subjects import EVENTS_STREAM, event_subject  # noqa: E402
 from exo.core.events import (  # noqa: E402
@@ -38,6 +44,7 @@ from exo.core.events import (  # noqa: E402
 )
 from exo.core.types import GenerationParams, ChatMessage, Instance, ModelCard, NodeInfo, ShardAssignment, Task  # noqa: E402
 from exo.tools.export_format import encode_line, read_lines  # noqa: E402
+from exo.tools.replay import BatchReplayer, _fold_file  # noqa: E402
 from exo.tools.replayer import Replayer  # noqa: E402
 
 PUBLISH_BATCH = 5000
@@ -89,31 +96,36 @@ async def append_all(nc, count: int) -> float:
     return count / elapsed
 
 
-def show(label: str, rate: float) -> tuple[str, float]:
-    print(f"  {label:<60} {rate:>10,.0f} events/s", flush=True)
-    return label, rate
-
-
 class Variants:
-    """Each way of reading / replaying the `count` events stored on `nc`; returns events/s."""
+    """Each way of reading / replaying the `count` events stored on `nc`."""
 
     def __init__(self, nc, count: int, export: Path) -> None:
         self.nc, self.count, self.export = nc, count, export
         self.states: list = []  # the final State of every replay, to check they agree
 
-    async def timed(self, label: str, run, count: int | None = None) -> tuple[str, float]:
-        started = time.perf_counter()
-        await run()
-        return show(label, (count or self.count) / (time.perf_counter() - started))
-
     async def read_only(self, reader) -> None:
         seen = []
-        await reader(self.nc, lambda record: seen.append(record.seq))
+        await reader(self.nc, lambda batch: seen.append((len(batch), batch[-1].seq)))
+        assert sum(size for size, _ in seen) == self.count and seen[-1][1] == self.count
+
+    async def read_only_fetching(self) -> None:
+        seen = []
+        await read_log_fetching(self.nc, lambda record: seen.append(record.seq))
         assert len(seen) == self.count and seen[-1] == self.count
 
-    async def replay(self, reader) -> None:
+    async def replay_batched(self) -> None:
+        """What `exo replay` does: the raw reader, no headers, a batch fold per socket read."""
+        replayer = BatchReplayer()
+        await read_log_batches(self.nc, replayer.feed_all, headers=False)
+        self.check(replayer)
+
+    async def replay_per_event(self) -> None:
+        """What it did before: nats-py's ordered consumer, one `apply` (a new State) per event."""
         replayer = Replayer()
-        await reader(self.nc, replayer.feed)
+        await read_log_ordered(self.nc, lambda batch: [replayer.feed(record) for record in batch])
+        self.check(replayer)
+
+    def check(self, replayer: Replayer) -> None:
         assert replayer.replayed == self.count and not replayer.skipped
         self.states.append(replayer.state)
 
@@ -122,69 +134,109 @@ class Variants:
             await read_log(self.nc, lambda record: sink.write(encode_line(record)))
 
     async def replay_file(self) -> None:
-        replayer = Replayer()
-        with open(self.export, "rb") as source:
-            for record in read_lines(source, self.export.name):
-                replayer.feed(record)
-        self.states.append(replayer.state)
+        replayer = BatchReplayer()
+        _fold_file(str(self.export), replayer, None)
+        self.check(replayer)
 
     async def direct_gets(self) -> None:
         js = self.nc.jetstream()
         for seq in range(1, min(self.count, GET_SAMPLE) + 1):
             await js.get_msg(EVENTS_STREAM, seq, direct=True)
 
-    def reducer_only(self) -> float:
-        """decode + apply with the records already in memory: the reducer's own ceiling."""
+    def in_memory(self) -> list:
         with open(self.export, "rb") as source:
-            records = [record for _, record in zip(range(REDUCER_SAMPLE), read_lines(source, self.export.name))]
-        replayer, started = Replayer(), time.perf_counter()
+            return [record for _, record in zip(range(REDUCER_SAMPLE), read_lines(source, self.export.name))]
+
+    async def reducer_batched(self, records: list) -> None:
+        replayer = BatchReplayer()
+        for start in range(0, len(records), 100):  # about what one socket read holds
+            replayer.feed_all(records[start:start + 100])
+
+    async def reducer_per_event(self, records: list) -> None:
+        replayer = Replayer()
         for record in records:
             replayer.feed(record)
-        return len(records) / (time.perf_counter() - started)
 
-    async def all(self) -> list[tuple[str, float]]:
+    def plan(self) -> list[tuple[str, object, int]]:
+        """(label, coroutine function, events it handles), in the order they run."""
+        sample = min(self.count, REDUCER_SAMPLE)
         return [
-            await self.timed("read only: ordered push consumer, callback", lambda: self.read_only(read_log)),
-            await self.timed("read only: pull consumer, fetch(1000)", lambda: self.read_only(read_log_fetching)),
-            await self.timed("replay from stream: ordered push consumer, callback", lambda: self.replay(read_log)),
-            await self.timed("replay from stream: pull consumer, fetch(1000)", lambda: self.replay(read_log_fetching)),
-            await self.timed("export to JSON Lines (ordered push consumer)", self.export_file),
-            await self.timed("replay from the JSON Lines file", self.replay_file),
-            await self.timed(f"read only: direct get per message ({GET_SAMPLE:,} sample)", self.direct_gets,
-                             min(self.count, GET_SAMPLE)),
-            show(f"reducer only: decode + apply, in memory ({min(self.count, REDUCER_SAMPLE):,} sample)",
-                 self.reducer_only()),
+            ("read only: raw reader (`read_log`, now)", lambda: self.read_only(read_log_batches), self.count),
+            ("read only: nats-py ordered push consumer (before)", lambda: self.read_only(read_log_ordered), self.count),
+            ("read only: pull consumer, fetch(1000)", self.read_only_fetching, self.count),
+            ("replay from stream: raw reader + batch fold (`exo replay`)", self.replay_batched, self.count),
+            ("replay from stream: ordered consumer, apply per event (before)", self.replay_per_event, self.count),
+            ("export to JSON Lines (`exo events export`)", self.export_file, self.count),
+            ("replay from the JSON Lines file, batch fold (`exo replay --file`)", self.replay_file, self.count),
+            (f"read only: direct get per message ({GET_SAMPLE:,} sample)", self.direct_gets, min(self.count, GET_SAMPLE)),
+            (f"reducer only: decode + batch fold, in memory ({sample:,} sample)", "batched", sample),
+            (f"reducer only: decode + apply per event, in memory ({sample:,} sample)", "per event", sample),
         ]
 
+    async def run_all(self, runs: int) -> list[tuple[str, list[float], list[float]]]:
+        """Per variant: events/s and CPU µs per event of each run."""
+        results: dict[str, tuple[list[float], list[float]]] = {}
+        plan = self.plan()
+        for run in range(runs):
+            for label, variant, count in plan:
+                if variant in ("batched", "per event"):
+                    records = self.in_memory()
+                    body = self.reducer_batched if variant == "batched" else self.reducer_per_event
+                    call = lambda body=body, records=records: body(records)  # noqa: E731
+                else:
+                    call = variant
+                wall, cpu = time.perf_counter(), time.process_time()
+                await call()
+                wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+                rates, cpus = results.setdefault(label, ([], []))
+                rates.append(count / wall)
+                cpus.append(cpu / count * 1e6)
+                print(f"  run {run + 1}: {label:<72} {count / wall:>10,.0f} events/s  {cpu / count * 1e6:6.1f} µs CPU/event",
+                      flush=True)
+        return [(label, *results[label]) for label, _, _ in plan]
 
-async def bench_size(count: int, workdir: Path) -> list[tuple[str, float]]:
+
+async def bench_size(count: int, workdir: Path, runs: int) -> list[tuple[str, list[float], list[float]]]:
     server = EmbeddedNats(workdir / f"nats-{count}", port=0)
     nc = await connect([await server.start()], name="bench-replay")
     try:
         await provision(nc)
         print(f"{count:,} events: appending ...", flush=True)
-        rows = [show("append (core publish, flush every 5,000)", await append_all(nc, count))]
+        append_rate = await append_all(nc, count)
+        print(f"  append (core publish, flush every 5,000): {append_rate:,.0f} events/s", flush=True)
         variants = Variants(nc, count, workdir / f"events-{count}.jsonl")
-        rows += await variants.all()
+        rows = await variants.run_all(runs)
         states = variants.states
         assert all(state == states[0] for state in states), "replays disagree"
         print(f"  all {len(states)} replays end in the same State (sequence {states[0].last_seq})", flush=True)
-        return rows
+        return [("append (core publish, flush every 5,000; count checked)", [append_rate], [])] + rows
     finally:
         await nc.close()
         server.stop()
 
 
-async def main(sizes: list[int]) -> None:
+def cell(rates: list[float], cpus: list[float]) -> str:
+    text = f"{statistics.median(rates):,.0f}/s"
+    if len(rates) > 1:
+        text += f" ({min(rates) / 1000:,.0f}k-{max(rates) / 1000:,.0f}k)"
+    if cpus:
+        text += f", {statistics.median(cpus):.1f} µs"
+    return text
+
+
+async def main(sizes: list[int], runs: int) -> None:
     with tempfile.TemporaryDirectory(prefix="exo-bench-replay-") as tmp:
-        results = {count: await bench_size(count, Path(tmp)) for count in sizes}
+        results = {count: await bench_size(count, Path(tmp), runs) for count in sizes}
+    print(f"\nmedian of {runs} runs (range), and this process's CPU time per event")
     print("\n| what | " + " | ".join(f"{c:,} events" for c in sizes) + " |")
     print("|---|" + "---|" * len(sizes))
-    for index, (label, _) in enumerate(results[sizes[0]]):
-        print(f"| {label} | " + " | ".join(f"{results[c][index][1]:,.0f}/s" for c in sizes) + " |")
+    for index, (label, _, _) in enumerate(results[sizes[0]]):
+        print(f"| {label} | " + " | ".join(cell(*results[c][index][1:]) for c in sizes) + " |")
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--events", type=int, nargs="+", default=[100_000, 1_000_000])
-    event_loop.run(main(parser.parse_args().events))
+    parser.add_argument("--runs", type=int, default=3, help="runs of every variant per size (median reported)")
+    args = parser.parse_args()
+    event_loop.run(main(args.events, args.runs))

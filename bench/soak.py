@@ -32,6 +32,7 @@ class Load:
 
     def __init__(self, api_url: str) -> None:
         self.api_url = api_url
+        self.started = time.monotonic()
         self.outcomes: list[tuple[float, str, str]] = []  # (time, kind, outcome)
         self.stop = threading.Event()
         self.threads = [threading.Thread(target=self._loop, args=(kind,), daemon=True) for kind in ("chat", "card")]
@@ -52,6 +53,7 @@ class Load:
                     outcome = "ok" if response.status_code == 200 else f"http {response.status_code}"
                 except httpx.TimeoutException:
                     outcome = "hung"
+                    print(f"[{time.monotonic() - self.started:6.0f} s] {kind} {n} hung ({REQUEST_TIMEOUT_S} s)", flush=True)
                 except httpx.HTTPError as error:
                     outcome = f"error {type(error).__name__}"
                     time.sleep(0.2)
@@ -116,9 +118,17 @@ def report(topology: LocalTopology, load: Load, faults: list) -> bool:
         chat, card = load.first_ok_after(killed_at, "chat"), load.first_ok_after(killed_at, "card")
         print(f"kill -9 {name}: next chat ok after {chat or float('nan'):.1f} s, next command ok after "
               f"{card or float('nan'):.1f} s")
+    # A slow decline here, rather than a step at a fault, points at something that grows with
+    # the load (the stall of docs/reliability.md's first 30-minute run was one).
+    per_minute = [0] * (int((max((at for at, _, _ in load.outcomes), default=load.started) - load.started) // 60) + 1)
+    for at, kind, outcome in load.outcomes:
+        if kind == "chat" and outcome == "ok":
+            per_minute[int((at - load.started) // 60)] += 1
+    print(f"chats ok per minute: {per_minute}")
     hung = sum(1 for _, _, o in load.outcomes if o == "hung")
     equal = replayed == live
-    print(f"events: {live.last_seq}; State equals a replay of the log: {equal}; hung requests: {hung}")
+    print(f"events: {live.last_seq}; custom cards: {len(live.custom_model_cards)}; State equals a replay of the log: "
+          f"{equal}; hung requests: {hung}")
     return equal and hung == 0
 
 

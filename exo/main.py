@@ -49,6 +49,9 @@ def parse_args(argv: list[str] | None = None) -> NodeConfig:
                         help="open requests an instance admits before answering 429 (default 64)")
     parser.add_argument("--replicas", type=int, default=_env_number("EXO_REPLICAS", int),
                         help="replicas of every stream and bucket when they are created (3 on a 3-server NATS cluster)")
+    parser.add_argument("--node-timeout", type=float, default=float(os.environ.get("EXO_NODE_TIMEOUT_S", "30")),
+                        help="seconds without a heartbeat before the master times a node out (workers beat every "
+                             "EXO_HEARTBEAT_S, default 5)")
     security = parser.add_argument_group("NATS security (or the environment variables named)")
     for key, env in SECURITY_ENV.items():
         flag = "--nats-" + key.replace("_", "-").replace("user-credentials", "creds")
@@ -73,7 +76,7 @@ def parse_args(argv: list[str] | None = None) -> NodeConfig:
         run_master=not args.no_master, run_worker=not args.no_worker, run_api=not args.no_api,
         snapshot_every=args.snapshot_every, snapshot_interval=args.snapshot_interval,
         events_max_age_s=args.events_max_age, events_max_bytes=args.events_max_bytes, replicas=args.replicas,
-        max_queue=args.max_queue, offline=args.offline, model_sharing=False if args.no_model_sharing else None,
+        max_queue=args.max_queue, node_timeout=args.node_timeout, offline=args.offline, model_sharing=False if args.no_model_sharing else None,
     )
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import platform
 import socket
 import time
 import uuid
@@ -26,12 +25,14 @@ from exo.bus.catch_up import catch_up
 from exo.bus.provision import event_retention, provision
 from exo.bus.state_view import StateView
 from exo.core.events import NodeRegistered
-from exo.core.types import NodeInfo
 from exo.master.service import Master
 from exo.models.cards import load_builtin_cards
 from exo.models.dirs import DownloadSettings
 from exo.models.hub import set_offline
 from exo.resources import builtin_cards_dir
+from exo.worker.heartbeat import Heartbeat
+from exo.worker.identity import IdentityError, load_node_id, lock_data_dir
+from exo.worker.node_info import describe_this_node
 from exo.worker.service import Worker
 
 log = logging.getLogger(__name__)
@@ -55,19 +56,11 @@ class NodeConfig:
     model_sharing: bool | None = None  # serve models to peers and fetch from them; None: EXO_MODEL_SHARING (on)
     replicas: int | None = None  # None: as streams/*.json say (1)
     max_queue: int | None = None  # open tasks per instance before 429; None: decide's default
+    node_timeout: float = 30.0  # seconds without a heartbeat before the master times a node out
 
 
 class StartupError(Exception):
     """A reason the node cannot start, said in one line."""
-
-
-def node_id_for(data_dir: Path) -> str:
-    path = data_dir / "node_id"
-    if path.exists():
-        return path.read_text().strip()
-    node_id = uuid.uuid4().hex
-    path.write_text(node_id + "\n")
-    return node_id
 
 
 def check_port_free(host: str, port: int) -> None:
@@ -77,19 +70,6 @@ def check_port_free(host: str, port: int) -> None:
             probe.bind((host, port))
         except OSError as error:
             raise StartupError(f"cannot listen on {host}:{port}: {error.strerror}") from None
-
-
-def describe_this_node(node_id: str, now: float) -> NodeInfo:
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    available = total
-    meminfo = Path("/proc/meminfo")
-    if meminfo.exists():
-        for line in meminfo.read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                available = int(line.split()[1]) * 1024
-    backend = "metal" if platform.system() == "Darwin" else "cpu"
-    return NodeInfo(node_id=node_id, hostname=platform.node(), memory_total=total, memory_available=available,
-                    cpu_count=os.cpu_count() or 1, backend=backend, last_seen=now)
 
 
 class Node:
@@ -102,10 +82,15 @@ class Node:
         self._view: StateView | None = None
         self._site_runner: web.AppRunner | None = None
         self.api_url = ""
+        self._data_dir_lock = None
 
     async def start(self) -> None:
         config = self.config
         config.data_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self._data_dir_lock = lock_data_dir(config.data_dir)
+        except IdentityError as error:
+            raise StartupError(str(error)) from None
         if config.run_api:
             check_port_free(config.api_host, config.api_port)
         urls = config.nats_urls
@@ -116,11 +101,12 @@ class Node:
         self.nats_urls = urls
         self._nc = nc = await connect(urls, name="exo-node")
         await provision(nc, replicas=config.replicas, overrides=event_retention(config.events_max_age_s, config.events_max_bytes))
-        node_id = node_id_for(config.data_dir)
+        node_id = load_node_id(config.data_dir)
         builtin = load_builtin_cards(builtin_cards_dir())
         self._view = view = await self._catch_up(nc)
         if config.run_master:
-            master = Master(nc, view, builtin, node_id, config.snapshot_every, config.snapshot_interval, config.max_queue)
+            master = Master(nc, view, builtin, node_id, config.snapshot_every, config.snapshot_interval, config.max_queue,
+                            node_timeout=config.node_timeout)
             self._tasks.append(asyncio.create_task(master.run(), name="master"))
         if config.offline:
             set_offline()
@@ -128,8 +114,13 @@ class Node:
         if config.run_worker:
             downloads = DownloadSettings.from_env(config.data_dir, offline=config.offline, share=config.model_sharing)
             self.worker = Worker(nc, view, node_id, config.data_dir, urls, builtin, downloads)
-            await EventLog(nc).append(NodeRegistered(node=describe_this_node(node_id, time.time())), uuid.uuid4().hex)
+            events = EventLog(nc)
+            heartbeat = Heartbeat(node_id, lambda event: events.append(event, uuid.uuid4().hex))
+            view.add_listener(heartbeat.on_event)
+            info = describe_this_node(node_id, heartbeat.incarnation, time.time())
+            await events.append(NodeRegistered(node=info), uuid.uuid4().hex)
             self._tasks.append(asyncio.create_task(self.worker.run(), name="worker"))
+            self._tasks.append(asyncio.create_task(heartbeat.run(), name="heartbeat"))
         if config.run_api:
             await self._start_api(ApiContext(nc, view, CommandOutcomes(nc, view), builtin, node_id, config.data_dir))
 
@@ -180,6 +171,9 @@ class Node:
                 pass
         if self.embedded is not None:
             self.embedded.stop()
+        if getattr(self, "_data_dir_lock", None) is not None:
+            self._data_dir_lock.close()  # another Node in this process may use the dir now
+            self._data_dir_lock = None
 
     def kill(self) -> None:
         """The second Ctrl-C: no more waiting."""

@@ -4,6 +4,8 @@ models, and what mlx-lm itself generates, to compare with exactly."""
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -16,6 +18,17 @@ from tests.support.fake_hub import FakeHub
 def start_exo(root: Path, hub: FakeHub, env: dict[str, str] | None = None) -> ExoProcess:
     base = {"HF_ENDPOINT": hub.endpoint, "HF_HOME": str(root / "hf"), "HF_HUB_DISABLE_TELEMETRY": "1"}
     return ExoProcess(root / "data", base | (env or {})).start()
+
+
+@contextmanager
+def exo_serving(root: Path, models: dict[str, Path], env: dict[str, str] | None = None) -> Iterator[ExoProcess]:
+    """An exo process whose (fake) Hub serves `models`, stopped with Ctrl-C at the end."""
+    with FakeHub(models) as hub:
+        exo = start_exo(root, hub, env)
+        try:
+            yield exo
+        finally:
+            exo.interrupt()
 
 
 def nats_url_of(node: ExoProcess) -> str:

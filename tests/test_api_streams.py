@@ -13,8 +13,7 @@ import httpx
 import openai
 import pytest
 
-from tests.e2e_support import Reference, place, start_exo
-from tests.support.fake_hub import FakeHub
+from tests.e2e_support import Reference, exo_serving, place
 from tests.support.tiny_model import TINY_MODEL_ID, make_tiny_model
 
 pytestmark = pytest.mark.slow
@@ -30,10 +29,8 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def node(tmp_path_factory, model_dir):
-    with FakeHub({TINY_MODEL_ID: model_dir}) as hub:
-        exo = start_exo(tmp_path_factory.mktemp("node"), hub)
+    with exo_serving(tmp_path_factory.mktemp("node"), {TINY_MODEL_ID: model_dir}) as exo:
         yield exo
-        exo.interrupt()
 
 
 @pytest.fixture(scope="module")

@@ -67,7 +67,9 @@ def latest_snapshot_seq(nats_url: str) -> int:
 
 
 def test_a_late_node_catches_up_from_the_snapshot_to_exactly_a_full_replay(tmp_path, nats):
-    master = start_node(tmp_path, "master", nats.url, "--no-worker", "--snapshot-every", "1000")
+    # The history's nodes never send heartbeats: a long node timeout keeps them in State.
+    master = start_node(tmp_path, "master", nats.url, "--no-worker", "--snapshot-every", "1000",
+                        "--node-timeout", "3600")
     try:
         last = append_history(nats.url, 10_000)
         wait_until(lambda: latest_snapshot_seq(nats.url) >= 10_000, 60, what="a snapshot covering the history")

@@ -13,15 +13,20 @@ from pathlib import Path
 import httpx
 import msgspec
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from exo.bus.connection import connect
 from exo.bus.log_reader import LogRecord
 from exo.bus.provision import provision
 from exo.bus.snapshots import write_snapshot
-from exo.core.state import SkippedEvent, State
+from exo.core.events import encode_event
+from exo.core.state import SkippedEvent, State, encode_state
 from exo.core.types import NodeInfo, Task
 from exo.tools.event_view import EventFilter, describe, event_refs, matches, parse_filters
 from exo.tools.export_format import decode_line, encode_line, format_time_ns, parse_time_ns
+from exo.tools.replay import BatchReplayer
+from exo.tools.replayer import Checkpoint, Replayer
 from exo.tools.state_diff import Change, format_change, state_changes
 from tests.exo_process import ExoProcess
 from tests.support.exo_tools import (
@@ -29,6 +34,7 @@ from tests.support.exo_tools import (
 )
 from tests.support.fake_hub import FakeHub
 from tests.support.tiny_model import TINY_MODEL_ID, make_tiny_model
+from tests.test_fold import EVENTS
 
 # ---- the tool on a scripted log -------------------------------------------------------------
 
@@ -281,6 +287,37 @@ def test_export_lines_keep_events_pretty_json_and_garbage_exactly():
     assert decode_line(encode_line(garbage)) == garbage
     assert parse_time_ns(format_time_ns(1_764_672_000_000_000_001)) == 1_764_672_000_000_000_001
     assert format_time_ns(1_764_672_000_123_456_789, digits=3) == "2025-12-02T10:40:00.123Z"
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(items=st.lists(st.one_of(EVENTS, EVENTS, st.just(None)), max_size=40), data=st.data())
+def test_batch_feeding_gives_what_feeding_one_record_at_a_time_gives(items: list, data):
+    """`exo replay` feeds whole socket reads to one Draft: same State, same list of what it
+    could not use (garbage, impossible events, missing and repeated sequences), same checks
+    against snapshots (agreeing and corrupted ones, reached and not) as `Replayer.feed`."""
+    records, seq = [], 0
+    for item in items:
+        seq += data.draw(st.sampled_from([1, 1, 1, 2, 0]), label="step")  # 2: a gap, 0: a repeat
+        payload = GARBAGE if item is None else encode_event(item)
+        records.append(LogRecord(seq=max(seq, 1), subject="exo.events.x", time_ns=0, headers=None, data=payload))
+    truth = Replayer()
+    states = {}
+    for record in records:
+        truth.feed(record)
+        states[truth.state.last_seq] = truth.state
+    checkpoints = [Checkpoint(revision=n, state=states[s]) for n, s in enumerate(sorted(states)[::3])]
+    checkpoints += [Checkpoint(revision=98, state=msgspec.structs.replace(State(), last_seq=2)),
+                    Checkpoint(revision=99, state=State(last_seq=10_000))]  # corrupted; never reached
+    one_by_one, batched = Replayer(checkpoints=checkpoints), BatchReplayer(checkpoints=checkpoints)
+    for record in records:
+        one_by_one.feed(record)
+    cuts = sorted(data.draw(st.sets(st.integers(0, len(records)), max_size=5), label="cuts"))
+    for start, stop in zip([0, *cuts], [*cuts, len(records)]):
+        batched.feed_all(records[start:stop])
+    assert encode_state(batched.state) == encode_state(one_by_one.state)
+    assert batched.skipped == one_by_one.skipped and batched.replayed == one_by_one.replayed
+    assert batched.checks == one_by_one.checks
+    assert batched.unreached_checkpoints == one_by_one.unreached_checkpoints
 
 
 # ---- a real node: replay equals what it folded live ------------------------------------------

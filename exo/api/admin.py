@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import uuid
 
 import msgspec
@@ -9,12 +10,19 @@ from aiohttp import web
 
 from exo.api.card_source import complete_card
 from exo.api.context import context_of
-from exo.api.errors import ApiError
+from exo.api.errors import ApiError, error_body
 from exo.api.request_body import decode_body
 from exo.core.commands import AddCustomCard, DeleteCustomCard, DeleteInstance, PlaceInstance
 from exo.core.events import InstanceCreated
-from exo.core.state import encode_state
-from exo.core.types import ModelCard, Sharding, is_valid_model_id
+from exo.core.state import State, encode_state
+from exo.core.types import Instance, ModelCard, Sharding, is_valid_model_id
+
+# `wait` on POST /place_instance: true waits this long; a number of seconds, at most the bound.
+PLACE_WAIT_DEFAULT_S = 600.0
+PLACE_WAIT_MAX_S = 3600.0
+# How far a runner has come, least first: an instance is as far as its least advanced runner.
+_PROGRESS = ("created", "downloading", "downloaded", "loading", "warming_up", "ready")
+_DOWNLOAD_FAILED = "download failed:"  # how the worker starts the error of a runner whose download failed
 
 
 class PlaceInstanceRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -22,6 +30,98 @@ class PlaceInstanceRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=T
     sharding: Sharding = "pipeline"
     min_nodes: int = 1
     max_queue: int = 0  # open tasks admitted before 429s; 0: the master's default
+    wait: bool | float | None = None  # answer once the instance is ready or failed (seconds, or true)
+
+
+class DownloadReport(msgspec.Struct, frozen=True, kw_only=True):
+    """The runner's node's download of the instance's model, from State.downloads."""
+
+    status: str
+    done_bytes: int
+    total_bytes: int
+    speed_bps: float
+    eta_s: float | None
+    source: str
+    error_code: str
+    error: str
+
+
+class RunnerReport(msgspec.Struct, frozen=True, kw_only=True):
+    runner_id: str
+    node_id: str
+    rank: int
+    status: str
+    error: str
+    download: DownloadReport | None
+
+
+class InstanceReport(msgspec.Struct, frozen=True, kw_only=True):
+    """How far an instance is: "failed" if a runner failed, "stopped" if one stopped, "ready" when
+    every runner is, else its least advanced runner's status. `error_code` is the download's
+    code (a DownloadErrorCode) when a download failed the runner, else "runner_failed"."""
+
+    status: str
+    error: str = ""
+    error_code: str = ""
+    runners: list[RunnerReport] = []
+
+    @property
+    def failed_runner(self) -> RunnerReport | None:
+        return next((r for r in self.runners if r.status == "failed"), None)
+
+
+def report_of(state: State, instance: Instance) -> InstanceReport:
+    runners = [_runner_report(state, instance, shard.runner_id, shard.node_id, shard.rank)
+               for shard in sorted(instance.shards, key=lambda s: s.rank)]
+    statuses = [r.status for r in runners]
+    failed = next((r for r in runners if r.status == "failed"), None)
+    if failed is not None:
+        download = failed.download
+        # The runner failed because its download did (the record is failed, and the runner says so).
+        by_download = download is not None and download.status == "failed" and failed.error.startswith(_DOWNLOAD_FAILED)
+        code = (download.error_code or "unknown") if by_download else "runner_failed"
+        error = failed.error or "the runner failed"
+        return InstanceReport(status="failed", error=error, error_code=code, runners=runners)
+    if "stopped" in statuses:
+        status = "stopped"
+    elif not statuses:
+        status = "created"
+    else:
+        status = min(statuses, key=lambda s: _PROGRESS.index(s) if s in _PROGRESS else 0)
+    return InstanceReport(status=status, runners=runners)
+
+
+def _runner_report(state: State, instance: Instance, runner_id: str, node_id: str, rank: int) -> RunnerReport:
+    runner = state.runners.get(runner_id)
+    record = state.download_of(node_id, instance.model_id)
+    download = None if record is None else DownloadReport(
+        status=record.status, done_bytes=record.done_bytes, total_bytes=record.total_bytes, speed_bps=record.speed_bps,
+        eta_s=record.eta_s, source=record.source, error_code=record.error_code, error=record.error)
+    return RunnerReport(runner_id=runner_id, node_id=node_id, rank=rank, status=runner.status if runner else "created",
+                        error=runner.error if runner else "", download=download)
+
+
+def _wait_seconds(request: web.Request, body: PlaceInstanceRequest) -> float:
+    """0 (answer at once, the default), or how long to wait for the instance to be ready or fail."""
+    wait: object = body.wait
+    if wait is None and "wait" in request.query:
+        raw = request.query["wait"].strip().lower()
+        if raw in ("", "true", "false"):
+            wait = raw != "false"
+        else:
+            try:
+                wait = float(raw)
+            except ValueError:
+                raise ApiError(400, f"wait must be true, false or a number of seconds, got {raw!r}",
+                               param="wait") from None
+    if wait is None or wait is False:
+        return 0.0
+    if wait is True:
+        return PLACE_WAIT_DEFAULT_S
+    assert isinstance(wait, float)
+    if not (math.isfinite(wait) and 0 <= wait <= PLACE_WAIT_MAX_S):
+        raise ApiError(400, f"wait must be between 0 and {PLACE_WAIT_MAX_S:g} seconds, got {wait:g}", param="wait")
+    return wait
 
 
 async def place_instance(request: web.Request) -> web.Response:
@@ -31,19 +131,65 @@ async def place_instance(request: web.Request) -> web.Response:
         raise ApiError(404, f"unknown model {body.model_id!r}", param="model_id", code="model_not_found")
     if not 0 <= body.max_queue <= 100_000:
         raise ApiError(400, "max_queue must be between 0 (the default) and 100000", param="max_queue")
+    wait_s = _wait_seconds(request, body)
     command = PlaceInstance(command_id=uuid.uuid4().hex, model_id=body.model_id, sharding=body.sharding,
                             min_nodes=body.min_nodes, max_queue=body.max_queue)
     event = await ctx.outcomes.call(command)
     assert isinstance(event, InstanceCreated)
-    return web.json_response({"message": "instance placed", "command_id": command.command_id,
-                              "instance_id": event.instance.instance_id, "instance": msgspec.to_builtins(event.instance)})
+    instance_id = event.instance.instance_id
+    placed = {"command_id": command.command_id, "instance_id": instance_id,
+              "instance": msgspec.to_builtins(event.instance)}
+    if wait_s <= 0:
+        return web.json_response({"message": "instance placed", **placed})
+
+    def settled(state: State) -> State | None:
+        instance = state.instances.get(instance_id)
+        ended = instance is None or report_of(state, instance).status in ("ready", "failed", "stopped")
+        return state if ended else None
+
+    # After `wait_s` without an end, State as it is then: placed, on its way, not ready yet (202).
+    state = await ctx.outcomes.until(settled, wait_s) or ctx.view.state
+    instance = state.instances.get(instance_id)
+    report = None if instance is None else report_of(state, instance)
+    if report is None or report.status in ("failed", "stopped"):
+        return _instance_failed(state, instance_id, body.model_id, report, request.path)
+    if report.status == "ready":
+        return web.json_response({"message": "instance ready", **placed, **_report_fields(report)})
+    return web.json_response({"message": f"instance placed; not ready after {wait_s:g} s", **placed,
+                              **_report_fields(report)}, status=202)
+
+
+def _report_fields(report: InstanceReport) -> dict:
+    return msgspec.to_builtins(report)
+
+
+def _instance_failed(state: State, instance_id: str, model_id: str, report: InstanceReport | None,
+                     path: str) -> web.Response:
+    """424 (the placement depended on a download or a runner that failed), OpenAI's error shape,
+    with the download's error code (`not_found`, `gated`, ...) as the code when a download failed."""
+    failed = report.failed_runner if report is not None else None
+    node_id = failed.node_id if failed is not None else ""
+    if report is None:
+        # The reason of the model's most recent deletion, when this State records it.
+        reason = getattr(state, "instance_end_reasons", {}).get(model_id, "") or "deleted"
+        message, kind, code = f"instance {instance_id} was deleted: {reason}", "runner_error", "instance_deleted"
+    elif failed is None:
+        message, kind, code = f"instance {instance_id} stopped before it was ready", "runner_error", "runner_stopped"
+    else:
+        message = f"instance {instance_id} failed on node {node_id}: {report.error}"
+        kind = "runner_error" if report.error_code == "runner_failed" else "download_error"
+        code = report.error_code
+    body = error_body(424, message, param="model_id", code=code, path=path)
+    body["error"] |= {"type": kind, "instance_id": instance_id, "node_id": node_id}
+    return web.json_response(body, status=424)
 
 
 async def get_instance(request: web.Request) -> web.Response:
-    instance = context_of(request).view.state.instances.get(request.match_info["instance_id"])
+    state = context_of(request).view.state
+    instance = state.instances.get(request.match_info["instance_id"])
     if instance is None:
         raise ApiError(404, f"unknown instance {request.match_info['instance_id']!r}")
-    return web.json_response(msgspec.to_builtins(instance))
+    return web.json_response({**msgspec.to_builtins(instance), **_report_fields(report_of(state, instance))})
 
 
 async def delete_instance(request: web.Request) -> web.Response:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import itertools
 
 import msgspec
 from aiohttp import web
@@ -11,12 +10,10 @@ from aiohttp import web
 from exo.api.context import context_of
 from exo.api.errors import ApiError
 from exo.api.generation import cancel_generation
-from exo.core.placement import Unplaceable, place_instance
-from exo.core.types import Sharding
+from exo.core.placement import placement_previews
 
 CANCEL_WAIT_S = 10.0  # how long the cancel route waits to report how the task ended
 _ID_PREFIXES = ("chatcmpl-", "cmpl-", "resp_", "msg_")
-_SHARDINGS: tuple[Sharding, ...] = ("pipeline", "tensor")
 
 
 async def cancel(request: web.Request) -> web.Response:
@@ -43,21 +40,22 @@ async def cancel(request: web.Request) -> web.Response:
 
 
 async def instance_previews(request: web.Request) -> web.Response:
-    """GET /instance/previews?model_id=X: where each kind of placement would put the model, placing nothing."""
+    """GET /instance/previews?model_id=X: each sharding on each node count 1..N, or why not; places nothing."""
     ctx = context_of(request)
     model_id = request.query.get("model_id", "")
     card = ctx.card(model_id)
     if card is None:
         raise ApiError(404, f"unknown model {model_id!r}", param="model_id", code="model_not_found")
-    state = ctx.view.state
     previews = []
-    for sharding, min_nodes in itertools.product(_SHARDINGS, range(1, max(1, len(state.nodes)) + 1)):
-        placed = place_instance(card, sharding, min_nodes, state, (f"preview-{n}" for n in itertools.count()))
-        preview = {"model_id": model_id, "sharding": sharding, "min_nodes": min_nodes}
-        if isinstance(placed, Unplaceable):
-            previews.append(preview | {"instance": None, "error": placed.reason})
+    for preview in placement_previews(card, ctx.view.state):
+        # min_nodes: what to send to POST /place_instance to get this placement.
+        shown = {"model_id": model_id, "sharding": preview.sharding, "min_nodes": preview.node_count,
+                 "node_count": preview.node_count}
+        if preview.rejection is not None:
+            previews.append(shown | {"instance": None, "error": preview.rejection.reason,
+                                     "code": preview.rejection.code})
         else:
-            previews.append(preview | {"instance": msgspec.to_builtins(placed), "error": None})
+            previews.append(shown | {"instance": msgspec.to_builtins(preview.instance), "error": None, "code": None})
     return web.json_response({"previews": previews})
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
+from typing import TypeVar
 
 from nats.aio.client import Client
 
@@ -15,12 +17,16 @@ from exo.core.state import State
 
 COMMAND_TIMEOUT_S = 30.0
 
+T = TypeVar("T")
+
 
 class CommandOutcomes:
     def __init__(self, nc: Client, view: StateView) -> None:
         self._nc = nc
         self._waiters: dict[str, asyncio.Future[AnyEvent]] = {}
         self._task_ends: dict[str, list[asyncio.Future[TaskFinished]]] = {}
+        self._watches: list[tuple[Callable[[State], object], asyncio.Future]] = []
+        self._view = view
         view.add_listener(self._on_event)
 
     def expect(self, command_id: str) -> asyncio.Future[AnyEvent]:
@@ -44,6 +50,21 @@ class CommandOutcomes:
         if waiting:
             self._task_ends[task_id] = waiting
 
+    async def until(self, check: Callable[[State], T | None], timeout: float) -> T | None:
+        """The first answer of `check` that is not None, on State now and then after each event
+        folded in; None when `timeout` seconds pass first. `check` must be quick and pure."""
+        found = check(self._view.state)
+        if found is not None:
+            return found
+        watch = (check, asyncio.get_running_loop().create_future())
+        self._watches.append(watch)
+        try:
+            return await asyncio.wait_for(watch[1], timeout)
+        except asyncio.TimeoutError:
+            return None
+        finally:
+            self._watches.remove(watch)
+
     async def call(self, command: Command) -> AnyEvent:
         """Send a command and return the event that answers it; a rejection becomes an ApiError."""
         future = self.expect(command.command_id)
@@ -65,6 +86,11 @@ class CommandOutcomes:
             for ended in self._task_ends.get(event.task_id, []):
                 if not ended.done():
                     ended.set_result(event)
+        for check, watching in self._watches:
+            if not watching.done():
+                found = check(state)
+                if found is not None:
+                    watching.set_result(found)
 
 
 # What a client told "overloaded" should wait before it tries again.

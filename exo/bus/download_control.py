@@ -18,6 +18,7 @@ from nats.errors import Error as NatsError
 from nats.errors import NoRespondersError
 
 from exo.bus.errors import BusError
+from exo.bus.subjects import download_control_subject
 
 Action = Literal["start", "cancel", "delete"]
 ACTIONS: tuple[Action, ...] = ("start", "cancel", "delete")
@@ -40,10 +41,6 @@ class NodeUnreachable(BusError):
 Handler = Callable[[Action, str], Awaitable[DownloadReply]]
 
 
-def control_subject(node_id: str, action: Action) -> str:
-    return f"exo.downloads.{node_id}.{action}"
-
-
 class DownloadControlServer:
     def __init__(self, nc: Client, node_id: str, handler: Handler) -> None:
         self._nc = nc
@@ -55,7 +52,8 @@ class DownloadControlServer:
         for action in ACTIONS:
             async def on_request(msg: Msg, action: Action = action) -> None:
                 await self._answer(msg, action)
-            self._subscriptions.append(await self._nc.subscribe(control_subject(self._node_id, action), cb=on_request))
+            subject = download_control_subject(self._node_id, action)
+            self._subscriptions.append(await self._nc.subscribe(subject, cb=on_request))
         await self._nc.flush()  # the server knows the subscriptions: requests reach us from now on
 
     async def stop(self) -> None:
@@ -78,8 +76,8 @@ class DownloadControlServer:
 async def request_download_action(nc: Client, node_id: str, action: Action, model_id: str,
                                   timeout: float = 30.0) -> DownloadReply:
     try:
-        msg = await nc.request(control_subject(node_id, action), msgspec.json.encode(DownloadRequest(model_id=model_id)),
-                               timeout=timeout)
+        msg = await nc.request(download_control_subject(node_id, action),
+                               msgspec.json.encode(DownloadRequest(model_id=model_id)), timeout=timeout)
     except NoRespondersError:
         raise NodeUnreachable(f"node {node_id} is not running a worker (no answer)") from None
     except (NatsError, asyncio.TimeoutError) as error:

@@ -1,43 +1,33 @@
 """Reading the event log as raw records, fast, for the operator tools (replay, export, tail).
 
 A record is what the stream holds: sequence, subject, store time, headers and the payload
-bytes, undecoded, so a tool can show or export events that do not decode. Reading uses a
-callback-based ordered push consumer: the server streams with flow control and nats-py
-recreates the consumer after a gap. (Pull fetching and per-message gets are several times
-slower for a million events; see docs/benchmarks.md.)
+bytes, undecoded, so a tool can show or export events that do not decode. A bounded read
+(`read_log`, `read_log_batches`) uses a push consumer with flow control on a connection of its
+own whose protocol parser hands the consumer's messages over in batches, without nats-py's
+per-message machinery (see "The raw reader" below); the follower (`LogFollower`) and the
+fallback use nats-py's callback-based ordered push consumer. (Pull fetching and per-message
+gets are several times slower for a million events; see docs/benchmarks.md.)
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import logging
 
-import msgspec
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import api
 
+from exo.bus.connection import connect
 from exo.bus.errors import BusError, LogGap
+from exo.bus.log_records import HEARTBEAT_S, LogBounds, LogRecord, OnBatch, OnRecord, unsubscribe_quietly
+from exo.bus.raw_reader import RawParser, RawRangeReader
 from exo.bus.subjects import ALL_EVENTS, EVENTS_STREAM
 
+__all__ = ["LogBounds", "LogFollower", "LogRecord", "log_bounds", "read_log", "read_log_batches", "read_log_ordered",
+           "read_log_fetching", "record_of"]
 
-class LogRecord(msgspec.Struct, frozen=True, gc=False):
-    seq: int
-    subject: str
-    time_ns: int  # when the server stored it, nanoseconds since the epoch
-    headers: dict[str, str] | None
-    data: bytes
-
-
-class LogBounds(msgspec.Struct, frozen=True):
-    first_seq: int  # 0 when the stream is empty
-    last_seq: int
-
-
-OnRecord = Callable[[LogRecord], None]
-
-# Idle heartbeats tell an ordered consumer that the server lost it; 2 s finds that soon.
-_HEARTBEAT_S = 2.0
+log = logging.getLogger(__name__)
 
 
 def record_of(msg: Msg) -> LogRecord:
@@ -66,21 +56,88 @@ async def read_log(
     at the stream's first sequence), and BusError when the server stops sending for
     `stall_timeout` seconds. An exception raised by `on_record` ends the read and is re-raised.
     """
+
+    def on_batch(records: list[LogRecord]) -> None:
+        for record in records:
+            on_record(record)
+
+    return await read_log_batches(nc, on_batch, first_seq, last_seq, stall_timeout)
+
+
+async def read_log_batches(
+    nc: Client, on_batch: OnBatch, first_seq: int = 1, last_seq: int | None = None, stall_timeout: float = 10.0,
+    headers: bool = True,
+) -> int:
+    """`read_log`, handing over records as they arrive, many at a time (whatever one read
+    from the socket holds, ~100), in order. `headers=False` leaves every record's headers None
+    (replay does not need them, and parsing them costs about as much as the rest of a read).
+
+    It reads on a connection of its own whose protocol parser hands this consumer's messages
+    over raw (`RawParser`), several times faster than nats-py's Msg per message; if that
+    parser cannot be installed (another nats-py), it reads through nats-py's ordered consumer.
+    """
+    end = await _end_of_read(nc, first_seq, last_seq)
+    if end < first_seq:
+        return 0
+    reader_nc = await _reader_connection(nc)
+    if reader_nc is None:
+        return await _read_ordered(nc, on_batch, first_seq, end, stall_timeout)
+    try:
+        if not RawParser.install(reader_nc):
+            log.warning("nats-py's protocol parser is not the one exo knows: reading the log the slow way")
+            return await _read_ordered(nc, on_batch, first_seq, end, stall_timeout)
+        return await RawRangeReader(nc, reader_nc, on_batch, first_seq, end, headers).run(stall_timeout)
+    finally:
+        await reader_nc.close()
+
+
+async def read_log_ordered(
+    nc: Client, on_batch: OnBatch, first_seq: int = 1, last_seq: int | None = None, stall_timeout: float = 10.0
+) -> int:
+    """The same read through nats-py's own ordered push consumer (callback), one Msg at a time:
+    the fallback, and what bench/replay.py compares the raw reader with."""
+    end = await _end_of_read(nc, first_seq, last_seq)
+    if end < first_seq:
+        return 0
+    return await _read_ordered(nc, on_batch, first_seq, end, stall_timeout)
+
+
+async def _end_of_read(nc: Client, first_seq: int, last_seq: int | None) -> int:
+    """The last sequence a read from `first_seq` to `last_seq` (None: the stream's last one
+    now) delivers; below `first_seq` if there is nothing to read. LogGap if the stream no
+    longer holds `first_seq` (nats-py would silently start at the stream's first sequence)."""
     bounds = await log_bounds(nc)
     end = bounds.last_seq if last_seq is None else min(last_seq, bounds.last_seq)
     if bounds.first_seq == 0 or end < first_seq:
-        return 0
+        return first_seq - 1
     if bounds.first_seq > first_seq:
         raise LogGap(f"the event stream starts at sequence {bounds.first_seq}; sequences from {first_seq} are gone")
-    reader = _RangeReader(on_record, first_seq, end)
+    return end
+
+
+async def _reader_connection(nc: Client) -> Client | None:
+    """A connection of the reader's own to the server `nc` uses (same credentials: they come
+    from the environment), or None if there is none to be had (then the read uses `nc`)."""
+    url = nc.connected_url
+    if url is None:
+        return None
+    try:
+        return await connect([url.geturl()], name="exo-log-reader")
+    except BusError as error:
+        log.warning("reading the log the slow way: %s", error)
+        return None
+
+
+async def _read_ordered(nc: Client, on_batch: OnBatch, first_seq: int, end: int, stall_timeout: float) -> int:
+    reader = _RangeReader(lambda record: on_batch([record]), first_seq, end)
     subscription = await nc.jetstream().subscribe(
-        ALL_EVENTS, stream=EVENTS_STREAM, ordered_consumer=True, cb=reader.on_msg, idle_heartbeat=_HEARTBEAT_S,
+        ALL_EVENTS, stream=EVENTS_STREAM, ordered_consumer=True, cb=reader.on_msg, idle_heartbeat=HEARTBEAT_S,
         deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE, config=api.ConsumerConfig(opt_start_seq=first_seq),
     )
     try:
         await reader.wait(stall_timeout)
     finally:
-        await _unsubscribe(subscription)
+        await unsubscribe_quietly(subscription)
     return reader.delivered
 
 
@@ -151,7 +208,7 @@ async def read_log_fetching(nc: Client, on_record: OnRecord, first_seq: int = 1,
                 on_record(record)
                 delivered += 1
     finally:
-        await _unsubscribe(subscription)
+        await unsubscribe_quietly(subscription)
     return delivered
 
 
@@ -171,13 +228,13 @@ class LogFollower:
             self._next = max(start_seq, 1)
             policy, config = api.DeliverPolicy.BY_START_SEQUENCE, api.ConsumerConfig(opt_start_seq=self._next)
         self._subscription = await self._js.subscribe(
-            ALL_EVENTS, stream=EVENTS_STREAM, ordered_consumer=True, cb=self._on_msg, idle_heartbeat=_HEARTBEAT_S,
+            ALL_EVENTS, stream=EVENTS_STREAM, ordered_consumer=True, cb=self._on_msg, idle_heartbeat=HEARTBEAT_S,
             deliver_policy=policy, config=config,
         )
 
     async def stop(self) -> None:
         if self._subscription is not None:
-            await _unsubscribe(self._subscription)
+            await unsubscribe_quietly(self._subscription)
             self._subscription = None
 
     async def _on_msg(self, msg: Msg) -> None:
@@ -186,10 +243,3 @@ class LogFollower:
             return  # resent by a recreated consumer (see _RangeReader.on_msg)
         self._next = record.seq + 1
         self._on_record(record)
-
-
-async def _unsubscribe(subscription) -> None:
-    try:
-        await subscription.unsubscribe()
-    except Exception:  # the connection may be closing already; the server drops the consumer itself
-        pass

@@ -23,6 +23,7 @@ from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 
 from exo.bus.errors import BusError
+from exo.bus.subjects import model_share_subject
 from exo.models.files import Manifest, decode_manifest, encode_manifest
 
 log = logging.getLogger(__name__)
@@ -34,10 +35,6 @@ _ERROR_HEADER = "Exo-Error"
 
 # model id -> (model directory, manifest) of a model this node can serve, or None.
 Lookup = Callable[[str], Awaitable[tuple[Path, Manifest] | None]]
-
-
-def share_subject(node_id: str, what: str) -> str:
-    return f"exo.models.{node_id}.{what}"
 
 
 class ShareRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -73,8 +70,8 @@ class ModelShareServer:
 
     async def start(self) -> None:
         self._subscriptions = [
-            await self._nc.subscribe(share_subject(self._node_id, "manifest"), cb=self._on_manifest),
-            await self._nc.subscribe(share_subject(self._node_id, "chunk"), cb=self._on_chunk),
+            await self._nc.subscribe(model_share_subject(self._node_id, "manifest"), cb=self._on_manifest),
+            await self._nc.subscribe(model_share_subject(self._node_id, "chunk"), cb=self._on_chunk),
         ]
         await self._nc.flush()  # the server knows the subscriptions: peers can ask from now on
 
@@ -132,7 +129,7 @@ async def _request(nc: Client, subject: str, request: ShareRequest, timeout: flo
 
 
 async def peer_manifest(nc: Client, peer: str, model_id: str, timeout: float = 5.0) -> Manifest:
-    data = await _request(nc, share_subject(peer, "manifest"), ShareRequest(model_id=model_id), timeout)
+    data = await _request(nc, model_share_subject(peer, "manifest"), ShareRequest(model_id=model_id), timeout)
     try:
         return decode_manifest(data)
     except msgspec.MsgspecError as error:
@@ -150,7 +147,7 @@ async def fetch_from_peer(
     limit (64 MB) it cuts the whole connection as a slow consumer. A file waits for a slot only
     while it has nothing in flight, so files holding slots always drain them (no deadlock).
     """
-    subject = share_subject(peer, "chunk")
+    subject = model_share_subject(peer, "chunk")
     step = chunk_size(nc)
     offsets = deque(range(start, size, step))
     in_flight: deque[tuple[int, asyncio.Task]] = deque()

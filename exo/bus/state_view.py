@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Awaitable, Callable
 
 from nats.aio.client import Client
@@ -11,6 +12,8 @@ from exo.bus.event_log import EventFollower
 from exo.core.apply import apply, skip_event
 from exo.core.events import AnyEvent
 from exo.core.state import State
+
+log = logging.getLogger(__name__)
 
 Listener = Callable[[int, AnyEvent, State], Awaitable[None] | None]
 
@@ -23,7 +26,9 @@ class StateView:
         self._follower = EventFollower(nc, self._on_event, self._on_undecodable)
 
     def add_listener(self, listener: Listener) -> None:
-        """Called after each event is folded in, with the new State."""
+        """Called after each event is folded in, with the new State. Listeners run on the
+        follower's delivery path, one event at a time: one that is slow holds up every later
+        event for this whole node, so keep them O(1) per event."""
         self._listeners.append(listener)
 
     async def start(self) -> None:
@@ -57,6 +62,9 @@ class StateView:
         if event is None:
             return
         for listener in self._listeners:
-            result = listener(seq, event, self.state)
-            if result is not None:
-                await result
+            try:
+                result = listener(seq, event, self.state)
+                if result is not None:
+                    await result
+            except Exception:  # one listener's failure must not keep the event from the others
+                log.exception("a State listener failed on event %d (%s)", seq, type(event).__name__)

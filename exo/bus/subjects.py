@@ -30,3 +30,15 @@ IMAGES_STREAM = f"OBJ_{IMAGES_BUCKET}"
 
 def image_chunks_subject(nuid: str) -> str:
     return f"$O.{IMAGES_BUCKET}.C.{nuid}"
+
+
+# Core NATS request/reply between nodes (no stream keeps these): see exo/bus/model_share.py and
+# exo/bus/download_control.py.
+def model_share_subject(node_id: str, what: str) -> str:
+    """A node serving its models to peers: `what` is "manifest" or "chunk"."""
+    return f"exo.models.{node_id}.{what}"
+
+
+def download_control_subject(node_id: str, action: str) -> str:
+    """A node's download coordinator: `action` is "start", "cancel" or "delete"."""
+    return f"exo.downloads.{node_id}.{action}"

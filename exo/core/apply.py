@@ -2,11 +2,21 @@
 
 It never raises on an event it cannot use: it records the event as skipped and moves on, so
 one bad event cannot wedge a node. Ordering and gap checks belong to the log reader.
+
+Every handler changes a `Draft`: State's fields, each container (dict or list) copied the
+first time it changes and changed in place after that, so the State a draft started from is
+never touched. `apply` folds one event through a draft; `apply_all` folds a whole batch
+through one draft, so each container is copied at most once per batch instead of once per
+event (a replay of a million events). Same handlers, so the same State either way.
+
+A handler decides everything (and raises _Skip) before it changes anything: a skipped event
+leaves the draft as it was.
 """
 
 from __future__ import annotations
 
-from typing import TypeVar, assert_never
+from collections.abc import Callable, Iterable
+from typing import Any, get_args
 
 from msgspec.structs import replace
 
@@ -21,7 +31,9 @@ from exo.core.events import (
     InstanceCreated,
     InstanceDeleted,
     LeaderElected,
+    NodeHeartbeat,
     NodeRegistered,
+    NodeTimedOut,
     RunnerStatusChanged,
     TaskCancelRequested,
     TaskCreated,
@@ -33,127 +45,167 @@ from exo.core.state import MAX_ANSWERED_COMMANDS, MAX_FINISHED_TASKS, MAX_SKIPPE
 from exo.core.types import DownloadProgress, RunnerInfo, Task
 
 
-V = TypeVar("V")
-
-
 class _Skip(Exception):
     """An event that is well-formed but does not fit the State (e.g. names an unknown task)."""
 
 
 def apply(state: State, event: AnyEvent, seq: int) -> State:
-    try:
-        if event.term and event.term < state.leader_term:
-            raise _Skip(f"from term {event.term}, older than the leader's term {state.leader_term}")
-        new_state = _apply(state, event, seq)
-    except _Skip as skip:
-        return skip_event(state, seq, str(skip))
-    if command_id := command_id_of(event):
-        return replace(new_state, last_seq=seq, answered_commands=_remember(state.answered_commands, command_id, seq))
-    return replace(new_state, last_seq=seq)
+    draft = Draft(state)
+    draft.apply(event, seq)
+    return draft.state()
 
 
-def _with(mapping: dict[str, V], key: str, value: V) -> dict[str, V]:
-    """A copy with one entry set (dict.copy is the fast path for large maps)."""
-    updated = mapping.copy()
-    updated[key] = value
-    return updated
-
-
-def _remember(answered: dict[str, int], command_id: str, seq: int) -> dict[str, int]:
-    updated = _with(answered, command_id, seq)
-    if len(updated) > MAX_ANSWERED_COMMANDS:
-        del updated[next(iter(updated))]
-    return updated
+def apply_all(state: State, events: Iterable[tuple[AnyEvent, int]]) -> State:
+    """The State after folding each (event, sequence) in order: the same State as calling
+    `apply` for each, with each container copied at most once."""
+    draft = Draft(state)
+    for event, seq in events:
+        draft.apply(event, seq)
+    return draft.state()
 
 
 def skip_event(state: State, seq: int, reason: str) -> State:
     """Advance past an event that cannot be used, keeping a bounded record of why."""
-    skipped = [*state.skipped_events, SkippedEvent(seq=seq, reason=reason)][-MAX_SKIPPED_KEPT:]
-    return replace(state, last_seq=seq, skipped_events=skipped)
+    draft = Draft(state)
+    draft.skip(seq, reason)
+    return draft.state()
 
 
-def _apply(state: State, event: AnyEvent, seq: int) -> State:
-    match event:
-        case LeaderElected():
-            return _on_leader_elected(state, event)
-        case NodeRegistered():
-            return _on_node_registered(state, event)
-        case InstanceCreated():
-            return _on_instance_created(state, event, seq)
-        case InstanceDeleted():
-            return _on_instance_deleted(state, event)
-        case RunnerStatusChanged():
-            return _on_runner_status(state, event)
-        case TaskCreated():
-            return _on_task_created(state, event)
-        case TaskCancelRequested():
-            return _on_task_update(state, event.task_id, cancel_requested=True)
-        case TaskStarted():
-            return _on_task_update(state, event.task_id, status="running")
-        case TaskFinished():
-            return _on_task_finished(state, event)
-        case CustomCardAdded():
-            return replace(state, custom_model_cards=_with(state.custom_model_cards, event.card.model_id, event.card))
-        case CustomCardDeleted():
-            return _on_card_deleted(state, event)
-        case CommandRejected():
-            return state  # an answer to a caller; State does not change
-        case DownloadProgressed():
-            return _set_download(state, event.progress)
-        case DownloadFailed():
-            return _on_download_failed(state, event)
-        case DownloadDeleted():
-            return _on_download_deleted(state, event)
-        case _:
-            assert_never(event)
+class Draft:
+    """A State being changed in place, copy on first write (see the module's docstring)."""
+
+    __slots__ = (
+        "_base", "_own_downloads_of", "last_seq", "leader_term", "leader_node", "nodes", "instances", "runners",
+        "tasks", "custom_model_cards", "skipped_events", "finished_task_ids", "answered_commands", "downloads",
+        "instance_end_reasons",
+    )
+
+    def __init__(self, state: State) -> None:
+        self._base = state  # the State the containers are shared with until they change
+        self._own_downloads_of: set[str] = set()  # node ids whose inner map this draft copied
+        self.last_seq = state.last_seq
+        self.leader_term = state.leader_term
+        self.leader_node = state.leader_node
+        self.nodes = state.nodes
+        self.instances = state.instances
+        self.runners = state.runners
+        self.tasks = state.tasks
+        self.custom_model_cards = state.custom_model_cards
+        self.skipped_events = state.skipped_events
+        self.finished_task_ids = state.finished_task_ids
+        self.answered_commands = state.answered_commands
+        self.downloads = state.downloads
+        self.instance_end_reasons = state.instance_end_reasons
+
+    def state(self) -> State:
+        """The State so far. The draft can go on: from here it copies again what it changes."""
+        state = State(
+            last_seq=self.last_seq, leader_term=self.leader_term, leader_node=self.leader_node, nodes=self.nodes,
+            instances=self.instances, runners=self.runners, tasks=self.tasks,
+            custom_model_cards=self.custom_model_cards, skipped_events=self.skipped_events,
+            finished_task_ids=self.finished_task_ids, answered_commands=self.answered_commands,
+            downloads=self.downloads, instance_end_reasons=self.instance_end_reasons,
+        )
+        self._base = state
+        self._own_downloads_of = set()
+        return state
+
+    def own(self, field: str) -> Any:
+        """The field's container, copied first if it is still the one the base State holds."""
+        value = getattr(self, field)
+        if value is getattr(self._base, field):
+            value = value.copy()
+            setattr(self, field, value)
+        return value
+
+    def own_downloads_of(self, node_id: str) -> dict[str, DownloadProgress]:
+        downloads = self.own("downloads")
+        if node_id not in self._own_downloads_of:
+            downloads[node_id] = dict(downloads.get(node_id, {}))
+            self._own_downloads_of.add(node_id)
+        return downloads[node_id]
+
+    def apply(self, event: AnyEvent, seq: int) -> str:
+        """Fold one event in; returns why it was skipped, or "" if it was used."""
+        try:
+            if event.term and event.term < self.leader_term:
+                raise _Skip(f"from term {event.term}, older than the leader's term {self.leader_term}")
+            _HANDLERS[type(event)](self, event, seq)
+        except _Skip as skip:
+            reason = str(skip)
+            self.skip(seq, reason)
+            return reason
+        if command_id := command_id_of(event):
+            answered = self.own("answered_commands")
+            answered[command_id] = seq
+            if len(answered) > MAX_ANSWERED_COMMANDS:
+                del answered[next(iter(answered))]
+        self.last_seq = seq
+        return ""
+
+    def skip(self, seq: int, reason: str) -> None:
+        """Advance past an event that cannot be used, keeping a bounded record of why."""
+        skipped = self.own("skipped_events")
+        skipped.append(SkippedEvent(seq=seq, reason=reason))
+        del skipped[:-MAX_SKIPPED_KEPT]
+        self.last_seq = seq
 
 
-def _on_leader_elected(state: State, event: LeaderElected) -> State:
-    if event.term <= state.leader_term:
-        raise _Skip(f"leader term {event.term} is not newer than {state.leader_term}")
-    return replace(state, leader_term=event.term, leader_node=event.node_id)
+def _on_leader_elected(draft: Draft, event: LeaderElected, seq: int) -> None:
+    if event.term <= draft.leader_term:
+        raise _Skip(f"leader term {event.term} is not newer than {draft.leader_term}")
+    draft.leader_term, draft.leader_node = event.term, event.node_id
 
 
-def _on_node_registered(state: State, event: NodeRegistered) -> State:
-    return replace(state, nodes=_with(state.nodes, event.node.node_id, event.node))
+def _on_node_registered(draft: Draft, event: NodeRegistered | NodeHeartbeat, seq: int) -> None:
+    draft.own("nodes")[event.node.node_id] = event.node
 
 
-def _on_instance_created(state: State, event: InstanceCreated, seq: int) -> State:
+def _on_node_timed_out(draft: Draft, event: NodeTimedOut, seq: int) -> None:
+    if event.node_id not in draft.nodes:
+        raise _Skip(f"unknown node {event.node_id}")
+    del draft.own("nodes")[event.node_id]
+
+
+def _on_instance_created(draft: Draft, event: InstanceCreated, seq: int) -> None:
     instance = replace(event.instance, created_seq=seq)
-    if instance.instance_id in state.instances:
+    if instance.instance_id in draft.instances:
         raise _Skip(f"instance {instance.instance_id} already exists")
-    runners = dict(state.runners)
+    runners = draft.own("runners")
     for shard in instance.shards:
         runners[shard.runner_id] = RunnerInfo(
             runner_id=shard.runner_id, instance_id=instance.instance_id, node_id=shard.node_id
         )
-    return replace(state, instances=_with(state.instances, instance.instance_id, instance), runners=runners)
+    draft.own("instances")[instance.instance_id] = instance
 
 
-def _on_instance_deleted(state: State, event: InstanceDeleted) -> State:
-    if event.instance_id not in state.instances:
+def _on_instance_deleted(draft: Draft, event: InstanceDeleted, seq: int) -> None:
+    if event.instance_id not in draft.instances:
         raise _Skip(f"unknown instance {event.instance_id}")
-    instances = {k: v for k, v in state.instances.items() if k != event.instance_id}
-    runners = {k: v for k, v in state.runners.items() if v.instance_id != event.instance_id}
-    return replace(state, instances=instances, runners=runners)
+    instances = draft.own("instances")
+    model_id = instances.pop(event.instance_id).model_id
+    runners = draft.own("runners")
+    for runner_id in [k for k, v in runners.items() if v.instance_id == event.instance_id]:
+        del runners[runner_id]
+    draft.own("instance_end_reasons")[model_id] = event.reason or "deleted"
 
 
-def _on_runner_status(state: State, event: RunnerStatusChanged) -> State:
-    runner = state.runners.get(event.runner_id)
+def _on_runner_status(draft: Draft, event: RunnerStatusChanged, seq: int) -> None:
+    runner = draft.runners.get(event.runner_id)
     if runner is None:
         raise _Skip(f"unknown runner {event.runner_id}")
-    updated = replace(runner, status=event.status, error=event.error)
-    return replace(state, runners=_with(state.runners, event.runner_id, updated))
+    updated = replace(runner, status=event.status, error=event.error, failures=event.failures)
+    draft.own("runners")[event.runner_id] = updated
 
 
-def _on_task_created(state: State, event: TaskCreated) -> State:
-    if event.task.task_id in state.tasks:
+def _on_task_created(draft: Draft, event: TaskCreated, seq: int) -> None:
+    if event.task.task_id in draft.tasks:
         raise _Skip(f"task {event.task.task_id} already exists")
-    return replace(state, tasks=_with(state.tasks, event.task.task_id, event.task))
+    draft.own("tasks")[event.task.task_id] = event.task
 
 
-def _open_task(state: State, task_id: str) -> Task:
-    task = state.tasks.get(task_id)
+def _open_task(draft: Draft, task_id: str) -> Task:
+    task = draft.tasks.get(task_id)
     if task is None:
         raise _Skip(f"unknown task {task_id}")
     if task.status not in ("pending", "running"):
@@ -161,54 +213,96 @@ def _open_task(state: State, task_id: str) -> Task:
     return task
 
 
-def _on_task_update(state: State, task_id: str, **changes: object) -> State:
-    task = _open_task(state, task_id)
-    return replace(state, tasks=_with(state.tasks, task_id, replace(task, **changes)))
+def _on_task_cancel_requested(draft: Draft, event: TaskCancelRequested, seq: int) -> None:
+    task = _open_task(draft, event.task_id)
+    draft.own("tasks")[event.task_id] = replace(task, cancel_requested=True)
 
 
-def _on_task_finished(state: State, event: TaskFinished) -> State:
+def _on_task_started(draft: Draft, event: TaskStarted, seq: int) -> None:
+    task = _open_task(draft, event.task_id)
+    draft.own("tasks")[event.task_id] = replace(task, status="running")
+
+
+def _on_task_finished(draft: Draft, event: TaskFinished, seq: int) -> None:
     """Finish the task, and keep State bounded: only the most recent MAX_FINISHED_TASKS
-    finished tasks stay (one copy of the task map: this runs for every request)."""
-    task = _open_task(state, event.task_id)
-    tasks = _with(state.tasks, event.task_id, replace(
+    finished tasks stay."""
+    task = _open_task(draft, event.task_id)
+    tasks = draft.own("tasks")
+    tasks[event.task_id] = replace(
         task, status=event.status, finish_reason=event.finish_reason, error=event.error,
         prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens,
-    ))
-    order = state.finished_task_ids + [event.task_id]
+    )
+    order = draft.own("finished_task_ids")
+    order.append(event.task_id)
     if len(order) > MAX_FINISHED_TASKS:
         tasks.pop(order[0], None)
-        order = order[1:]
-    return replace(state, tasks=tasks, finished_task_ids=order)
+        del order[0]
 
 
-def _on_card_deleted(state: State, event: CustomCardDeleted) -> State:
-    if event.model_id not in state.custom_model_cards:
+def _on_card_added(draft: Draft, event: CustomCardAdded, seq: int) -> None:
+    draft.own("custom_model_cards")[event.card.model_id] = event.card
+
+
+def _on_card_deleted(draft: Draft, event: CustomCardDeleted, seq: int) -> None:
+    if event.model_id not in draft.custom_model_cards:
         raise _Skip(f"unknown custom card {event.model_id}")
-    cards = {k: v for k, v in state.custom_model_cards.items() if k != event.model_id}
-    return replace(state, custom_model_cards=cards)
+    del draft.own("custom_model_cards")[event.model_id]
 
 
-def _set_download(state: State, progress: DownloadProgress) -> State:
-    of_node = _with(state.downloads.get(progress.node_id, {}), progress.model_id, progress)
-    return replace(state, downloads=_with(state.downloads, progress.node_id, of_node))
+def _on_command_rejected(draft: Draft, event: CommandRejected, seq: int) -> None:
+    pass  # an answer to a caller; State does not change
 
 
-def _on_download_failed(state: State, event: DownloadFailed) -> State:
+def _on_download_progressed(draft: Draft, event: DownloadProgressed, seq: int) -> None:
+    _set_download(draft, event.progress)
+
+
+def _set_download(draft: Draft, progress: DownloadProgress) -> None:
+    draft.own_downloads_of(progress.node_id)[progress.model_id] = progress
+
+
+def _on_download_failed(draft: Draft, event: DownloadFailed, seq: int) -> None:
     # Keep what the last progress said (bytes done, files): a retry resumes from there.
-    previous = state.download_of(event.node_id, event.model_id) or DownloadProgress(
+    previous = draft.downloads.get(event.node_id, {}).get(event.model_id) or DownloadProgress(
         node_id=event.node_id, model_id=event.model_id
     )
-    return _set_download(state, replace(
+    _set_download(draft, replace(
         previous, status="failed", error_code=event.code, error=event.reason, speed_bps=0.0, eta_s=None,
         updated_at=event.at,
     ))
 
 
-def _on_download_deleted(state: State, event: DownloadDeleted) -> State:
-    of_node = state.downloads.get(event.node_id, {})
-    if event.model_id not in of_node:
+def _on_download_deleted(draft: Draft, event: DownloadDeleted, seq: int) -> None:
+    if event.model_id not in draft.downloads.get(event.node_id, {}):
         raise _Skip(f"no download of {event.model_id} on node {event.node_id}")
-    remaining = {k: v for k, v in of_node.items() if k != event.model_id}
-    if remaining:
-        return replace(state, downloads=_with(state.downloads, event.node_id, remaining))
-    return replace(state, downloads={k: v for k, v in state.downloads.items() if k != event.node_id})
+    remaining = draft.own_downloads_of(event.node_id)
+    del remaining[event.model_id]
+    if not remaining:
+        del draft.downloads[event.node_id]
+        draft._own_downloads_of.discard(event.node_id)
+
+
+_HANDLERS: dict[type, Callable[[Draft, Any, int], None]] = {
+    LeaderElected: _on_leader_elected,
+    NodeRegistered: _on_node_registered,
+    NodeHeartbeat: _on_node_registered,
+    NodeTimedOut: _on_node_timed_out,
+    InstanceCreated: _on_instance_created,
+    InstanceDeleted: _on_instance_deleted,
+    RunnerStatusChanged: _on_runner_status,
+    TaskCreated: _on_task_created,
+    TaskCancelRequested: _on_task_cancel_requested,
+    TaskStarted: _on_task_started,
+    TaskFinished: _on_task_finished,
+    CustomCardAdded: _on_card_added,
+    CustomCardDeleted: _on_card_deleted,
+    CommandRejected: _on_command_rejected,
+    DownloadProgressed: _on_download_progressed,
+    DownloadFailed: _on_download_failed,
+    DownloadDeleted: _on_download_deleted,
+}
+# Checked once at import: a new event kind needs a handler, a new State field a place in the Draft.
+if set(_HANDLERS) != set(get_args(AnyEvent)):
+    raise TypeError(f"the reducer has no handler for {set(get_args(AnyEvent)) - set(_HANDLERS)}")
+if set(Draft.__slots__[2:]) != set(State.__struct_fields__):
+    raise TypeError(f"Draft does not carry State's fields {set(State.__struct_fields__) - set(Draft.__slots__)}")

@@ -35,6 +35,19 @@ class NodeRegistered(Event, tag="node.registered", kw_only=True):
     node: NodeInfo
 
 
+class NodeHeartbeat(Event, tag="node.heartbeat", kw_only=True):
+    """A node is alive and this is what it has now (memory changes as models load)."""
+
+    node: NodeInfo
+
+
+class NodeTimedOut(Event, tag="node.timed_out", kw_only=True):
+    """The master has not heard from the node for its timeout: it is out of State until it speaks again."""
+
+    node_id: str
+    reason: str = ""
+
+
 class InstanceCreated(Event, tag="instance.created", kw_only=True):
     command_id: str = ""
     instance: Instance
@@ -52,6 +65,7 @@ class RunnerStatusChanged(Event, tag="runner.status", kw_only=True):
     node_id: str
     status: RunnerStatus
     error: str = ""
+    failures: int = 0  # consecutive failures of this runner (restarts since it was last ready)
 
 
 class TaskCreated(Event, tag="task.created", kw_only=True):
@@ -122,6 +136,8 @@ class DownloadDeleted(Event, tag="download.deleted", kw_only=True):
 AnyEvent = (
     LeaderElected
     | NodeRegistered
+    | NodeHeartbeat
+    | NodeTimedOut
     | InstanceCreated
     | InstanceDeleted
     | RunnerStatusChanged

@@ -1,4 +1,33 @@
-"""Where an instance runs: a pure function of the model card, the request and State."""
+"""Where an instance runs: a pure function of the model card, the request and State.
+
+No I/O and no clocks: the same card, request and State always give the same placement, so
+the master's decision replays exactly and `GET /instance/previews` shows what placing would do.
+
+How an instance is placed (`place_instance`):
+
+- Candidates are the live nodes sorted by free memory (most first, then node id). For
+  k = min_nodes, min_nodes + 1, ... up to the node count, the top k nodes are tried; the first k
+  that works wins, so fewer nodes are preferred. Rank 0 is the node with the most free memory.
+- Tensor sharding: every rank holds every layer and 1/k of the weights; k must divide the
+  attention heads and the key/value heads (where the card gives them). One node always works.
+- Pipeline sharding: rank r holds a contiguous block of layers, rank 0 the first ones; layers
+  are split in proportion to each node's free memory (largest-remainder rounding, every rank at
+  least one layer), so k can be at most the layer count; a card without a layer count can only
+  be placed on one node.
+- Memory: every rank needs its share of `storage_bytes` (tensor: storage / k; pipeline:
+  storage * its layers / n_layers, rounded up) within its node's `memory_available`. There is
+  no margin on top: `memory_available` is what the node itself reports as free (MemAvailable),
+  and adding a guess here would only make small clusters refuse models that fit. Unknown sizes
+  do not constrain: a card with `storage_bytes` 0, or a node reporting `memory_available` 0 (the
+  one-node rule always worked this way; such a node weighs nothing in the pipeline split and so
+  gets one layer).
+- Several nodes: every rank gets `ring_address` "<its first address>:<port>", the lowest port
+  of the node's ring range not used by another instance's shard on the same IP nor by an earlier
+  rank of this placement. A node without an address or ring ports cannot join a multi-node
+  instance. One node: `ring_address` is "".
+
+Checks for one k run in this order: heads / layers, memory, addresses and ring ports.
+"""
 
 from __future__ import annotations
 
@@ -9,15 +38,38 @@ import msgspec
 from exo.core.state import State
 from exo.core.types import Instance, ModelCard, NodeInfo, RejectionCode, ShardAssignment, Sharding
 
+SHARDINGS: tuple[Sharding, ...] = ("pipeline", "tensor")
+
 
 class Unplaceable(msgspec.Struct, frozen=True):
     code: RejectionCode
     reason: str
 
 
+class PlacementPreview(msgspec.Struct, frozen=True, kw_only=True):
+    """What placing on exactly `node_count` nodes would give: an instance, or why not."""
+
+    sharding: Sharding
+    node_count: int
+    instance: Instance | None = None
+    rejection: Unplaceable | None = None
+
+
+class _Rank(msgspec.Struct, frozen=True, kw_only=True):
+    node_id: str
+    start_layer: int
+    end_layer: int
+    ring_address: str = ""
+
+
 def place_instance(
     card: ModelCard, sharding: Sharding, min_nodes: int, state: State, ids: Iterator[str]
 ) -> Instance | Unplaceable:
+    """Place one instance on the fewest nodes (at least min_nodes) that can hold it.
+
+    Takes runner ids from `ids` first (one per rank, in rank order), then the instance id;
+    takes nothing when the request cannot be placed.
+    """
     if min_nodes < 1:
         return Unplaceable("invalid", "min_nodes must be at least 1")
     nodes = _nodes_by_free_memory(state)
@@ -25,17 +77,162 @@ def place_instance(
         return Unplaceable("unavailable", "no worker node has joined the cluster yet")
     if min_nodes > len(nodes):
         return Unplaceable("conflict", f"min_nodes={min_nodes} but the cluster has {len(nodes)} node(s)")
-    if min_nodes > 1:
-        return Unplaceable("conflict", "placing one instance across several nodes is not supported yet")
-    node = nodes[0]
-    if card.storage_bytes and node.memory_available and card.storage_bytes > node.memory_available:
-        return Unplaceable(
-            "conflict",
-            f"{card.model_id} needs {card.storage_bytes} bytes but the node with the most free memory "
-            f"({node.node_id}) has {node.memory_available}",
-        )
-    shard = ShardAssignment(runner_id=next(ids), node_id=node.node_id, end_layer=card.n_layers)
-    return Instance(instance_id=next(ids), model_id=card.model_id, sharding=sharding, shards=[shard])
+    first_failure: Unplaceable | None = None
+    for k in range(min_nodes, len(nodes) + 1):
+        planned = _plan(card, sharding, nodes[:k], state)
+        if not isinstance(planned, Unplaceable):
+            return _instance(card, sharding, planned, ids)
+        first_failure = first_failure or planned
+    assert first_failure is not None
+    if len(nodes) == min_nodes:
+        return first_failure
+    tried = f"{len(nodes)} nodes" if len(nodes) == min_nodes + 1 else f"{min_nodes + 1} to {len(nodes)} nodes"
+    return Unplaceable(first_failure.code, f"{first_failure.reason}; {tried} did not work either")
+
+
+def placement_previews(card: ModelCard, state: State) -> list[PlacementPreview]:
+    """Every sharding on exactly 1..N nodes: the instance it would give (ids "preview-<n>"), or why not.
+
+    Placing with that sharding and min_nodes equal to a valid preview's node count gives that
+    placement (with real ids), since the fewest nodes that work win.
+    """
+    nodes = _nodes_by_free_memory(state)
+    previews = []
+    for sharding in SHARDINGS:
+        if not nodes:
+            previews.append(PlacementPreview(sharding=sharding, node_count=1, rejection=Unplaceable(
+                "unavailable", "no worker node has joined the cluster yet")))
+            continue
+        for k in range(1, len(nodes) + 1):
+            planned = _plan(card, sharding, nodes[:k], state)
+            if isinstance(planned, Unplaceable):
+                previews.append(PlacementPreview(sharding=sharding, node_count=k, rejection=planned))
+            else:
+                ids = (f"preview-{n}" for n in range(k + 1))
+                previews.append(PlacementPreview(sharding=sharding, node_count=k,
+                                                 instance=_instance(card, sharding, planned, ids)))
+    return previews
+
+
+def split_layers(n_layers: int, weights: list[int]) -> list[int]:
+    """Layers per rank in proportion to weights: each rank >= 1, sum n_layers (needs len(weights) <= n_layers).
+
+    Largest-remainder rounding, ties to the lower rank. A rank whose share rounds to nothing is
+    given one layer and the rest are shared out again among the others. All weights 0: equal.
+    """
+    k = len(weights)
+    assert 1 <= k <= n_layers, (k, n_layers)
+    layers = [0] * k
+    fixed: set[int] = set()
+    while True:
+        free = [r for r in range(k) if r not in fixed]
+        left = n_layers - len(fixed)
+        w = {r: weights[r] for r in free}
+        if sum(w.values()) <= 0:
+            w = {r: 1 for r in free}
+        total = sum(w.values())
+        for r in free:
+            layers[r] = left * w[r] // total
+        extra = left - sum(layers[r] for r in free)
+        for r in sorted(free, key=lambda r: (-(left * w[r] % total), r))[:extra]:
+            layers[r] += 1
+        empty = [r for r in free if layers[r] == 0]
+        if not empty:
+            return layers
+        for r in empty:  # at least one free rank has layers, since left >= len(free)
+            layers[r] = 1
+            fixed.add(r)
+
+
+def _plan(card: ModelCard, sharding: Sharding, nodes: list[NodeInfo], state: State) -> list[_Rank] | Unplaceable:
+    """The ranks on exactly these nodes (rank order = this order), or why they cannot hold the model."""
+    k = len(nodes)
+    if sharding == "tensor":
+        if k > 1:
+            known = [(count, what) for count, what in ((card.num_attention_heads, "attention heads"),
+                                                        (card.num_key_value_heads, "key/value heads")) if count > 0]
+            if any(count % k for count, _ in known):
+                heads = " and ".join(f"{count} {what}" for count, what in known)
+                return Unplaceable("conflict", f"tensor sharding over {k} nodes needs {k} to divide the head "
+                                               f"counts, but {card.model_id} has {heads}")
+        blocks = [(0, card.n_layers)] * k
+        needs = [-(-card.storage_bytes // k)] * k
+    else:
+        if k > 1 and card.n_layers <= 0:
+            return Unplaceable("conflict", f"pipeline sharding over {k} nodes needs the layer count of "
+                                           f"{card.model_id}, which its card does not give")
+        if k > card.n_layers > 0:
+            return Unplaceable("conflict", f"pipeline sharding over {k} nodes needs at least {k} layers, "
+                                           f"but {card.model_id} has {card.n_layers}")
+        if k == 1:
+            blocks = [(0, card.n_layers)]
+            needs = [card.storage_bytes]
+        else:
+            blocks, start = [], 0
+            for count in split_layers(card.n_layers, [n.memory_available for n in nodes]):
+                blocks.append((start, start + count))
+                start += count
+            needs = [-(-card.storage_bytes * (end - begin) // card.n_layers) for begin, end in blocks]
+    if card.storage_bytes > 0:
+        for rank, (node, need) in enumerate(zip(nodes, needs)):
+            if node.memory_available and need > node.memory_available:
+                return Unplaceable("conflict", _memory_reason(card, sharding, nodes, rank, need, blocks[rank]))
+    if k == 1:
+        return [_Rank(node_id=nodes[0].node_id, start_layer=blocks[0][0], end_layer=blocks[0][1])]
+    for node in nodes:
+        if not node.addresses:
+            return Unplaceable("conflict", f"node {node.node_id} reports no address peers can reach it on, "
+                                           f"so it cannot take part in an instance across {k} nodes")
+        if node.ring_port_count <= 0:
+            return Unplaceable("conflict", f"node {node.node_id} allows no ring ports, "
+                                           f"so it cannot take part in an instance across {k} nodes")
+    used = _used_ring_ports(state)
+    ranks = []
+    for node, (start, end) in zip(nodes, blocks):
+        ip = node.addresses[0]
+        ports = range(node.ring_port_first, node.ring_port_first + node.ring_port_count)
+        port = next((p for p in ports if (ip, p) not in used), None)
+        if port is None:
+            return Unplaceable("conflict", f"no free ring port on node {node.node_id}: ports {ports.start}-"
+                                           f"{ports.stop - 1} on {ip} are all in use by other instances")
+        used.add((ip, port))
+        ranks.append(_Rank(node_id=node.node_id, start_layer=start, end_layer=end, ring_address=f"{ip}:{port}"))
+    return ranks
+
+
+def _memory_reason(card: ModelCard, sharding: Sharding, nodes: list[NodeInfo], rank: int, need: int,
+                   block: tuple[int, int]) -> str:
+    node, k = nodes[rank], len(nodes)
+    if k == 1:
+        return (f"{card.model_id} needs {card.storage_bytes} bytes but the node with the most free memory "
+                f"({node.node_id}) has {node.memory_available}")
+    if sharding == "tensor":
+        share = f"{need} bytes on each node"
+    else:
+        share = f"{need} bytes for layers {block[0]}-{block[1] - 1} on rank {rank}"
+    return (f"{card.model_id} needs {card.storage_bytes} bytes; with {sharding} sharding over {k} nodes that is "
+            f"{share}, but {node.node_id} has {node.memory_available} free (the {k} nodes with the most free "
+            f"memory have {sum(n.memory_available for n in nodes)} in all, the most on one node is "
+            f"{nodes[0].memory_available})")
+
+
+def _used_ring_ports(state: State) -> set[tuple[str, int]]:
+    used = set()
+    for instance in state.instances.values():
+        for shard in instance.shards:
+            ip, _, port = shard.ring_address.rpartition(":")
+            if ip and port.isdigit():
+                used.add((ip, int(port)))
+    return used
+
+
+def _instance(card: ModelCard, sharding: Sharding, ranks: list[_Rank], ids: Iterator[str]) -> Instance:
+    shards = [
+        ShardAssignment(runner_id=next(ids), node_id=r.node_id, rank=rank, world_size=len(ranks),
+                        start_layer=r.start_layer, end_layer=r.end_layer, ring_address=r.ring_address)
+        for rank, r in enumerate(ranks)
+    ]
+    return Instance(instance_id=next(ids), model_id=card.model_id, sharding=sharding, shards=shards)
 
 
 def _nodes_by_free_memory(state: State) -> list[NodeInfo]:

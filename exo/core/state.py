@@ -31,6 +31,8 @@ class State(msgspec.Struct, frozen=True, kw_only=True):
     # redelivered to a new master after its first master died is not decided twice.
     answered_commands: dict[str, int] = {}
     downloads: dict[str, dict[str, DownloadProgress]] = {}  # node id -> model id -> latest progress
+    # model id -> why its most recently deleted instance went away: a 503 says it to callers.
+    instance_end_reasons: dict[str, str] = {}
 
     def instances_of(self, model_id: str) -> list[Instance]:
         return sorted(

@@ -12,7 +12,9 @@ from typing import Literal
 import msgspec
 
 Sharding = Literal["pipeline", "tensor"]
-RunnerStatus = Literal["created", "downloading", "loading", "warming_up", "ready", "failed", "stopped"]
+RunnerStatus = Literal[
+    "created", "downloading", "downloaded", "loading", "warming_up", "ready", "failed", "stopped"
+]
 TaskStatus = Literal["pending", "running", "completed", "cancelled", "failed"]
 FinishReason = Literal["stop", "length", "cancelled", "error"]
 RejectionCode = Literal["invalid", "not_found", "conflict", "unavailable", "overloaded"]
@@ -66,6 +68,8 @@ class ShardAssignment(msgspec.Struct, frozen=True, kw_only=True):
     world_size: int = 1
     start_layer: int = 0
     end_layer: int = 0  # exclusive
+    # "ip:port" this rank listens on for the MLX ring group; "" for a one-node instance.
+    ring_address: str = ""
 
 
 class Instance(msgspec.Struct, frozen=True, kw_only=True):
@@ -83,6 +87,7 @@ class RunnerInfo(msgspec.Struct, frozen=True, kw_only=True):
     node_id: str
     status: RunnerStatus = "created"
     error: str = ""
+    failures: int = 0  # failures since the runner was last ready; the master deletes the instance past a bound
 
 
 class NodeInfo(msgspec.Struct, frozen=True, kw_only=True):
@@ -91,8 +96,12 @@ class NodeInfo(msgspec.Struct, frozen=True, kw_only=True):
     memory_total: int = 0
     memory_available: int = 0
     cpu_count: int = 0
-    backend: str = ""
-    last_seen: float = 0.0
+    backend: str = ""  # MLX backend: "cpu", "metal" or "cuda"
+    last_seen: float = 0.0  # the node's clock at its latest heartbeat
+    addresses: list[str] = []  # IPs peers can reach it on, best first
+    ring_port_first: int = 0  # ports it lets MLX ring groups listen on: [first, first + count)
+    ring_port_count: int = 0
+    incarnation: str = ""  # random per process start: two live processes with one node id show up as two
 
 
 class FileProgress(msgspec.Struct, frozen=True, kw_only=True):

@@ -95,7 +95,9 @@ def _generate(state: State, command: GenerateText, builtin: Mapping[str, ModelCa
         return _reject(command, "not_found", f"unknown model {command.model_id!r}")
     instances = state.instances_of(command.model_id)
     if not instances:
-        return _reject(command, "unavailable", f"no instance of {command.model_id!r} is running; place one first")
+        ended = state.instance_end_reasons.get(command.model_id)
+        why = f" (its last instance was deleted: {ended})" if ended else ""
+        return _reject(command, "unavailable", f"no instance of {command.model_id!r} is running{why}; place one first")
     # Admission: the least busy instance with room in its queue; none with room: try later.
     open_tasks = {i.instance_id: len(state.open_tasks_of(i.instance_id)) for i in instances}
     with_room = [i for i in instances if open_tasks[i.instance_id] < (i.max_queue or default_max_queue)]

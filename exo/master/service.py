@@ -22,9 +22,11 @@ from exo.bus.leadership import Lease
 from exo.bus.snapshots import write_snapshot
 from exo.bus.state_view import StateView
 from exo.core.commands import AnyCommand
-from exo.core.events import LeaderElected
+from exo.core.events import AnyEvent, Event, LeaderElected, NodeHeartbeat, NodeRegistered, NodeTimedOut
+from exo.core.state import State
 from exo.core.types import ModelCard
 from exo.master.decide import decide
+from exo.master.supervise import DEFAULT_NODE_TIMEOUT_S, supervise
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +42,7 @@ class Master:
     def __init__(
         self, nc: Client, view: StateView, builtin_cards: Mapping[str, ModelCard], node_id: str,
         snapshot_every: int = 1000, snapshot_interval: float = 30.0, max_queue: int | None = None,
+        node_timeout: float = DEFAULT_NODE_TIMEOUT_S,
     ) -> None:
         self._max_queue = max_queue
         self._nc = nc
@@ -49,7 +52,14 @@ class Master:
         self._lease = Lease(nc, node_id)
         self._node_id = node_id
         self._snapshotter = Snapshotter(nc, view, snapshot_every, snapshot_interval)
+        self._node_timeout = node_timeout
+        self._heard_at: dict[str, float] = {}  # node id -> time.monotonic() of its latest heartbeat seen
+        view.add_listener(self._on_event)
         self.term = 0
+
+    def _on_event(self, seq: int, event: AnyEvent, state: State) -> None:
+        if isinstance(event, (NodeRegistered, NodeHeartbeat)):
+            self._heard_at[event.node.node_id] = time.monotonic()
 
     async def run(self) -> None:
         """Campaign for the lease until this node wins it, lead until it is lost, repeat."""
@@ -77,11 +87,13 @@ class Master:
         log.info("master: leading with term %d", term)
         renewing = asyncio.create_task(self._keep_lease())
         snapshots = asyncio.create_task(self._snapshotter.run(self._lease.valid))
+        supervising = asyncio.create_task(self._supervise(term))
         try:
             await consume_commands(self._nc, self.handle, self._lease.valid)
         finally:
             renewing.cancel()
             snapshots.cancel()
+            supervising.cancel()
             self.term = 0
             log.warning("master: no longer leading (term %d)", term)
 
@@ -89,20 +101,40 @@ class Master:
         while await self._lease.renew():
             await asyncio.sleep(self._lease.ttl / 5)
 
+    async def _supervise(self, term: int) -> None:
+        """Time out silent nodes and retire failing instances, about once a second while leading."""
+        while self._lease.valid():
+            await asyncio.sleep(min(1.0, self._node_timeout / 4))
+            state, now = self._view.state, time.monotonic()
+            for node_id in state.nodes:
+                self._heard_at.setdefault(node_id, now)  # first seen by this master: it gets a full timeout
+            events = supervise(state, self._heard_at, now, node_timeout=self._node_timeout)
+            try:
+                await self._append_all(events, term, f"supervise:{term}:{state.last_seq}")
+            except (BusError, NatsError, asyncio.TimeoutError, NotLeader) as error:
+                log.warning("master: supervision events not appended: %r", error)
+            for event in events:
+                if isinstance(event, NodeTimedOut):
+                    log.warning("master: %s", event.reason)
+                    self._heard_at.pop(event.node_id, None)
+
+    async def _append_all(self, events: list[Event], term: int, id_prefix: str) -> None:
+        last_seq = 0
+        for n, event in enumerate(events):
+            if not self._lease.valid():
+                raise NotLeader()
+            last_seq = await self._log.append(replace(event, term=term), event_id=f"{id_prefix}:{n}")
+        if last_seq:
+            # The next decision must see these events, whoever else appended meanwhile.
+            await self._view.wait_for(last_seq)
+
     async def handle(self, command: AnyCommand) -> None:
         term = self.term
         limits = {} if self._max_queue is None else {"default_max_queue": self._max_queue}
         events = decide(
             self._view.state, command, builtin_cards=self._builtin_cards, ids=ids_for(command.command_id), **limits
         )
-        last_seq = 0
-        for n, event in enumerate(events):
-            if not self._lease.valid():
-                raise NotLeader()
-            last_seq = await self._log.append(replace(event, term=term), event_id=f"{command.command_id}:{term}:{n}")
-        if last_seq:
-            # The next decision must see these events, whoever else appended meanwhile.
-            await self._view.wait_for(last_seq)
+        await self._append_all(events, term, f"{command.command_id}:{term}")
         if self._view.state.leader_term != term:
             raise NotLeader()  # our events were fenced off: the new master decides this command
 

@@ -53,15 +53,33 @@ def card_to_toml(card: ModelCard) -> str:
 
 
 def reconcile_custom_cards(folder: Path, cards: Mapping[str, ModelCard]) -> None:
-    """Make `folder` hold exactly `cards`: write missing or changed ones, delete the rest."""
+    """Make `folder` hold exactly `cards`: write missing or changed ones, delete the rest.
+    O(cards): for a node starting up; a live node follows one card at a time with `reconcile_custom_card`."""
     folder.mkdir(parents=True, exist_ok=True)
-    wanted = {card_file_name(c.model_id): card_to_toml(c) for c in cards.values()}
+    wanted = {card_file_name(c.model_id): c for c in cards.values()}
     for path in folder.glob("*.toml"):
         if path.name not in wanted:
             path.unlink()
-    for name, text in wanted.items():
-        path = folder / name
-        if not path.exists() or path.read_text() != text:
-            temporary = path.with_suffix(".tmp")
-            temporary.write_text(text)
-            temporary.replace(path)
+    for name, card in wanted.items():
+        _write_if_changed(folder / name, card_to_toml(card))
+
+
+def reconcile_custom_card(folder: Path, model_id: str, card: ModelCard | None) -> None:
+    """Make `folder` agree with State about one card: write it if missing or changed, delete
+    its file if State no longer has it. Touches one file, whatever the number of cards.
+    An invalid id (an event the reducer skipped) names no file: nothing to do."""
+    if not is_valid_model_id(model_id):
+        return
+    path = folder / card_file_name(model_id)
+    if card is None:
+        path.unlink(missing_ok=True)
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    _write_if_changed(path, card_to_toml(card))
+
+
+def _write_if_changed(path: Path, text: str) -> None:
+    if not path.exists() or path.read_text() != text:
+        temporary = path.with_suffix(".tmp")
+        temporary.write_text(text)
+        temporary.replace(path)

@@ -13,14 +13,16 @@ import os
 import sys
 import time
 import traceback
+from collections.abc import Awaitable
 from concurrent.futures import ThreadPoolExecutor
 
 from exo import event_loop
 from exo.bus.connection import connect, split_urls
 from exo.bus.tokens import publish_chunk
 from exo.core.types import TokenChunk
+from exo.runner.batch import Batcher, batchable, max_batch
 from exo.runner.coalesce import Coalescer
-from exo.runner.engine import Engine, Output
+from exo.runner.engine import Engine, GenerationResult, Output
 from exo.runner.protocol import (
     Cancel, Done, Failed, Generate, Load, Loaded, Report, Shutdown, Started, WarmedUp, WarmUp,
     encode_line, request_decoder,
@@ -39,6 +41,9 @@ class Runner:
         self._cancelled: set[str] = set()  # written by the loop, read by the model thread between decode steps
         self._requests: asyncio.Queue = asyncio.Queue()
         self._chunks: asyncio.Queue = asyncio.Queue()
+        limit = max_batch()
+        self._batcher = Batcher(self._engine, limit, self._mlx_thread) if limit > 1 else None
+        self._generating: dict[str, asyncio.Task] = {}  # batched generations in flight, by task id
 
     def report(self, message: Report) -> None:
         self._reports.write(encode_line(message))
@@ -50,21 +55,61 @@ class Runner:
         publisher = asyncio.create_task(self._publish_chunks())
         while True:
             request = await self._requests.get()
+            if request is None:  # the worker went away: nobody is left to want the batch's text
+                self._cancelled.update(self._generating)
             if request is None or isinstance(request, Shutdown):
                 break
-            await self._serve(loop, request)
+            if self._batched(request):  # runs alongside the next requests: they may join its batch
+                self._start_batched(loop, request)
+            else:  # in order: on the model thread it waits for the batch in progress to finish
+                await self._serve(loop, request)
+        await asyncio.gather(*self._generating.values())
+        await self._leave_group(loop)
         await self._chunks.join()
         publisher.cancel()
         reader.cancel()
 
+    def _start_batched(self, loop, request: Generate) -> None:
+        task = asyncio.create_task(self._serve(loop, request))
+        self._generating[request.task_id] = task
+        task.add_done_callback(lambda _: self._generating.pop(request.task_id, None))
+
+    def _follow(self, loop) -> None:
+        """A rank other than 0: from now on the model thread runs what rank 0 announces."""
+        def on_end(done: asyncio.Future) -> None:
+            error = done.exception()
+            self.report(Failed(error=f"lost rank 0: {type(error).__name__}: {error}" if error else "rank 0 left"))
+
+        loop.run_in_executor(self._mlx_thread, self._engine.follow).add_done_callback(on_end)
+
+    async def _leave_group(self, loop) -> None:
+        """Rank 0 tells the followers it is leaving; a follower cannot finish its thread, so it just exits."""
+        lockstep = self._engine.lockstep
+        if lockstep is None:
+            return
+        if lockstep.leads:
+            try:
+                await asyncio.wait_for(loop.run_in_executor(self._mlx_thread, self._engine.release_followers), 5)
+            except Exception:
+                logging.exception("could not tell the other ranks that rank 0 is leaving")
+        await self._chunks.join()
+        self._reports.flush()
+        os._exit(0)  # the model thread may be blocked in a collective that will never finish
+
+    def _batched(self, request) -> bool:
+        return (self._batcher is not None and self._engine.lockstep is None and isinstance(request, Generate)
+                and batchable(self._engine, request.params, request.image_paths))
+
     async def _serve(self, loop, request) -> None:
         try:
             if isinstance(request, Load):
-                await loop.run_in_executor(self._mlx_thread, self._engine.load, request.model_path)
+                await loop.run_in_executor(self._mlx_thread, self._engine.load, request.model_path, request.shard)
                 self.report(Loaded())
             elif isinstance(request, WarmUp):
                 await loop.run_in_executor(self._mlx_thread, self._engine.warm_up)
                 self.report(WarmedUp())
+                if self._engine.lockstep is not None and not self._engine.lockstep.leads:
+                    self._follow(loop)
             elif isinstance(request, Generate):
                 await self._generate(loop, request)
         except Exception as error:  # a broken model must be reported, not kill silently
@@ -96,10 +141,7 @@ class Runner:
             if ready or out.tool_calls:
                 loop.call_soon_threadsafe(self._chunks.put_nowait, chunk_of(ready or "", out.completion_tokens, out.prompt_tokens))
 
-        running = loop.run_in_executor(
-            self._mlx_thread, self._engine.generate, request.params, request.defaults, on_output,
-            lambda: task_id in self._cancelled, task_id,
-        )
+        running = self._start(loop, request, on_output)
         self.report(Started(task_id=task_id))  # after the model thread has its work: off the first token's path
         try:
             result = await running
@@ -113,25 +155,41 @@ class Runner:
         await self._finish(task_id, index, result.finish_reason, result.prompt_tokens, result.completion_tokens,
                            stop_sequence=result.stop_sequence)
 
+    def _start(self, loop, request: Generate, on_output) -> Awaitable[GenerationResult]:
+        """Hands the generation to the model thread: into the batch, or alone (Engine.generate)."""
+        task_id = request.task_id
+
+        def is_cancelled() -> bool:
+            return task_id in self._cancelled
+
+        if self._batched(request):
+            return self._batcher.run(loop, request.params, request.defaults, on_output, is_cancelled, task_id)
+        return loop.run_in_executor(self._mlx_thread, self._engine.generate, request.params, request.defaults,
+                                    on_output, is_cancelled, task_id)
+
     async def _finish(self, task_id, index, reason, prompt, completion, error: str = "", stop_sequence: str = "") -> None:
         final = TokenChunk(
             command_id=task_id, index=index, token_count=completion, prompt_tokens=prompt,
             finish_reason=reason, error=error, stop_sequence=stop_sequence,
         )
-        self._chunks.put_nowait(final)
-        await self._chunks.join()
+        published = asyncio.get_running_loop().create_future()
+        self._chunks.put_nowait((final, published))
+        await published  # this generation's chunks are all out (one publisher, in order); others may still run
         self.report(Done(task_id=task_id, finish_reason=reason, prompt_tokens=prompt, completion_tokens=completion, error=error))
 
     async def _publish_chunks(self) -> None:
         # One publisher keeps chunks in order on the wire.
         while True:
             chunk = await self._chunks.get()
+            chunk, published = chunk if isinstance(chunk, tuple) else (chunk, None)
             try:
                 await publish_chunk(self._nc, chunk)
             except Exception:
                 logging.exception("cannot publish a token chunk")
             finally:
                 self._chunks.task_done()
+                if published is not None and not published.done():
+                    published.set_result(None)
 
     async def _read_stdin(self, loop) -> None:
         # Read on the event loop itself (not a thread): one thread hop less per request.

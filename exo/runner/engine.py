@@ -11,6 +11,8 @@ from mlx_lm import load, stream_generate
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 from exo.core.types import GenerationParams, SamplingDefaults, TokenLogprob, ToolCall, TopLogprob
+from exo.runner.distributed import Announcement, Lockstep, join_ring, load_shard
+from exo.runner.protocol import RankSetup
 from exo.runner.stops import StopMatcher
 from exo.runner.tool_calls import ToolCallSplitter
 
@@ -45,9 +47,26 @@ class Engine:
     def __init__(self) -> None:
         self.model: Any = None
         self.tokenizer: Any = None
+        self.lockstep: Lockstep | None = None  # set when this runner is one rank of a multi-node instance
 
-    def load(self, model_path: str) -> None:
-        self.model, self.tokenizer = load(model_path)
+    def load(self, model_path: str, shard: RankSetup | None = None) -> None:
+        if shard is None:
+            self.model, self.tokenizer = load(model_path)
+            return
+        group = join_ring(shard.rank, shard.ring_hosts)
+        self.model, self.tokenizer = load_shard(model_path, group, shard.sharding, shard.start_layer, shard.end_layer)
+        self.lockstep = Lockstep(group)
+
+    def follow(self) -> None:
+        """A rank other than 0: run every generation rank 0 announces, until it says it is leaving.
+        The text is rank 0's to publish; here it is dropped."""
+        assert self.lockstep is not None and not self.lockstep.leads
+        while (announced := self.lockstep.next_announcement()) is not None:
+            self.generate(announced.params, announced.defaults, lambda _: None, lambda: False, announced.task_id)
+
+    def release_followers(self) -> None:
+        if self.lockstep is not None and self.lockstep.leads:
+            self.lockstep.announce(None)
 
     def warm_up(self) -> None:
         """One short generation, so the first real request does not pay for kernel set-up."""
@@ -73,56 +92,107 @@ class Engine:
         is_cancelled: Callable[[], bool],
         task_id: str = "",
     ) -> GenerationResult:
-        stops = StopMatcher(params.stop)
-        tools = ToolCallSplitter(self.tokenizer, params.tools, task_id[:12])
-        prompt_tokens = completion_tokens = 0
-        finish_reason = "length"
+        decoding = Decoding(self, params, on_output, task_id)
+        sampler = _sampler(params, defaults)
+        if self.lockstep is not None:  # every rank takes rank 0's tokens and stops when rank 0 does
+            if self.lockstep.leads:
+                self.lockstep.announce(Announcement(task_id=task_id, params=params, defaults=defaults))
+            sampler, is_cancelled = self.lockstep.start(sampler, is_cancelled)
         for response in stream_generate(
-            self.model, self.tokenizer, self.prompt_for(params), max_tokens=params.max_tokens or DEFAULT_MAX_TOKENS,
-            sampler=_sampler(params, defaults), logits_processors=make_logits_processors(
-                presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty),
+            self.model, self.tokenizer, self.prompt_for(params), max_tokens=max_tokens_of(params),
+            sampler=sampler, logits_processors=logits_processors_of(params),
         ):
-            prompt_tokens, completion_tokens = response.prompt_tokens, response.generation_tokens
-            finish_reason = response.finish_reason or finish_reason
-            logprobs = [self._logprob(response, params.top_logprobs)] if params.logprobs else []
-            content, calls = tools.feed(response.text)
-            text = stops.feed(content)
-            if text or calls or logprobs:
-                on_output(Output(text, completion_tokens, prompt_tokens, logprobs, calls))
-            if stops.stopped:
-                return GenerationResult("stop", prompt_tokens, completion_tokens, stops.matched)
+            result = decoding.step(response.text, response.token, response.logprobs,
+                                   response.prompt_tokens, response.generation_tokens, response.finish_reason)
+            if result is not None:
+                return result
             if is_cancelled():
-                return GenerationResult("cancelled", prompt_tokens, completion_tokens)
-        content, calls = tools.finish(finish_reason)
-        text = stops.feed(content)
-        text += "" if stops.stopped else stops.flush()
-        if text or calls:
-            on_output(Output(text, completion_tokens, prompt_tokens, [], calls))
-        if stops.stopped:
-            return GenerationResult("stop", prompt_tokens, completion_tokens, stops.matched)
-        return GenerationResult(finish_reason, prompt_tokens, completion_tokens)
+                return decoding.cancelled()
+        return decoding.finish()
 
-    def _logprob(self, response: Any, top: int) -> TokenLogprob:
-        logprobs = response.logprobs.reshape(-1)
+    def encode(self, prompt: str) -> list[int]:
+        """The prompt's token ids exactly as stream_generate makes them from the same text."""
+        bos = self.tokenizer.bos_token
+        return self.tokenizer.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos))
+
+    def logprob(self, token: int, logprobs: Any, top: int) -> TokenLogprob:
+        logprobs = logprobs.reshape(-1)
         alternatives: list[TopLogprob] = []
         top = min(top, logprobs.size - 1)
         if top > 0:
             ids = mx.argpartition(-logprobs, kth=top - 1)[:top]
             ranked = sorted(zip(ids.tolist(), logprobs[ids].tolist()), key=lambda pair: -pair[1])
             alternatives = [TopLogprob(token=self._token_text(i), logprob=v) for i, v in ranked]
-        token = response.token
         return TokenLogprob(token=self._token_text(token), logprob=logprobs[token].item(), top_logprobs=alternatives)
 
     def _token_text(self, token: int) -> str:
         return self.tokenizer.decode([token])
 
 
-def _sampler(params: GenerationParams, defaults: SamplingDefaults) -> Callable:
+class Decoding:
+    """One request's output, one mlx-lm step at a time: tool calls, stop strings, logprobs.
+
+    The single path (Engine.generate) feeds it stream_generate's responses, the batch
+    (batch.py) BatchGenerator's, detokenized the same way, so both send the same chunks."""
+
+    def __init__(self, engine: Engine, params: GenerationParams, on_output: OnOutput, task_id: str) -> None:
+        self._engine = engine
+        self._top_logprobs = params.top_logprobs if params.logprobs else -1
+        self._on_output = on_output
+        self._stops = StopMatcher(params.stop)
+        self._tools = ToolCallSplitter(engine.tokenizer, params.tools, task_id[:12])
+        self.prompt_tokens = self.completion_tokens = 0
+        self.finish_reason = "length"
+
+    def step(self, text: str, token: int, logprobs: Any, prompt_tokens: int, completion_tokens: int,
+             finish_reason: str | None) -> GenerationResult | None:
+        """Sends what this step produced; returns the result once a stop string ends the request."""
+        self.prompt_tokens, self.completion_tokens = prompt_tokens, completion_tokens
+        self.finish_reason = finish_reason or self.finish_reason
+        entries = [self._engine.logprob(token, logprobs, self._top_logprobs)] if self._top_logprobs >= 0 else []
+        content, calls = self._tools.feed(text)
+        text = self._stops.feed(content)
+        if text or calls or entries:
+            self._on_output(Output(text, completion_tokens, prompt_tokens, entries, calls))
+        return self._stopped() if self._stops.stopped else None
+
+    def cancelled(self) -> GenerationResult:
+        return GenerationResult("cancelled", self.prompt_tokens, self.completion_tokens)
+
+    def finish(self) -> GenerationResult:
+        """mlx-lm ended the request (EOS or max_tokens): what the tool parser and stop strings held back."""
+        content, calls = self._tools.finish(self.finish_reason)
+        text = self._stops.feed(content)
+        text += "" if self._stops.stopped else self._stops.flush()
+        if text or calls:
+            self._on_output(Output(text, self.completion_tokens, self.prompt_tokens, [], calls))
+        return self._stopped() if self._stops.stopped else GenerationResult(
+            self.finish_reason, self.prompt_tokens, self.completion_tokens)
+
+    def _stopped(self) -> GenerationResult:
+        return GenerationResult("stop", self.prompt_tokens, self.completion_tokens, self._stops.matched)
+
+
+def max_tokens_of(params: GenerationParams) -> int:
+    return params.max_tokens or DEFAULT_MAX_TOKENS
+
+
+def logits_processors_of(params: GenerationParams) -> list[Callable]:
+    return make_logits_processors(presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty)
+
+
+def sampling_of(params: GenerationParams, defaults: SamplingDefaults) -> tuple[float, float, int]:
+    """(temperature, top_p, top_k) for make_sampler: the request's, else the card's defaults."""
     temperature = _first(params.temperature, defaults.temperature, 0.0)
     top_p = _first(params.top_p, defaults.top_p, 0.0)
+    return temperature, top_p if top_p < 1.0 else 0.0, params.top_k or 0
+
+
+def _sampler(params: GenerationParams, defaults: SamplingDefaults) -> Callable:
+    temperature, top_p, top_k = sampling_of(params, defaults)
     if params.seed is not None:
         mx.random.seed(params.seed)
-    return make_sampler(temp=temperature, top_p=top_p if top_p < 1.0 else 0.0, top_k=params.top_k or 0)
+    return make_sampler(temp=temperature, top_p=top_p, top_k=top_k)
 
 
 def _template_messages(params: GenerationParams) -> list[dict]:

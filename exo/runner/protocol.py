@@ -11,8 +11,19 @@ class Request(msgspec.Struct, frozen=True, kw_only=True, tag_field="op"):
     pass
 
 
+class RankSetup(msgspec.Struct, frozen=True, kw_only=True):
+    """This runner's place in a multi-node instance: its MLX ring group and its part of the model."""
+
+    rank: int
+    ring_hosts: list[str]  # "ip:port" of every rank, in rank order
+    sharding: str  # "tensor" or "pipeline"
+    start_layer: int = 0
+    end_layer: int = 0
+
+
 class Load(Request, tag="load", kw_only=True):
     model_path: str
+    shard: RankSetup | None = None  # None: the whole model on this runner
 
 
 class WarmUp(Request, tag="warm_up", kw_only=True):

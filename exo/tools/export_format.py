@@ -48,7 +48,8 @@ def format_time_ns(time_ns: int, digits: int = 9) -> str:
 
 def parse_time_ns(text: str) -> int:
     whole, _, fraction = text.rstrip("Z").partition(".")
-    moment = datetime.datetime.strptime(whole, "%Y-%m-%dT%H:%M:%S").replace(tzinfo=datetime.timezone.utc)
+    # fromisoformat, not strptime: ~20x faster, and this runs once per line of a replayed file.
+    moment = datetime.datetime.fromisoformat(whole).replace(tzinfo=datetime.timezone.utc)
     seconds = (moment - _EPOCH) // datetime.timedelta(seconds=1)
     return seconds * 1_000_000_000 + int((fraction or "0").ljust(9, "0")[:9])
 

@@ -26,6 +26,9 @@ class LocalRunner(msgspec.Struct, frozen=True, kw_only=True):
     forwarded: frozenset[str] = frozenset()  # task ids handed to the runner process
     cancels_sent: frozenset[str] = frozenset()
     error: str = ""  # why it failed, told to the callers of the tasks it cannot serve
+    failures: int = 0  # its own failures since it was last ready (a peer's failure does not count)
+    failed_at: float = 0.0  # the worker's clock when it failed: restarts back off from here
+    restartable: bool = True  # False when restarting cannot help (e.g. the model is not on the Hub)
 
 
 class WorkerView(msgspec.Struct, frozen=True, kw_only=True):
@@ -35,6 +38,8 @@ class WorkerView(msgspec.Struct, frozen=True, kw_only=True):
     ended_tasks: frozenset[str] = frozenset()  # tasks whose end this node already reported
     local_images: frozenset[str] = frozenset()  # sha256 of images on this node's disk
     images_in_flight: frozenset[str] = frozenset()  # being fetched right now
+    now: float = 0.0  # the worker's clock (time.monotonic()), for restart back-off
+    max_failures: int = 3  # restarts stop here; the master then deletes the instance
 
 
 class Step(msgspec.Struct, frozen=True, kw_only=True, tag_field="step"):
@@ -62,6 +67,20 @@ class LoadModel(Step, tag="load_model", kw_only=True):
 
 class WarmUp(Step, tag="warm_up", kw_only=True):
     runner_id: str
+
+
+class RestartRunner(Step, tag="restart_runner", kw_only=True):
+    """Start a failed runner again, after its back-off."""
+
+    runner_id: str
+    instance_id: str
+
+
+class AbandonRunner(Step, tag="abandon_runner", kw_only=True):
+    """Stop this rank because a peer rank failed: the group must form again from scratch."""
+
+    runner_id: str
+    reason: str
 
 
 class ForwardTask(Step, tag="forward_task", kw_only=True):
@@ -98,13 +117,41 @@ def plan(view: WorkerView) -> list[Step]:
         if local is None:
             steps.append(CreateRunner(runner_id=shard.runner_id, instance_id=instance.instance_id))
             continue
-        lifecycle = _NEXT_LIFECYCLE_STEP.get(local.phase)
-        if lifecycle is WarmUp:
-            steps.append(WarmUp(runner_id=local.runner_id))
-        elif lifecycle is not None:
-            steps.append(lifecycle(runner_id=local.runner_id, model_id=instance.model_id))
-        steps.extend(_task_steps(view, local, view.state.open_tasks_of(instance.instance_id)))
+        steps.extend(_lifecycle_steps(view, instance, local))
+        if shard.rank == 0:  # the other ranks follow rank 0; only it is given tasks
+            steps.extend(_task_steps(view, local, view.state.open_tasks_of(instance.instance_id)))
     return steps
+
+
+# Local phases in which a runner is (or is joining) its group: a failed peer breaks it.
+_IN_GROUP = frozenset({"loading", "loaded", "warming_up", "ready"})
+# A peer's status from which it can join the group: downloaded, or further along.
+_READY_TO_CONNECT = frozenset({"downloaded", "loading", "warming_up", "ready"})
+
+
+def _lifecycle_steps(view: WorkerView, instance: Instance, local: LocalRunner) -> list[Step]:
+    peers = [view.state.runners.get(s.runner_id) for s in instance.shards if s.runner_id != local.runner_id]
+    failed_peer = next((p for p in peers if p is not None and p.status == "failed"), None)
+    if failed_peer is not None and local.phase in _IN_GROUP:
+        reason = f"peer runner {failed_peer.runner_id} on node {failed_peer.node_id} failed: {failed_peer.error}"
+        return [AbandonRunner(runner_id=local.runner_id, reason=reason)]
+    if local.phase == "failed":
+        if local.restartable and local.failures < view.max_failures and view.now >= restart_due(local):
+            return [RestartRunner(runner_id=local.runner_id, instance_id=instance.instance_id)]
+        return []
+    lifecycle = _NEXT_LIFECYCLE_STEP.get(local.phase)
+    if lifecycle is WarmUp:
+        return [WarmUp(runner_id=local.runner_id)]
+    if lifecycle is LoadModel and not all(p is not None and p.status in _READY_TO_CONNECT for p in peers):
+        return []  # a group forms only when every rank can join it
+    if lifecycle is not None:
+        return [lifecycle(runner_id=local.runner_id, model_id=instance.model_id)]
+    return []
+
+
+def restart_due(local: LocalRunner) -> float:
+    """Back-off: 1 s after the first failure, doubling, at most 30 s; a peer's failure: 1 s."""
+    return local.failed_at + min(30.0, 2.0 ** max(local.failures - 1, 0))
 
 
 def _stop_orphans(view: WorkerView) -> list[Step]:

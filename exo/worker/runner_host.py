@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from exo.runner.protocol import AnyReport, Request, Shutdown, encode_line, report_decoder
+
+log = logging.getLogger(__name__)
 
 OnReport = Callable[[AnyReport], Awaitable[None]]
 OnExit = Callable[[int, str], Awaitable[None]]
@@ -59,7 +62,10 @@ class RunnerHost:
     async def _read(self, on_report: OnReport, on_exit: OnExit) -> None:
         assert self._process is not None and self._process.stdout is not None
         async for line in self._process.stdout:
-            await on_report(report_decoder.decode(line))
+            try:
+                await on_report(report_decoder.decode(line))
+            except Exception:  # one report we could not act on must not stop us hearing the rest
+                log.exception("runner %s: report not handled: %r", self.runner_id, line[:200])
         code = await self._process.wait()
         if not self._stopping:
             await on_exit(code, self._log_tail())

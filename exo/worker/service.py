@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
@@ -24,7 +25,7 @@ from exo.core.events import AnyEvent, CustomCardAdded, CustomCardDeleted, Event,
 from exo.core.state import State
 from exo.core.types import ModelCard, RunnerStatus, ShardAssignment, TokenChunk
 from exo.master.decide import find_card
-from exo.models.cards import reconcile_custom_cards
+from exo.models.cards import reconcile_custom_card, reconcile_custom_cards
 from exo.models.dirs import DownloadSettings
 from exo.models.transfer import DownloadCancelled, DownloadError
 from exo.runner import protocol as rp
@@ -100,11 +101,17 @@ class Worker:
         return p.WorkerView(
             node_id=self.node_id, state=self._view.state, runners=dict(self._runners), ended_tasks=frozenset(self._ended),
             local_images=frozenset(self._local_images), images_in_flight=frozenset(self._images_in_flight),
+            now=time.monotonic(),
         )
 
     def _on_event(self, seq: int, event: AnyEvent, state: State) -> None:
+        # One card event touches one file. (Reconciling the whole folder here cost O(cards) per
+        # event on this node's event loop: at a few thousand custom cards the worker fell behind
+        # the log and chats stopped being forwarded; see docs/reliability.md.) State, not the
+        # event, says what the file must be: the reducer may have skipped the event.
         if isinstance(event, (CustomCardAdded, CustomCardDeleted)):
-            reconcile_custom_cards(self.custom_cards_dir, state.custom_model_cards)
+            model_id = event.card.model_id if isinstance(event, CustomCardAdded) else event.model_id
+            reconcile_custom_card(self.custom_cards_dir, model_id, state.custom_model_cards.get(model_id))
         self._wake.set()
 
     def _set_phase(self, runner_id: str, phase: p.LocalPhase, **changes) -> None:
@@ -118,13 +125,19 @@ class Worker:
     async def _publish_status(self, runner_id: str, status: RunnerStatus, error: str = "") -> None:
         runner = self._runners[runner_id]
         await self._publish(RunnerStatusChanged(
-            runner_id=runner_id, instance_id=runner.instance_id, node_id=self.node_id, status=status, error=error
+            runner_id=runner_id, instance_id=runner.instance_id, node_id=self.node_id, status=status, error=error,
+            failures=runner.failures,
         ))
 
     def _in_background(self, coroutine) -> None:
         task = asyncio.create_task(coroutine)
         self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        task.add_done_callback(self._background_done)
+
+    def _background_done(self, task: asyncio.Task) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("worker: background step failed", exc_info=task.exception())
 
     async def _execute(self, step: p.Step) -> None:
         log.debug("step %s", step)
@@ -135,7 +148,8 @@ class Worker:
                 self._set_phase(step.runner_id, "downloading")
                 self._in_background(self._download(step))
             case p.LoadModel():
-                await self._send_lifecycle(step.runner_id, "loading", rp.Load(model_path=str(self._model_paths[step.runner_id])))
+                load = rp.Load(model_path=str(self._model_paths[step.runner_id]), shard=self._rank_setup(step.runner_id))
+                await self._send_lifecycle(step.runner_id, "loading", load)
             case p.WarmUp():
                 await self._send_lifecycle(step.runner_id, "warming_up", rp.WarmUp())
             case p.ForwardTask():
@@ -149,6 +163,10 @@ class Worker:
                 self._in_background(self._fetch_images(step.digests))
             case p.EndTask():
                 await self._end_task(step.task_id, step.status, step.reason)
+            case p.RestartRunner():
+                await self._restart_runner(step)
+            case p.AbandonRunner():
+                await self._abandon_runner(step)
             case p.StopRunner():
                 self._set_phase(step.runner_id, "stopping")
                 self._in_background(self._stop_runner(step.runner_id))
@@ -176,8 +194,9 @@ class Worker:
             if task.status == "pending" and digest in p.images_of(task) and task.task_id not in self._ended:
                 self._in_background(self._end_task(task.task_id, "failed", reason))
 
-    async def _create_runner(self, step: p.CreateRunner) -> None:
-        self._runners[step.runner_id] = p.LocalRunner(runner_id=step.runner_id, instance_id=step.instance_id)
+    async def _create_runner(self, step: p.CreateRunner | p.RestartRunner, failures: int = 0) -> None:
+        self._runners[step.runner_id] = p.LocalRunner(
+            runner_id=step.runner_id, instance_id=step.instance_id, failures=failures)
         host = RunnerHost(step.runner_id, self._nats_urls, self._data_dir / "logs")
         self._hosts[step.runner_id] = host
         await host.start(
@@ -195,8 +214,8 @@ class Worker:
             if card is None:
                 raise DownloadError("not_found", f"no model card for {step.model_id}")
             path = await self.downloads.ensure(card, shard.start_layer, shard.end_layer)
-        except (DownloadError, DownloadCancelled) as error:
-            await self._fail_runner(step.runner_id, f"download failed: {error}")
+        except (DownloadError, DownloadCancelled) as error:  # the coordinator retried already
+            await self._fail_runner(step.runner_id, f"download failed: {error}", restartable=False)
             return
         except Exception as error:
             log.exception("download of %s failed", step.model_id)
@@ -204,6 +223,7 @@ class Worker:
             return
         self._model_paths[step.runner_id] = path
         self._set_phase(step.runner_id, "downloaded")
+        await self._publish_status(step.runner_id, "downloaded")  # peers wait for it to form a group
 
     def _shard_of(self, runner_id: str) -> ShardAssignment:
         runner = self._view.state.runners.get(runner_id)
@@ -233,7 +253,7 @@ class Worker:
             case rp.Loaded():
                 self._set_phase(runner_id, "loaded")
             case rp.WarmedUp():
-                self._set_phase(runner_id, "ready")
+                self._set_phase(runner_id, "ready", failures=0)
                 await self._publish_status(runner_id, "ready")
             case rp.Started():
                 await self._publish(TaskStarted(task_id=report.task_id))
@@ -250,11 +270,47 @@ class Worker:
     async def _on_runner_exit(self, runner_id: str, code: int, log_tail: str) -> None:
         await self._fail_runner(runner_id, f"runner exited with code {code}: {log_tail}")
 
-    async def _fail_runner(self, runner_id: str, error: str) -> None:
-        if runner_id not in self._runners:
+    async def _fail_runner(self, runner_id: str, error: str, restartable: bool = True) -> None:
+        runner = self._runners.get(runner_id)
+        if runner is None or runner.phase in ("failed", "stopping"):
             return
-        self._set_phase(runner_id, "failed", error=error)
+        self._set_phase(runner_id, "failed", error=error, failures=runner.failures + 1, failed_at=time.monotonic(),
+                        restartable=restartable)
         await self._publish_status(runner_id, "failed", error)
+        self._wake_after(p.restart_due(self._runners[runner_id]) - time.monotonic())
+
+    def _wake_after(self, delay: float) -> None:
+        asyncio.get_running_loop().call_later(max(delay, 0.0) + 0.01, self._wake.set)
+
+    async def _abandon_runner(self, step: p.AbandonRunner) -> None:
+        """A peer rank failed: stop ours too (not our failure) and rejoin when the peer is back."""
+        log.warning("worker: runner %s stops: %s", step.runner_id, step.reason)
+        host = self._hosts.get(step.runner_id)
+        if host is not None:
+            host.kill()
+        self._set_phase(step.runner_id, "failed", error=step.reason, failed_at=time.monotonic())
+        await self._publish_status(step.runner_id, "stopped", step.reason)
+        self._wake_after(p.restart_due(self._runners[step.runner_id]) - time.monotonic())
+
+    async def _restart_runner(self, step: p.RestartRunner) -> None:
+        failures = self._runners[step.runner_id].failures
+        log.warning("worker: restarting runner %s (failures so far: %d)", step.runner_id, failures)
+        host = self._hosts.pop(step.runner_id, None)
+        if host is not None:
+            host.kill()
+        self._model_paths.pop(step.runner_id, None)
+        await self._create_runner(step, failures)
+
+    def _rank_setup(self, runner_id: str) -> rp.RankSetup | None:
+        """Where this runner sits in its instance's ring group; None for a one-node instance."""
+        runner = self._view.state.runners.get(runner_id)
+        instance = self._view.state.instances.get(runner.instance_id) if runner else None
+        if instance is None or len(instance.shards) < 2:
+            return None
+        shards = sorted(instance.shards, key=lambda s: s.rank)
+        mine = next(s for s in shards if s.runner_id == runner_id)
+        return rp.RankSetup(rank=mine.rank, ring_hosts=[s.ring_address for s in shards], sharding=instance.sharding,
+                            start_layer=mine.start_layer, end_layer=mine.end_layer)
 
     async def _end_task(self, task_id: str, status: str, reason: str) -> None:
         self._ended.add(task_id)

@@ -89,6 +89,10 @@ export class Live {
         (this.state.downloads[p.node_id] ??= {})[p.model_id] = p;
         return true;
       }
+      case "node.heartbeat": // every few seconds per node: never worth a /state fetch
+      case "node.registered":
+        (this.state.nodes ??= {})[data.node.node_id] = data.node;
+        return true;
       case "task.created":
         tasks[data.task.task_id] = data.task;
         return true;

@@ -1,0 +1,215 @@
+"""Continuous batching: concurrent requests to one instance decode together, one step for all.
+
+The batch is mlx-lm's own `BatchGenerator` (what `mlx_lm.server` runs). The runner submits
+jobs from its event loop; one drive loop on the model thread inserts them, steps the batch and
+feeds each request's tokens, detokenized the way `stream_generate` does it, through the same
+`Decoding` as the single path (engine.py): text, stop strings, tool calls and logprobs come out
+the same. A request leaves the batch at EOS or max_tokens (mlx-lm), at a stop string, or when
+cancelled (checked after every step); others join as they come, up to `EXO_MAX_BATCH`.
+
+Requests with a seed take the single path, as in mlx_lm.server: a seed sets the global random
+state for one generation, which in a batch the others would draw from too. So do requests
+with images and every request of a multi-node instance (its ranks generate in lockstep).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import Executor
+from typing import Any
+
+from mlx_lm.generate import BatchGenerator
+from mlx_lm.sample_utils import make_sampler
+
+from exo.core.types import GenerationParams, SamplingDefaults
+from exo.runner.engine import (
+    Decoding, Engine, GenerationResult, OnOutput, logits_processors_of, max_tokens_of, sampling_of,
+)
+
+log = logging.getLogger(__name__)
+
+Outcome = GenerationResult | BaseException
+DEFAULT_MAX_BATCH = 32
+PREFILL_BATCH = 8  # prompts processed together at most, as mlx_lm.server's --prompt-concurrency
+
+
+def max_batch() -> int:
+    """How many requests decode together (EXO_MAX_BATCH); 1 turns batching off. The default is
+    mlx_lm.server's --decode-concurrency: fewer costs throughput once more clients than that come."""
+    return max(1, int(os.environ.get("EXO_MAX_BATCH", str(DEFAULT_MAX_BATCH))))
+
+
+def batchable(engine: Engine, params: GenerationParams, image_paths: dict[str, str]) -> bool:
+    return params.seed is None and not image_paths and getattr(engine, "lockstep", None) is None
+
+
+@functools.lru_cache(maxsize=64)
+def _shared_sampler(temperature: float, top_p: float, top_k: int) -> Callable:
+    # One sampler object per setting: a batch whose requests share it samples in one call.
+    return make_sampler(temp=temperature, top_p=top_p, top_k=top_k)
+
+
+class Job:
+    """One request in the batch: its settings, and where its output and its end go."""
+
+    def __init__(self, params: GenerationParams, defaults: SamplingDefaults, on_output: OnOutput,
+                 is_cancelled: Callable[[], bool], task_id: str, on_done: Callable[[Outcome], None]) -> None:
+        self.params, self.defaults, self.task_id = params, defaults, task_id
+        self.on_output, self.is_cancelled, self.on_done = on_output, is_cancelled, on_done
+        self.decoding: Decoding | None = None
+        self.detokenizer: Any = None
+        self.prompt_tokens = self.generated = 0
+
+    def start(self, engine: Engine) -> list[int]:
+        """The prompt's tokens; from here on the job can take steps."""
+        tokens = engine.encode(engine.prompt_for(self.params))
+        self.decoding = Decoding(engine, self.params, self.on_output, self.task_id)
+        self.decoding.prompt_tokens = self.prompt_tokens = len(tokens)
+        self.detokenizer = engine.tokenizer.detokenizer
+        return tokens
+
+    def step(self, token: int, logprobs: Any, finish_reason: str | None) -> GenerationResult | None:
+        """One generated token, as stream_generate would report it; the result once the job ends."""
+        assert self.decoding is not None
+        self.generated += 1
+        if finish_reason != "stop":  # "stop" is an EOS token: stream_generate does not decode it either
+            self.detokenizer.add_token(token)
+        if finish_reason is not None:
+            self.detokenizer.finalize()
+        text = self.detokenizer.last_segment
+        result = self.decoding.step(text, token, logprobs, self.prompt_tokens, self.generated, finish_reason)
+        if result is None and finish_reason is not None:
+            result = self.decoding.finish()
+        return result
+
+    def cancelled(self) -> GenerationResult:
+        return self.decoding.cancelled() if self.decoding else GenerationResult("cancelled", 0, 0)
+
+
+class Batcher:
+    """Owns the BatchGenerator. `submit` is called on the event loop, everything else on the model thread."""
+
+    def __init__(self, engine: Engine, limit: int, model_thread: Executor) -> None:
+        self._engine = engine
+        self._limit = limit
+        self._model_thread = model_thread
+        self._lock = threading.Lock()
+        self._inbox: list[Job] = []
+        self._driving = False  # a drive loop is queued or running on the model thread
+        self._generator: BatchGenerator | None = None
+        self._jobs: dict[int, Job] = {}  # BatchGenerator uid -> job
+
+    def run(self, loop: asyncio.AbstractEventLoop, params: GenerationParams, defaults: SamplingDefaults,
+            on_output: OnOutput, is_cancelled: Callable[[], bool], task_id: str) -> asyncio.Future:
+        """Generates in the batch; the future resolves after every output of the job was scheduled on `loop`."""
+        future = loop.create_future()
+        self.submit(Job(params, defaults, on_output, is_cancelled, task_id,
+                        lambda outcome: loop.call_soon_threadsafe(_settle, future, outcome)))
+        return future
+
+    def submit(self, job: Job) -> None:
+        with self._lock:
+            self._inbox.append(job)
+            if self._driving:
+                return
+            self._driving = True
+        self._model_thread.submit(self._drive)
+
+    def _drive(self) -> None:
+        """Steps the batch until it and the inbox are empty; then the model thread is free again."""
+        try:
+            while self._take_new():
+                self._step()
+        except Exception as error:  # a bug here must end the requests, not hang them
+            log.exception("the batch failed")
+            self._fail_all(error)
+            with self._lock:
+                self._driving = again = bool(self._inbox)
+            if again:
+                self._model_thread.submit(self._drive)
+
+    def _take_new(self) -> bool:
+        with self._lock:
+            new, self._inbox = self._inbox, []
+            if not new and not self._jobs:
+                self._driving = False
+                return False
+        for job in new:
+            self._insert(job)
+        return True
+
+    def _insert(self, job: Job) -> None:
+        try:
+            tokens = job.start(self._engine)
+            (uid,) = self._batch().insert(
+                [tokens], max_tokens=[max_tokens_of(job.params)],
+                samplers=[_shared_sampler(*sampling_of(job.params, job.defaults))],
+                logits_processors=[logits_processors_of(job.params)],
+            )
+        except Exception as error:
+            job.on_done(error)
+            return
+        self._jobs[uid] = job
+
+    def _batch(self) -> BatchGenerator:
+        if self._generator is None or self._generator.model is not self._engine.model:
+            self._generator = BatchGenerator(
+                self._engine.model, stop_tokens=[[t] for t in self._engine.tokenizer.eos_token_ids],
+                completion_batch_size=self._limit, prefill_batch_size=min(self._limit, PREFILL_BATCH),
+            )
+        return self._generator
+
+    def _step(self) -> None:
+        if not self._jobs:
+            return
+        try:
+            _, responses = self._batch().next()
+        except Exception as error:
+            log.exception("a batch step failed")
+            self._fail_all(error)
+            return
+        leaving = [r.uid for r in responses if self._on_token(r.uid, r.token, r.logprobs, r.finish_reason)]
+        leaving += self._end_cancelled()
+        if leaving:
+            self._batch().remove(leaving)
+
+    def _on_token(self, uid: int, token: int, logprobs: Any, finish_reason: str | None) -> bool:
+        """Feeds one token to its job; True if the job ended while mlx-lm still holds it."""
+        job = self._jobs[uid]
+        try:
+            result: Outcome | None = job.step(token, logprobs, finish_reason)
+        except Exception as error:
+            log.exception("request %s failed", job.task_id)
+            result = error
+        if result is None:
+            return False
+        del self._jobs[uid]
+        job.on_done(result)
+        return finish_reason is None
+
+    def _end_cancelled(self) -> list[int]:
+        """Cancelled jobs, in prefill or decoding, end now (the single path checks after each token too)."""
+        cancelled = [uid for uid, job in self._jobs.items() if job.is_cancelled()]
+        for uid in cancelled:
+            job = self._jobs.pop(uid)
+            job.on_done(job.cancelled())
+        return cancelled
+
+    def _fail_all(self, error: BaseException) -> None:
+        jobs, self._jobs, self._generator = list(self._jobs.values()), {}, None
+        for job in jobs:
+            job.on_done(error)
+
+
+def _settle(future: asyncio.Future, outcome: Outcome) -> None:
+    if future.done():
+        return
+    if isinstance(outcome, BaseException):
+        future.set_exception(outcome)
+    else:
+        future.set_result(outcome)

@@ -1,0 +1,120 @@
+"""One instance across several runners: an MLX ring group over TCP, and lockstep generation.
+
+Rank 0 is the only rank the worker gives requests to. Before each generation it broadcasts the
+request to the other ranks, which run the very same generation; every sampled token is
+broadcast from rank 0 along with its cancel flag, so all ranks take the same tokens, make the
+same stop decisions and end at the same step. Only rank 0 publishes text.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import msgspec
+from mlx_lm.utils import load_model, load_tokenizer
+
+from exo.core.types import GenerationParams, SamplingDefaults
+
+from exo.runner.pipeline import split_layers
+
+Sampler = Callable[[mx.array], mx.array]
+
+
+def join_ring(rank: int, hosts: list[str]) -> mx.distributed.Group:
+    """Connect to the other ranks (each listens on its own "ip:port"); blocks until all are there."""
+    hostfile = Path(tempfile.gettempdir()) / f"exo-ring-{os.getpid()}.json"
+    hostfile.write_text(json.dumps([[host] for host in hosts]))
+    os.environ["MLX_RANK"] = str(rank)
+    os.environ["MLX_HOSTFILE"] = str(hostfile)
+    group = mx.distributed.init(strict=True, backend="ring")
+    if group.size() != len(hosts) or group.rank() != rank:
+        raise RuntimeError(f"ring group is rank {group.rank()} of {group.size()}, expected {rank} of {len(hosts)}")
+    return group
+
+
+def load_shard(model_path: str, group: mx.distributed.Group, sharding: str, start: int, end: int) -> tuple[Any, Any]:
+    """The model with this rank's part of it in memory: a slice of every layer (tensor) or a
+    block of layers (pipeline)."""
+    path = Path(model_path)
+    model, config = load_model(path, lazy=True, strict=False)
+    if sharding == "tensor":
+        if not hasattr(model, "shard"):
+            raise ValueError(f"mlx-lm cannot tensor-shard {config.get('model_type')!r} models")
+        model.shard(group)
+    else:
+        split_layers(model, group, start, end)
+    mx.eval(model.parameters())
+    tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+    mx.eval(mx.distributed.all_sum(mx.array(1.0), group=group))  # everyone loaded before anyone serves
+    return model, tokenizer
+
+
+def broadcast_bytes(group: mx.distributed.Group, data: bytes | None) -> bytes:
+    """Rank 0 sends `data`; every rank returns it (others pass None). Two collectives: size, then bytes."""
+    is_root = group.rank() == 0
+    size = mx.distributed.all_sum(mx.array([len(data) if is_root and data else 0], dtype=mx.int32), group=group)
+    length = int(size.item())
+    if length == 0:
+        return b""
+    # int32, not uint8: the ring backend's sums of small integer types came out as zeros.
+    payload = mx.array(list(data), dtype=mx.int32) if is_root and data else mx.zeros((length,), dtype=mx.int32)
+    received = mx.distributed.all_sum(payload, group=group)  # zeros elsewhere: the sum is rank 0's bytes
+    mx.eval(received)  # on rank 0 too: a collective left unevaluated would leave the others waiting
+    return data if is_root and data else bytes(memoryview(received.astype(mx.uint8)))
+
+
+class Announcement(msgspec.Struct, frozen=True, kw_only=True):
+    """What rank 0 tells the other ranks before a generation."""
+
+    task_id: str
+    params: GenerationParams
+    defaults: SamplingDefaults = SamplingDefaults()
+
+
+_announcement = msgspec.json.Decoder(Announcement)
+
+
+class Lockstep:
+    """Keeps the ranks of one instance in step: the same requests in the same order, and per
+    generation the same tokens and the same moment to stop, all decided by rank 0."""
+
+    def __init__(self, group: mx.distributed.Group) -> None:
+        self.group = group
+
+    @property
+    def leads(self) -> bool:
+        return self.group.rank() == 0
+
+    def announce(self, announcement: Announcement | None) -> None:
+        """Rank 0: tell the others what to generate next (None: stop following, the runner is leaving)."""
+        broadcast_bytes(self.group, msgspec.json.encode(announcement) if announcement else b"")
+
+    def next_announcement(self) -> Announcement | None:
+        """Other ranks: wait for rank 0's next request (None: rank 0 is shutting down)."""
+        data = broadcast_bytes(self.group, None)
+        return _announcement.decode(data) if data else None
+
+    def start(self, sampler: Sampler, wants_cancel: Callable[[], bool]) -> tuple[Sampler, Callable[[], bool]]:
+        """(agreed sampler, agreed is_cancelled) for one generation. `wants_cancel` is read on rank 0 only."""
+        group, is_root = self.group, self.group.rank() == 0
+        latest: list[mx.array] = []  # the newest shared [token, cancel flag]
+
+        def agreed(logprobs: mx.array) -> mx.array:
+            token = sampler(logprobs).astype(mx.int32)
+            flag = 1 if is_root and wants_cancel() else 0
+            mine = mx.concatenate([token.reshape(-1), mx.array([flag], dtype=mx.int32)])
+            shared = mx.distributed.all_sum(mine if is_root else mx.zeros_like(mine), group=group)
+            latest[:] = [shared]  # read later: no evaluation here, while the previous step may still run
+            return shared[:-1].reshape(token.shape)
+
+        def cancelled() -> bool:
+            # Called after each yielded token, when every rank has sampled the same next step.
+            return bool(latest and latest[0][-1].item())
+
+        return agreed, cancelled

@@ -1,0 +1,73 @@
+"""What this node tells placement about itself: memory, CPUs, MLX backend, addresses, ring ports."""
+
+from __future__ import annotations
+
+import os
+import platform
+import socket
+from pathlib import Path
+
+from exo.core.types import NodeInfo
+
+DEFAULT_RING_PORTS = (52600, 100)  # first port, how many: MLX ring groups of multi-node instances
+
+
+def describe_this_node(node_id: str, incarnation: str, now: float) -> NodeInfo:
+    total, available = memory()
+    first, count = ring_ports()
+    return NodeInfo(
+        node_id=node_id, hostname=platform.node(), memory_total=total, memory_available=available,
+        cpu_count=os.cpu_count() or 1, backend=mlx_backend(), last_seen=now, addresses=addresses(),
+        ring_port_first=first, ring_port_count=count, incarnation=incarnation,
+    )
+
+
+def memory() -> tuple[int, int]:
+    """Total and available bytes (MemAvailable on Linux: what can be had without swapping)."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    available = total
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                available = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return total, available
+
+
+def mlx_backend() -> str:
+    if platform.system() == "Darwin":
+        return "metal"
+    try:
+        import mlx.core as mx  # only to ask which device it has; cheap once imported
+
+        return "cuda" if mx.default_device() == mx.gpu else "cpu"
+    except Exception:
+        return "cpu"
+
+
+def addresses() -> list[str]:
+    """EXO_ADVERTISE_ADDRESSES (comma separated) if set, else the IPv4 of the default route, else loopback."""
+    configured = [a.strip() for a in os.environ.get("EXO_ADVERTISE_ADDRESSES", "").split(",") if a.strip()]
+    if configured:
+        return configured
+    found: list[str] = []
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("10.254.254.254", 1))  # no packet is sent: this only picks the route
+            found.append(probe.getsockname()[0])
+        except OSError:
+            pass
+    return [a for a in found if not a.startswith("0.")] or ["127.0.0.1"]
+
+
+def ring_ports() -> tuple[int, int]:
+    """EXO_RING_PORTS as "first-last" (inclusive), else DEFAULT_RING_PORTS."""
+    text = os.environ.get("EXO_RING_PORTS", "")
+    if not text:
+        return DEFAULT_RING_PORTS
+    first, _, last = text.partition("-")
+    start, end = int(first), int(last or first)
+    if not 0 < start <= end < 65536:
+        raise ValueError(f"EXO_RING_PORTS={text!r}: expected FIRST-LAST with 0 < FIRST <= LAST < 65536")
+    return start, end - start + 1

@@ -1,0 +1,275 @@
+"""Placement on plain data: memory, divisibility, proportional layers, ring ports, reasons, previews."""
+
+import itertools
+import json
+from types import SimpleNamespace
+
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import make_mocked_request
+
+from exo.api import cluster
+from exo.api.context import CONTEXT_KEY
+from exo.api.errors import STATUS_FOR_REJECTION, ApiError
+from exo.core.placement import Unplaceable, place_instance, placement_previews, split_layers
+from exo.core.state import State
+from exo.core.types import Instance, ModelCard, NodeInfo, ShardAssignment
+
+GB = 1_000_000_000
+CARD = ModelCard(model_id="org/m", n_layers=8, num_attention_heads=16, num_key_value_heads=8, storage_bytes=8 * GB)
+
+
+def node(node_id: str, memory: int, ip: str | None = None, first: int = 5000, count: int = 4) -> NodeInfo:
+    ip = ip if ip is not None else f"10.0.0.{node_id[-1]}"
+    return NodeInfo(node_id=node_id, memory_available=memory, addresses=[ip] if ip else [],
+                    ring_port_first=first, ring_port_count=count)
+
+
+def cluster_of(*nodes: NodeInfo, instances: tuple[Instance, ...] = ()) -> State:
+    return State(nodes={n.node_id: n for n in nodes}, instances={i.instance_id: i for i in instances})
+
+
+def ids():
+    return (f"id{n}" for n in itertools.count())
+
+
+def place(card=CARD, sharding="pipeline", min_nodes=1, state=None) -> Instance | Unplaceable:
+    return place_instance(card, sharding, min_nodes, state, ids())
+
+
+def layout(instance: Instance) -> list[tuple]:
+    return [(s.node_id, s.rank, s.world_size, s.start_layer, s.end_layer, s.ring_address) for s in instance.shards]
+
+
+# One node: as before.
+
+def test_one_node_holds_every_layer_with_no_ring_address_and_takes_runner_ids_first():
+    state = cluster_of(node("n1", 10 * GB), node("n2", 20 * GB))
+    for sharding in ("pipeline", "tensor"):
+        placed = place(sharding=sharding, state=state)
+        assert isinstance(placed, Instance) and placed.sharding == sharding
+        assert layout(placed) == [("n2", 0, 1, 0, 8, "")]
+        assert placed.shards[0].runner_id == "id0" and placed.instance_id == "id1"
+
+
+def test_a_node_without_addresses_or_memory_report_still_takes_a_one_node_instance():
+    state = cluster_of(NodeInfo(node_id="n1"))  # memory 0: not reported, does not constrain
+    assert layout(place(state=state)) == [("n1", 0, 1, 0, 8, "")]
+
+
+# Memory.
+
+def test_memory_limit_on_one_node():
+    assert isinstance(place(state=cluster_of(node("n1", 8 * GB))), Instance)  # exactly fits: no margin
+    assert place(state=cluster_of(node("n1", 8 * GB - 1))) == Unplaceable(
+        "conflict", "org/m needs 8000000000 bytes but the node with the most free memory (n1) has 7999999999")
+
+
+def test_unknown_model_size_does_not_constrain():
+    placed = place(card=ModelCard(model_id="org/m", n_layers=8), state=cluster_of(node("n1", 1)))
+    assert layout(placed) == [("n1", 0, 1, 0, 8, "")]
+
+
+def test_pipeline_spills_onto_a_second_node_when_one_is_not_enough():
+    state = cluster_of(node("n1", 6 * GB), node("n2", 2 * GB), node("n3", 1 * GB))
+    placed = place(state=state)  # min_nodes=1, but no node holds 8 GB: the top two do, 6:2
+    assert layout(placed) == [("n1", 0, 2, 0, 6, "10.0.0.1:5000"), ("n2", 1, 2, 6, 8, "10.0.0.2:5000")]
+    assert [s.runner_id for s in placed.shards] == ["id0", "id1"] and placed.instance_id == "id2"
+
+
+def test_tensor_needs_storage_over_k_on_every_node():
+    state = cluster_of(node("n1", 5 * GB), node("n2", 4 * GB))
+    assert layout(place(sharding="tensor", state=state)) == [
+        ("n1", 0, 2, 0, 8, "10.0.0.1:5000"), ("n2", 1, 2, 0, 8, "10.0.0.2:5000")]
+    state = cluster_of(node("n1", 5 * GB), node("n2", 4 * GB - 1))
+    assert place(sharding="tensor", min_nodes=2, state=state) == Unplaceable(
+        "conflict", "org/m needs 8000000000 bytes; with tensor sharding over 2 nodes that is 4000000000 bytes on "
+                    "each node, but n2 has 3999999999 free (the 2 nodes with the most free memory have 8999999999 "
+                    "in all, the most on one node is 5000000000)")
+
+
+def test_pipeline_memory_rejection_names_the_rank_that_does_not_fit_and_the_larger_k_tried():
+    state = cluster_of(node("n1", 4 * GB), node("n2", 2 * GB), node("n3", 1 * GB))
+    assert place(state=state) == Unplaceable(
+        "conflict", "org/m needs 8000000000 bytes but the node with the most free memory (n1) has 4000000000; "
+                    "2 to 3 nodes did not work either")
+    assert place(min_nodes=2, state=state) == Unplaceable(
+        "conflict", "org/m needs 8000000000 bytes; with pipeline sharding over 2 nodes that is 5000000000 bytes "
+                    "for layers 0-4 on rank 0, but n1 has 4000000000 free (the 2 nodes with the most free memory "
+                    "have 6000000000 in all, the most on one node is 4000000000); 3 nodes did not work either")
+    assert place(min_nodes=3, state=state).reason.startswith(  # no "either": nothing larger to try
+        "org/m needs 8000000000 bytes; with pipeline sharding over 3 nodes that is ")
+
+
+# Divisibility and layers.
+
+def test_tensor_needs_k_to_divide_heads_and_kv_heads():
+    state = cluster_of(node("n1", 3 * GB), node("n2", 3 * GB), node("n3", 3 * GB), node("n4", 3 * GB))
+    # 16 heads / 8 kv heads: 3 does not divide, 4 does -> 4 nodes (2 GB each)
+    assert [s.node_id for s in place(sharding="tensor", min_nodes=3, state=state).shards] == ["n1", "n2", "n3", "n4"]
+    odd = ModelCard(model_id="org/odd", num_attention_heads=14, num_key_value_heads=2, n_layers=8)
+    assert place(card=odd, sharding="tensor", min_nodes=4, state=state) == Unplaceable(
+        "conflict", "tensor sharding over 4 nodes needs 4 to divide the head counts, but org/odd has "
+                    "14 attention heads and 2 key/value heads")
+    assert place(card=odd, sharding="tensor", min_nodes=3, state=state) == Unplaceable(
+        "conflict", "tensor sharding over 3 nodes needs 3 to divide the head counts, but org/odd has "
+                    "14 attention heads and 2 key/value heads; 4 nodes did not work either")
+    assert len(place(card=odd, sharding="tensor", min_nodes=2, state=state).shards) == 2
+    unknown_kv = ModelCard(model_id="org/u", num_attention_heads=6, n_layers=8)
+    assert place(card=unknown_kv, sharding="tensor", min_nodes=4, state=state).reason == (
+        "tensor sharding over 4 nodes needs 4 to divide the head counts, but org/u has 6 attention heads")
+    unknown = ModelCard(model_id="org/x", n_layers=8)  # no head counts: nothing to check
+    assert len(place(card=unknown, sharding="tensor", min_nodes=4, state=state).shards) == 4
+
+
+def test_pipeline_needs_a_layer_per_rank_and_a_known_layer_count():
+    state = cluster_of(node("n1", GB), node("n2", GB), node("n3", GB))
+    two = ModelCard(model_id="org/two", n_layers=2)
+    assert place(card=two, min_nodes=3, state=state) == Unplaceable(
+        "conflict", "pipeline sharding over 3 nodes needs at least 3 layers, but org/two has 2")
+    assert len(place(card=two, min_nodes=2, state=state).shards) == 2
+    nameless = ModelCard(model_id="org/n")
+    assert place(card=nameless, min_nodes=2, state=state) == Unplaceable(
+        "conflict", "pipeline sharding over 2 nodes needs the layer count of org/n, which its card does not give; "
+                    "3 nodes did not work either")
+    assert layout(place(card=nameless, state=state)) == [("n1", 0, 1, 0, 0, "")]
+
+
+# Proportional layers.
+
+def test_layers_split_in_proportion_to_free_memory():
+    assert split_layers(8, [3, 1]) == [6, 2]
+    assert split_layers(8, [3 * GB, 1 * GB]) == [6, 2]
+    assert split_layers(10, [1, 1, 1]) == [4, 3, 3]  # largest remainder, ties to the lower rank
+    assert split_layers(7, [5, 3]) == [4, 3]  # 4.375 / 2.625: the larger remainder gets the spare layer
+    assert split_layers(4, [1000, 1, 1]) == [2, 1, 1]  # every rank at least one layer
+    assert split_layers(3, [0, 0, 0]) == [1, 1, 1]  # nothing known: equal
+    assert split_layers(5, [7, 0]) == [4, 1]
+    for n in range(3, 40):
+        for weights in ([5, 3, 1], [1, 1, 1], [100, 1, 1], [2, 2, 1]):
+            split = split_layers(n, weights)
+            assert sum(split) == n and min(split) >= 1
+
+
+def test_pipeline_blocks_are_contiguous_in_rank_order():
+    state = cluster_of(node("n1", 3 * GB), node("n2", 9 * GB))
+    placed = place(min_nodes=2, state=state)
+    assert layout(placed) == [("n2", 0, 2, 0, 6, "10.0.0.2:5000"), ("n1", 1, 2, 6, 8, "10.0.0.1:5000")]
+
+
+# Ring ports and addresses.
+
+def test_ring_ports_avoid_ports_other_instances_use_on_the_same_ip():
+    other = Instance(instance_id="old", model_id="org/m", shards=[
+        ShardAssignment(runner_id="r0", node_id="n1", ring_address="10.0.0.1:5000"),
+        ShardAssignment(runner_id="r1", node_id="n1", ring_address="10.0.0.1:5002"),
+        ShardAssignment(runner_id="r2", node_id="elsewhere", ring_address="10.0.0.9:5001"),
+    ])
+    state = cluster_of(node("n1", 8 * GB), node("n2", 8 * GB), instances=(other,))
+    placed = place(sharding="tensor", min_nodes=2, state=state)
+    assert [s.ring_address for s in placed.shards] == ["10.0.0.1:5001", "10.0.0.2:5000"]
+
+
+def test_two_nodes_on_one_ip_get_different_ports():
+    state = cluster_of(node("n1", 8 * GB, ip="127.0.0.1"), node("n2", 8 * GB, ip="127.0.0.1"))
+    placed = place(min_nodes=2, state=state)
+    assert [s.ring_address for s in placed.shards] == ["127.0.0.1:5000", "127.0.0.1:5001"]
+
+
+def test_no_free_ring_port():
+    full = Instance(instance_id="old", model_id="org/m", shards=[
+        ShardAssignment(runner_id=f"r{p}", node_id="n2", ring_address=f"10.0.0.2:{p}") for p in (5000, 5001)])
+    state = cluster_of(node("n1", 8 * GB), node("n2", 8 * GB, count=2), instances=(full,))
+    assert place(min_nodes=2, state=state) == Unplaceable(
+        "conflict", "no free ring port on node n2: ports 5000-5001 on 10.0.0.2 are all in use by other instances")
+
+
+def test_a_node_without_address_or_ring_ports_cannot_join_a_multi_node_instance():
+    state = cluster_of(node("n1", 8 * GB), node("n2", 4 * GB, ip=""))
+    assert place(min_nodes=2, state=state) == Unplaceable(
+        "conflict", "node n2 reports no address peers can reach it on, so it cannot take part in an instance "
+                    "across 2 nodes")
+    state = cluster_of(node("n1", 8 * GB), node("n2", 4 * GB, count=0))
+    assert place(min_nodes=2, state=state) == Unplaceable(
+        "conflict", "node n2 allows no ring ports, so it cannot take part in an instance across 2 nodes")
+    assert len(place(state=state).shards) == 1  # it still fits on n1 alone
+
+
+# Fewer nodes first, other rejections, purity.
+
+def test_prefers_fewer_nodes_and_honours_min_nodes():
+    state = cluster_of(node("n1", 9 * GB), node("n2", 9 * GB), node("n3", 9 * GB))
+    assert [s.node_id for s in place(state=state).shards] == ["n1"]
+    assert [s.node_id for s in place(min_nodes=2, state=state).shards] == ["n1", "n2"]
+    assert [s.node_id for s in place(min_nodes=3, state=state).shards] == ["n1", "n2", "n3"]
+
+
+def test_other_rejections():
+    state = cluster_of(node("n1", 9 * GB))
+    assert place(min_nodes=0, state=state) == Unplaceable("invalid", "min_nodes must be at least 1")
+    assert place(state=State()) == Unplaceable("unavailable", "no worker node has joined the cluster yet")
+    assert place(min_nodes=2, state=state) == Unplaceable("conflict", "min_nodes=2 but the cluster has 1 node(s)")
+    assert STATUS_FOR_REJECTION["conflict"] == 409  # the API answers a conflict with 409 and the reason
+
+
+def test_a_rejection_takes_no_ids_and_placing_is_pure():
+    state = cluster_of(node("n1", GB), node("n2", GB))
+    fresh = ids()
+    assert isinstance(place_instance(CARD, "pipeline", 1, state, fresh), Unplaceable)
+    assert next(fresh) == "id0"
+    roomy = cluster_of(node("n1", 6 * GB), node("n2", 3 * GB), node("n3", 2 * GB))
+    assert place(state=roomy) == place(state=roomy)
+
+
+# Previews.
+
+def test_previews_list_each_sharding_on_each_node_count():
+    state = cluster_of(node("n1", 6 * GB), node("n2", 4 * GB), node("n3", 2 * GB))
+    previews = placement_previews(CARD, state)
+    assert [(p.sharding, p.node_count) for p in previews] == [
+        ("pipeline", 1), ("pipeline", 2), ("pipeline", 3), ("tensor", 1), ("tensor", 2), ("tensor", 3)]
+    valid = {(p.sharding, p.node_count): p.instance for p in previews if p.instance is not None}
+    invalid = {(p.sharding, p.node_count): p.rejection.reason for p in previews if p.rejection is not None}
+    assert set(valid) == {("pipeline", 2), ("pipeline", 3), ("tensor", 2)}
+    assert invalid == {
+        ("pipeline", 1): "org/m needs 8000000000 bytes but the node with the most free memory (n1) has 6000000000",
+        ("tensor", 1): "org/m needs 8000000000 bytes but the node with the most free memory (n1) has 6000000000",
+        ("tensor", 3): "tensor sharding over 3 nodes needs 3 to divide the head counts, but org/m has "
+                       "16 attention heads and 8 key/value heads",
+    }
+    # 6:4:2 of 8 layers is 4, 2.67, 1.33: the spare layer goes to the larger remainder (rank 1)
+    assert layout(valid["pipeline", 3]) == [("n1", 0, 3, 0, 4, "10.0.0.1:5000"), ("n2", 1, 3, 4, 7, "10.0.0.2:5000"),
+                                            ("n3", 2, 3, 7, 8, "10.0.0.3:5000")]
+    for (sharding, k), instance in valid.items():  # what placing with min_nodes=k gives, but for the ids
+        assert layout(place(sharding=sharding, min_nodes=k, state=state)) == layout(instance)
+        assert [s.runner_id for s in instance.shards] + [instance.instance_id] == [f"preview-{n}" for n in range(k + 1)]
+
+
+def test_previews_without_nodes_say_so():
+    previews = placement_previews(CARD, State())
+    assert [(p.sharding, p.node_count, p.rejection) for p in previews] == [
+        ("pipeline", 1, Unplaceable("unavailable", "no worker node has joined the cluster yet")),
+        ("tensor", 1, Unplaceable("unavailable", "no worker node has joined the cluster yet"))]
+
+
+def _previews_request(state: State, model_id: str) -> web.Request:
+    app = web.Application()
+    cards = {CARD.model_id: CARD}
+    app[CONTEXT_KEY] = SimpleNamespace(view=SimpleNamespace(state=state), card=cards.get)
+    return make_mocked_request("GET", f"/instance/previews?model_id={model_id}", app=app)
+
+
+async def test_previews_route_answers_every_placement_and_creates_nothing():
+    state = cluster_of(node("n1", 6 * GB), node("n2", 4 * GB))
+    response = await cluster.instance_previews(_previews_request(state, "org/m"))
+    previews = json.loads(response.body)["previews"]
+    assert [(p["sharding"], p["min_nodes"], p["node_count"], p["error"] is None) for p in previews] == [
+        ("pipeline", 1, 1, False), ("pipeline", 2, 2, True), ("tensor", 1, 1, False), ("tensor", 2, 2, True)]
+    assert previews[0]["code"] == "conflict" and previews[0]["instance"] is None
+    shards = previews[1]["instance"]["shards"]
+    assert [(s["node_id"], s["start_layer"], s["end_layer"], s["ring_address"]) for s in shards] == [
+        ("n1", 0, 5, "10.0.0.1:5000"), ("n2", 5, 8, "10.0.0.2:5000")]
+    assert state.instances == {}
+    with pytest.raises(ApiError) as unknown:
+        await cluster.instance_previews(_previews_request(state, "no/such"))
+    assert unknown.value.status == 404
