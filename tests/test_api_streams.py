@@ -13,6 +13,7 @@ import httpx
 import openai
 import pytest
 
+from tests.cluster import wait_until
 from tests.e2e_support import Reference, exo_serving, place
 from tests.support.tiny_model import TINY_MODEL_ID, make_tiny_model
 
@@ -29,7 +30,9 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def node(tmp_path_factory, model_dir):
-    with exo_serving(tmp_path_factory.mktemp("node"), {TINY_MODEL_ID: model_dir}) as exo:
+    # A quiet log: tests here read exact runs of events, which heartbeats would interleave.
+    quiet = {"EXO_HEARTBEAT_S": "3600", "EXO_NODE_TIMEOUT_S": "7200"}
+    with exo_serving(tmp_path_factory.mktemp("node"), {TINY_MODEL_ID: model_dir}, quiet) as exo:
         yield exo
 
 
@@ -213,7 +216,15 @@ def test_metrics_count_requests_latency_tokens_queue_and_the_log(http, client, t
     # every token after each first chunk is one gap (how many the first chunk holds depends on timing)
     assert 2 <= after["exo_inter_token_latency_seconds_count"] - before["exo_inter_token_latency_seconds_count"] <= 18
     assert after['exo_time_to_first_token_seconds_bucket{le="+Inf"}'] == after["exo_time_to_first_token_seconds_count"]
-    state = http.get("/state").json()
+    # A stream ends with its last chunk; the task's end reaches State a moment later, and
+    # heartbeats keep appending: compare gauges with a State read in the same quiet moment.
+    def settled() -> tuple[dict, dict] | None:
+        gauges, state, again = metric_values(http), http.get("/state").json(), metric_values(http)
+        same = gauges["exo_events_applied"] == state["last_seq"] == again["exo_events_applied"]
+        idle = all(t["status"] not in ("pending", "running") for t in state["tasks"].values())
+        return (gauges, state) if same and idle else None
+
+    after, state = wait_until(settled, 10, what="State and metrics at one sequence with no open task")
     for instance_id, instance in state["instances"].items():
         key = f'exo_instance_queue_depth{{instance_id="{instance_id}",model_id="{instance["model_id"]}"}}'
         assert after[key] == 0
