@@ -101,6 +101,21 @@ def inject_faults(topology: LocalTopology, load: Load, duration: float, every: f
     return faults
 
 
+def state_differences(live, replayed) -> list[str]:
+    """Which fields differ, and for maps the first few keys that do: where to start looking."""
+    found = []
+    for field in live.__struct_fields__:
+        mine, theirs = getattr(live, field), getattr(replayed, field)
+        if mine == theirs:
+            continue
+        if isinstance(mine, dict):
+            keys = sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k))[:3]
+            found.append(f"{field} {[(k, mine.get(k), theirs.get(k)) for k in keys]}")
+        else:
+            found.append(field)
+    return found
+
+
 def report(topology: LocalTopology, load: Load, faults: list) -> bool:
     quiet_since, last = time.monotonic(), -1
     while time.monotonic() - quiet_since < 3:  # let in-flight events settle
@@ -127,6 +142,8 @@ def report(topology: LocalTopology, load: Load, faults: list) -> bool:
     print(f"chats ok per minute: {per_minute}")
     hung = sum(1 for _, _, o in load.outcomes if o == "hung")
     equal = replayed == live
+    if not equal:
+        print(f"State differs from the replay in: {state_differences(live, replayed)}")
     print(f"events: {live.last_seq}; custom cards: {len(live.custom_model_cards)}; State equals a replay of the log: "
           f"{equal}; hung requests: {hung}")
     return equal and hung == 0
