@@ -5,6 +5,7 @@ with back-off), heartbeats in the reducer, and node ids that survive restarts bu
 from pathlib import Path
 
 import pytest
+from msgspec.structs import replace
 
 from exo.core.apply import apply
 from exo.core.events import (
@@ -107,6 +108,9 @@ def test_a_group_loads_only_when_every_rank_has_its_model():
     state = state_with(*CLUSTER, status("r0", "downloaded"), status("r1", "downloaded"))
     assert plan(view(state, "a", "downloaded")) == [LoadModel(runner_id="r0", model_id="m/a")]
     assert plan(view(state, "b", "spawned")) == [DownloadModel(runner_id="r1", model_id="m/a")]
+    ready = view(state, "a", "downloaded")
+    old = LocalRunner(runner_id="old", instance_id="gone", phase="stopping")
+    assert plan(replace(ready, runners={**ready.runners, "old": old})) == []  # a deleted instance's runner here may still hold the ring port
 
 
 def test_only_rank_0_is_given_tasks():

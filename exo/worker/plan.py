@@ -142,11 +142,18 @@ def _lifecycle_steps(view: WorkerView, instance: Instance, local: LocalRunner) -
     lifecycle = _NEXT_LIFECYCLE_STEP.get(local.phase)
     if lifecycle is WarmUp:
         return [WarmUp(runner_id=local.runner_id)]
-    if lifecycle is LoadModel and not all(p is not None and p.status in _READY_TO_CONNECT for p in peers):
-        return []  # a group forms only when every rank can join it
+    if lifecycle is LoadModel and peers and not _can_form_group(view, peers):
+        return []
     if lifecycle is not None:
         return [lifecycle(runner_id=local.runner_id, model_id=instance.model_id)]
     return []
+
+
+def _can_form_group(view: WorkerView, peers: list) -> bool:
+    """Every rank can join, and no runner of this node is still leaving: a deleted instance's
+    runner may still hold the ring port the new group was given."""
+    stopping = any(r.phase == "stopping" for r in view.runners.values())
+    return not stopping and all(p is not None and p.status in _READY_TO_CONNECT for p in peers)
 
 
 def restart_due(local: LocalRunner) -> float:
