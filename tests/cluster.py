@@ -66,6 +66,8 @@ def replay(nats_url: str | list[str], upto: int) -> tuple[State, list[tuple[int,
 
         async def on_event(seq: int, event: AnyEvent) -> None:
             nonlocal state
+            if seq > upto:  # events appended since (heartbeats) still arrive until the follower stops
+                return
             state = apply(state, event, seq)
             skipped = bool(state.skipped_events) and state.skipped_events[-1].seq == seq
             seen.append((seq, event, not skipped))
@@ -74,7 +76,10 @@ def replay(nats_url: str | list[str], upto: int) -> tuple[State, list[tuple[int,
 
         async def on_undecodable(seq: int, reason: str) -> None:
             nonlocal state
-            state = skip_event(state, seq, reason)
+            if seq <= upto:
+                state = skip_event(state, seq, reason)
+            if seq >= upto and not done.done():
+                done.set_result(None)
 
         follower = EventFollower(nc, on_event, on_undecodable)
         await follower.start(1)

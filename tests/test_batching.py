@@ -11,9 +11,10 @@ from pathlib import Path
 
 import mlx_lm
 import pytest
+from mlx_lm.generate import BatchGenerator
 
 from exo.core.types import ChatMessage, GenerationParams, SamplingDefaults
-from exo.runner.batch import Batcher, batchable, max_batch
+from exo.runner.batch import BatchFailed, Batcher, batchable, max_batch
 from exo.runner.engine import Engine, GenerationResult, Output
 from tests.support.tiny_model import make_tiny_model
 from tests.support.tool_model import WEATHER_TOOL, make_tool_model
@@ -54,6 +55,17 @@ def alone(engine: Engine, params: GenerationParams, cancel_after: int | None = N
     out: list[Output] = []
     done = engine.generate(params, SamplingDefaults(), out.append, lambda: cancel_after is not None and len(out) >= cancel_after)
     return outputs(out), result(done)
+
+
+def together_outcomes(engine: Engine, requests: list[GenerationParams]) -> list:
+    async def run() -> list:
+        batcher = Batcher(engine, 8, ThreadPoolExecutor(max_workers=1))
+        loop = asyncio.get_running_loop()
+        futures = [batcher.run(loop, p, SamplingDefaults(), lambda _: None, lambda: False, f"t{i}")
+                   for i, p in enumerate(requests)]
+        return await asyncio.gather(*futures, return_exceptions=True)
+
+    return asyncio.run(run())
 
 
 def together(engine: Engine, requests: list[GenerationParams], limit: int = 8, join_every: int = 0,
@@ -144,9 +156,9 @@ def test_sampled_requests_run_batched_and_seeded_ones_take_the_single_path(engin
     requests = [chat(ask, max_tokens=20, temperature=0.8, top_p=0.9) for ask in ASKS[:3]]
     for out, done in together(engine, requests):
         assert done[0] == "length" and done[2] == 20 and "".join(o[0] for o in out)
-    assert batchable(engine, chat("x"), {})
-    assert not batchable(engine, chat("x", seed=3), {})
-    assert not batchable(engine, chat("x"), {"abc": "/tmp/image"})
+    assert batchable(chat("x"), {})
+    assert not batchable(chat("x", seed=3), {})
+    assert not batchable(chat("x"), {"abc": "/tmp/image"})
 
 
 def test_a_failing_request_fails_alone(engine):
@@ -164,8 +176,25 @@ def test_a_failing_request_fails_alone(engine):
         return await asyncio.gather(*futures, return_exceptions=True), kept
 
     (good, bad), kept = asyncio.run(run())
-    assert isinstance(bad, RuntimeError)
+    assert isinstance(bad, RuntimeError) and not isinstance(bad, BatchFailed)
     assert (outputs(kept), result(good)) == alone(engine, requests[0])
+
+
+def test_a_failed_step_ends_every_request_in_the_batch_and_the_next_batch_starts_afresh(engine, monkeypatch):
+    step = BatchGenerator.next
+    calls = {"n": 0}
+
+    def failing_third_step(self):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise ValueError("out of memory")
+        return step(self)
+
+    monkeypatch.setattr(BatchGenerator, "next", failing_third_step)
+    ended = together_outcomes(engine, [chat(ASKS[0], max_tokens=10), chat(ASKS[1], max_tokens=10)])
+    assert [str(e) for e in ended] == ["ValueError: out of memory"] * 2
+    assert all(isinstance(e, BatchFailed) for e in ended)  # the runner of a multi-node instance restarts on these
+    assert together(engine, [chat(ASKS[0], max_tokens=10)]) == [alone(engine, chat(ASKS[0], max_tokens=10))]
 
 
 def test_the_batch_limit_comes_from_the_environment(monkeypatch):

@@ -1,6 +1,6 @@
 """One model across two worker processes (MLX ring group over TCP), with a head node running
 the master and the API, all on one real nats-server: tensor and pipeline sharding give exactly
-mlx-lm's single-process output; a killed runner fails its request at once and comes back; a
+mlx-lm's single-process output, alone and in a batch; a killed runner fails its request at once and comes back; a
 stopped worker is timed out and its model answers 503 with the reason."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -94,6 +95,33 @@ def test_two_nodes_generate_exactly_what_one_process_does(cluster, reference, sh
         answer = _chat(http)
         assert answer.status_code == 200, answer.text
         assert answer.json()["choices"][0]["message"]["content"] == expected
+    _delete_all(http, head)
+
+
+def _streamed(http: httpx.Client, ask: str, max_tokens: int) -> dict:
+    """One streamed greedy chat: its text, and when its first text and its end came."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": ask}], "max_tokens": max_tokens,
+            "temperature": 0, "stream": True}
+    text, first = "", None
+    with http.stream("POST", "/v1/chat/completions", json=body) as stream:
+        for line in stream.iter_lines():
+            if line.startswith("data: {") and (delta := json.loads(line[6:])["choices"][0]["delta"].get("content")):
+                first = first or time.monotonic()
+                text += delta
+    return {"text": text, "first": first, "done": time.monotonic()}
+
+
+def test_concurrent_requests_to_two_nodes_decode_together_and_each_equals_mlx_lm(cluster, reference):
+    head, workers, http = cluster
+    _place(http, "pipeline")
+    asks = ["tell me about the sea", "Hello", "What is the capital of France?"]
+    lengths = [160, 180, 200]
+    with ThreadPoolExecutor(len(asks)) as pool:
+        replies = list(pool.map(lambda ask, n: _streamed(http, ask, n), asks, lengths))
+    for ask, n, reply in zip(asks, lengths, replies):
+        assert reply["text"] == reference.chat([{"role": "user", "content": ask}], n)
+    # One after another, a request's first text would come after the one before it ended.
+    assert max(r["first"] for r in replies) < min(r["done"] for r in replies)
     _delete_all(http, head)
 
 

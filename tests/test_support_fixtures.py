@@ -4,6 +4,7 @@ mlx-lm and huggingface_hub run in subprocesses: determinism has to hold across
 processes, and huggingface_hub reads HF_ENDPOINT / HF_HOME at import time.
 """
 
+import asyncio
 import json
 import os
 import subprocess
@@ -28,6 +29,7 @@ print(json.dumps({"prompt": prompt, "text": mlx_lm.generate(model, tok, prompt, 
 """
 
 _DOWNLOAD = """
+import asyncio
 import json
 import mlx_lm
 from huggingface_hub import snapshot_download
@@ -102,3 +104,33 @@ def test_fake_hub_download_then_cache_then_unknown_repo(tmp_path):
         # Every file came over HTTP exactly once; the second call was served from the cache.
         expected = {f"{TINY_MODEL_ID}/{p.name}": 1 for p in model.iterdir()}
         assert hub.downloads == expected
+
+
+def test_replay_stops_at_the_sequence_asked_for_while_the_log_goes_on(tmp_path):
+    """tests.cluster.replay compares a node's State with the log up to that State's sequence;
+    events appended meanwhile (heartbeats) must not slip in (the cause of the soak's one
+    'State differs from the replay')."""
+    from exo.bus.connection import connect
+    from exo.bus.event_log import EventLog
+    from exo.bus.provision import provision
+    from exo.core.events import NodeHeartbeat
+    from exo.core.types import NodeInfo
+    from tests.cluster import NatsServer, replay
+
+    nats = NatsServer(tmp_path / "nats")
+
+    async def append(count: int) -> None:
+        nc = await connect([nats.url], name="replay-fixture-test")
+        await provision(nc)
+        log = EventLog(nc)
+        for n in range(count):
+            await log.append(NodeHeartbeat(node=NodeInfo(node_id="n", memory_available=n)), f"beat-{n}")
+        await nc.close()
+
+    try:
+        asyncio.run(append(300))
+        state, seen = replay(nats.url, 10)
+        assert state.last_seq == 10 and state.nodes["n"].memory_available == 9
+        assert [seq for seq, _, _ in seen][-1] == 10
+    finally:
+        nats.stop()

@@ -20,9 +20,10 @@ from exo import event_loop
 from exo.bus.connection import connect, split_urls
 from exo.bus.tokens import publish_chunk
 from exo.core.types import TokenChunk
-from exo.runner.batch import Batcher, batchable, max_batch
+from exo.runner.batch import BatchFailed, Batcher, batchable, max_batch
 from exo.runner.coalesce import Coalescer
 from exo.runner.engine import Engine, GenerationResult, Output
+from exo.runner.follower import follow
 from exo.runner.protocol import (
     Cancel, Done, Failed, Generate, Load, Loaded, Report, Shutdown, Started, WarmedUp, WarmUp,
     encode_line, request_decoder,
@@ -80,7 +81,7 @@ class Runner:
             error = done.exception()
             self.report(Failed(error=f"lost rank 0: {type(error).__name__}: {error}" if error else "rank 0 left"))
 
-        loop.run_in_executor(self._mlx_thread, self._engine.follow).add_done_callback(on_end)
+        loop.run_in_executor(self._mlx_thread, follow, self._engine).add_done_callback(on_end)
 
     async def _leave_group(self, loop) -> None:
         """Rank 0 tells the followers it is leaving; a follower cannot finish its thread, so it just exits."""
@@ -97,8 +98,8 @@ class Runner:
         os._exit(0)  # the model thread may be blocked in a collective that will never finish
 
     def _batched(self, request) -> bool:
-        return (self._batcher is not None and self._engine.lockstep is None and isinstance(request, Generate)
-                and batchable(self._engine, request.params, request.image_paths))
+        return (self._batcher is not None and isinstance(request, Generate)
+                and batchable(request.params, request.image_paths))
 
     async def _serve(self, loop, request) -> None:
         try:
@@ -148,6 +149,9 @@ class Runner:
         except Exception as error:
             traceback.print_exc()
             await self._finish(task_id, index, "error", 0, 0, error=f"{type(error).__name__}: {error}")
+            if self._engine.lockstep is not None and (isinstance(error, BatchFailed) or not self._batched(request)):
+                # The other ranks may still wait in a collective of this step: only a new group is sure to be in step.
+                self.report(Failed(error=f"{type(error).__name__}: {error}"))
             return
         rest = coalescer.flush(time.perf_counter())
         if rest or held.logprobs:  # on the loop thread, after every chunk the model thread scheduled

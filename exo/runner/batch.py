@@ -9,7 +9,11 @@ cancelled (checked after every step); others join as they come, up to `EXO_MAX_B
 
 Requests with a seed take the single path, as in mlx_lm.server: a seed sets the global random
 state for one generation, which in a batch the others would draw from too. So do requests
-with images and every request of a multi-node instance (its ranks generate in lockstep).
+with images.
+
+In a multi-node instance the batch runs on every rank in lockstep: before each step rank 0
+tells the others who joins and who leaves (`BatchStep`), and every sampled token is rank 0's
+(distributed.py); the other ranks replay the steps (follower.py).
 """
 
 from __future__ import annotations
@@ -27,8 +31,9 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.sample_utils import make_sampler
 
 from exo.core.types import GenerationParams, SamplingDefaults
+from exo.runner.distributed import AgreedSamplers, BatchJoin, BatchStep, Lockstep, Sampling
 from exo.runner.engine import (
-    Decoding, Engine, GenerationResult, OnOutput, logits_processors_of, max_tokens_of, sampling_of,
+    Decoding, Engine, GenerationResult, OnOutput, max_tokens_of, penalties, sampling_of,
 )
 
 log = logging.getLogger(__name__)
@@ -44,14 +49,33 @@ def max_batch() -> int:
     return max(1, int(os.environ.get("EXO_MAX_BATCH", str(DEFAULT_MAX_BATCH))))
 
 
-def batchable(engine: Engine, params: GenerationParams, image_paths: dict[str, str]) -> bool:
-    return params.seed is None and not image_paths and getattr(engine, "lockstep", None) is None
+def batchable(params: GenerationParams, image_paths: dict[str, str]) -> bool:
+    return params.seed is None and not image_paths
 
 
 @functools.lru_cache(maxsize=64)
 def _shared_sampler(temperature: float, top_p: float, top_k: int) -> Callable:
     # One sampler object per setting: a batch whose requests share it samples in one call.
     return make_sampler(temp=temperature, top_p=top_p, top_k=top_k)
+
+
+def new_generator(model: Any, tokenizer: Any, limit: int) -> BatchGenerator:
+    return BatchGenerator(
+        model, stop_tokens=[[t] for t in tokenizer.eos_token_ids],
+        completion_batch_size=limit, prefill_batch_size=min(limit, PREFILL_BATCH),
+    )
+
+
+def insert(generator: BatchGenerator, join: BatchJoin, sampler: Callable) -> int:
+    (uid,) = generator.insert(
+        [join.tokens], max_tokens=[join.max_tokens], samplers=[sampler],
+        logits_processors=[penalties(join.presence_penalty, join.frequency_penalty)],
+    )
+    return uid
+
+
+class BatchFailed(RuntimeError):
+    """The batch itself failed (not one request in it): every request in it ends with this."""
 
 
 class Job:
@@ -103,6 +127,11 @@ class Batcher:
         self._driving = False  # a drive loop is queued or running on the model thread
         self._generator: BatchGenerator | None = None
         self._jobs: dict[int, Job] = {}  # BatchGenerator uid -> job
+        # Multi-node: what the other ranks have not been told yet (see BatchStep).
+        self._agreed: AgreedSamplers | None = None
+        self._new_batch = False
+        self._joins: list[BatchJoin] = []
+        self._leaves: list[int] = []
 
     def run(self, loop: asyncio.AbstractEventLoop, params: GenerationParams, defaults: SamplingDefaults,
             on_output: OnOutput, is_cancelled: Callable[[], bool], task_id: str) -> asyncio.Future:
@@ -145,29 +174,46 @@ class Batcher:
 
     def _insert(self, job: Job) -> None:
         try:
-            tokens = job.start(self._engine)
-            (uid,) = self._batch().insert(
-                [tokens], max_tokens=[max_tokens_of(job.params)],
-                samplers=[_shared_sampler(*sampling_of(job.params, job.defaults))],
-                logits_processors=[logits_processors_of(job.params)],
-            )
+            params = job.params
+            join = BatchJoin(tokens=job.start(self._engine), max_tokens=max_tokens_of(params),
+                             sampling=sampling_of(params, job.defaults), presence_penalty=params.presence_penalty,
+                             frequency_penalty=params.frequency_penalty)
+            if not join.tokens:  # mlx-lm's own check, made before a sampler is taken (see AgreedSamplers)
+                raise ValueError("the prompt is empty")
+            generator = self._batch()
+            uid = insert(generator, join, self._sampler(join.sampling))
         except Exception as error:
             job.on_done(error)
             return
         self._jobs[uid] = job
+        if self._lockstep() is not None:
+            self._joins.append(join)
+
+    def _lockstep(self) -> Lockstep | None:
+        return self._engine.lockstep
+
+    def _sampler(self, sampling: Sampling) -> Callable:
+        lockstep = self._lockstep()
+        if lockstep is None:
+            return _shared_sampler(*sampling)
+        if self._agreed is None:
+            self._agreed = AgreedSamplers(lockstep)
+        return self._agreed.get(sampling)
 
     def _batch(self) -> BatchGenerator:
         if self._generator is None or self._generator.model is not self._engine.model:
-            self._generator = BatchGenerator(
-                self._engine.model, stop_tokens=[[t] for t in self._engine.tokenizer.eos_token_ids],
-                completion_batch_size=self._limit, prefill_batch_size=min(self._limit, PREFILL_BATCH),
-            )
+            self._generator = new_generator(self._engine.model, self._engine.tokenizer, self._limit)
+            # The other ranks start a new batch too; what they were told of the old one is moot.
+            self._new_batch, self._leaves = True, []
+            if self._agreed is not None:
+                self._agreed.clear()
         return self._generator
 
     def _step(self) -> None:
         if not self._jobs:
             return
         try:
+            self._tell_the_other_ranks()
             _, responses = self._batch().next()
         except Exception as error:
             log.exception("a batch step failed")
@@ -177,6 +223,16 @@ class Batcher:
         leaving += self._end_cancelled()
         if leaving:
             self._batch().remove(leaving)
+            self._leaves += leaving if self._lockstep() is not None else []
+
+    def _tell_the_other_ranks(self) -> None:
+        """Multi-node: the step every rank takes next, in the order rank 0 took it (new, leave, join)."""
+        lockstep = self._lockstep()
+        if lockstep is None:
+            return
+        step = BatchStep(new_batch=self._limit if self._new_batch else 0, leaves=self._leaves, joins=self._joins)
+        self._new_batch, self._leaves, self._joins = False, [], []
+        lockstep.announce(step)
 
     def _on_token(self, uid: int, token: int, logprobs: Any, finish_reason: str | None) -> bool:
         """Feeds one token to its job; True if the job ended while mlx-lm still holds it."""
@@ -201,9 +257,10 @@ class Batcher:
         return cancelled
 
     def _fail_all(self, error: BaseException) -> None:
-        jobs, self._jobs, self._generator = list(self._jobs.values()), {}, None
+        jobs, self._jobs, self._generator, self._joins = list(self._jobs.values()), {}, None, []
+        failed = BatchFailed(f"{type(error).__name__}: {error}")
         for job in jobs:
-            job.on_done(error)
+            job.on_done(failed)
 
 
 def _settle(future: asyncio.Future, outcome: Outcome) -> None:

@@ -1,9 +1,14 @@
 """One instance across several runners: an MLX ring group over TCP, and lockstep generation.
 
-Rank 0 is the only rank the worker gives requests to. Before each generation it broadcasts the
-request to the other ranks, which run the very same generation; every sampled token is
-broadcast from rank 0 along with its cancel flag, so all ranks take the same tokens, make the
-same stop decisions and end at the same step. Only rank 0 publishes text.
+Rank 0 is the only rank the worker gives requests to. It tells the other ranks what to run, one
+message at a time: a request for the single path (`Announcement`), after which every sampled
+token is broadcast with its cancel flag, or a step of the batch (`BatchStep`: who joins, who
+leaves, then one BatchGenerator step whose sampled tokens are broadcast too). So all ranks take
+the same tokens, make the same stop decisions and end at the same step. Only rank 0 publishes text.
+
+Every collective runs on mlx-lm's generation stream: a stream runs its work in order, and the
+ranks must run their collectives in the same order (a token broadcast still in flight on one
+stream must not cross the next message's on another).
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ from typing import Any
 
 import mlx.core as mx
 import msgspec
+from mlx_lm.generate import generation_stream
+from mlx_lm.sample_utils import make_sampler
 from mlx_lm.utils import load_model, load_tokenizer
 
 from exo.core.types import GenerationParams, SamplingDefaults
@@ -58,26 +65,50 @@ def load_shard(model_path: str, group: mx.distributed.Group, sharding: str, star
 def broadcast_bytes(group: mx.distributed.Group, data: bytes | None) -> bytes:
     """Rank 0 sends `data`; every rank returns it (others pass None). Two collectives: size, then bytes."""
     is_root = group.rank() == 0
-    size = mx.distributed.all_sum(mx.array([len(data) if is_root and data else 0], dtype=mx.int32), group=group)
-    length = int(size.item())
-    if length == 0:
-        return b""
-    # int32, not uint8: the ring backend's sums of small integer types came out as zeros.
-    payload = mx.array(list(data), dtype=mx.int32) if is_root and data else mx.zeros((length,), dtype=mx.int32)
-    received = mx.distributed.all_sum(payload, group=group)  # zeros elsewhere: the sum is rank 0's bytes
-    mx.eval(received)  # on rank 0 too: a collective left unevaluated would leave the others waiting
-    return data if is_root and data else bytes(memoryview(received.astype(mx.uint8)))
+    with mx.stream(generation_stream):
+        size = mx.distributed.all_sum(mx.array([len(data) if is_root and data else 0], dtype=mx.int32), group=group)
+        length = int(size.item())
+        if length == 0:
+            return b""
+        # int32, not uint8: the ring backend's sums of small integer types came out as zeros.
+        payload = mx.array(list(data), dtype=mx.int32) if is_root and data else mx.zeros((length,), dtype=mx.int32)
+        received = mx.distributed.all_sum(payload, group=group)  # zeros elsewhere: the sum is rank 0's bytes
+        mx.eval(received)  # on rank 0 too: a collective left unevaluated would leave the others waiting
+        return data if is_root and data else bytes(memoryview(received.astype(mx.uint8)))
 
 
-class Announcement(msgspec.Struct, frozen=True, kw_only=True):
-    """What rank 0 tells the other ranks before a generation."""
+class Announcement(msgspec.Struct, frozen=True, kw_only=True, tag="generate"):
+    """Rank 0 runs this request on the single path: run it too."""
 
     task_id: str
     params: GenerationParams
     defaults: SamplingDefaults = SamplingDefaults()
 
 
-_announcement = msgspec.json.Decoder(Announcement)
+Sampling = tuple[float, float, int]  # temperature, top_p, top_k
+
+
+class BatchJoin(msgspec.Struct, frozen=True, kw_only=True):
+    """A request entering the batch: what BatchGenerator.insert needs, nothing of its text."""
+
+    tokens: list[int]
+    max_tokens: int
+    sampling: Sampling
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+
+
+class BatchStep(msgspec.Struct, frozen=True, kw_only=True, tag="step"):
+    """One step of rank 0's batch: start a new batch of this size (0: keep the batch), remove these
+    requests (they ended by a stop string or a cancel), insert these, then step."""
+
+    new_batch: int = 0
+    leaves: list[int] = []
+    joins: list[BatchJoin] = []
+
+
+Message = Announcement | BatchStep
+_message = msgspec.json.Decoder(Message)
 
 
 class Lockstep:
@@ -91,14 +122,24 @@ class Lockstep:
     def leads(self) -> bool:
         return self.group.rank() == 0
 
-    def announce(self, announcement: Announcement | None) -> None:
-        """Rank 0: tell the others what to generate next (None: stop following, the runner is leaving)."""
-        broadcast_bytes(self.group, msgspec.json.encode(announcement) if announcement else b"")
+    def announce(self, message: Message | None) -> None:
+        """Rank 0: tell the others what to run next (None: stop following, the runner is leaving)."""
+        broadcast_bytes(self.group, msgspec.json.encode(message) if message else b"")
 
-    def next_announcement(self) -> Announcement | None:
-        """Other ranks: wait for rank 0's next request (None: rank 0 is shutting down)."""
+    def next_message(self) -> Message | None:
+        """Other ranks: wait for rank 0's next message (None: rank 0 is shutting down)."""
         data = broadcast_bytes(self.group, None)
-        return _announcement.decode(data) if data else None
+        return _message.decode(data) if data else None
+
+    def agreed(self, sampler: Sampler) -> Sampler:
+        """`sampler`, but every rank gets rank 0's tokens (a batch step's; cancels travel in BatchStep)."""
+        group, is_root = self.group, self.group.rank() == 0
+
+        def sample(logprobs: mx.array) -> mx.array:
+            token = sampler(logprobs).astype(mx.int32)
+            return mx.distributed.all_sum(token if is_root else mx.zeros_like(token), group=group)
+
+        return sample
 
     def start(self, sampler: Sampler, wants_cancel: Callable[[], bool]) -> tuple[Sampler, Callable[[], bool]]:
         """(agreed sampler, agreed is_cancelled) for one generation. `wants_cancel` is read on rank 0 only."""
@@ -118,3 +159,27 @@ class Lockstep:
             return bool(latest and latest[0][-1].item())
 
         return agreed, cancelled
+
+
+class AgreedSamplers:
+    """One agreed sampler per setting, the same object for the same setting on every rank:
+    BatchGenerator samples in one call when a batch shares a sampler object and row by row
+    otherwise, and every rank must make the same broadcasts. Forgets everything past `limit`
+    settings, at the same moment on every rank: they see the same joins, and rank 0 takes a sampler
+    only for a join that cannot fail to insert."""
+
+    def __init__(self, lockstep: Lockstep, limit: int = 64) -> None:
+        self._lockstep = lockstep
+        self._limit = limit
+        self._by_setting: dict[Sampling, Sampler] = {}
+
+    def get(self, sampling: Sampling) -> Sampler:
+        if sampling not in self._by_setting:
+            if len(self._by_setting) >= self._limit:
+                self._by_setting.clear()
+            temperature, top_p, top_k = sampling
+            self._by_setting[sampling] = self._lockstep.agreed(make_sampler(temp=temperature, top_p=top_p, top_k=top_k))
+        return self._by_setting[sampling]
+
+    def clear(self) -> None:
+        self._by_setting.clear()

@@ -57,13 +57,6 @@ class Engine:
         self.model, self.tokenizer = load_shard(model_path, group, shard.sharding, shard.start_layer, shard.end_layer)
         self.lockstep = Lockstep(group)
 
-    def follow(self) -> None:
-        """A rank other than 0: run every generation rank 0 announces, until it says it is leaving.
-        The text is rank 0's to publish; here it is dropped."""
-        assert self.lockstep is not None and not self.lockstep.leads
-        while (announced := self.lockstep.next_announcement()) is not None:
-            self.generate(announced.params, announced.defaults, lambda _: None, lambda: False, announced.task_id)
-
     def release_followers(self) -> None:
         if self.lockstep is not None and self.lockstep.leads:
             self.lockstep.announce(None)
@@ -178,7 +171,11 @@ def max_tokens_of(params: GenerationParams) -> int:
 
 
 def logits_processors_of(params: GenerationParams) -> list[Callable]:
-    return make_logits_processors(presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty)
+    return penalties(params.presence_penalty, params.frequency_penalty)
+
+
+def penalties(presence: float | None, frequency: float | None) -> list[Callable]:
+    return make_logits_processors(presence_penalty=presence, frequency_penalty=frequency)
 
 
 def sampling_of(params: GenerationParams, defaults: SamplingDefaults) -> tuple[float, float, int]:

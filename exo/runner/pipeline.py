@@ -6,8 +6,8 @@ a rank's block receives the hidden state from the previous rank, the last one se
 after the model's last layer the last rank's hidden state is shared with all ranks (all_sum with
 zeros elsewhere), so every rank computes the same logits and takes the same next token.
 
-Skipped layers keep no weights and no cache. Only full-attention masks are supported: a
-sliding-window layer needs its cache offset, which a skipped layer does not keep.
+Skipped layers keep no weights; their caches grow with keys and values of width zero, so the
+offsets and paddings that masks and batches read are the same on every rank.
 """
 
 from __future__ import annotations
@@ -30,7 +30,18 @@ class SkippedLayer(nn.Module):
     """A layer another rank runs: the hidden state passes through unchanged."""
 
     def __call__(self, x: mx.array, *args: Any, **kwargs: Any) -> mx.array:
+        _advance(kwargs.get("cache", args[1] if len(args) > 1 else None), x)
         return x
+
+
+def _advance(cache: Any, x: mx.array) -> None:
+    """Grow the skipped layer's cache by this input's length, with keys and values of width zero.
+    The model builds its attention mask from the first layer's cache, and a batch's caches keep
+    each request's offset and padding: a rank that skips layer 0 needs them right all the same."""
+    if cache is None or not hasattr(cache, "update_and_fetch"):
+        return
+    nothing = mx.zeros((x.shape[0], 1, x.shape[1], 0), dtype=x.dtype)
+    cache.update_and_fetch(nothing, nothing)
 
 
 class StageBoundary(nn.Module):

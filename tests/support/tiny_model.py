@@ -78,6 +78,7 @@ class Dims:
     layers: int = 2
     heads: int = 4
     kv_heads: int = 2
+    sliding_window: int = 0  # > 0: every other layer, from the first, attends to this many tokens only
 
     @property
     def head_dim(self) -> int:
@@ -159,6 +160,13 @@ def _write_json(path: pathlib.Path, obj: object) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
+def _sliding(d: Dims) -> dict:
+    if not d.sliding_window:
+        return {}
+    kinds = ["sliding_attention" if n % 2 == 0 else "full_attention" for n in range(d.layers)]
+    return {"sliding_window": d.sliding_window, "layer_types": kinds}
+
+
 def make_tiny_model(path: pathlib.Path, d: Dims = Dims()) -> pathlib.Path:
     """Write the tiny model + tokenizer into `path` (created if needed) and return it."""
     path = pathlib.Path(path)
@@ -216,6 +224,7 @@ def make_tiny_model(path: pathlib.Path, d: Dims = Dims()) -> pathlib.Path:
             "eos_token_id": ids[EOS],
             "pad_token_id": ids[PAD],
             "torch_dtype": "float32",
+            **_sliding(d),
         },
     )
     _write_json(

@@ -1,0 +1,59 @@
+"""The ranks other than 0 of a multi-node instance: run what rank 0 tells them, step by step.
+
+Rank 0's messages (distributed.py) come in the order its model thread ran them: a single-path
+generation, or one step of its batch. A follower runs the same model calls with the same
+inputs, so every collective inside them meets its peer; the text is rank 0's to publish and is
+dropped here.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from mlx_lm.generate import BatchGenerator
+
+from exo.runner.batch import insert, new_generator
+from exo.runner.distributed import AgreedSamplers, Announcement, BatchStep, Lockstep
+from exo.runner.engine import Engine
+
+log = logging.getLogger(__name__)
+
+
+def follow(engine: Engine) -> None:
+    """Until rank 0 says it is leaving (or the group breaks: then this raises)."""
+    lockstep = engine.lockstep
+    assert lockstep is not None and not lockstep.leads
+    batch = BatchFollower(engine.model, engine.tokenizer, lockstep)
+    while (message := lockstep.next_message()) is not None:
+        if isinstance(message, Announcement):
+            engine.generate(message.params, message.defaults, lambda _: None, lambda: False, message.task_id)
+        elif isinstance(message, BatchStep):
+            batch.step(message)
+
+
+class BatchFollower:
+    """Rank 0's batch, replayed: the same BatchGenerator, the same inserts and removals in the
+    same order, so its request ids, its grouping and its collectives match rank 0's."""
+
+    def __init__(self, model: Any, tokenizer: Any, lockstep: Lockstep) -> None:
+        self._model, self._tokenizer = model, tokenizer
+        self._samplers = AgreedSamplers(lockstep)
+        self._generator: BatchGenerator | None = None
+
+    def step(self, step: BatchStep) -> None:
+        if step.new_batch:
+            self._generator = new_generator(self._model, self._tokenizer, step.new_batch)
+            self._samplers.clear()
+        if self._generator is None:
+            raise RuntimeError("out of step with rank 0: told to step a batch this rank does not have")
+        if step.leaves:
+            self._generator.remove(step.leaves)
+        for join in step.joins:
+            insert(self._generator, join, self._samplers.get(join.sampling))
+        try:
+            self._generator.next()
+        except Exception:
+            # Rank 0 ran the same step; if it failed there too, its next step starts a new batch.
+            log.exception("a batch step failed")
+            self._generator = None

@@ -1,0 +1,86 @@
+"""One rank of a two-rank instance, in a process of its own, for tests/test_lockstep_batch.py.
+
+    python -m tests.support.lockstep_ranks RANK HOSTS_JSON MODEL_DIR SHARDING START END REQUESTS_JSON
+
+Rank 0 runs the requests through the runner's Batcher (seeded ones on the single path, as the
+runner does), started as the requests say, then releases the other rank and prints, per
+request, [text, finish reason, completion tokens] as JSON. Rank 1 follows (exo/runner/follower.py).
+Both then print the tokens their batch generated, by request id: the ranks must agree.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+
+from mlx_lm.generate import BatchGenerator
+
+from exo.core.types import ChatMessage, GenerationParams, SamplingDefaults
+from exo.runner.batch import Batcher, batchable
+from exo.runner.engine import Engine, Output
+from exo.runner.follower import follow
+from exo.runner.protocol import RankSetup
+
+
+def params_of(request: dict) -> GenerationParams:
+    settings = {k: v for k, v in request.items() if k not in ("text", "join_after", "cancel_after")}
+    return GenerationParams(messages=[ChatMessage(role="user", content=request["text"])], **{"temperature": 0, **settings})
+
+
+async def lead(engine: Engine, requests: list[dict]) -> list:
+    loop = asyncio.get_running_loop()
+    model_thread = ThreadPoolExecutor(max_workers=1)
+    batcher = Batcher(engine, 8, model_thread)
+    outs: list[list[Output]] = [[] for _ in requests]
+    futures = []
+    for i, request in enumerate(requests):
+        after = request.get("join_after")  # start once request `after[0]` has sent `after[1]` outputs
+        while after and len(outs[after[0]]) < after[1]:
+            await asyncio.sleep(0.001)
+        limit = request.get("cancel_after")
+        cancelled = (lambda i=i, limit=limit: limit is not None and len(outs[i]) >= limit)
+        params = params_of(request)
+        if batchable(params, {}):
+            futures.append(batcher.run(loop, params, SamplingDefaults(), outs[i].append, cancelled, f"task{i}"))
+        else:
+            futures.append(loop.run_in_executor(model_thread, engine.generate, params, SamplingDefaults(),
+                                                outs[i].append, cancelled, f"task{i}"))
+    results = await asyncio.gather(*futures)
+    await loop.run_in_executor(model_thread, engine.release_followers)
+    return [["".join(o.text for o in out), r.finish_reason, r.completion_tokens] for out, r in zip(outs, results)]
+
+
+def record_batch_tokens() -> dict[int, list[int]]:
+    tokens: dict[int, list[int]] = defaultdict(list)
+    step = BatchGenerator.next
+
+    def next_recorded(self):
+        prompts, generated = step(self)
+        for response in generated:
+            tokens[response.uid].append(response.token)
+        return prompts, generated
+
+    BatchGenerator.next = next_recorded
+    return tokens
+
+
+def main() -> None:
+    rank, hosts, model_dir, sharding, start, end, requests = sys.argv[1:8]
+    batch_tokens = record_batch_tokens()
+    engine = Engine()
+    engine.load(model_dir, RankSetup(rank=int(rank), ring_hosts=json.loads(hosts), sharding=sharding,
+                                     start_layer=int(start), end_layer=int(end)))
+    if int(rank) == 0:
+        print(json.dumps(asyncio.run(lead(engine, json.loads(requests)))), flush=True)
+    else:
+        follow(engine)
+    print(json.dumps(batch_tokens), flush=True)
+    os._exit(0)  # as the runner leaves a group: MLX's ring threads must not be torn down by the interpreter
+
+
+if __name__ == "__main__":
+    main()

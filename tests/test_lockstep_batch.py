@@ -1,0 +1,112 @@
+"""Batching inside a multi-node instance: two ranks (separate processes, an MLX ring group on
+loopback) run rank 0's batch in lockstep (exo/runner/batch.py, follower.py). Requests that
+join late, leave by a stop string, are cancelled, sample, or take the single path in between
+all end as they would alone in one process, and nobody waits forever."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from exo.core.types import SamplingDefaults
+from exo.runner.engine import Engine
+from tests.exo_process import free_port
+from tests.support.lockstep_ranks import params_of
+from tests.support.tiny_model import Dims, make_tiny_model
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parent.parent
+LAYERS = 4
+GREEDY = [
+    {"text": "Tell me about the sea.", "max_tokens": 40},
+    {"text": "Hello", "max_tokens": 55, "join_after": [0, 5]},
+    {"text": "Write a story about a robot who learns to paint.", "max_tokens": 30, "presence_penalty": 0.5},
+    {"text": "What is the capital of France?", "max_tokens": 48, "join_after": [2, 12]},
+]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny4", Dims(layers=LAYERS))
+
+
+@pytest.fixture(scope="module")
+def sliding_model_dir(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("models") / "sliding", Dims(layers=LAYERS, sliding_window=8))
+
+
+def alone_on(model_dir: Path):
+    """What each request gives alone, in one process: [text, finish reason, completion tokens]."""
+    engine = Engine()
+    engine.load(str(model_dir))
+
+    def run(request: dict) -> list:
+        texts: list[str] = []
+        done = engine.generate(params_of(request), SamplingDefaults(), lambda o: texts.append(o.text), lambda: False)
+        return ["".join(texts), done.finish_reason, done.completion_tokens]
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def alone(model_dir):
+    return alone_on(model_dir)
+
+
+def on_two_ranks(model_dir: Path, sharding: str, requests: list[dict]) -> list:
+    port = free_port()
+    hosts = json.dumps([f"127.0.0.1:{port}", f"127.0.0.1:{port + 1}"])
+    layers = [(0, LAYERS // 2), (LAYERS // 2, LAYERS)]
+    ranks = [
+        subprocess.Popen([sys.executable, "-m", "tests.support.lockstep_ranks", str(rank), hosts, str(model_dir), sharding,
+                          str(layers[rank][0]), str(layers[rank][1]), json.dumps(requests)],
+                         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for rank in (0, 1)
+    ]
+    try:
+        outputs = [rank.communicate(timeout=180) for rank in ranks]
+    finally:
+        for rank in ranks:
+            rank.kill()
+    for rank, (_, err) in zip(ranks, outputs):
+        assert rank.returncode == 0, err[-3000:]
+    lead_lines, follower_lines = (out.splitlines() for out, _ in outputs)
+    assert json.loads(lead_lines[-1]) == json.loads(follower_lines[-1])  # the same tokens on both ranks
+    return json.loads(lead_lines[0])
+
+
+@pytest.mark.parametrize("sharding", ["tensor", "pipeline"])
+def test_a_batch_on_two_ranks_gives_each_request_what_it_gives_alone(model_dir, alone, sharding):
+    stop_word = alone(GREEDY[0])[0].split()[3]  # leaves the batch by a stop string, mid-way
+    requests = [*GREEDY, {"text": GREEDY[0]["text"], "max_tokens": 40, "stop": [stop_word], "join_after": [1, 3]}]
+    results = on_two_ranks(model_dir, sharding, requests)
+    assert results == [alone(request) for request in requests]
+    assert results[-1][1] == "stop" and results[-1][2] < 40
+
+
+def test_cancels_sampling_and_the_single_path_in_between_keep_the_ranks_in_step(model_dir, alone):
+    requests = [
+        {"text": "Tell me about the sea.", "max_tokens": 60, "cancel_after": 4},
+        {"text": "Hello", "max_tokens": 30, "temperature": 0.9, "top_p": 0.9},
+        {"text": "Hello", "max_tokens": 25, "temperature": 0.7, "seed": 3, "join_after": [1, 2]},  # single path
+        {"text": "What is the capital of France?", "max_tokens": 20, "temperature": 0.9, "join_after": [1, 4]},
+        GREEDY[3] | {"join_after": [0, 4]},  # joins as the cancelled request leaves
+    ]
+    results = on_two_ranks(model_dir, "tensor", requests)
+    assert results[0][1] == "cancelled"
+    assert [r[1:] for r in results[1:4]] == [["length", 30], ["length", 25], ["length", 20]]
+    assert results[2] == alone(requests[2])  # a seed repeats on two ranks what it gives on one
+    assert results[4] == alone(requests[4])
+
+
+def test_pipeline_ranks_that_skip_sliding_window_layers_keep_their_masks(sliding_model_dir):
+    """Rank 1 skips layers 0 and 1, whose caches the model reads for its masks (sliding and full):
+    they must still advance. Prompts are longer than the window; one request takes the single path."""
+    alone = alone_on(sliding_model_dir)
+    requests = [*GREEDY, {"text": "Hello there, tell me a story", "max_tokens": 30, "seed": 1}]
+    assert on_two_ranks(sliding_model_dir, "pipeline", requests) == [alone(request) for request in requests]
