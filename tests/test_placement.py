@@ -4,6 +4,7 @@ import itertools
 import json
 from types import SimpleNamespace
 
+import msgspec
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
@@ -13,7 +14,7 @@ from exo.api.context import CONTEXT_KEY
 from exo.api.errors import STATUS_FOR_REJECTION, ApiError
 from exo.core.placement import Unplaceable, place_instance, placement_previews, split_layers
 from exo.core.state import State
-from exo.core.types import Instance, ModelCard, NodeInfo, ShardAssignment
+from exo.core.types import Instance, ModelCard, NodeInfo, RunnerInfo, ShardAssignment
 
 GB = 1_000_000_000
 CARD = ModelCard(model_id="org/m", n_layers=8, num_attention_heads=16, num_key_value_heads=8, storage_bytes=8 * GB)
@@ -99,6 +100,27 @@ def test_pipeline_memory_rejection_names_the_rank_that_does_not_fit_and_the_larg
                     "have 6000000000 in all, the most on one node is 4000000000); 3 nodes did not work either")
     assert place(min_nodes=3, state=state).reason.startswith(  # no "either": nothing larger to try
         "org/m needs 8000000000 bytes; with pipeline sharding over 3 nodes that is ")
+
+
+def test_instances_not_loaded_yet_count_against_their_nodes_free_memory():
+    """A node reports only what its runners have loaded: a second placement made before the first
+    instance's runners load must not count the same free memory again."""
+    small = ModelCard(model_id="org/s", n_layers=8, storage_bytes=6 * GB)
+    state = cluster_of(node("n1", 10 * GB), node("n2", 7 * GB))
+    first = place(card=small, state=state)
+    assert layout(first) == [("n1", 0, 1, 0, 8, "")] and first.shards[0].memory_bytes == 6 * GB
+    placed = cluster_of(node("n1", 10 * GB), node("n2", 7 * GB), instances=(first,))
+    second = place_instance(small, "pipeline", 1, placed, iter(["r2", "i2"]))  # n1 has 4 GB left: n2 takes it
+    assert layout(second) == [("n2", 0, 1, 0, 8, "")]
+    both = cluster_of(node("n1", 10 * GB), node("n2", 7 * GB), instances=(first, second))
+    assert place(card=small, state=both) == Unplaceable(
+        "conflict", "org/s needs 6000000000 bytes but the node with the most free memory (n1) has 4000000000; "
+                    "2 nodes did not work either")
+    for status, fits in [("loading", False), ("failed", False), ("warming_up", True), ("ready", True)]:
+        # Loaded runners are in the node's own report (here: not yet, so the node has room again).
+        runners = {s.runner_id: RunnerInfo(runner_id=s.runner_id, instance_id=i.instance_id, node_id=s.node_id,
+                                           status=status) for i in (first, second) for s in i.shards}
+        assert isinstance(place(card=small, state=msgspec.structs.replace(both, runners=runners)), Instance) == fits
 
 
 # Divisibility and layers.

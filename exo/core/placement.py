@@ -17,8 +17,11 @@ How an instance is placed (`place_instance`):
 - Memory: every rank needs its share of `storage_bytes` (tensor: storage / k; pipeline:
   storage * its layers / n_layers, rounded up) within its node's `memory_available`. There is
   no margin on top: `memory_available` is what the node itself reports as free (MemAvailable),
-  and adding a guess here would only make small clusters refuse models that fit. Unknown sizes
-  do not constrain: a card with `storage_bytes` 0, or a node reporting `memory_available` 0 (the
+  and adding a guess here would only make small clusters refuse models that fit. What a node
+  reports counts only what its runners have loaded, so the shares of instances placed on it
+  whose runners are not loaded yet (not `warming_up` or `ready`: just placed, downloading,
+  loading, or failed and due to restart) are taken off it first; each shard records its share
+  (`memory_bytes`). Unknown sizes do not constrain: a card with `storage_bytes` 0, or a node reporting `memory_available` 0 (the
   one-node rule always worked this way; such a node weighs nothing in the pipeline split and so
   gets one layer).
 - Several nodes: every rank gets `ring_address` "<its first address>:<port>", the lowest port
@@ -60,6 +63,10 @@ class _Rank(msgspec.Struct, frozen=True, kw_only=True):
     start_layer: int
     end_layer: int
     ring_address: str = ""
+    memory_bytes: int = 0
+
+
+LOADED = ("warming_up", "ready")  # a runner past loading: its node's own report counts its memory
 
 
 def place_instance(
@@ -178,7 +185,7 @@ def _plan(card: ModelCard, sharding: Sharding, nodes: list[NodeInfo], state: Sta
             if node.memory_available and need > node.memory_available:
                 return Unplaceable("conflict", _memory_reason(card, sharding, nodes, rank, need, blocks[rank]))
     if k == 1:
-        return [_Rank(node_id=nodes[0].node_id, start_layer=blocks[0][0], end_layer=blocks[0][1])]
+        return [_Rank(node_id=nodes[0].node_id, start_layer=blocks[0][0], end_layer=blocks[0][1], memory_bytes=needs[0])]
     for node in nodes:
         if not node.addresses:
             return Unplaceable("conflict", f"node {node.node_id} reports no address peers can reach it on, "
@@ -188,7 +195,7 @@ def _plan(card: ModelCard, sharding: Sharding, nodes: list[NodeInfo], state: Sta
                                            f"so it cannot take part in an instance across {k} nodes")
     used = _used_ring_ports(state)
     ranks = []
-    for node, (start, end) in zip(nodes, blocks):
+    for node, (start, end), need in zip(nodes, blocks, needs):
         ip = node.addresses[0]
         ports = range(node.ring_port_first, node.ring_port_first + node.ring_port_count)
         port = next((p for p in ports if (ip, p) not in used), None)
@@ -196,7 +203,8 @@ def _plan(card: ModelCard, sharding: Sharding, nodes: list[NodeInfo], state: Sta
             return Unplaceable("conflict", f"no free ring port on node {node.node_id}: ports {ports.start}-"
                                            f"{ports.stop - 1} on {ip} are all in use by other instances")
         used.add((ip, port))
-        ranks.append(_Rank(node_id=node.node_id, start_layer=start, end_layer=end, ring_address=f"{ip}:{port}"))
+        ranks.append(_Rank(node_id=node.node_id, start_layer=start, end_layer=end, ring_address=f"{ip}:{port}",
+                           memory_bytes=need))
     return ranks
 
 
@@ -229,11 +237,31 @@ def _used_ring_ports(state: State) -> set[tuple[str, int]]:
 def _instance(card: ModelCard, sharding: Sharding, ranks: list[_Rank], ids: Iterator[str]) -> Instance:
     shards = [
         ShardAssignment(runner_id=next(ids), node_id=r.node_id, rank=rank, world_size=len(ranks),
-                        start_layer=r.start_layer, end_layer=r.end_layer, ring_address=r.ring_address)
+                        start_layer=r.start_layer, end_layer=r.end_layer, ring_address=r.ring_address,
+                        memory_bytes=r.memory_bytes)
         for rank, r in enumerate(ranks)
     ]
     return Instance(instance_id=next(ids), model_id=card.model_id, sharding=sharding, shards=shards)
 
 
 def _nodes_by_free_memory(state: State) -> list[NodeInfo]:
-    return sorted(state.nodes.values(), key=lambda n: (-n.memory_available, n.node_id))
+    """Live nodes, most free memory first, less what their instances not yet loaded will take."""
+    coming = _memory_still_to_load(state)
+    nodes = [_less_free(node, coming.get(node.node_id, 0)) for node in state.nodes.values()]
+    return sorted(nodes, key=lambda n: (-n.memory_available, n.node_id))
+
+
+def _memory_still_to_load(state: State) -> dict[str, int]:
+    coming: dict[str, int] = {}
+    for instance in state.instances.values():
+        for shard in instance.shards:
+            runner = state.runners.get(shard.runner_id)
+            if runner is None or runner.status not in LOADED:
+                coming[shard.node_id] = coming.get(shard.node_id, 0) + shard.memory_bytes
+    return coming
+
+
+def _less_free(node: NodeInfo, taken: int) -> NodeInfo:
+    if not taken or not node.memory_available:  # 0 means "not reported": it stays unconstrained
+        return node
+    return msgspec.structs.replace(node, memory_available=max(1, node.memory_available - taken))

@@ -70,6 +70,7 @@ class ShardAssignment(msgspec.Struct, frozen=True, kw_only=True):
     end_layer: int = 0  # exclusive
     # "ip:port" this rank listens on for the MLX ring group; "" for a one-node instance.
     ring_address: str = ""
+    memory_bytes: int = 0  # what placement counted this rank's part of the weights to take (0: unknown)
 
 
 class Instance(msgspec.Struct, frozen=True, kw_only=True):
