@@ -24,7 +24,7 @@ import mlx.core as mx
 import msgspec
 from mlx_lm.generate import generation_stream
 from mlx_lm.sample_utils import make_sampler
-from mlx_lm.utils import load_model, load_tokenizer
+from mlx_lm.utils import load_model, load_tokenizer, sharded_load
 
 from exo.core.types import GenerationParams, SamplingDefaults
 
@@ -49,13 +49,11 @@ def load_shard(model_path: str, group: mx.distributed.Group, sharding: str, star
     """The model with this rank's part of it in memory: a slice of every layer (tensor) or a
     block of layers (pipeline)."""
     path = Path(model_path)
-    model, config = load_model(path, lazy=True, strict=False)
     if sharding == "tensor":
-        if not hasattr(model, "shard"):
-            raise ValueError(f"mlx-lm cannot tensor-shard {config.get('model_type')!r} models")
-        model.shard(group)
-    else:
-        split_layers(model, group, start, end)
+        # mlx-lm's own (it raises for architectures it cannot shard); given a local path it downloads nothing.
+        return sharded_load(str(path), tensor_group=group)
+    model, config = load_model(path, lazy=True, strict=False)
+    split_layers(model, group, start, end)
     mx.eval(model.parameters())
     tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
     mx.eval(mx.distributed.all_sum(mx.array(1.0), group=group))  # everyone loaded before anyone serves
