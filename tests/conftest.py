@@ -13,6 +13,7 @@ import pytest_asyncio
 from exo.bus.connection import connect
 from exo.bus.embedded import EmbeddedNats
 from exo.bus.provision import provision
+from tests.e2e_support import start_exo
 
 
 @pytest_asyncio.fixture(scope="session")
@@ -46,6 +47,15 @@ async def eventually(predicate, timeout: float = 10.0, interval: float = 0.02):
         if asyncio.get_running_loop().time() > deadline:
             raise AssertionError("condition not met in time")
         await asyncio.sleep(interval)
+
+
+# An `exo` process whose downloads come from the module's `hub` fixture (a fake Hub); modules
+# that start theirs otherwise define their own `node`.
+@pytest.fixture(scope="module")
+def node(tmp_path_factory, hub):
+    exo = start_exo(tmp_path_factory.mktemp("node"), hub)
+    yield exo
+    exo.interrupt()
 
 
 # Clients of the module's `node` fixture (an `exo` process), for the end-to-end API tests.

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from mlx_lm.sample_utils import make_logits_processors
 
-from tests.e2e_support import Reference, place, start_exo
+from tests.e2e_support import Reference, place
 from tests.support.fake_hub import FakeHub
 from tests.support.tiny_model import TINY_MODEL_ID, make_tiny_model
 from tests.support.tool_model import CALL_ARGUMENTS, CALL_NAME, TOOL_MODEL_ID, WEATHER_TOOL, make_tool_model
@@ -34,13 +34,6 @@ def models(tmp_path_factory) -> dict[str, Path]:
 def hub(models):
     with FakeHub(models) as fake:
         yield fake
-
-
-@pytest.fixture(scope="module")
-def node(tmp_path_factory, hub):
-    exo = start_exo(tmp_path_factory.mktemp("node"), hub)
-    yield exo
-    exo.interrupt()
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,6 @@ from exo.bus.subjects import download_control_subject, model_share_subject
 from exo.core.state import State
 from exo.core.types import DownloadProgress, Instance, RunnerInfo, ShardAssignment
 from tests.cluster import wait_until
-from tests.e2e_support import start_exo
 from tests.support.fake_hub import FakeHub
 from tests.support.sharded_model import make_sharded_model
 
@@ -107,13 +106,6 @@ def hub(tmp_path_factory):
     model = make_sharded_model(tmp_path_factory.mktemp("hub") / "sharded-llama")
     with FakeHub({GOOD: model, GONE: model}) as fake:
         yield fake
-
-
-@pytest.fixture(scope="module")
-def node(tmp_path_factory, hub):
-    exo = start_exo(tmp_path_factory.mktemp("node"), hub)
-    yield exo
-    exo.interrupt()
 
 
 @pytest.fixture(scope="module")
