@@ -115,7 +115,8 @@ class Node:
             downloads = DownloadSettings.from_env(config.data_dir, offline=config.offline, share=config.model_sharing)
             self.worker = Worker(nc, view, node_id, config.data_dir, urls, builtin, downloads)
             events = EventLog(nc)
-            heartbeat = Heartbeat(node_id, lambda event: events.append(event, uuid.uuid4().hex))
+            heartbeat = Heartbeat(node_id, lambda event: events.append(event, uuid.uuid4().hex),
+                                  prompt_caches=self.worker.prompt_caches)
             view.add_listener(heartbeat.on_event)
             info = describe_this_node(node_id, heartbeat.incarnation, time.time())
             await events.append(NodeRegistered(node=info), uuid.uuid4().hex)

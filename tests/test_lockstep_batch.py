@@ -41,9 +41,10 @@ def sliding_model_dir(tmp_path_factory) -> Path:
 
 
 def alone_on(model_dir: Path):
-    """What each request gives alone, in one process: [text, finish reason, completion tokens]."""
+    """What each request gives alone, in one process, with no prompt cache: [text, finish reason, completion tokens]."""
     engine = Engine()
     engine.load(str(model_dir))
+    engine.prompt_cache.max_bytes = 0
 
     def run(request: dict) -> list:
         texts: list[str] = []
@@ -59,6 +60,11 @@ def alone(model_dir):
 
 
 def on_two_ranks(model_dir: Path, sharding: str, requests: list[dict]) -> list:
+    return on_two_ranks_with_cache(model_dir, sharding, requests)[0]
+
+
+def on_two_ranks_with_cache(model_dir: Path, sharding: str, requests: list[dict]) -> tuple[list, list[int]]:
+    """Each request's [text, finish reason, completion tokens] from rank 0, and its cached prompt tokens."""
     port = free_port()
     hosts = json.dumps([f"127.0.0.1:{port}", f"127.0.0.1:{port + 1}"])
     layers = [(0, LAYERS // 2), (LAYERS // 2, LAYERS)]
@@ -77,7 +83,7 @@ def on_two_ranks(model_dir: Path, sharding: str, requests: list[dict]) -> list:
         assert rank.returncode == 0, err[-3000:]
     lead_lines, follower_lines = (out.splitlines() for out, _ in outputs)
     assert json.loads(lead_lines[-1]) == json.loads(follower_lines[-1])  # the same tokens on both ranks
-    return json.loads(lead_lines[0])
+    return json.loads(lead_lines[1]), json.loads(lead_lines[0])
 
 
 @pytest.mark.parametrize("sharding", ["tensor", "pipeline"])
@@ -110,3 +116,24 @@ def test_pipeline_ranks_that_skip_sliding_window_layers_keep_their_masks(sliding
     alone = alone_on(sliding_model_dir)
     requests = [*GREEDY, {"text": "Hello there, tell me a story", "max_tokens": 30, "seed": 1}]
     assert on_two_ranks(sliding_model_dir, "pipeline", requests) == [alone(request) for request in requests]
+
+
+SYSTEM = "You are a helpful assistant. Please answer the question, and keep it short & clear."
+SEA = [["system", SYSTEM], ["user", "Tell me about the sea."]]
+CONVERSATION = [  # each turn starts once the one before has ended, as a chat's turns do
+    {"messages": SEA, "max_tokens": 20},
+    {"messages": [*SEA, ["assistant", "The sea is deep."], ["user", "And the river?"]], "max_tokens": 20,
+     "after_done": 0, "presence_penalty": 0.5},
+    {"messages": [*SEA, ["assistant", "The sea is deep."], ["user", "And the river?"], ["assistant", "It flows."],
+                  ["user", "Hello"]], "max_tokens": 16, "after_done": 1, "temperature": 0.9, "seed": 5},  # single path
+    {"messages": [["system", SYSTEM], ["user", "What is the capital of France?"]], "max_tokens": 20, "after_done": 2},
+    {"messages": SEA, "max_tokens": 20, "after_done": 3},  # the first prompt again
+]
+
+
+@pytest.mark.parametrize("sharding", ["tensor", "pipeline"])
+def test_every_rank_reuses_the_prompt_cache_entries_rank_0_reuses(model_dir, alone, sharding):
+    # A rank whose cache would reuse another prefix than rank 0's raises OutOfStep and exits non-zero.
+    results, cached = on_two_ranks_with_cache(model_dir, sharding, CONVERSATION)
+    assert results == [alone(request) for request in CONVERSATION]
+    assert cached[0] == 0 and all(c > 10 for c in cached[1:])

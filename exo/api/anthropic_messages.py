@@ -88,16 +88,22 @@ def _stop(chunk: TokenChunk) -> dict:
     return {"stop_reason": "end_turn", "stop_sequence": None}
 
 
-def _message(generation: Generation, model: str, content: list[dict], input_tokens: int, output_tokens: int) -> dict:
+def _message(generation: Generation, model: str, content: list[dict], chunk: TokenChunk, output_tokens: int) -> dict:
     return {"id": f"msg_{generation.command_id}", "type": "message", "role": "assistant", "model": model,
             "content": content, "stop_reason": None, "stop_sequence": None,
-            "usage": {"input_tokens": input_tokens, "output_tokens": output_tokens}}
+            "usage": _usage(chunk) | {"output_tokens": output_tokens}}
+
+
+def _usage(chunk: TokenChunk) -> dict:
+    """Anthropic counts prompt tokens read from a cache apart from input_tokens, as we do ours."""
+    return {"input_tokens": chunk.prompt_tokens - chunk.cached_tokens, "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": chunk.cached_tokens}
 
 
 async def _complete(generation: Generation, model: str) -> web.Response:
     done = await collect(generation)
     assert done.final is not None
-    body = _message(generation, model, [{"type": "text", "text": done.text}], done.final.prompt_tokens,
+    body = _message(generation, model, [{"type": "text", "text": done.text}], done.final,
                     done.final.token_count) | _stop(done.final)
     return web.json_response(body)
 
@@ -111,7 +117,7 @@ async def _stream(request: web.Request, generation: Generation, model: str) -> w
     async def send(kind: str, data: dict) -> None:
         await sse.send({"type": kind, **data}, event=kind)
 
-    await send("message_start", {"message": _message(generation, model, [], first.prompt_tokens, 0)})
+    await send("message_start", {"message": _message(generation, model, [], first, 0)})
     await send("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
     await send("ping", {})
     chunk = first
@@ -125,6 +131,6 @@ async def _stream(request: web.Request, generation: Generation, model: str) -> w
     if chunk.finish_reason in ("error", "cancelled"):
         await sse.send(error_body(500, chunk.error or "generation was cancelled", path="/v1/messages"), event="error")
     else:
-        await send("message_delta", {"delta": _stop(chunk), "usage": {"output_tokens": chunk.token_count}})
+        await send("message_delta", {"delta": _stop(chunk), "usage": _usage(chunk) | {"output_tokens": chunk.token_count}})
         await send("message_stop", {})
     return await sse.close()

@@ -60,7 +60,7 @@ class Generation:
         if self._after >= 0:
             return  # a resumption: the first stream measured this generation
         if chunk.finish_reason is not None:
-            metrics.count_tokens(chunk.prompt_tokens, chunk.token_count)
+            metrics.count_tokens(chunk.prompt_tokens, chunk.token_count, chunk.cached_tokens)
         elif self._last_at is None:
             metrics.ttft.observe(now - self._started)
         elif new_tokens:
@@ -84,7 +84,8 @@ class Generation:
             if end.status == "completed":  # its text is gone (EXO_TOKENS keeps it ten minutes)
                 reason = end.finish_reason if end.finish_reason in ("stop", "length") else "stop"
                 return TokenChunk(command_id=self.command_id, index=-1, finish_reason=reason,  # type: ignore[arg-type]
-                                  prompt_tokens=end.prompt_tokens, token_count=end.completion_tokens)
+                                  prompt_tokens=end.prompt_tokens, token_count=end.completion_tokens,
+                                  cached_tokens=end.cached_tokens)
             reason = "error" if end.status == "failed" else "cancelled"
             return TokenChunk(command_id=self.command_id, index=-1, finish_reason=reason, error=end.error or f"task {end.status}")
 
@@ -143,7 +144,7 @@ async def resume_generation(ctx: ApiContext, command_id: str, after: int) -> Gen
     if task.status not in ("pending", "running") and not ended.done():
         ended.set_result(TaskFinished(task_id=command_id, status=task.status, finish_reason=task.finish_reason,
                                       error=task.error, prompt_tokens=task.prompt_tokens,
-                                      completion_tokens=task.completion_tokens))
+                                      completion_tokens=task.completion_tokens, cached_tokens=task.cached_tokens))
     listener = await TokenListener.from_stream(ctx.nc, command_id)
     return Generation(ctx, command_id, listener, ended, after=after)
 

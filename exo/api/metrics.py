@@ -40,11 +40,13 @@ class Metrics:
         self.inter_token = Histogram(ITL_BUCKETS)
         self.tokens_in = 0
         self.tokens_out = 0
+        self.tokens_cached = 0
         self.started = time.time()
 
     def count_request(self, method: str, route: str, status: int) -> None:
         self.requests[(method, route, status)] += 1
 
-    def count_tokens(self, prompt: int, completion: int) -> None:
+    def count_tokens(self, prompt: int, completion: int, cached: int = 0) -> None:
         self.tokens_in += prompt
         self.tokens_out += completion
+        self.tokens_cached += cached

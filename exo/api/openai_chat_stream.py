@@ -27,8 +27,11 @@ def envelope(command_id: str, model: str, kind: str) -> dict:
             "system_fingerprint": None}
 
 
-def usage(prompt: int, completion: int) -> dict:
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+def usage(final: TokenChunk) -> dict:
+    """OpenAI's usage; cached_tokens: prompt tokens the runner's prompt cache already held."""
+    prompt, completion = final.prompt_tokens, final.token_count
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": final.cached_tokens}}
 
 
 async def complete_chat(generation: Generation, model: str, with_logprobs: bool) -> web.Response:
@@ -41,7 +44,7 @@ async def complete_chat(generation: Generation, model: str, with_logprobs: bool)
     choice = {"index": 0, "message": message, "finish_reason": done.finish_reason,
               "logprobs": logprobs_json(done.logprobs) if with_logprobs else None}
     body = envelope(generation.command_id, model, "chat.completion") | {
-        "choices": [choice], "usage": usage(done.final.prompt_tokens, done.final.token_count)}
+        "choices": [choice], "usage": usage(done.final)}
     return web.json_response(body)
 
 
@@ -70,7 +73,7 @@ async def stream_chat(request: web.Request, generation: Generation, model: str, 
             reason = "tool_calls" if calls_sent and chunk.finish_reason == "stop" else chunk.finish_reason
             await sse.send(choice({}, reason), event_id=event_id)
             if include_usage:
-                await sse.send(base | {"choices": [], "usage": usage(chunk.prompt_tokens, chunk.token_count)},
+                await sse.send(base | {"choices": [], "usage": usage(chunk)},
                                event_id=event_id)
     await sse.send("[DONE]")
     return await sse.close()

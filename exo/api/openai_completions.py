@@ -108,7 +108,7 @@ async def _complete(generation: Generation, body: CompletionRequest) -> web.Resp
     choice = {"index": 0, "text": done.text, "finish_reason": done.finish_reason,
               "logprobs": _logprobs(done.logprobs, 0) if body.logprobs is not None else None}
     return web.json_response(_envelope(generation, body.model) | {
-        "choices": [choice], "usage": usage(done.final.prompt_tokens, done.final.token_count)})
+        "choices": [choice], "usage": usage(done.final)})
 
 
 async def _stream(request: web.Request, generation: Generation, body: CompletionRequest) -> web.StreamResponse:
@@ -129,6 +129,6 @@ async def _stream(request: web.Request, generation: Generation, body: Completion
             await sse.send(base | {"choices": [{"index": 0, "text": "", "finish_reason": chunk.finish_reason, "logprobs": None}]},
                            event_id=event_id)
             if body.stream_options and body.stream_options.include_usage:
-                await sse.send(base | {"choices": [], "usage": usage(chunk.prompt_tokens, chunk.token_count)}, event_id=event_id)
+                await sse.send(base | {"choices": [], "usage": usage(chunk)}, event_id=event_id)
     await sse.send("[DONE]")
     return await sse.close()

@@ -101,7 +101,7 @@ def _response(generation: Generation, body: ResponsesRequest, status: str, text:
     if final is not None:
         usage = {"input_tokens": final.prompt_tokens, "output_tokens": final.token_count,
                  "total_tokens": final.prompt_tokens + final.token_count,
-                 "input_tokens_details": {"cached_tokens": 0}, "output_tokens_details": {"reasoning_tokens": 0}}
+                 "input_tokens_details": {"cached_tokens": final.cached_tokens}, "output_tokens_details": {"reasoning_tokens": 0}}
     return {
         "id": f"resp_{generation.command_id}", "object": "response", "created_at": int(time.time()),
         "status": "incomplete" if incomplete else status, "model": body.model, "error": None,

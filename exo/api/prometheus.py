@@ -26,6 +26,27 @@ def _label(value: str) -> str:
     return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
+_PROMPT_CACHE_METRICS = (  # (field of PromptCacheStats, metric, type, help)
+    ("hits", "exo_prompt_cache_hits_total", "counter", "requests that reused a cached prompt prefix"),
+    ("misses", "exo_prompt_cache_misses_total", "counter", "requests that found no cached prefix"),
+    ("tokens_reused", "exo_prompt_cache_tokens_reused_total", "counter", "prompt tokens not processed again"),
+    ("evictions", "exo_prompt_cache_evictions_total", "counter", "entries dropped to stay within the cache's limits"),
+    ("bytes", "exo_prompt_cache_bytes", "gauge", "KV cache bytes held"),
+    ("entries", "exo_prompt_cache_entries", "gauge", "cached prompts held"),
+)
+
+
+def _prompt_cache_metrics(state) -> list[str]:
+    """Each runner's prompt cache, as its node's latest heartbeat reported it."""
+    caches = [(node_id, instance_id, stats) for node_id, node in sorted(state.nodes.items())
+              for instance_id, stats in sorted(node.prompt_caches.items())]
+    lines: list[str] = []
+    for field, name, kind, help_text in _PROMPT_CACHE_METRICS:
+        lines += _metric(name, kind, f"{help_text} (per runner, from heartbeats)", (
+            f'{name}{{node_id="{_label(n)}",instance_id="{_label(i)}"}} {getattr(stats, field)}' for n, i, stats in caches))
+    return lines
+
+
 async def metrics(request: web.Request) -> web.Response:
     ctx = context_of(request)
     m, state = ctx.metrics, ctx.view.state
@@ -46,6 +67,9 @@ async def metrics(request: web.Request) -> web.Response:
         *_metric("exo_prompt_tokens_total", "counter", "prompt tokens of finished generations", [f"exo_prompt_tokens_total {m.tokens_in}"]),
         *_metric("exo_completion_tokens_total", "counter", "generated tokens of finished generations",
                  [f"exo_completion_tokens_total {m.tokens_out}"]),
+        *_metric("exo_prompt_cached_tokens_total", "counter", "prompt tokens of finished generations that the "
+                 "runner's prompt cache already held", [f"exo_prompt_cached_tokens_total {m.tokens_cached}"]),
+        *_prompt_cache_metrics(state),
         *_metric("exo_instance_queue_depth", "gauge", "open (pending or running) tasks per instance", (
             f'exo_instance_queue_depth{{instance_id="{_label(i)}",model_id="{_label(inst.model_id)}"}} {queue.get(i, 0)}'
             for i, inst in sorted(state.instances.items()))),

@@ -231,6 +231,7 @@ def _on_task_finished(draft: Draft, event: TaskFinished, seq: int) -> None:
     tasks[event.task_id] = replace(
         task, status=event.status, finish_reason=event.finish_reason, error=event.error,
         prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens,
+        cached_tokens=event.cached_tokens,
     )
     order = draft.own("finished_task_ids")
     order.append(event.task_id)

@@ -89,6 +89,7 @@ class TaskFinished(Event, tag="task.finished", kw_only=True):
     error: str = ""
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens reused from the runner's prompt cache
 
 
 class CustomCardAdded(Event, tag="card.added", kw_only=True):

@@ -91,6 +91,17 @@ class RunnerInfo(msgspec.Struct, frozen=True, kw_only=True):
     failures: int = 0  # failures since the runner was last ready; the master deletes the instance past a bound
 
 
+class PromptCacheStats(msgspec.Struct, frozen=True, kw_only=True):
+    """One runner's prompt cache (exo/runner/prompt_cache.py); counters since the runner started."""
+
+    hits: int = 0  # requests that reused a cached prefix
+    misses: int = 0
+    tokens_reused: int = 0  # prompt tokens not processed again
+    bytes: int = 0  # KV bytes held now
+    entries: int = 0
+    evictions: int = 0  # entries dropped to stay within the byte or entry limit
+
+
 class NodeInfo(msgspec.Struct, frozen=True, kw_only=True):
     node_id: str
     hostname: str = ""
@@ -103,6 +114,7 @@ class NodeInfo(msgspec.Struct, frozen=True, kw_only=True):
     ring_port_first: int = 0  # ports it lets MLX ring groups listen on: [first, first + count)
     ring_port_count: int = 0
     incarnation: str = ""  # random per process start: two live processes with one node id show up as two
+    prompt_caches: dict[str, PromptCacheStats] = {}  # instance id -> its runner's prompt cache on this node
 
 
 class FileProgress(msgspec.Struct, frozen=True, kw_only=True):
@@ -166,6 +178,7 @@ class Task(msgspec.Struct, frozen=True, kw_only=True):
     error: str = ""
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens reused from the runner's prompt cache
 
 
 class TokenChunk(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -181,6 +194,7 @@ class TokenChunk(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     logprobs: list[TokenLogprob] = []  # one per generated token, when asked for
     tool_calls: list[ToolCall] = []  # parsed from the model's output by the tokenizer's tool parser
     stop_sequence: str = ""  # the stop string that ended generation, if one did
+    cached_tokens: int = 0  # on the last chunk: prompt tokens reused from the runner's prompt cache
 
 
 class ToolCall(msgspec.Struct, frozen=True, kw_only=True):

@@ -126,12 +126,12 @@ class Runner:
         coalescer = Coalescer(STREAM_INTERVAL_S)
         held = Output("", 0, 0, [], [])  # logprobs and tool calls ride with the text they came with
 
-        def chunk_of(text: str, completion: int, prompt: int) -> TokenChunk:
+        def chunk_of(text: str, completion: int, prompt: int, cached: int) -> TokenChunk:
             nonlocal index
             index += 1
             logprobs, tool_calls, held.logprobs, held.tool_calls = held.logprobs, held.tool_calls, [], []
             return TokenChunk(command_id=task_id, index=index - 1, text=text, token_count=completion, prompt_tokens=prompt,
-                              logprobs=logprobs, tool_calls=tool_calls)
+                              logprobs=logprobs, tool_calls=tool_calls, cached_tokens=cached)
 
         def on_output(out: Output) -> None:  # on the model thread
             held.logprobs.extend(out.logprobs)
@@ -140,7 +140,8 @@ class Runner:
             # A tool call is sent at once, with any text held before it.
             ready = (coalescer.flush(now) or "") if out.tool_calls else coalescer.add(out.text, now)
             if ready or out.tool_calls:
-                loop.call_soon_threadsafe(self._chunks.put_nowait, chunk_of(ready or "", out.completion_tokens, out.prompt_tokens))
+                loop.call_soon_threadsafe(self._chunks.put_nowait, chunk_of(ready or "", out.completion_tokens,
+                                                                            out.prompt_tokens, out.cached_tokens))
 
         running = self._start(loop, request, on_output)
         self.report(Started(task_id=task_id))  # after the model thread has its work: off the first token's path
@@ -155,9 +156,10 @@ class Runner:
             return
         rest = coalescer.flush(time.perf_counter())
         if rest or held.logprobs:  # on the loop thread, after every chunk the model thread scheduled
-            self._chunks.put_nowait(chunk_of(rest or "", result.completion_tokens, result.prompt_tokens))
+            self._chunks.put_nowait(chunk_of(rest or "", result.completion_tokens, result.prompt_tokens,
+                                             result.cached_tokens))
         await self._finish(task_id, index, result.finish_reason, result.prompt_tokens, result.completion_tokens,
-                           stop_sequence=result.stop_sequence)
+                           stop_sequence=result.stop_sequence, cached=result.cached_tokens)
 
     def _start(self, loop, request: Generate, on_output) -> Awaitable[GenerationResult]:
         """Hands the generation to the model thread: into the batch, or alone (Engine.generate)."""
@@ -171,15 +173,17 @@ class Runner:
         return loop.run_in_executor(self._mlx_thread, self._engine.generate, request.params, request.defaults,
                                     on_output, is_cancelled, task_id)
 
-    async def _finish(self, task_id, index, reason, prompt, completion, error: str = "", stop_sequence: str = "") -> None:
+    async def _finish(self, task_id, index, reason, prompt, completion, error: str = "", stop_sequence: str = "",
+                      cached: int = 0) -> None:
         final = TokenChunk(
             command_id=task_id, index=index, token_count=completion, prompt_tokens=prompt,
-            finish_reason=reason, error=error, stop_sequence=stop_sequence,
+            finish_reason=reason, error=error, stop_sequence=stop_sequence, cached_tokens=cached,
         )
         published = asyncio.get_running_loop().create_future()
         self._chunks.put_nowait((final, published))
         await published  # this generation's chunks are all out (one publisher, in order); others may still run
-        self.report(Done(task_id=task_id, finish_reason=reason, prompt_tokens=prompt, completion_tokens=completion, error=error))
+        self.report(Done(task_id=task_id, finish_reason=reason, prompt_tokens=prompt, completion_tokens=completion,
+                         error=error, cached_tokens=cached, prompt_cache=self._engine.prompt_cache.stats()))
 
     async def _publish_chunks(self) -> None:
         # One publisher keeps chunks in order on the wire.

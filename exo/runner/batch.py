@@ -35,6 +35,7 @@ from exo.runner.distributed import AgreedSamplers, BatchJoin, BatchStep, Lockste
 from exo.runner.engine import (
     Decoding, Engine, GenerationResult, OnOutput, max_tokens_of, penalties, sampling_of,
 )
+from exo.runner.prompt_cache import PromptCache, Reuse
 
 log = logging.getLogger(__name__)
 
@@ -66,12 +67,23 @@ def new_generator(model: Any, tokenizer: Any, limit: int) -> BatchGenerator:
     )
 
 
-def insert(generator: BatchGenerator, join: BatchJoin, sampler: Callable) -> int:
+def insert(generator: BatchGenerator, join: BatchJoin, sampler: Callable, reuse: Reuse) -> int:
+    """Into the batch, starting from the cached prefix (`reuse`): only the rest is processed."""
     (uid,) = generator.insert(
-        [join.tokens], max_tokens=[join.max_tokens], samplers=[sampler],
-        logits_processors=[penalties(join.presence_penalty, join.frequency_penalty)],
+        [reuse.rest], max_tokens=[join.max_tokens], caches=[reuse.cache], all_tokens=[join.tokens[:reuse.cached]],
+        samplers=[sampler], logits_processors=[penalties(join.presence_penalty, join.frequency_penalty)],
     )
     return uid
+
+
+def keep_caches(cache: PromptCache, generator: BatchGenerator, finished: list, leaving: list[int]) -> None:
+    """Store the KV caches of requests that just ended (mlx-lm's finished ones, then those we remove)
+    and take the leaving ones out of the batch. Every rank does this in the same order."""
+    for response in finished:
+        cache.keep(response.all_tokens, response.prompt_cache)
+    if leaving:
+        for kv, tokens in generator.remove(leaving, return_prompt_caches=cache.enabled).values():
+            cache.keep(tokens, kv)
 
 
 class BatchFailed(RuntimeError):
@@ -174,14 +186,17 @@ class Batcher:
 
     def _insert(self, job: Job) -> None:
         try:
-            params = job.params
-            join = BatchJoin(tokens=job.start(self._engine), max_tokens=max_tokens_of(params),
+            params, tokens = job.params, job.start(self._engine)
+            if not tokens:  # mlx-lm's own check, made before a sampler is taken (see AgreedSamplers)
+                raise ValueError("the prompt is empty")
+            reuse = self._engine.prompt_cache.take(tokens)
+            assert job.decoding is not None
+            job.decoding.cached = reuse.cached
+            join = BatchJoin(tokens=tokens, max_tokens=max_tokens_of(params), cached=reuse.cached,
                              sampling=sampling_of(params, job.defaults), presence_penalty=params.presence_penalty,
                              frequency_penalty=params.frequency_penalty)
-            if not join.tokens:  # mlx-lm's own check, made before a sampler is taken (see AgreedSamplers)
-                raise ValueError("the prompt is empty")
             generator = self._batch()
-            uid = insert(generator, join, self._sampler(join.sampling))
+            uid = insert(generator, join, self._sampler(join.sampling), reuse)
         except Exception as error:
             job.on_done(error)
             return
@@ -221,16 +236,20 @@ class Batcher:
             return
         leaving = [r.uid for r in responses if self._on_token(r.uid, r.token, r.logprobs, r.finish_reason)]
         leaving += self._end_cancelled()
-        if leaving:
-            self._batch().remove(leaving)
-            self._leaves += leaving if self._lockstep() is not None else []
+        finished, cache = [r for r in responses if r.finish_reason], self._engine.prompt_cache
+        if finished or leaving:
+            generator = self._batch()
+            keep_caches(cache, generator, finished, leaving)
+            cache.trim(generator.prompt_cache_nbytes if cache.enabled else 0)  # running requests count too
+        self._leaves += leaving if self._lockstep() is not None else []
 
     def _tell_the_other_ranks(self) -> None:
         """Multi-node: the step every rank takes next, in the order rank 0 took it (new, leave, join)."""
         lockstep = self._lockstep()
         if lockstep is None:
             return
-        step = BatchStep(new_batch=self._limit if self._new_batch else 0, leaves=self._leaves, joins=self._joins)
+        step = BatchStep(new_batch=self._limit if self._new_batch else 0, leaves=self._leaves, joins=self._joins,
+                         cache_entries=self._engine.prompt_cache.entries)
         self._new_batch, self._leaves, self._joins = False, [], []
         lockstep.announce(step)
 

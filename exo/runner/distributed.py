@@ -81,6 +81,8 @@ class Announcement(msgspec.Struct, frozen=True, kw_only=True, tag="generate"):
     task_id: str
     params: GenerationParams
     defaults: SamplingDefaults = SamplingDefaults()
+    cached: int = 0  # prompt tokens rank 0 reuses from its prompt cache: every rank reuses as many
+    cache_entries: int = 0  # rank 0's prompt-cache entries before this request: the others drop as many
 
 
 Sampling = tuple[float, float, int]  # temperature, top_p, top_k
@@ -94,6 +96,7 @@ class BatchJoin(msgspec.Struct, frozen=True, kw_only=True):
     sampling: Sampling
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    cached: int = 0  # prompt tokens reused from rank 0's prompt cache (see Announcement)
 
 
 class BatchStep(msgspec.Struct, frozen=True, kw_only=True, tag="step"):
@@ -103,6 +106,7 @@ class BatchStep(msgspec.Struct, frozen=True, kw_only=True, tag="step"):
     new_batch: int = 0
     leaves: list[int] = []
     joins: list[BatchJoin] = []
+    cache_entries: int = 0  # rank 0's prompt-cache entries before the joins (see Announcement)
 
 
 Message = Announcement | BatchStep

@@ -11,21 +11,24 @@ from mlx_lm import load, stream_generate
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 from exo.core.types import GenerationParams, SamplingDefaults, TokenLogprob, ToolCall, TopLogprob
+from exo.memory import memory
 from exo.runner.distributed import Announcement, Lockstep, join_ring, load_shard
+from exo.runner.prompt_cache import FOLLOWER_BUDGET, PromptCache, Reuse, budget_bytes, entry_limit
 from exo.runner.protocol import RankSetup
 from exo.runner.stops import StopMatcher
 from exo.runner.tool_calls import ToolCallSplitter
 
 DEFAULT_MAX_TOKENS = 2048
-
+PENALTY_CONTEXT = 256  # more than mlx-lm's penalties look back at (20 tokens by default)
 
 
 class Output:
     """What one decode step produced for the caller: text, and tool calls / logprobs if asked for."""
 
     def __init__(self, text: str, completion_tokens: int, prompt_tokens: int,
-                 logprobs: list[TokenLogprob], tool_calls: list[ToolCall]) -> None:
+                 logprobs: list[TokenLogprob], tool_calls: list[ToolCall], cached_tokens: int = 0) -> None:
         self.text = text
+        self.cached_tokens = cached_tokens  # of prompt_tokens, reused from the prompt cache
         self.completion_tokens = completion_tokens
         self.prompt_tokens = prompt_tokens
         self.logprobs = logprobs
@@ -36,11 +39,13 @@ OnOutput = Callable[[Output], None]
 
 
 class GenerationResult:
-    def __init__(self, finish_reason: str, prompt_tokens: int, completion_tokens: int, stop_sequence: str = "") -> None:
+    def __init__(self, finish_reason: str, prompt_tokens: int, completion_tokens: int, stop_sequence: str = "",
+                 cached_tokens: int = 0) -> None:
         self.finish_reason = finish_reason
         self.prompt_tokens = prompt_tokens
         self.completion_tokens = completion_tokens
         self.stop_sequence = stop_sequence
+        self.cached_tokens = cached_tokens  # prompt tokens reused from the prompt cache
 
 
 class Engine:
@@ -48,14 +53,19 @@ class Engine:
         self.model: Any = None
         self.tokenizer: Any = None
         self.lockstep: Lockstep | None = None  # set when this runner is one rank of a multi-node instance
+        self.prompt_cache = PromptCache(None, max_bytes=0)
 
     def load(self, model_path: str, shard: RankSetup | None = None) -> None:
         if shard is None:
             self.model, self.tokenizer = load(model_path)
-            return
-        group = join_ring(shard.rank, shard.ring_hosts)
-        self.model, self.tokenizer = load_shard(model_path, group, shard.sharding, shard.start_layer, shard.end_layer)
-        self.lockstep = Lockstep(group)
+        else:
+            group = join_ring(shard.rank, shard.ring_hosts)
+            self.model, self.tokenizer = load_shard(model_path, group, shard.sharding, shard.start_layer, shard.end_layer)
+            self.lockstep = Lockstep(group)
+        # The budget comes from the memory free once the model is in it. On a multi-node instance
+        # rank 0 decides which entries every rank keeps (its byte count; see PromptCache.trim).
+        budget = budget_bytes(memory()[1]) if shard is None or shard.rank == 0 else FOLLOWER_BUDGET
+        self.prompt_cache = PromptCache(self.model, budget, entry_limit())
 
     def release_followers(self) -> None:
         if self.lockstep is not None and self.lockstep.leads:
@@ -84,24 +94,47 @@ class Engine:
         on_output: OnOutput,
         is_cancelled: Callable[[], bool],
         task_id: str = "",
+        told: Announcement | None = None,
     ) -> GenerationResult:
-        decoding = Decoding(self, params, on_output, task_id)
+        """One request alone. `told`: rank 0's announcement of it, on the other ranks of an instance."""
+        tokens = self.encode(self.prompt_for(params))
+        reuse = self._reuse(tokens, told)
+        decoding = Decoding(self, params, on_output, task_id, cached=reuse.cached)
         sampler = _sampler(params, defaults)
         if self.lockstep is not None:  # every rank takes rank 0's tokens and stops when rank 0 does
             if self.lockstep.leads:
-                self.lockstep.announce(Announcement(task_id=task_id, params=params, defaults=defaults))
+                self.lockstep.announce(Announcement(task_id=task_id, params=params, defaults=defaults,
+                                                    cached=reuse.cached, cache_entries=self.prompt_cache.entries))
             sampler, is_cancelled = self.lockstep.start(sampler, is_cancelled)
+        generated: list[int] = []
+        result = None
         for response in stream_generate(
-            self.model, self.tokenizer, self.prompt_for(params), max_tokens=max_tokens_of(params),
-            sampler=sampler, logits_processors=logits_processors_of(params),
+            self.model, self.tokenizer, mx.array(reuse.rest), max_tokens=max_tokens_of(params),
+            sampler=sampler, logits_processors=_seeing_prefix(logits_processors_of(params), tokens[:reuse.cached]),
+            prompt_cache=reuse.cache,
         ):
+            generated.append(response.token)
             result = decoding.step(response.text, response.token, response.logprobs,
-                                   response.prompt_tokens, response.generation_tokens, response.finish_reason)
+                                   len(tokens), response.generation_tokens, response.finish_reason)
+            if result is None and is_cancelled():
+                result = decoding.cancelled()
             if result is not None:
-                return result
-            if is_cancelled():
-                return decoding.cancelled()
-        return decoding.finish()
+                break
+        # Every token stream_generate reported went through the model: the cache holds them all.
+        self.prompt_cache.keep(tokens + generated, reuse.cache)
+        self._trim_cache()
+        return result or decoding.finish()
+
+    def _reuse(self, tokens: list[int], told: Announcement | None) -> Reuse:
+        if told is None:
+            return self.prompt_cache.take(tokens)
+        self.prompt_cache.trim(entries=told.cache_entries)  # drop what rank 0 dropped before it took this
+        return self.prompt_cache.take(tokens, expect=told.cached)
+
+    def _trim_cache(self, active_bytes: int = 0) -> None:
+        """Keep the cache in its budget; rank 0 only (the others drop what rank 0 tells them to)."""
+        if self.lockstep is None or self.lockstep.leads:
+            self.prompt_cache.trim(active_bytes)
 
     def encode(self, prompt: str) -> list[int]:
         """The prompt's token ids exactly as stream_generate makes them from the same text."""
@@ -128,8 +161,10 @@ class Decoding:
     The single path (Engine.generate) feeds it stream_generate's responses, the batch
     (batch.py) BatchGenerator's, detokenized the same way, so both send the same chunks."""
 
-    def __init__(self, engine: Engine, params: GenerationParams, on_output: OnOutput, task_id: str) -> None:
+    def __init__(self, engine: Engine, params: GenerationParams, on_output: OnOutput, task_id: str,
+                 cached: int = 0) -> None:
         self._engine = engine
+        self.cached = cached
         self._top_logprobs = params.top_logprobs if params.logprobs else -1
         self._on_output = on_output
         self._stops = StopMatcher(params.stop)
@@ -146,11 +181,11 @@ class Decoding:
         content, calls = self._tools.feed(text)
         text = self._stops.feed(content)
         if text or calls or entries:
-            self._on_output(Output(text, completion_tokens, prompt_tokens, entries, calls))
+            self._on_output(Output(text, completion_tokens, prompt_tokens, entries, calls, self.cached))
         return self._stopped() if self._stops.stopped else None
 
     def cancelled(self) -> GenerationResult:
-        return GenerationResult("cancelled", self.prompt_tokens, self.completion_tokens)
+        return GenerationResult("cancelled", self.prompt_tokens, self.completion_tokens, cached_tokens=self.cached)
 
     def finish(self) -> GenerationResult:
         """mlx-lm ended the request (EOS or max_tokens): what the tool parser and stop strings held back."""
@@ -158,12 +193,12 @@ class Decoding:
         text = self._stops.feed(content)
         text += "" if self._stops.stopped else self._stops.flush()
         if text or calls:
-            self._on_output(Output(text, self.completion_tokens, self.prompt_tokens, [], calls))
+            self._on_output(Output(text, self.completion_tokens, self.prompt_tokens, [], calls, self.cached))
         return self._stopped() if self._stops.stopped else GenerationResult(
-            self.finish_reason, self.prompt_tokens, self.completion_tokens)
+            self.finish_reason, self.prompt_tokens, self.completion_tokens, cached_tokens=self.cached)
 
     def _stopped(self) -> GenerationResult:
-        return GenerationResult("stop", self.prompt_tokens, self.completion_tokens, self._stops.matched)
+        return GenerationResult("stop", self.prompt_tokens, self.completion_tokens, self._stops.matched, self.cached)
 
 
 def max_tokens_of(params: GenerationParams) -> int:
@@ -176,6 +211,19 @@ def logits_processors_of(params: GenerationParams) -> list[Callable]:
 
 def penalties(presence: float | None, frequency: float | None) -> list[Callable]:
     return make_logits_processors(presence_penalty=presence, frequency_penalty=frequency)
+
+
+def _seeing_prefix(processors: list[Callable], prefix: list[int]) -> list[Callable]:
+    """Penalties look at the last tokens of the prompt too; stream_generate gives them only the
+    tokens it processes, so put back the cached prefix's (as the batch's token context has them)."""
+    if not processors or not prefix:
+        return processors
+    before = mx.array(prefix[-PENALTY_CONTEXT:])
+
+    def seeing(processor: Callable) -> Callable:
+        return lambda tokens, logits: processor(mx.concatenate([before, tokens.astype(before.dtype)]), logits)
+
+    return [seeing(p) for p in processors]
 
 
 def sampling_of(params: GenerationParams, defaults: SamplingDefaults) -> tuple[float, float, int]:

@@ -9,11 +9,10 @@ dropped here.
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 from mlx_lm.generate import BatchGenerator
 
-from exo.runner.batch import insert, new_generator
+from exo.runner.batch import insert, keep_caches, new_generator
 from exo.runner.distributed import AgreedSamplers, Announcement, BatchStep, Lockstep
 from exo.runner.engine import Engine
 
@@ -24,20 +23,21 @@ def follow(engine: Engine) -> None:
     """Until rank 0 says it is leaving (or the group breaks: then this raises)."""
     lockstep = engine.lockstep
     assert lockstep is not None and not lockstep.leads
-    batch = BatchFollower(engine.model, engine.tokenizer, lockstep)
+    batch = BatchFollower(engine, lockstep)
     while (message := lockstep.next_message()) is not None:
         if isinstance(message, Announcement):
-            engine.generate(message.params, message.defaults, lambda _: None, lambda: False, message.task_id)
+            engine.generate(message.params, message.defaults, lambda _: None, lambda: False, message.task_id, message)
         elif isinstance(message, BatchStep):
             batch.step(message)
 
 
 class BatchFollower:
     """Rank 0's batch, replayed: the same BatchGenerator, the same inserts and removals in the
-    same order, so its request ids, its grouping and its collectives match rank 0's."""
+    same order, so its request ids, its grouping and its collectives match rank 0's. Its prompt
+    cache stores and reuses the same entries as rank 0's, and drops what rank 0 dropped."""
 
-    def __init__(self, model: Any, tokenizer: Any, lockstep: Lockstep) -> None:
-        self._model, self._tokenizer = model, tokenizer
+    def __init__(self, engine: Engine, lockstep: Lockstep) -> None:
+        self._model, self._tokenizer, self._cache = engine.model, engine.tokenizer, engine.prompt_cache
         self._samplers = AgreedSamplers(lockstep)
         self._generator: BatchGenerator | None = None
 
@@ -47,12 +47,14 @@ class BatchFollower:
             self._samplers.clear()
         if self._generator is None:
             raise RuntimeError("out of step with rank 0: told to step a batch this rank does not have")
-        if step.leaves:
-            self._generator.remove(step.leaves)
+        keep_caches(self._cache, self._generator, [], step.leaves)
+        self._cache.trim(entries=step.cache_entries)
         for join in step.joins:
-            insert(self._generator, join, self._samplers.get(join.sampling))
+            reuse = self._cache.take(join.tokens, expect=join.cached)
+            insert(self._generator, join, self._samplers.get(join.sampling), reuse)
         try:
-            self._generator.next()
+            _, responses = self._generator.next()
+            keep_caches(self._cache, self._generator, [r for r in responses if r.finish_reason], [])
         except Exception:
             # Rank 0 ran the same step; if it failed there too, its next step starts a new batch.
             log.exception("a batch step failed")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-from exo.core.types import GenerationParams, SamplingDefaults
+from exo.core.types import GenerationParams, PromptCacheStats, SamplingDefaults
 
 
 class Request(msgspec.Struct, frozen=True, kw_only=True, tag_field="op"):
@@ -67,6 +67,8 @@ class Done(Report, tag="done", kw_only=True):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     error: str = ""
+    cached_tokens: int = 0  # prompt tokens reused from the prompt cache
+    prompt_cache: PromptCacheStats | None = None  # the runner's cache after this request
 
 
 class Failed(Report, tag="failed", kw_only=True):

@@ -7,10 +7,11 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 
 from exo.core.events import AnyEvent, Event, NodeHeartbeat
 from exo.core.state import State
+from exo.core.types import PromptCacheStats
 from exo.worker.node_info import describe_this_node
 
 log = logging.getLogger(__name__)
@@ -23,8 +24,10 @@ def heartbeat_interval() -> float:
 
 
 class Heartbeat:
-    def __init__(self, node_id: str, publish: Callable[[Event], Awaitable[None]], interval: float | None = None) -> None:
+    def __init__(self, node_id: str, publish: Callable[[Event], Awaitable[None]], interval: float | None = None,
+                 prompt_caches: Callable[[], Mapping[str, PromptCacheStats]] = dict) -> None:
         self.node_id = node_id
+        self._prompt_caches = prompt_caches  # this node's runners' prompt caches, by instance
         self.incarnation = uuid.uuid4().hex[:12]
         self._publish = publish
         self._interval = heartbeat_interval() if interval is None else interval
@@ -34,7 +37,8 @@ class Heartbeat:
     async def run(self) -> None:
         while True:
             try:
-                await self._publish(NodeHeartbeat(node=describe_this_node(self.node_id, self.incarnation, time.time())))
+                await self._publish(NodeHeartbeat(node=describe_this_node(
+                    self.node_id, self.incarnation, time.time(), dict(self._prompt_caches()))))
             except Exception as error:  # the broker may be away; the next beat tries again
                 log.warning("heartbeat not sent: %r", error)
             await asyncio.sleep(self._interval)

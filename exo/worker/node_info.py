@@ -5,34 +5,22 @@ from __future__ import annotations
 import os
 import platform
 import socket
-from pathlib import Path
 
-from exo.core.types import NodeInfo
+from exo.core.types import NodeInfo, PromptCacheStats
+from exo.memory import memory
 
 DEFAULT_RING_PORTS = (52600, 100)  # first port, how many: MLX ring groups of multi-node instances
 
 
-def describe_this_node(node_id: str, incarnation: str, now: float) -> NodeInfo:
+def describe_this_node(node_id: str, incarnation: str, now: float,
+                       prompt_caches: dict[str, PromptCacheStats] | None = None) -> NodeInfo:
     total, available = memory()
     first, count = ring_ports()
     return NodeInfo(
         node_id=node_id, hostname=platform.node(), memory_total=total, memory_available=available,
         cpu_count=os.cpu_count() or 1, backend=mlx_backend(), last_seen=now, addresses=addresses(),
-        ring_port_first=first, ring_port_count=count, incarnation=incarnation,
+        ring_port_first=first, ring_port_count=count, incarnation=incarnation, prompt_caches=prompt_caches or {},
     )
-
-
-def memory() -> tuple[int, int]:
-    """Total and available bytes (MemAvailable on Linux: what can be had without swapping)."""
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    available = total
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                available = int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return total, available
 
 
 def mlx_backend() -> str:

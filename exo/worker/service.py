@@ -23,7 +23,7 @@ from exo.bus.state_view import StateView
 from exo.bus.tokens import publish_chunk
 from exo.core.events import AnyEvent, CustomCardAdded, CustomCardDeleted, Event, RunnerStatusChanged, TaskFinished, TaskStarted
 from exo.core.state import State
-from exo.core.types import ModelCard, RunnerStatus, ShardAssignment, TokenChunk
+from exo.core.types import ModelCard, PromptCacheStats, RunnerStatus, ShardAssignment, TokenChunk
 from exo.master.decide import find_card
 from exo.models.cards import reconcile_custom_card, reconcile_custom_cards
 from exo.models.dirs import DownloadSettings
@@ -49,6 +49,7 @@ class Worker:
         self._nats_urls = nats_urls
         self._builtin_cards = builtin_cards
         self._runners: dict[str, p.LocalRunner] = {}
+        self._prompt_cache_stats: dict[str, PromptCacheStats] = {}  # by instance id, from runners' Done reports
         self._hosts: dict[str, RunnerHost] = {}
         self._model_paths: dict[str, Path] = {}
         self._ended: set[str] = set()
@@ -259,13 +260,25 @@ class Worker:
                 await self._publish(TaskStarted(task_id=report.task_id))
             case rp.Done():
                 self._ended.add(report.task_id)
+                self._note_prompt_cache(runner_id, report.prompt_cache)
                 status = {"error": "failed", "cancelled": "cancelled"}.get(report.finish_reason, "completed")
                 await self._publish(TaskFinished(
                     task_id=report.task_id, status=status, finish_reason=report.finish_reason, error=report.error,
                     prompt_tokens=report.prompt_tokens, completion_tokens=report.completion_tokens,
+                    cached_tokens=report.cached_tokens,
                 ))
             case rp.Failed():
                 await self._fail_runner(runner_id, report.error)
+
+    def _note_prompt_cache(self, runner_id: str, stats: PromptCacheStats | None) -> None:
+        runner = self._runners.get(runner_id)
+        if stats is not None and runner is not None:
+            self._prompt_cache_stats[runner.instance_id] = stats
+
+    def prompt_caches(self) -> dict[str, PromptCacheStats]:
+        """The latest prompt-cache figures of each runner this node has (for its heartbeat)."""
+        live = {runner.instance_id for runner in self._runners.values()}
+        return {i: stats for i, stats in self._prompt_cache_stats.items() if i in live}
 
     async def _on_runner_exit(self, runner_id: str, code: int, log_tail: str) -> None:
         await self._fail_runner(runner_id, f"runner exited with code {code}: {log_tail}")

@@ -27,8 +27,10 @@ from exo.runner.protocol import RankSetup
 
 
 def params_of(request: dict) -> GenerationParams:
-    settings = {k: v for k, v in request.items() if k not in ("text", "join_after", "cancel_after")}
-    return GenerationParams(messages=[ChatMessage(role="user", content=request["text"])], **{"temperature": 0, **settings})
+    """A request: "text" (one user message) or "messages" ([role, content] pairs), and its settings."""
+    settings = {k: v for k, v in request.items() if k not in ("text", "messages", "join_after", "cancel_after", "after_done")}
+    turns = request.get("messages") or [["user", request["text"]]]
+    return GenerationParams(messages=[ChatMessage(role=r, content=c) for r, c in turns], **{"temperature": 0, **settings})
 
 
 async def lead(engine: Engine, requests: list[dict]) -> list:
@@ -41,6 +43,8 @@ async def lead(engine: Engine, requests: list[dict]) -> list:
         after = request.get("join_after")  # start once request `after[0]` has sent `after[1]` outputs
         while after and len(outs[after[0]]) < after[1]:
             await asyncio.sleep(0.001)
+        if "after_done" in request:  # the next turn of a conversation: once the one before has ended
+            await futures[request["after_done"]]
         limit = request.get("cancel_after")
         cancelled = (lambda i=i, limit=limit: limit is not None and len(outs[i]) >= limit)
         params = params_of(request)
@@ -51,6 +55,7 @@ async def lead(engine: Engine, requests: list[dict]) -> list:
                                                 outs[i].append, cancelled, f"task{i}"))
     results = await asyncio.gather(*futures)
     await loop.run_in_executor(model_thread, engine.release_followers)
+    print(json.dumps([r.cached_tokens for r in results]), flush=True)  # prompt tokens reused from the prompt cache
     return [["".join(o.text for o in out), r.finish_reason, r.completion_tokens] for out, r in zip(outs, results)]
 
 
@@ -75,7 +80,8 @@ def main() -> None:
     engine.load(model_dir, RankSetup(rank=int(rank), ring_hosts=json.loads(hosts), sharding=sharding,
                                      start_layer=int(start), end_layer=int(end)))
     if int(rank) == 0:
-        print(json.dumps(asyncio.run(lead(engine, json.loads(requests)))), flush=True)
+        results = asyncio.run(lead(engine, json.loads(requests)))
+        print(json.dumps(results), flush=True)
     else:
         follow(engine)
     print(json.dumps(batch_tokens), flush=True)

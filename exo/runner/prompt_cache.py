@@ -1,0 +1,135 @@
+"""The runner's prompt cache: KV caches of recent requests, reused by their longest token prefix.
+
+A chat resends the whole conversation every turn; with the cache a turn only processes what is
+new since the last one. The store is mlx-lm's own `LRUPromptCache` (what `mlx_lm.server` runs),
+so which entry serves a prompt, and how a longer entry is trimmed down to the shared prefix, are
+mlx-lm's decisions. This module adds what a runner needs around it: a byte budget, counters, at
+least one token left to process (a model call must produce the first token's logits), and, on a
+multi-node instance, the same entries on every rank (see `take(expect=...)` and `trim`).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+
+from exo.core.types import PromptCacheStats
+
+DEFAULT_ENTRIES = 10  # mlx_lm.server's --prompt-cache-size
+DEFAULT_SHARE_OF_FREE_MEMORY = 0.25
+FOLLOWER_BUDGET = 1 << 62  # ranks other than 0 keep what rank 0 keeps, whatever their own setting
+_MODEL_KEY = "model"  # one model per runner: the key only has to be the same every time
+
+
+class OutOfStep(RuntimeError):
+    """A rank's cache would reuse another prefix than rank 0's: the instance must re-form."""
+
+
+@dataclass
+class Reuse:
+    """What a request starts from: a KV cache holding `cached` tokens of its prompt, and the rest."""
+
+    cache: list[Any]
+    rest: list[int]
+    cached: int
+
+
+def budget_bytes(free_memory: int) -> int:
+    """EXO_PROMPT_CACHE_BYTES (0 turns the cache off), else a quarter of the memory free now."""
+    configured = os.environ.get("EXO_PROMPT_CACHE_BYTES", "").strip()
+    if configured:
+        return max(0, int(configured))
+    return int(free_memory * DEFAULT_SHARE_OF_FREE_MEMORY)
+
+
+def entry_limit() -> int:
+    return max(1, int(os.environ.get("EXO_PROMPT_CACHE_ENTRIES", str(DEFAULT_ENTRIES))))
+
+
+class PromptCache:
+    """Runs on the model thread only."""
+
+    def __init__(self, model: Any, max_bytes: int, max_entries: int = DEFAULT_ENTRIES) -> None:
+        self._model = model
+        self.max_bytes = max_bytes
+        self.max_entries = max_entries
+        # Limits are applied by `trim` (it counts evictions and knows the bytes of live batches).
+        self._lru = LRUPromptCache(max_size=1 << 62, max_bytes=1 << 62)
+        self._hits = self._misses = self._reused = self._evictions = 0
+
+    @property
+    def entries(self) -> int:
+        return len(self._lru)
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_bytes > 0
+
+    def take(self, tokens: list[int], expect: int | None = None) -> Reuse:
+        """A cache for `tokens`: a copy of the best entry (trimmed to the shared prefix) or a new one.
+        `expect`: rank 0's `cached` for this request; another answer here means the ranks diverged."""
+        reuse = self._lookup(tokens)
+        if expect is not None and reuse.cached != expect:
+            raise OutOfStep(f"prompt cache out of step with rank 0: {reuse.cached} cached tokens here, {expect} there")
+        if reuse.cached:
+            self._hits, self._reused = self._hits + 1, self._reused + reuse.cached
+        else:
+            self._misses += 1
+        return reuse
+
+    def _lookup(self, tokens: list[int]) -> Reuse:
+        if not self.enabled or not tokens:
+            return self._fresh(tokens)
+        cache, rest = self._lru.fetch_nearest_cache(_MODEL_KEY, tokens)
+        if cache is None:
+            return self._fresh(tokens)
+        if not rest:  # the whole prompt is cached: process its last token again for the first logits
+            if not can_trim_prompt_cache(cache):
+                return self._fresh(tokens)
+            trim_prompt_cache(cache, 1)
+            rest = tokens[-1:]
+        return Reuse(cache=cache, rest=list(rest), cached=len(tokens) - len(rest))
+
+    def _fresh(self, tokens: list[int]) -> Reuse:
+        return Reuse(cache=make_prompt_cache(self._model), rest=list(tokens), cached=0)
+
+    def keep(self, tokens: list[int], cache: list[Any]) -> None:
+        """Remember `cache`, which holds exactly `tokens` (prompt and generated so far)."""
+        held = tokens_held(cache)
+        if not self.enabled or not tokens or held is None or held < len(tokens):
+            return
+        if held > len(tokens):
+            if not can_trim_prompt_cache(cache):
+                return
+            trim_prompt_cache(cache, held - len(tokens))
+        mx.eval([layer.state for layer in cache])  # nothing lazy left to compute when another request reuses it
+        self._lru.insert_cache(_MODEL_KEY, list(tokens), cache)
+
+    def trim(self, active_bytes: int = 0, entries: int | None = None) -> int:
+        """Evict the least recently stored entries until the cache fits; the entries left.
+        `active_bytes`: KV memory of requests still running, which counts against the budget.
+        `entries`: rank 0's count (other ranks: drop the same entries, whatever their bytes)."""
+        before = len(self._lru)
+        if entries is not None:
+            self._lru.trim_to(n_sequences=entries)
+        else:
+            self._lru.trim_to(n_sequences=self.max_entries, n_bytes=self.max_bytes - active_bytes)
+        self._evictions += before - len(self._lru)
+        return len(self._lru)
+
+    def stats(self) -> PromptCacheStats:
+        return PromptCacheStats(hits=self._hits, misses=self._misses, tokens_reused=self._reused,
+                                bytes=self._lru.nbytes, entries=len(self._lru), evictions=self._evictions)
+
+
+def tokens_held(cache: list[Any]) -> int | None:
+    """How many tokens a model's cache holds, where its layers say (None: they do not)."""
+    offsets = {getattr(layer, "offset", None) for layer in cache}
+    if len(offsets) != 1 or None in offsets:
+        return None
+    (offset,) = offsets
+    return int(offset)

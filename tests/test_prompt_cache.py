@@ -1,0 +1,239 @@
+"""The runner's prompt cache (exo/runner/prompt_cache.py): a request reuses the KV cache of the
+longest cached token prefix and processes only the rest, on the single path and in the batch.
+
+The reference is mlx-lm itself. On these CPU models a cached turn's greedy output (and its
+logprobs) equals the uncached one exactly, so the in-process tests compare an engine with the
+cache on to one with it off, output by output. End to end, a multi-turn session is sent to exo and
+to mlx_lm.server (which caches too) on the same model and must give the same text turn by turn."""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from exo.core.types import ChatMessage, GenerationParams, SamplingDefaults
+from exo.runner.batch import Batcher
+from exo.runner.engine import Engine, GenerationResult, Output
+from exo.runner.prompt_cache import OutOfStep, PromptCache
+from tests.e2e_support import exo_serving, place
+from tests.support.tiny_model import TINY_MODEL_ID, Dims, make_tiny_model
+
+pytestmark = pytest.mark.slow  # real inference
+
+SYSTEM = "You are a helpful assistant. Please answer the question, and keep it short & clear. " * 3
+
+
+def chat(*turns: tuple[str, str], **params) -> GenerationParams:
+    return GenerationParams(messages=[ChatMessage(role=r, content=c) for r, c in turns],
+                            **{"temperature": 0, "max_tokens": 24, **params})
+
+
+def loaded(model_dir: Path, cache_bytes: int | None = None) -> Engine:
+    engine = Engine()
+    engine.load(str(model_dir))
+    if cache_bytes is not None:
+        engine.prompt_cache = PromptCache(engine.model, cache_bytes)
+    return engine
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.fixture(scope="module")
+def uncached(model_dir) -> Engine:
+    return loaded(model_dir, cache_bytes=0)
+
+
+def run_alone(engine: Engine, params: GenerationParams) -> tuple[list, GenerationResult]:
+    out: list[Output] = []
+    done = engine.generate(params, SamplingDefaults(), out.append, lambda: False)
+    return [(o.text, o.completion_tokens, o.prompt_tokens, o.logprobs, o.tool_calls) for o in out], done
+
+
+def run_batched(engine: Engine, requests: list[GenerationParams]) -> list[tuple[list, GenerationResult]]:
+    async def run() -> list:
+        batcher = Batcher(engine, 8, ThreadPoolExecutor(max_workers=1))
+        loop = asyncio.get_running_loop()
+        outs: list[list[Output]] = [[] for _ in requests]
+        futures = [batcher.run(loop, p, SamplingDefaults(), outs[i].append, lambda: False, f"t{i}")
+                   for i, p in enumerate(requests)]
+        results = await asyncio.gather(*futures)
+        return [([(o.text, o.completion_tokens, o.prompt_tokens, o.logprobs, o.tool_calls) for o in out], r)
+                for out, r in zip(outs, results)]
+
+    return asyncio.run(run())
+
+
+def text_of(outputs: list) -> str:
+    return "".join(o[0] for o in outputs)
+
+
+def test_a_growing_conversation_reuses_each_turn_and_equals_the_uncached_output(model_dir, uncached):
+    engine = loaded(model_dir)
+    turns: list[tuple[str, str]] = [("system", SYSTEM), ("user", "Tell me about the sea.")]
+    for turn, extra in enumerate([{}, {"logprobs": True, "top_logprobs": 3}, {"presence_penalty": 0.8},
+                                  {"stop": ["the"]}, {"temperature": 0.9, "seed": 11}]):
+        params = chat(*turns, **extra)
+        got, done = run_alone(engine, params)
+        want, reference = run_alone(uncached, params)
+        assert got == want, f"turn {turn} ({extra})"
+        assert (done.finish_reason, done.prompt_tokens, done.completion_tokens) == (
+            reference.finish_reason, reference.prompt_tokens, reference.completion_tokens)
+        assert reference.cached_tokens == 0
+        # Turn 1 has nothing cached; later turns reuse at least the whole previous prompt.
+        assert done.cached_tokens == 0 if turn == 0 else done.cached_tokens >= previous_prompt
+        previous_prompt = done.prompt_tokens
+        turns += [("assistant", text_of(got)), ("user", f"And then, part {turn}?")]
+    stats = engine.prompt_cache.stats()
+    assert (stats.hits, stats.misses, stats.entries) == (4, 1, 1)  # a longer entry replaces its prefix
+    assert stats.tokens_reused > 4 * len(SYSTEM) // 8 and stats.bytes > 0
+
+
+def test_penalties_see_the_cached_prompt_tokens_as_they_see_uncached_ones(model_dir, uncached):
+    # The same prompt twice: the second processes one token, but its penalties look back 20 tokens.
+    engine = loaded(model_dir)
+    params = chat(("user", "Tell me about the sea."), presence_penalty=1.5, frequency_penalty=1.0, max_tokens=12,
+                  logprobs=True, top_logprobs=2)  # the penalised logits show in the logprobs
+    for _ in range(2):
+        got, done = run_alone(engine, params)
+        assert got == run_alone(uncached, params)[0]
+    assert done.cached_tokens == done.prompt_tokens - 1
+
+
+def test_batched_requests_reuse_and_store_caches_and_equal_the_uncached_output(model_dir, uncached):
+    engine = loaded(model_dir)
+    first = chat(("system", SYSTEM), ("user", "Tell me about the sea."))
+    run_alone(engine, first)  # cached on the single path, reused in the batch
+    branch = chat(("system", SYSTEM), ("user", "What is the capital of France?"), presence_penalty=0.5)
+    strict_prefix = chat(("system", SYSTEM))  # its prompt is a prefix of the cached one
+    again = chat(("system", SYSTEM), ("user", "Tell me about the sea."), logprobs=True, top_logprobs=2)
+    other = chat(("user", "Hello"), stop=["a"])
+    requests = [branch, strict_prefix, again, other]
+    got = run_batched(engine, requests)
+    for params, (outputs, done) in zip(requests, got):
+        want, reference = run_alone(uncached, params)
+        assert outputs == want
+        assert (done.finish_reason, done.prompt_tokens, done.completion_tokens) == (
+            reference.finish_reason, reference.prompt_tokens, reference.completion_tokens)
+    cached = [done.cached_tokens for _, done in got]
+    assert all(c > len(SYSTEM) // 8 for c in cached[:3])  # the system prompt (and more) came from the cache
+    assert cached[2] == got[2][1].prompt_tokens - 1  # the same prompt again: all but its last token
+    # The batch stored what it generated: the next turn of `branch` reuses its whole prompt.
+    follow_up = chat(("system", SYSTEM), ("user", "What is the capital of France?"),
+                     ("assistant", text_of(got[0][0])), ("user", "Why?"), presence_penalty=0.5)
+    (outputs, done), = run_batched(engine, [follow_up])
+    assert outputs == run_alone(uncached, follow_up)[0]
+    assert done.cached_tokens >= got[0][1].prompt_tokens
+
+
+def test_the_byte_and_entry_limits_evict_the_oldest_and_are_counted(model_dir, uncached):
+    engine = loaded(model_dir)
+    asks = ["Hello", "What is the capital of France?", "Once upon a time", "Tell me a joke."]  # no shared words
+    for ask in asks:
+        run_alone(engine, chat(("user", ask)))
+    one_entry = engine.prompt_cache.stats().bytes // len(asks)
+    engine.prompt_cache.max_bytes = 2 * one_entry + one_entry // 2
+    engine.prompt_cache.trim()
+    stats = engine.prompt_cache.stats()
+    assert (stats.entries, stats.evictions) == (2, 2) and stats.bytes <= engine.prompt_cache.max_bytes
+    # The oldest went: the first ask is a miss now (only the shared template start is reused)...
+    _, done = run_alone(engine, chat(("user", asks[0])))
+    assert done.cached_tokens < 8
+    # ...and the newest is still there.
+    _, done = run_alone(engine, chat(("user", asks[-1])))
+    assert done.cached_tokens == done.prompt_tokens - 1
+    engine.prompt_cache.max_entries = 1
+    engine.prompt_cache.trim()
+    assert engine.prompt_cache.stats().entries == 1
+
+
+def test_turned_off_it_holds_nothing(model_dir, uncached):
+    for _ in range(2):
+        _, done = run_alone(uncached, chat(("user", "Hello")))
+        assert done.cached_tokens == 0
+    assert uncached.prompt_cache.stats().entries == 0 and uncached.prompt_cache.stats().hits == 0
+
+
+def test_a_rank_whose_cache_would_reuse_another_prefix_is_out_of_step(model_dir):
+    engine = loaded(model_dir)
+    tokens = engine.encode(engine.prompt_for(chat(("user", "Hello"))))
+    run_alone(engine, chat(("user", "Hello")))
+    assert engine.prompt_cache.take(tokens, expect=len(tokens) - 1).cached == len(tokens) - 1
+    with pytest.raises(OutOfStep):
+        engine.prompt_cache.take(tokens, expect=0)
+
+
+def test_sliding_window_caches_that_cannot_be_trimmed_are_reused_only_where_correct(tmp_path):
+    model_dir = make_tiny_model(tmp_path / "sliding", Dims(sliding_window=8))
+    engine, uncached = loaded(model_dir), loaded(model_dir, cache_bytes=0)
+    turns: list[tuple[str, str]] = [("user", "Tell me about the sea.")]
+    for turn in range(3):
+        params = chat(*turns)
+        got, _ = run_alone(engine, params)
+        assert got == run_alone(uncached, params)[0], f"turn {turn}"
+        # The same prompt again: its window cache cannot be trimmed back by one token, so no reuse
+        # of the whole entry; the output is still right.
+        assert run_batched(engine, [params])[0][0] == got
+        turns += [("assistant", text_of(got)), ("user", "More?")]
+    assert engine.prompt_cache.stats().hits > 0  # a turn extends the last one's cache, which needs no trim
+
+
+# End to end: exo and mlx_lm.server, the same turns, the same text.
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory, model_dir):
+    with exo_serving(tmp_path_factory.mktemp("node"), {TINY_MODEL_ID: model_dir}) as exo:
+        yield exo
+
+
+@pytest.fixture(scope="module")
+def mlx_lm_server(tmp_path_factory, model_dir):
+    from bench.api_load import start_mlx_lm_server
+
+    server, url = start_mlx_lm_server(model_dir, tmp_path_factory.mktemp("server") / "log")
+    yield url
+    server.kill()
+    server.wait()
+
+
+def ask(client: httpx.Client, model: str, messages: list[dict], max_tokens: int = 24) -> tuple[str, dict]:
+    answer = client.post("/v1/chat/completions", json={"model": model, "messages": messages, "temperature": 0,
+                                                       "max_tokens": max_tokens})
+    assert answer.status_code == 200, answer.text
+    body = answer.json()
+    return body["choices"][0]["message"]["content"], body["usage"]
+
+
+def test_multi_turn_sessions_give_mlx_lm_servers_text_turn_by_turn(http, node, mlx_lm_server, model_dir):
+    place(http, TINY_MODEL_ID)
+    server = httpx.Client(base_url=mlx_lm_server, timeout=300)
+    sea = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Tell me about the sea."}]
+    joke = [{"role": "user", "content": "Tell me a joke."}]
+    plan = [  # (conversation, what to add before asking): growing, interleaved, a branch, a strict prefix
+        ("sea", []), ("joke", []), ("sea", ["Go on."]), ("joke", ["Another one."]), ("sea", ["And the river?"]),
+        ("branch", []), ("prefix", []), ("sea", ["Thank you."]),
+    ]
+    conversations = {"sea": sea, "joke": joke}
+    cached_turns = []
+    for name, follow_ups in plan:
+        if name == "branch":
+            messages = [sea[0], {"role": "user", "content": "What is the capital of France?"}]
+        elif name == "prefix":
+            messages = sea[:2]
+        else:
+            messages = conversations[name]
+            messages += [{"role": "user", "content": text} for text in follow_ups]
+        ours, usage = ask(http, TINY_MODEL_ID, messages)
+        theirs, _ = ask(server, str(model_dir), messages)
+        assert ours == theirs, (name, follow_ups)
+        cached_turns.append(usage["prompt_tokens_details"]["cached_tokens"])
+        if name in conversations:
+            messages.append({"role": "assistant", "content": ours})
+    assert cached_turns[0] == 0 and cached_turns[1] < 8  # first turns: at most the template's shared start
+    assert all(c > 20 for c in cached_turns[2:])
