@@ -237,3 +237,31 @@ def test_multi_turn_sessions_give_mlx_lm_servers_text_turn_by_turn(http, node, m
             messages.append({"role": "assistant", "content": ours})
     assert cached_turns[0] == 0 and cached_turns[1] < 8  # first turns: at most the template's shared start
     assert all(c > 20 for c in cached_turns[2:])
+
+
+def test_with_two_instances_each_conversation_stays_where_its_cache_is(http, node):
+    while len([i for i in http.get("/state").json()["instances"].values() if i["model_id"] == TINY_MODEL_ID]) < 2:
+        place(http, TINY_MODEL_ID)
+    histories = {c: [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"Task {c}: {ask_}"}]
+                 for c, ask_ in enumerate(["Tell me about the sea.", "Hello", "Tell me a joke.", "Once upon a time"])}
+    served: dict[int, list[tuple[str, int]]] = {c: [] for c in histories}
+
+    def turn_of(conversation: int, turn: int) -> None:
+        answer = http_turn.post("/v1/chat/completions", json={"model": TINY_MODEL_ID, "temperature": 0, "max_tokens": 48,
+                                                                "messages": histories[conversation]})
+        assert answer.status_code == 200, answer.text
+        body = answer.json()
+        task = http_turn.get("/state").json()["tasks"][body["id"].removeprefix("chatcmpl-")]
+        served[conversation].append((task["instance_id"], body["usage"]["prompt_tokens_details"]["cached_tokens"]))
+        histories[conversation] += [{"role": "assistant", "content": body["choices"][0]["message"]["content"]},
+                                    {"role": "user", "content": f"Go on ({turn})."}]
+
+    with httpx.Client(base_url=node.url, timeout=300) as http_turn, ThreadPoolExecutor(4) as pool:
+        list(pool.map(lambda c: turn_of(c, 0), histories))  # together: the least busy instance spreads them
+        for turn in (1, 2):
+            for conversation in (2, 0, 3, 1) if turn == 1 else (0, 1, 2, 3):  # one at a time: every instance idle
+                turn_of(conversation, turn)
+    assert len({turns[0][0] for turns in served.values()}) == 2
+    for conversation, turns in served.items():
+        assert len({instance for instance, _ in turns}) == 1, (conversation, turns)  # every turn where the first went
+        assert all(cached > len(SYSTEM) // 8 for _, cached in turns[1:]), turns  # and found its cache there

@@ -30,6 +30,7 @@ from exo.core.events import (
 from exo.core.placement import Unplaceable, place_instance
 from exo.core.state import State
 from exo.core.types import ModelCard, RejectionCode, Task, is_valid_model_id
+from exo.master.routing import choose_instance
 
 
 # Open (pending or running) tasks an instance admits, unless placed with its own max_queue.
@@ -98,16 +99,17 @@ def _generate(state: State, command: GenerateText, builtin: Mapping[str, ModelCa
         ended = state.instance_end_reasons.get(command.model_id)
         why = f" (its last instance was deleted: {ended})" if ended else ""
         return _reject(command, "unavailable", f"no instance of {command.model_id!r} is running{why}; place one first")
-    # Admission: the least busy instance with room in its queue; none with room: try later.
+    # Admission: an instance with room in its queue (the one holding the conversation's prompt
+    # cache, else the least busy: routing.py); none with room: try later.
     open_tasks = {i.instance_id: len(state.open_tasks_of(i.instance_id)) for i in instances}
     with_room = [i for i in instances if open_tasks[i.instance_id] < (i.max_queue or default_max_queue)]
     if not with_room:
         return _reject(command, "overloaded",
                        f"every instance of {command.model_id!r} has a full queue; try again shortly")
-    least_busy = min(with_room, key=lambda i: open_tasks[i.instance_id])
+    chosen = choose_instance(state, with_room, command.params, open_tasks)
     task = Task(
         task_id=command.command_id,
-        instance_id=least_busy.instance_id,
+        instance_id=chosen.instance_id,
         model_id=command.model_id,
         params=command.params,
         created_at=command.at,

@@ -1,0 +1,86 @@
+"""Cache-aware routing (exo/master/routing.py): a conversation's next turns go to the instance that
+served its earlier ones (whose runner holds them in its prompt cache), decided from State alone;
+everything else goes to the least busy instance."""
+
+from exo.core.apply import apply
+from exo.core.commands import GenerateText, PlaceInstance
+from exo.core.events import TaskFinished
+from exo.core.state import State
+from exo.core.types import ChatMessage, GenerationParams
+from exo.master.routing import shared_conversation
+from tests.test_decide import run, with_node
+
+SYSTEM = ChatMessage(role="system", content="You are a coding agent. " * 20)
+
+
+def chat(*turns: tuple[str, str], system: bool = True) -> GenerationParams:
+    return GenerationParams(messages=[SYSTEM] * system + [ChatMessage(role=r, content=c) for r, c in turns])
+
+
+def finished(state: State, task_id: str) -> State:
+    return apply(state, TaskFinished(task_id=task_id, status="completed"), state.last_seq + 1)
+
+
+def two_instances() -> tuple[State, list[str]]:
+    state, _ = run(with_node(), PlaceInstance(command_id="p1", model_id="org/builtin"))
+    state, _ = run(state, PlaceInstance(command_id="p2", model_id="org/builtin"))
+    return state, [i.instance_id for i in state.instances_of("org/builtin")]
+
+
+def ask(state: State, command_id: str, params: GenerationParams, finish: bool = True) -> tuple[State, str]:
+    state, (created,) = run(state, GenerateText(command_id=command_id, model_id="org/builtin", params=params))
+    if finish:
+        state = finished(state, command_id)
+    return state, created.task.instance_id
+
+
+def test_interleaved_conversations_keep_landing_on_the_instance_of_their_first_turn():
+    state, _ = two_instances()
+    histories: dict[int, list[tuple[str, str]]] = {c: [("user", f"Task {c}: fix bug number {c}.")] for c in range(4)}
+    first_instance: dict[int, str] = {}
+    n = 0
+    for turn in range(4):
+        for conversation in (0, 1, 2, 3) if turn % 2 == 0 else (3, 1, 0, 2):  # interleaved, in changing order
+            n += 1
+            # The first turns run together (their tasks still open): the least busy spreads them.
+            state, instance = ask(state, f"g{n}", chat(*histories[conversation]), finish=turn > 0)
+            if turn == 0:
+                first_instance[conversation] = instance
+            assert instance == first_instance[conversation], (turn, conversation)
+            histories[conversation] += [("assistant", f"reply {n}"), ("user", f"and then {n}")]
+        if turn == 0:
+            for k in range(1, 5):
+                state = finished(state, f"g{k}")
+    assert sorted(first_instance.values()).count(first_instance[0]) == 2  # two conversations per instance
+
+
+def test_a_shared_system_prompt_alone_does_not_route_and_ties_go_to_the_least_busy():
+    state, (first, second) = two_instances()
+    state, where = ask(state, "g1", chat(("user", "Hello")), finish=False)
+    assert where == first
+    # Same system prompt, another conversation: the other instance is less busy.
+    state, where = ask(state, "g2", chat(("user", "Something else")), finish=False)
+    assert where == second
+    # Nothing in common: the least busy (both have one open task: the first).
+    state, where = ask(state, "g3", chat(("user", "Third"), system=False), finish=False)
+    assert where == first
+
+
+def test_a_busier_instance_still_gets_its_conversation_while_it_has_room():
+    state, (first, second) = two_instances()
+    state, _ = ask(state, "g1", chat(("user", "Hello")))
+    for k in range(3):
+        state, where = ask(state, f"busy{k}", chat(("user", f"other {k}"), system=False), finish=False)
+    state, where = ask(state, "g2", chat(("user", "Hello"), ("assistant", "Hi"), ("user", "More")))
+    assert where == first
+
+
+def test_shared_conversation_counts_leading_messages_past_the_system_prompt():
+    earlier = chat(("user", "Hello"))
+    assert shared_conversation(earlier, chat(("user", "Hello"), ("assistant", "Hi"), ("user", "x"))) == len(SYSTEM.content) + 7
+    assert shared_conversation(earlier, chat(("user", "Goodbye"))) == 0  # the system prompt alone
+    assert shared_conversation(earlier, GenerationParams(messages=earlier.messages, tools=[{"type": "function"}])) == 0
+    prompt = "Once upon a time, in a small village by the sea,"
+    assert shared_conversation(GenerationParams(prompt=prompt), GenerationParams(prompt=prompt + " there")) == len(prompt)
+    assert shared_conversation(GenerationParams(prompt="short"), GenerationParams(prompt="short and more")) == 0
+    assert shared_conversation(GenerationParams(prompt=prompt), chat(("user", prompt))) == 0
