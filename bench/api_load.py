@@ -74,11 +74,12 @@ async def load(url: str, model: str, concurrency: int, per_client: int, max_toke
             "p99": ttfts[min(len(ttfts) - 1, round(0.99 * (len(ttfts) - 1)))] * 1000, "failed": len(results) - len(ttfts)}
 
 
-def start_exo(model_dir: Path, root: Path, max_batch: int | None = None) -> tuple[FakeHub, ExoProcess]:
+def start_exo(model_dir: Path, root: Path, max_batch: int | None = None,
+              extra_env: dict[str, str] | None = None) -> tuple[FakeHub, ExoProcess]:
     hub = FakeHub({TINY_MODEL_ID: model_dir})
     hub.start()
     env = {"HF_ENDPOINT": hub.endpoint, "HF_HOME": str(root / "hf"), "HF_HUB_DISABLE_TELEMETRY": "1",
-           "EXO_LOG_LEVEL": "WARNING"}
+           "EXO_LOG_LEVEL": "WARNING", **(extra_env or {})}
     if max_batch is not None:
         env["EXO_MAX_BATCH"] = str(max_batch)
     exo = ExoProcess(root / "data", env).start()

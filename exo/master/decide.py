@@ -44,6 +44,7 @@ def decide(
     builtin_cards: Mapping[str, ModelCard],
     ids: Iterator[str],
     default_max_queue: int = DEFAULT_MAX_QUEUE,
+    cache_routing: bool = True,
 ) -> list[Event]:
     if command.command_id in state.answered_commands:
         return []  # redelivered after its first master appended the answer: decided already
@@ -53,7 +54,7 @@ def decide(
         case DeleteInstance():
             return _delete_instance(state, command)
         case GenerateText():
-            return _generate(state, command, builtin_cards, default_max_queue)
+            return _generate(state, command, builtin_cards, default_max_queue, cache_routing)
         case CancelTask():
             return _cancel(state, command)
         case AddCustomCard():
@@ -91,7 +92,8 @@ def _delete_instance(state: State, command: DeleteInstance) -> list[Event]:
     return [*ended, InstanceDeleted(command_id=command.command_id, instance_id=command.instance_id, reason="deleted on request")]
 
 
-def _generate(state: State, command: GenerateText, builtin: Mapping[str, ModelCard], default_max_queue: int) -> list[Event]:
+def _generate(state: State, command: GenerateText, builtin: Mapping[str, ModelCard], default_max_queue: int,
+              cache_routing: bool) -> list[Event]:
     if find_card(state, builtin, command.model_id) is None:
         return _reject(command, "not_found", f"unknown model {command.model_id!r}")
     instances = state.instances_of(command.model_id)
@@ -106,7 +108,7 @@ def _generate(state: State, command: GenerateText, builtin: Mapping[str, ModelCa
     if not with_room:
         return _reject(command, "overloaded",
                        f"every instance of {command.model_id!r} has a full queue; try again shortly")
-    chosen = choose_instance(state, with_room, command.params, open_tasks)
+    chosen = choose_instance(state, with_room, command.params, open_tasks, by_conversation=cache_routing)
     task = Task(
         task_id=command.command_id,
         instance_id=chosen.instance_id,

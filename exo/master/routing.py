@@ -24,10 +24,10 @@ MIN_SHARED_PROMPT_CHARS = 32  # completions: a raw prompt that continues an earl
 
 
 def choose_instance(state: State, candidates: list[Instance], params: GenerationParams,
-                    open_tasks: Mapping[str, int]) -> Instance:
+                    open_tasks: Mapping[str, int], by_conversation: bool = True) -> Instance:
     """The candidate that served the longest shared conversation; ties (and none): the least busy."""
     shared = {i.instance_id: 0 for i in candidates}
-    if len(candidates) > 1:
+    if by_conversation and len(candidates) > 1:
         for task in state.tasks.values():
             if task.instance_id in shared:
                 shared[task.instance_id] = max(shared[task.instance_id], shared_conversation(task.params, params))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 import time
 import uuid
 from collections.abc import Iterator, Mapping
@@ -132,11 +133,16 @@ class Master:
         term = self.term
         limits = {} if self._max_queue is None else {"default_max_queue": self._max_queue}
         events = decide(
-            self._view.state, command, builtin_cards=self._builtin_cards, ids=ids_for(command.command_id), **limits
+            self._view.state, command, builtin_cards=self._builtin_cards, ids=ids_for(command.command_id),
+            cache_routing=CACHE_ROUTING, **limits,
         )
         await self._append_all(events, term, f"{command.command_id}:{term}")
         if self._view.state.leader_term != term:
             raise NotLeader()  # our events were fenced off: the new master decides this command
+
+
+# EXO_CACHE_ROUTING=0: every request to the least busy instance (bench/prompt_cache.py compares).
+CACHE_ROUTING = os.environ.get("EXO_CACHE_ROUTING", "1") != "0"
 
 
 class Snapshotter:
