@@ -11,8 +11,11 @@ Part 2: an exo node with two instances of the model; --conversations concurrent 
 --turns turns each. Once with cache-aware routing (the default), once with EXO_CACHE_ROUTING=0
 (every request to the least busy instance), alternating, --runs times each.
 
-    uv run python bench/prompt_cache.py [--runs 3] [--system-tokens 900 3800] [--max-tokens 24]
-        [--conversations 8] [--turns 4] [--skip-routing]
+    uv run python bench/prompt_cache.py [--runs 3] [--system-words 250 1200] [--max-tokens 24]
+        [--conversations 8] [--turns 4] [--routing-system-words 150] [--own-context] [--skip-ttft] [--skip-routing]
+
+On the generated model's tokenizer a system prompt of 250 words is ~780 tokens (the whole
+eight-turn conversation ~1,100), 1,200 words ~3,600 (~4,000).
 """
 
 from __future__ import annotations
@@ -39,9 +42,9 @@ QUESTIONS = ["Tell me about the sea.", "And the river?", "What about the hills?"
              "Summarize this text.", "What is the capital of France?", "Write a story about a robot.", "Thank you."]
 
 
-def system_prompt(tokens: int, salt: int) -> str:
-    # ~1 token per word on the test tokenizer; the salt makes each run's prompt its own.
-    return f"Run {salt}. You are a helpful assistant. " + " ".join(WORDS[(i * 7 + salt) % len(WORDS)] for i in range(tokens))
+def system_prompt(words: int, salt: int) -> str:
+    # The salt makes each run's prompt its own.
+    return f"Run {salt}. You are a helpful assistant. " + " ".join(WORDS[(i * 7 + salt) % len(WORDS)] for i in range(words))
 
 
 async def streamed(client: httpx.AsyncClient, url: str, model: str, messages: list[dict],
@@ -88,14 +91,14 @@ def part_one(model_dir: Path, root: Path, args) -> None:
     systems = {"exo": (exo.url, TINY_MODEL_ID), "mlx_lm.server": (server_url, str(model_dir))}
     try:
         asyncio.run(conversation_ttfts(systems, system_prompt(50, 999), 4))  # warm both: kernels, connections
-        for tokens in args.system_tokens:
+        for words in args.system_words:
             per_turn: dict[str, list[list[float]]] = {name: [[] for _ in QUESTIONS] for name in systems}
             for run in range(args.runs):
-                ttfts = asyncio.run(conversation_ttfts(systems, system_prompt(tokens, run * 31 + tokens), args.max_tokens))
+                ttfts = asyncio.run(conversation_ttfts(systems, system_prompt(words, run * 31 + words), args.max_tokens))
                 for name, values in ttfts.items():
                     for turn, value in enumerate(values):
                         per_turn[name][turn].append(value)
-            print(f"\n### System prompt ~{tokens} tokens, {len(QUESTIONS)} turns, {args.runs} runs, "
+            print(f"\n### System prompt of {words} words, {len(QUESTIONS)} turns, {args.runs} runs, "
                   f"{args.max_tokens} tokens a reply\n")
             print("| turn | " + " | ".join(f"{n} TTFT (median)" for n in systems) + " | exo / mlx_lm.server |")
             print("|---|" + "---|" * (len(systems) + 1))
@@ -112,15 +115,15 @@ def part_one(model_dir: Path, root: Path, args) -> None:
         server.kill()
 
 
-async def conversations_load(url: str, conversations: int, turns: int, system_tokens: int, max_tokens: int,
-                             salt: int) -> tuple[float, list[float]]:
-    """`conversations` concurrent conversations of `turns` turns: (requests/s, TTFTs)."""
-    system = system_prompt(system_tokens, salt)
+async def conversations_load(url: str, conversations: int, turns: int, system_words: int, max_tokens: int,
+                             salt: int, own_context: bool = False) -> tuple[float, list[float]]:
+    """`conversations` concurrent conversations of `turns` turns: (requests/s, TTFTs). `own_context`:
+    each conversation has a system prompt (a document) of its own, else all share one."""
     ttfts: list[float] = []
     async with httpx.AsyncClient(timeout=600,
                                  limits=httpx.Limits(max_connections=conversations + 4)) as client:
         async def one(c: int) -> None:
-            history = [{"role": "system", "content": system}]
+            history = [{"role": "system", "content": system_prompt(system_words, salt * 1000 + c * own_context)}]
             for turn in range(turns):
                 history.append({"role": "user", "content": f"Conversation {c}: {QUESTIONS[(c + turn) % len(QUESTIONS)]}"})
                 ttft, text = await streamed(client, url, TINY_MODEL_ID, history, max_tokens)
@@ -146,12 +149,13 @@ def part_two(model_dir: Path, root: Path, args) -> None:
                     http.post("/place_instance", json={"model_id": TINY_MODEL_ID, "max_queue": 1000}).raise_for_status()
                 asyncio.run(conversations_load(exo.url, 2, 1, 50, 4, 999))  # warm both instances
                 results[name].append(asyncio.run(conversations_load(
-                    exo.url, args.conversations, args.turns, args.routing_system_tokens, args.max_tokens, run)))
+                    exo.url, args.conversations, args.turns, args.routing_system_words, args.max_tokens, run,
+                    args.own_context)))
             finally:
                 exo.interrupt()
                 hub.stop()
     print(f"\n### Two instances, {args.conversations} concurrent conversations x {args.turns} turns, "
-          f"~{args.routing_system_tokens}-token system prompt, {args.runs} runs each\n")
+          f"{args.routing_system_words}-word system prompt{' of its own each' if args.own_context else ' shared'}, {args.runs} runs each\n")
     print("| routing | requests/s (median, range) | TTFT median | TTFT p90 |")
     print("|---|---|---|---|")
     for name, runs in results.items():
@@ -166,14 +170,15 @@ def part_two(model_dir: Path, root: Path, args) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--system-tokens", type=int, nargs="+", default=[900, 3800])
+    parser.add_argument("--system-words", type=int, nargs="+", default=[250, 1200])
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--conversations", type=int, default=8)
     parser.add_argument("--turns", type=int, default=4)
-    parser.add_argument("--routing-system-tokens", type=int, default=600)
+    parser.add_argument("--routing-system-words", type=int, default=150)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--skip-routing", action="store_true")
+    parser.add_argument("--own-context", action="store_true", help="part 2: a system prompt of its own per conversation")
     parser.add_argument("--skip-ttft", action="store_true")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
