@@ -12,7 +12,7 @@ Part 2: an exo node with two instances of the model; --conversations concurrent 
 (every request to the least busy instance), alternating, --runs times each.
 
     uv run python bench/prompt_cache.py [--runs 3] [--system-words 250 1200] [--max-tokens 24]
-        [--conversations 8] [--turns 4] [--routing-system-words 150] [--own-context] [--skip-ttft] [--skip-routing]
+        [--conversations 8] [--turns 8] [--routing-system-words 150] [--own-context] [--skip-ttft] [--skip-routing]
 
 On the generated model's tokenizer a system prompt of 250 words is ~780 tokens (the whole
 eight-turn conversation ~1,100), 1,200 words ~3,600 (~4,000).
@@ -173,7 +173,7 @@ def main() -> None:
     parser.add_argument("--system-words", type=int, nargs="+", default=[250, 1200])
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--conversations", type=int, default=8)
-    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--turns", type=int, default=8)
     parser.add_argument("--routing-system-words", type=int, default=150)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)

@@ -115,9 +115,12 @@ async def run(config: NodeConfig) -> int:
     print(f"exo: node ready, API at {node.api_url or '(off)'}, NATS at {','.join(node.nats_urls)}", flush=True)
     waiting = asyncio.create_task(node.wait())
     stopping = asyncio.create_task(stop.wait())
-    await asyncio.wait({waiting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    done, _ = await asyncio.wait({waiting, stopping}, return_when=asyncio.FIRST_COMPLETED)
     waiting.cancel()
     await node.stop()
+    if waiting in done and not stopping.done():  # a service stopped by itself: a supervisor should restart us
+        print("exo: a service stopped unexpectedly (see the log above); exiting", file=sys.stderr, flush=True)
+        return 1
     return 0
 
 

@@ -213,6 +213,17 @@ def test_model_card_sampling_defaults_apply_when_the_request_leaves_them_out(htt
     ("/v1/responses", {"input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
     ("/v1/responses", {"input": [{"role": "wizard", "content": "x"}]}, "input[0]"),
     ("/v1/responses", {"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
+    # Bounds (exo/api/validate.py check_limits): what a request may store in the log and in State.
+    ("/v1/chat/completions", {"messages": MESSAGES, "seed": -1}, "seed"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "seed": 2**64}, "seed"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 10**40}, "max_tokens"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 2049}, "max_tokens"),  # the card's context: 2048
+    ("/v1/chat/completions", {"messages": MESSAGES, "stop": ["x"] * 17}, "stop"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "stop": "x" * 1001}, "stop"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "tools": [{"type": "function", "function": {
+        "name": "f", "description": "x" * 300_000}}]}, "tools"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 5000}, "max_tokens"),
+    ("/v1/responses", {"input": "x", "max_output_tokens": 5000}, "max_tokens"),
 ])
 def test_bad_requests_get_400_naming_the_parameter(http, tiny, path, body, param):
     response = http.post(path, json={"model": TINY_MODEL_ID, **body})
@@ -220,6 +231,27 @@ def test_bad_requests_get_400_naming_the_parameter(http, tiny, path, body, param
     error = response.json()["error"]
     assert error["type"] == "invalid_request_error" and error["param"] == param, error
     assert http.get("/health").status_code == 200
+
+
+def test_deep_nesting_and_huge_since_are_400_not_500(http, tiny):
+    nested = "[" * 10_000 + "]" * 10_000
+    response = http.post("/v1/chat/completions", content=f'{{"model": "{TINY_MODEL_ID}", "messages": {nested}}}')
+    assert response.status_code == 400 and "nested too deeply" in response.json()["error"]["message"], response.text
+    response = http.get("/events", params={"since": str(10**30)})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "since", response.text
+
+
+@pytest.mark.parametrize(("card", "param", "message"), [
+    ({"model_id": "a/b\n"}, "model_id", "model_id must look like"),
+    ({"model_id": "local/rel", "path": "relative/dir", "n_layers": 2}, "path", "path must be absolute"),
+    ({"model_id": "local/neg", "n_layers": -2, "storage_bytes": 10}, "model_id", "n_layers must not be negative"),
+    ({"model_id": "local/neg2", "n_layers": 2, "storage_bytes": -10}, "model_id", "storage_bytes must not be negative"),
+])
+def test_cards_that_cannot_be_stored_are_400(http, tiny, card, param, message):
+    response = http.post("/models/add", json=card)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param and message in response.json()["error"]["message"]
+    assert card["model_id"] not in [m["id"] for m in http.get("/v1/models").json()["data"]]
 
 
 def test_unknown_models_are_404_on_every_openai_route(http, tiny):

@@ -98,3 +98,29 @@ def test_events_from_a_deposed_masters_term_are_ignored():
     assert state.leader_node == "b" and state.leader_term == 7
     state = fold([InstanceDeleted(instance_id="i1", term=7), TaskStarted(task_id="x")], state)
     assert state.instances == {}
+
+
+def test_cards_that_cannot_be_stored_are_skipped_not_folded():
+    # A stray publisher's card.added with a path in its id once stopped every node from starting.
+    from exo.core.events import CustomCardAdded
+    from exo.core.types import ModelCard
+
+    forged = [ModelCard(model_id="../../../../var/x", n_layers=2), ModelCard(model_id="a/b\n"),
+              ModelCard(model_id="a/b", n_layers=-1), ModelCard(model_id="a/c", path="relative")]
+    state = State()
+    for seq, card in enumerate(forged, start=1):
+        state = apply(state, CustomCardAdded(card=card), seq)
+    assert state.custom_model_cards == {}
+    assert [s.seq for s in state.skipped_events] == [1, 2, 3, 4]
+    assert "invalid model id" in state.skipped_events[0].reason
+    assert "must not be negative" in state.skipped_events[2].reason and "absolute" in state.skipped_events[3].reason
+
+
+def test_a_worker_writes_only_valid_cards_of_an_old_state(tmp_path):
+    # A State written before the reducer refused bad cards (e.g. an old snapshot) still starts a worker.
+    from exo.core.types import ModelCard
+    from exo.models.cards import reconcile_custom_cards
+
+    good = ModelCard(model_id="org/good", n_layers=2)
+    reconcile_custom_cards(tmp_path, {"org/good": good, "../x": ModelCard(model_id="../x", n_layers=2)})
+    assert [p.name for p in tmp_path.iterdir()] == ["org--good.toml"]

@@ -211,9 +211,17 @@ async def add_model(request: web.Request) -> web.Response:
     ctx = context_of(request)
     if model_id in ctx.builtin_cards:
         raise ApiError(409, f"{model_id!r} is a built-in model card", param="model_id")
+    _refuse_bad_card(card)
     card = await complete_card(card)
+    _refuse_bad_card(card)
     await ctx.outcomes.call(AddCustomCard(command_id=uuid.uuid4().hex, card=card))
     return web.json_response({"message": "model card added", "card": msgspec.to_builtins(card)})
+
+
+def _refuse_bad_card(card: ModelCard) -> None:
+    problem = card.problem()
+    if problem:
+        raise ApiError(400, f"invalid model card: {problem}", param="path" if problem.startswith("path") else "model_id")
 
 
 async def delete_custom_model(request: web.Request) -> web.Response:

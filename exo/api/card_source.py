@@ -18,15 +18,18 @@ async def complete_card(card: ModelCard) -> ModelCard:
         return card
     config = await asyncio.to_thread(_read_config, card)
     text = config.get("text_config", config)  # multimodal configs nest the language model
-    return ModelCard(**{
-        **{f: getattr(card, f) for f in card.__struct_fields__},
-        "name": card.name or card.model_id.rsplit("/", 1)[-1],
-        "n_layers": int(text.get("num_hidden_layers", 0)),
-        "hidden_size": int(text.get("hidden_size", 0)),
-        "num_attention_heads": int(text.get("num_attention_heads", 0)),
-        "num_key_value_heads": int(text.get("num_key_value_heads", text.get("num_attention_heads", 0))),
-        "context_length": int(text.get("max_position_embeddings", 0)),
-    })
+    try:
+        return ModelCard(**{
+            **{f: getattr(card, f) for f in card.__struct_fields__},
+            "name": card.name or card.model_id.rsplit("/", 1)[-1],
+            "n_layers": int(text.get("num_hidden_layers", 0)),
+            "hidden_size": int(text.get("hidden_size", 0)),
+            "num_attention_heads": int(text.get("num_attention_heads", 0)),
+            "num_key_value_heads": int(text.get("num_key_value_heads", text.get("num_attention_heads", 0))),
+            "context_length": int(text.get("max_position_embeddings", 0)),
+        })
+    except (AttributeError, TypeError, ValueError) as error:  # a config.json that is not a model's
+        raise ApiError(400, f"{card.source_repo!r} has a config.json exo cannot read: {error}", param="model_id") from None
 
 
 def _read_config(card: ModelCard) -> dict:
@@ -34,7 +37,7 @@ def _read_config(card: ModelCard) -> dict:
         path = Path(card.path)
         if not path.is_absolute() or not (path / "config.json").is_file():
             raise ApiError(400, f"path must be an absolute model directory with a config.json: {card.path}", param="path")
-        return json.loads((path / "config.json").read_text())
+        return _parse_config((path / "config.json").read_text(), card.path)
     try:
         downloaded = hf_hub_download(card.source_repo, "config.json", revision=card.revision)
     except (RepositoryNotFoundError, GatedRepoError):
@@ -43,4 +46,14 @@ def _read_config(card: ModelCard) -> dict:
         raise ApiError(404, f"{card.source_repo!r} has no config.json at revision {card.revision!r}", param="model_id") from None
     except Exception as error:  # network and hub failures: tell the caller, keep serving
         raise ApiError(503, f"cannot reach the model hub for {card.source_repo!r}: {error}") from None
-    return json.loads(Path(downloaded).read_text())
+    return _parse_config(Path(downloaded).read_text(), card.source_repo)
+
+
+def _parse_config(text: str, source: str) -> dict:
+    try:
+        config = json.loads(text)
+    except ValueError as error:
+        raise ApiError(400, f"{source}: config.json is not valid JSON: {error}", param="model_id") from None
+    if not isinstance(config, dict):
+        raise ApiError(400, f"{source}: config.json is not a JSON object", param="model_id")
+    return config

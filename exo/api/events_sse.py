@@ -59,6 +59,6 @@ def _since(request: web.Request, default: int) -> int:
         since = int(raw)
     except ValueError:
         raise ApiError(400, f"since must be an event sequence number, got {raw!r}", param="since") from None
-    if since < 0:
-        raise ApiError(400, "since must be 0 or more", param="since")
+    if not 0 <= since < 2**63:  # a stream sequence is an unsigned 64-bit number; nats-server takes 63
+        raise ApiError(400, f"since must be between 0 and {2**63 - 1}", param="since")
     return since

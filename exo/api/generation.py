@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from exo.api.context import ApiContext
 from exo.api.errors import ApiError
 from exo.api.outcomes import COMMAND_TIMEOUT_S, raise_if_rejected
+from exo.api.validate import check_limits
 from exo.bus.command_queue import send_command
 from exo.bus.tokens import TokenListener
 from exo.core.commands import CancelTask, GenerateText
@@ -112,6 +113,8 @@ async def cancel_generation(ctx: ApiContext, command_id: str) -> None:
 
 async def start_generation(ctx: ApiContext, model_id: str, params: GenerationParams) -> Generation:
     """Queue the request and return once the master accepted it (or raise why it did not)."""
+    card = ctx.card(model_id)
+    check_limits(params, card.context_length if card is not None else 0)
     command_id = uuid.uuid4().hex
     listener = await TokenListener.live(ctx.nc, command_id)  # before sending: no chunk can be missed
     answer = ctx.outcomes.expect(command_id)

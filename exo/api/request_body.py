@@ -25,6 +25,8 @@ async def decode_body(request: web.Request, kind: type[T]) -> T:
         raise ApiError(400, f"invalid request body: {error}", param=_path_of(str(error))) from None
     except msgspec.DecodeError as error:
         raise ApiError(400, f"the request body is not valid JSON: {error}") from None
+    except RecursionError:
+        raise ApiError(400, "the request body is nested too deeply") from None
 
 
 def _path_of(message: str) -> str | None:

@@ -2,9 +2,21 @@
 
 from __future__ import annotations
 
+import os
 from typing import TypeVar
 
+import msgspec
+
 from exo.api.errors import ApiError
+from exo.core.types import GenerationParams
+
+# What one request may ask for. Everything in GenerationParams is stored in the log and in State,
+# so what a request may put there is bounded, not only what the model can do with it.
+MAX_TOKENS_LIMIT = int(os.environ.get("EXO_MAX_TOKENS_LIMIT", "32768"))
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 1000  # each
+MAX_TOOLS_BYTES = 256 * 1024  # all tool definitions, as JSON
+SEED_MAX = 2**64 - 1  # mlx.random.seed takes an unsigned 64-bit integer
 
 N = TypeVar("N", int, float)
 
@@ -19,6 +31,22 @@ def at_least_one(value: int | None, param: str) -> int | None:
     if value is not None and value < 1:
         raise ApiError(400, f"{param} must be at least 1, got {value}", param=param)
     return value
+
+
+def check_limits(params: GenerationParams, context_length: int) -> None:
+    """The bounds every surface shares: max_tokens (the server's limit and the model's context
+    length), seed, stop strings and tool definitions. A 400 naming the parameter."""
+    limit = min(MAX_TOKENS_LIMIT, context_length) if context_length > 0 else MAX_TOKENS_LIMIT
+    if params.max_tokens is not None and params.max_tokens > limit:
+        why = "the model's context length" if limit == context_length else "this server's limit (EXO_MAX_TOKENS_LIMIT)"
+        raise ApiError(400, f"max_tokens must be at most {limit} ({why}), got {params.max_tokens}", param="max_tokens")
+    in_range(params.seed, 0, SEED_MAX, "seed")
+    if len(params.stop) > MAX_STOP_STRINGS:
+        raise ApiError(400, f"at most {MAX_STOP_STRINGS} stop strings, got {len(params.stop)}", param="stop")
+    if any(len(s) > MAX_STOP_CHARS for s in params.stop):
+        raise ApiError(400, f"each stop string must be at most {MAX_STOP_CHARS} characters", param="stop")
+    if params.tools and len(msgspec.json.encode(params.tools)) > MAX_TOOLS_BYTES:
+        raise ApiError(400, f"tool definitions must be at most {MAX_TOOLS_BYTES} bytes of JSON", param="tools")
 
 
 def stop_list(stop: str | list[str] | None) -> list[str]:

@@ -241,6 +241,9 @@ def _on_task_finished(draft: Draft, event: TaskFinished, seq: int) -> None:
 
 
 def _on_card_added(draft: Draft, event: CustomCardAdded, seq: int) -> None:
+    problem = event.card.problem()  # e.g. a stray publisher's: a bad card in State would stop every worker
+    if problem:
+        raise _Skip(f"custom card: {problem}")
     draft.own("custom_model_cards")[event.card.model_id] = event.card
 
 

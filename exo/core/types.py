@@ -25,11 +25,12 @@ DownloadErrorCode = Literal[
 ]
 
 # A model id is a Hugging Face style "org/name" (or a bare "name"): no path tricks.
-_MODEL_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}(/[A-Za-z0-9][A-Za-z0-9._-]{0,95})?$")
+# fullmatch, not match with "$": "$" also matches before a trailing newline.
+_MODEL_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}(/[A-Za-z0-9][A-Za-z0-9._-]{0,95})?")
 
 
 def is_valid_model_id(model_id: str) -> bool:
-    return bool(_MODEL_ID.match(model_id)) and ".." not in model_id
+    return bool(_MODEL_ID.fullmatch(model_id)) and ".." not in model_id
 
 
 class SamplingDefaults(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -57,6 +58,22 @@ class ModelCard(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     @property
     def source_repo(self) -> str:
         return self.repo_id or self.model_id
+
+    def problem(self) -> str | None:
+        """Why this card cannot be served or stored (None: it can). Checked by the master before it
+        adds a card and by the reducer before it folds one, so State never holds a card that a
+        worker cannot write to disk or plan from."""
+        if not is_valid_model_id(self.model_id):
+            return f"invalid model id {self.model_id!r}"
+        if self.repo_id and not is_valid_model_id(self.repo_id):
+            return f"invalid repo id {self.repo_id!r}"
+        if self.path and not self.path.startswith("/"):
+            return f"path must be absolute, not {self.path!r}"
+        sizes = {"n_layers": self.n_layers, "hidden_size": self.hidden_size, "storage_bytes": self.storage_bytes,
+                 "num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads,
+                 "context_length": self.context_length}
+        negative = [name for name, value in sizes.items() if value < 0]
+        return f"{', '.join(negative)} must not be negative" if negative else None
 
 
 class ShardAssignment(msgspec.Struct, frozen=True, kw_only=True):

@@ -29,7 +29,7 @@ from exo.core.events import (
 )
 from exo.core.placement import Unplaceable, place_instance
 from exo.core.state import State
-from exo.core.types import ModelCard, RejectionCode, Task, is_valid_model_id
+from exo.core.types import ModelCard, RejectionCode, Task
 from exo.master.routing import choose_instance
 
 
@@ -130,8 +130,9 @@ def _cancel(state: State, command: CancelTask) -> list[Event]:
 
 def _add_card(state: State, command: AddCustomCard, builtin: Mapping[str, ModelCard]) -> list[Event]:
     model_id = command.card.model_id
-    if not is_valid_model_id(model_id):
-        return _reject(command, "invalid", f"invalid model id {model_id!r}")
+    problem = command.card.problem()
+    if problem:
+        return _reject(command, "invalid", problem)
     if model_id in builtin:
         return _reject(command, "conflict", f"{model_id!r} is a built-in model card")
     return [CustomCardAdded(command_id=command.command_id, card=command.card)]

@@ -6,6 +6,7 @@ copy that `reconcile_custom_cards` keeps equal to it, never touching built-in ca
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -13,6 +14,8 @@ import msgspec
 import tomlkit
 
 from exo.core.types import ModelCard, is_valid_model_id
+
+log = logging.getLogger(__name__)
 
 
 class CardError(ValueError):
@@ -56,7 +59,10 @@ def reconcile_custom_cards(folder: Path, cards: Mapping[str, ModelCard]) -> None
     """Make `folder` hold exactly `cards`: write missing or changed ones, delete the rest.
     O(cards): for a node starting up; a live node follows one card at a time with `reconcile_custom_card`."""
     folder.mkdir(parents=True, exist_ok=True)
-    wanted = {card_file_name(c.model_id): c for c in cards.values()}
+    valid = {model_id: card for model_id, card in cards.items() if card.problem() is None}
+    for model_id in cards.keys() - valid.keys():  # from a State written before the reducer refused them
+        log.warning("custom card %r is invalid (%s): not written", model_id, cards[model_id].problem())
+    wanted = {card_file_name(c.model_id): c for c in valid.values()}
     for path in folder.glob("*.toml"):
         if path.name not in wanted:
             path.unlink()
