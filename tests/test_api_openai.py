@@ -217,13 +217,13 @@ def test_model_card_sampling_defaults_apply_when_the_request_leaves_them_out(htt
     ("/v1/chat/completions", {"messages": MESSAGES, "seed": -1}, "seed"),
     ("/v1/chat/completions", {"messages": MESSAGES, "seed": 2**64}, "seed"),
     ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 10**40}, "max_tokens"),
-    ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 2049}, "max_tokens"),  # the card's context: 2048
+    ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 32769}, "max_tokens"),  # the card's context: 32768
     ("/v1/chat/completions", {"messages": MESSAGES, "stop": ["x"] * 17}, "stop"),
     ("/v1/chat/completions", {"messages": MESSAGES, "stop": "x" * 1001}, "stop"),
     ("/v1/chat/completions", {"messages": MESSAGES, "tools": [{"type": "function", "function": {
         "name": "f", "description": "x" * 300_000}}]}, "tools"),
-    ("/v1/completions", {"prompt": "x", "max_tokens": 5000}, "max_tokens"),
-    ("/v1/responses", {"input": "x", "max_output_tokens": 5000}, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 40_000}, "max_tokens"),
+    ("/v1/responses", {"input": "x", "max_output_tokens": 40_000}, "max_tokens"),
 ])
 def test_bad_requests_get_400_naming_the_parameter(http, tiny, path, body, param):
     response = http.post(path, json={"model": TINY_MODEL_ID, **body})
@@ -234,8 +234,9 @@ def test_bad_requests_get_400_naming_the_parameter(http, tiny, path, body, param
 
 
 def test_deep_nesting_and_huge_since_are_400_not_500(http, tiny):
-    nested = "[" * 10_000 + "]" * 10_000
-    response = http.post("/v1/chat/completions", content=f'{{"model": "{TINY_MODEL_ID}", "messages": {nested}}}')
+    nested = "[" * 10_000 + "]" * 10_000  # where the body may hold any JSON: a tool's parameters
+    tools = f'[{{"type": "function", "function": {{"name": "f", "parameters": {{"x": {nested}}}}}}}]'
+    response = http.post("/v1/chat/completions", content=f'{{"model": "{TINY_MODEL_ID}", "messages": [], "tools": {tools}}}')
     assert response.status_code == 400 and "nested too deeply" in response.json()["error"]["message"], response.text
     response = http.get("/events", params={"since": str(10**30)})
     assert response.status_code == 400 and response.json()["error"]["param"] == "since", response.text
@@ -252,6 +253,50 @@ def test_cards_that_cannot_be_stored_are_400(http, tiny, card, param, message):
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param and message in response.json()["error"]["message"]
     assert card["model_id"] not in [m["id"] for m in http.get("/v1/models").json()["data"]]
+
+
+def test_images_for_a_model_with_no_instance_are_refused_before_anything_is_stored(http, node, models):
+    import asyncio
+    import base64
+    import os
+
+    from nats.js.errors import ObjectNotFoundError
+
+    from exo.bus.connection import connect
+    from exo.bus.images import image_digest
+    from exo.bus.subjects import IMAGES_BUCKET
+    from tests.e2e_support import nats_url_of
+
+    card = {"model_id": "local/vision-idle", "path": str(models[TINY_MODEL_ID]), "supports_images": True}
+    assert http.post("/models/add", json=card).status_code == 200
+    images = [os.urandom(200_000) for _ in range(3)]
+    for image in images:
+        part = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(image).decode()}}
+        refused = http.post("/v1/chat/completions", json={"model": "local/vision-idle",
+                                                          "messages": [{"role": "user", "content": [part]}]})
+        assert refused.status_code == 503 and "no instance" in refused.json()["error"]["message"], refused.text
+    many = [{"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(bytes([i])).decode()}}
+            for i in range(17)]
+    refused = http.post("/v1/chat/completions", json={"model": "local/vision-idle",
+                                                      "messages": [{"role": "user", "content": many}]})
+    assert refused.status_code == 400 and "at most 16 images" in refused.text
+
+    async def stored() -> list[bool]:
+        nc = await connect([nats_url_of(node)], name="image-check")
+        try:
+            store = await nc.jetstream().object_store(IMAGES_BUCKET)
+            found = []
+            for image in images:
+                try:
+                    await store.get_info(image_digest(image))
+                    found.append(True)
+                except ObjectNotFoundError:
+                    found.append(False)
+            return found
+        finally:
+            await nc.close()
+
+    assert asyncio.run(stored()) == [False, False, False]
 
 
 def test_unknown_models_are_404_on_every_openai_route(http, tiny):

@@ -174,3 +174,44 @@ async def test_a_snapshot_of_ten_thousand_tasks_and_a_hundred_nodes_round_trips(
         assert await read_latest_snapshot(client) == big
     finally:
         await client.close()
+
+
+async def test_a_command_whose_handling_keeps_failing_is_answered_once_not_looped(fresh_nats):
+    from exo.bus.command_queue import MAX_COMMAND_ATTEMPTS
+
+    nc = await connect([fresh_nats], name="poison-test")
+    await provision(nc)
+    view = StateView(nc)
+    await view.start()
+    answers: dict[str, list] = {}
+    view.add_listener(lambda seq, event, state: answers.setdefault(getattr(event, "command_id", ""), []).append(event))
+    await EventLog(nc).append(NodeRegistered(node=NodeInfo(node_id="poison-test", memory_available=10**12)), "pt-node")
+    attempts: list[str] = []
+
+    class Buggy(Master):
+        async def handle(self, command) -> None:
+            attempts.append(command.command_id)
+            if command.command_id == "poison":
+                raise RuntimeError("a bug in the master")
+            await super().handle(command)
+
+    master = Buggy(nc, view, {"org/m": ModelCard(model_id="org/m", n_layers=2)}, node_id="poison-test")
+    running = asyncio.create_task(master.run())
+    try:
+        await send_command(nc, PlaceInstance(command_id="poison", model_id="org/m"))
+        await send_command(nc, PlaceInstance(command_id="after", model_id="org/m"))
+        for _ in range(500):
+            if "poison" in answers and "after" in answers:
+                break
+            await asyncio.sleep(0.02)
+        (rejected,) = answers["poison"]
+        assert isinstance(rejected, CommandRejected) and rejected.code == "unavailable"
+        assert rejected.reason == "the master could not handle this command: RuntimeError: a bug in the master"
+        assert isinstance(answers["after"][0], InstanceCreated)  # the queue moved on
+        await asyncio.sleep(2.5)  # longer than the retry delay: no further delivery
+        assert attempts.count("poison") == MAX_COMMAND_ATTEMPTS
+    finally:
+        running.cancel()
+        await asyncio.wait({running}, timeout=10)
+        await view.stop()
+        await nc.close()

@@ -8,6 +8,7 @@ event name its wire tag, so `curl -N host/events?since=0` shows the whole histor
 from __future__ import annotations
 
 import asyncio
+import logging
 
 from aiohttp import web
 
@@ -17,6 +18,8 @@ from exo.api.sse import SseStream
 from exo.bus.errors import LogGap
 from exo.bus.event_log import EventFollower
 from exo.core.events import AnyEvent, encode_event, event_tag
+
+log = logging.getLogger(__name__)
 
 KEEP_ALIVE_S = 15.0  # a comment line this often keeps idle connections (and proxies) open
 _QUEUE_BOUND = 1024  # a slow client holds back its own reader, not the node
@@ -38,6 +41,7 @@ async def events(request: web.Request) -> web.StreamResponse:
         await follower.start(since + 1)
     except LogGap as gap:
         raise ApiError(410, str(gap), param="since") from None
+    sse: SseStream | None = None
     try:
         sse = await SseStream.open(request)
         while True:
@@ -47,6 +51,9 @@ async def events(request: web.Request) -> web.StreamResponse:
                 await sse.response.write(b": keep-alive\n\n")
                 continue
             await sse.send(data, event=tag, event_id=str(seq))
+    except ConnectionError:  # the client went away: how a live feed ends, not an error
+        log.info("events: client %s disconnected", request.remote)
+        return sse.response if sse is not None else web.Response(status=400)
     finally:
         await follower.stop()
 

@@ -1,7 +1,9 @@
 """Images in chat messages: OpenAI `image_url` parts with base64 `data:` URLs.
 
 The API keeps only hashes in the command; the bytes go to the object store exo-images once
-(a second send of the same image uploads nothing), and workers fetch them by hash.
+(a second send of the same image uploads nothing), and workers fetch them by hash. Images are
+stored only for a request that can be served (`store_for`): one the master refuses leaves
+nothing behind that it uploaded.
 """
 
 from __future__ import annotations
@@ -10,10 +12,16 @@ import base64
 import binascii
 import os
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
 from exo.api.errors import ApiError
-from exo.bus.images import image_digest, store_image
+from exo.bus.images import delete_image, image_digest, store_image
+from exo.core.state import State
 
 MAX_IMAGE_BYTES = int(os.environ.get("EXO_MAX_IMAGE_BYTES", str(20 * 1024 * 1024)))
+MAX_IMAGES = int(os.environ.get("EXO_MAX_IMAGES", "16"))  # per request
+MAX_REQUEST_IMAGE_BYTES = int(os.environ.get("EXO_MAX_REQUEST_IMAGE_BYTES", str(64 * 1024 * 1024)))
 
 
 class ImageUploads:
@@ -39,8 +47,30 @@ class ImageUploads:
             raise ApiError(413, f"image of {len(data)} bytes is larger than the limit of {self._max_bytes}", param=param)
         digest = image_digest(data)
         self.by_digest[digest] = data
+        if len(self.by_digest) > MAX_IMAGES:
+            raise ApiError(400, f"at most {MAX_IMAGES} images in one request", param=param)
+        if sum(map(len, self.by_digest.values())) > MAX_REQUEST_IMAGE_BYTES:
+            raise ApiError(413, f"the images of one request may total at most {MAX_REQUEST_IMAGE_BYTES} bytes", param=param)
         return digest
 
-    async def store(self, nc) -> None:
-        for data in self.by_digest.values():
-            await store_image(nc, data)
+    @asynccontextmanager
+    async def stored(self, nc, view, model_id: str) -> AsyncIterator[None]:
+        """Stores the images for the block, which queues the request. If there is no instance to
+        serve it, nothing is stored; if the block raises (the master refused it), the images
+        uploaded here are deleted again, unless a task in State took them meanwhile."""
+        if self.by_digest and not view.state.instances_of(model_id):
+            raise ApiError(503, f"no instance of {model_id!r} is running; place one first", code="unavailable")
+        uploaded = [digest for digest, new in [await store_image(nc, data) for data in self.by_digest.values()] if new]
+        try:
+            yield
+        except BaseException:
+            in_use = _images_of_open_tasks(view.state)
+            for digest in uploaded:
+                if digest not in in_use:
+                    await delete_image(nc, digest)
+            raise
+
+
+def _images_of_open_tasks(state: State) -> set[str]:
+    return {digest for task in state.tasks.values() if task.status in ("pending", "running")
+            for message in task.params.messages for digest in message.images}

@@ -125,8 +125,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     card = ctx.require_card(body.model)
     if uploads.by_digest and not card.supports_images:
         raise ApiError(400, f"the model {body.model!r} does not take image inputs", param="messages")
-    await uploads.store(ctx.nc)
-    generation = await start_generation(ctx, body.model, params)
+    async with uploads.stored(ctx.nc, ctx.view, body.model):
+        generation = await start_generation(ctx, body.model, params)
     try:
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)

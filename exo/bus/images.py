@@ -44,6 +44,15 @@ async def store_image(nc: Client, data: bytes) -> tuple[str, bool]:
     return digest, True
 
 
+async def delete_image(nc: Client, digest: str) -> None:
+    """Remove an image stored for a request that was then refused (nothing else refers to it)."""
+    store = await nc.jetstream().object_store(IMAGES_BUCKET)
+    try:
+        await store.delete(digest)
+    except ObjectNotFoundError:
+        pass
+
+
 async def fetch_image(nc: Client, digest: str, timeout: float = 60.0) -> bytes:
     js = nc.jetstream()
     store = await js.object_store(IMAGES_BUCKET)

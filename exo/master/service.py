@@ -22,8 +22,8 @@ from exo.bus.event_log import EventLog
 from exo.bus.leadership import Lease
 from exo.bus.snapshots import write_snapshot
 from exo.bus.state_view import StateView
-from exo.core.commands import AnyCommand
-from exo.core.events import AnyEvent, Event, LeaderElected, NodeHeartbeat, NodeRegistered, NodeTimedOut
+from exo.core.commands import AnyCommand, command_tag
+from exo.core.events import AnyEvent, CommandRejected, Event, LeaderElected, NodeHeartbeat, NodeRegistered, NodeTimedOut
 from exo.core.state import State
 from exo.core.types import ModelCard
 from exo.master.decide import decide
@@ -90,7 +90,7 @@ class Master:
         snapshots = asyncio.create_task(self._snapshotter.run(self._lease.valid))
         supervising = asyncio.create_task(self._supervise(term))
         try:
-            await consume_commands(self._nc, self.handle, self._lease.valid)
+            await consume_commands(self._nc, self.handle, self._lease.valid, self.give_up)
         finally:
             renewing.cancel()
             snapshots.cancel()
@@ -128,6 +128,15 @@ class Master:
         if last_seq:
             # The next decision must see these events, whoever else appended meanwhile.
             await self._view.wait_for(last_seq)
+
+    async def give_up(self, command: AnyCommand, error: str) -> None:
+        """A command whose handling kept failing: answer its caller with the error, once."""
+        term = self.term
+        rejected = CommandRejected(command_id=command.command_id, command_kind=command_tag(command), code="unavailable",
+                                   reason=f"the master could not handle this command: {error}")
+        await self._append_all([rejected], term, f"{command.command_id}:{term}:failed")
+        if self._view.state.leader_term != term:
+            raise NotLeader()
 
     async def handle(self, command: AnyCommand) -> None:
         term = self.term
@@ -171,6 +180,7 @@ class Snapshotter:
             state = self._view.state
             if state.last_seq > self._written_seq and still_leader():
                 started = time.perf_counter()
-                await write_snapshot(self._nc, state)
-                self._written_seq = state.last_seq
-                log.info("snapshot at sequence %d (%.0f ms)", state.last_seq, (time.perf_counter() - started) * 1000)
+                written = await write_snapshot(self._nc, state)
+                self._written_seq = state.last_seq  # not written: try again with the next `every` events
+                if written:
+                    log.info("snapshot at sequence %d (%.0f ms)", state.last_seq, (time.perf_counter() - started) * 1000)

@@ -186,7 +186,7 @@ def make_tiny_model(path: pathlib.Path, d: Dims = Dims()) -> pathlib.Path:
             "pad_token": PAD,
             "chat_template": CHAT_TEMPLATE,
             "clean_up_tokenization_spaces": False,
-            "model_max_length": 2048,
+            "model_max_length": 32768,
             "added_tokens_decoder": {
                 str(ids[t]): {
                     "content": t,
@@ -215,7 +215,7 @@ def make_tiny_model(path: pathlib.Path, d: Dims = Dims()) -> pathlib.Path:
             "num_key_value_heads": d.kv_heads,
             "head_dim": d.head_dim,
             "vocab_size": vocab,
-            "max_position_embeddings": 2048,
+            "max_position_embeddings": 32768,
             "rms_norm_eps": 1e-5,
             "rope_theta": 10000.0,
             "tie_word_embeddings": False,
