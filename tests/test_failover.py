@@ -111,7 +111,7 @@ def test_a_stale_master_resumed_after_its_lease_cannot_change_state(tmp_path, na
         final = state_of(other)
         assert final.leader_node == node_id(other) and final.leader_term > stale_term
         state, seen = replay(nats.url, final.last_seq)
-        elected = next(seq for seq, e, _ in seen if isinstance(e, LeaderElected) and e.term == final.leader_term)
+        elected = next(seq for seq, e, _ in seen if isinstance(e, LeaderElected) and seq == final.leader_term)
         late_from_stale = [(seq, e, ok) for seq, e, ok in seen if seq > elected and e.term == stale_term]
         assert not any(ok for _, _, ok in late_from_stale)  # whatever it wrote afterwards was ignored
         assert state == final == state_of(stale)

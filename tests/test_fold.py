@@ -37,7 +37,7 @@ progress = st.builds(DownloadProgress, node_id=NODES, model_id=MODELS, done_byte
                      status=st.sampled_from(["pending", "downloading", "completed"]))
 
 EVENTS: st.SearchStrategy[AnyEvent] = st.one_of(
-    st.builds(LeaderElected, node_id=NODES, term=st.integers(0, 4)),
+    st.builds(LeaderElected, node_id=NODES, term=st.integers(0, 4), lease_revision=st.sampled_from([0, 0, 3])),
     st.builds(NodeRegistered, node=node_info, term=TERMS),
     st.builds(NodeHeartbeat, node=node_info, term=TERMS),
     st.builds(NodeTimedOut, node_id=NODES, reason=TEXT, term=TERMS),

@@ -75,7 +75,7 @@ class Draft:
     """A State being changed in place, copy on first write (see the module's docstring)."""
 
     __slots__ = (
-        "_base", "_own_downloads_of", "last_seq", "leader_term", "leader_node", "nodes", "instances", "runners",
+        "_base", "_own_downloads_of", "last_seq", "leader_term", "leader_node", "leader_by_sequence", "nodes", "instances", "runners",
         "tasks", "custom_model_cards", "skipped_events", "finished_task_ids", "answered_commands", "downloads",
         "instance_end_reasons",
     )
@@ -86,6 +86,7 @@ class Draft:
         self.last_seq = state.last_seq
         self.leader_term = state.leader_term
         self.leader_node = state.leader_node
+        self.leader_by_sequence = state.leader_by_sequence
         self.nodes = state.nodes
         self.instances = state.instances
         self.runners = state.runners
@@ -100,7 +101,8 @@ class Draft:
     def state(self) -> State:
         """The State so far. The draft can go on: from here it copies again what it changes."""
         state = State(
-            last_seq=self.last_seq, leader_term=self.leader_term, leader_node=self.leader_node, nodes=self.nodes,
+            last_seq=self.last_seq, leader_term=self.leader_term, leader_node=self.leader_node,
+            leader_by_sequence=self.leader_by_sequence, nodes=self.nodes,
             instances=self.instances, runners=self.runners, tasks=self.tasks,
             custom_model_cards=self.custom_model_cards, skipped_events=self.skipped_events,
             finished_task_ids=self.finished_task_ids, answered_commands=self.answered_commands,
@@ -128,8 +130,8 @@ class Draft:
     def apply(self, event: AnyEvent, seq: int) -> str:
         """Fold one event in; returns why it was skipped, or "" if it was used."""
         try:
-            if event.term and event.term < self.leader_term:
-                raise _Skip(f"from term {event.term}, older than the leader's term {self.leader_term}")
+            if event.term and not isinstance(event, LeaderElected):
+                self._check_term(event.term)
             _HANDLERS[type(event)](self, event, seq)
         except _Skip as skip:
             reason = str(skip)
@@ -143,6 +145,12 @@ class Draft:
         self.last_seq = seq
         return ""
 
+    def _check_term(self, term: int) -> None:
+        if self.leader_by_sequence and term != self.leader_term:
+            raise _Skip(f"from term {term}, not the leader's term {self.leader_term}")
+        if term < self.leader_term:
+            raise _Skip(f"from term {term}, older than the leader's term {self.leader_term}")
+
     def skip(self, seq: int, reason: str) -> None:
         """Advance past an event that cannot be used, keeping a bounded record of why."""
         skipped = self.own("skipped_events")
@@ -152,6 +160,11 @@ class Draft:
 
 
 def _on_leader_elected(draft: Draft, event: LeaderElected, seq: int) -> None:
+    if event.lease_revision:  # the latest election wins; its term is its sequence
+        draft.leader_term, draft.leader_node, draft.leader_by_sequence = seq, event.node_id, True
+        return
+    if draft.leader_by_sequence:  # an old-scheme election (a term anyone can write) after the new scheme began
+        raise _Skip(f"an election without a lease revision (term {event.term}) after elections by sequence")
     if event.term <= draft.leader_term:
         raise _Skip(f"leader term {event.term} is not newer than {draft.leader_term}")
     draft.leader_term, draft.leader_node = event.term, event.node_id

@@ -21,14 +21,20 @@ from exo.core.types import (
 
 
 class Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind"):
-    # The master's term for events a master appends (0 for workers' events). The reducer
-    # ignores master events from a term older than the latest leader.elected: a deposed
-    # master that wakes up late cannot change State.
+    # The master's term for events a master appends (0 for workers' events): the stream sequence
+    # of its leader.elected. The reducer ignores master events of any other term: a deposed master
+    # that wakes up late, or a stray publisher, cannot change State. (Logs from before
+    # `lease_revision` used the lease's revision as the term, and "older than" as the rule.)
     term: int = 0
 
 
 class LeaderElected(Event, tag="leader.elected", kw_only=True):
+    """The latest one in the log is the leader. Its term is its own sequence: nothing a publisher
+    writes into an event can raise it, so a forged election lasts only until the lease holder
+    elects itself again (it does at once: exo/master/service.py)."""
+
     node_id: str
+    lease_revision: int = 0  # the lease's KV revision the master won; 0: an election of the old scheme
 
 
 class NodeRegistered(Event, tag="node.registered", kw_only=True):

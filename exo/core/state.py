@@ -20,6 +20,7 @@ class State(msgspec.Struct, frozen=True, kw_only=True):
     last_seq: int = 0  # stream sequence of the last event folded in
     leader_term: int = 0
     leader_node: str = ""
+    leader_by_sequence: bool = False  # the leader's term is its election's sequence (see LeaderElected)
     nodes: dict[str, NodeInfo] = {}
     instances: dict[str, Instance] = {}
     runners: dict[str, RunnerInfo] = {}

@@ -79,24 +79,33 @@ class Master:
             await self._lease.release()
 
     async def _lead(self) -> None:
-        term = self._lease.term
-        seq = await self._log.append(LeaderElected(node_id=self._node_id, term=term), event_id=f"leader:{term}")
+        revision = self._lease.term
+        if not self._lease.valid():
+            return
+        # The term is this election's sequence in the log (see LeaderElected): a new election on
+        # every campaign, so one that a forged election displaced takes over again at once.
+        seq = await self._log.append(LeaderElected(node_id=self._node_id, lease_revision=revision),
+                                     event_id=f"leader:{revision}:{uuid.uuid4().hex[:8]}")
         await self._view.wait_for(seq)
-        if self._view.state.leader_term != term:
-            return  # a newer leader was elected meanwhile
-        self.term = term
+        if self._view.state.leader_term != seq:
+            return  # a newer election came meanwhile
+        term = self.term = seq
         log.info("master: leading with term %d", term)
         renewing = asyncio.create_task(self._keep_lease())
         snapshots = asyncio.create_task(self._snapshotter.run(self._lease.valid))
         supervising = asyncio.create_task(self._supervise(term))
         try:
-            await consume_commands(self._nc, self.handle, self._lease.valid, self.give_up)
+            await consume_commands(self._nc, self.handle, lambda: self._still_leading(term), self.give_up)
         finally:
             renewing.cancel()
             snapshots.cancel()
             supervising.cancel()
             self.term = 0
             log.warning("master: no longer leading (term %d)", term)
+
+    def _still_leading(self, term: int) -> bool:
+        """The lease is ours and the log's latest election is ours (else: campaign, and elect again)."""
+        return self._lease.valid() and self._view.state.leader_term == term
 
     async def _keep_lease(self) -> None:
         while await self._lease.renew():
