@@ -49,3 +49,51 @@ def test_a_killed_embedded_server_is_restarted_and_nothing_acknowledged_is_lost(
             assert "restarting it on port" in node.output()
     finally:
         assert node.interrupt() == 0
+
+
+def test_a_stream_across_server_kills_gives_the_exact_text_or_an_error(tmp_path):
+    """kill -9 the embedded nats-server five times while a long answer streams: the text the
+    client gets equals mlx-lm's, or the stream ends with an error; never a clean finish with
+    text missing."""
+    import json
+
+    import mlx_lm
+
+    model = make_tiny_model(tmp_path / "model")
+    reference_model, tokenizer = mlx_lm.load(str(model))
+    messages = [{"role": "user", "content": "Tell me about the sea."}]
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    node = ExoProcess(tmp_path / "node", {}).start()
+    outcomes = []
+    try:
+        with httpx.Client(base_url=node.url, timeout=120) as http:
+            assert http.post("/models/add", json={"model_id": "local/tiny", "path": str(model)}).status_code == 200
+            assert http.post("/place_instance", json={"model_id": "local/tiny", "wait": 60}).status_code == 200
+            for max_tokens in (1500, 1200):
+                expected = mlx_lm.generate(reference_model, tokenizer, prompt, max_tokens=max_tokens)
+                body = {"model": "local/tiny", "messages": messages, "temperature": 0, "max_tokens": max_tokens,
+                        "stream": True}
+                text, finish, error, kills = [], None, None, 0
+                started = time.monotonic()
+                with http.stream("POST", "/v1/chat/completions", json=body) as response:
+                    for line in response.iter_lines():
+                        if kills < 5 and time.monotonic() - started > 0.6 * (kills + 1):
+                            (ports_file,) = (node.data_dir / "nats" / "ports").glob("*.ports")
+                            os.kill(int(ports_file.stem.rsplit("_", 1)[1]), signal.SIGKILL)
+                            kills += 1
+                        if not line.startswith("data: {"):
+                            continue
+                        data = json.loads(line[6:])
+                        if "error" in data:
+                            error = data["error"]
+                            continue
+                        choice = data["choices"][0]
+                        text.append(choice["delta"].get("content") or "")
+                        finish = choice["finish_reason"] or finish
+                outcomes.append((kills, finish, error and error["message"][:80]))
+                assert kills >= 3, outcomes  # the kills happened mid-stream
+                if error is None:
+                    assert finish == "length" and "".join(text) == expected, outcomes
+    finally:
+        node.interrupt()
+    print(outcomes)

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 import uuid
@@ -18,7 +19,7 @@ from exo.api.errors import ApiError
 from exo.api.outcomes import COMMAND_TIMEOUT_S, raise_if_rejected
 from exo.api.validate import check_limits
 from exo.bus.command_queue import send_command
-from exo.bus.tokens import TokenListener
+from exo.bus.tokens import TokenListener, stored_chunks
 from exo.core.commands import CancelTask, GenerateText
 from exo.core.events import TaskFinished
 from exo.core.types import GenerationParams, TokenChunk, TokenLogprob, ToolCall
@@ -44,16 +45,48 @@ class Generation:
         self._started = time.perf_counter()
         self._last_at: float | None = None
         self._tokens_seen = 0
+        self._next_index = 0  # the index of the next chunk this generation should see
         self.finished = False
 
     async def chunks(self) -> AsyncIterator[TokenChunk]:
         while not self.finished:
-            chunk = await self._next_chunk()
-            if chunk.finish_reason is None and chunk.index <= self._after:
-                continue
-            self.finished = chunk.finish_reason is not None
-            self._measure(chunk)
-            yield chunk
+            for chunk in await self._in_order(await self._next_chunk()):
+                if chunk.finish_reason is None and chunk.index <= self._after:
+                    continue
+                self.finished = chunk.finish_reason is not None
+                self._measure(chunk)
+                yield chunk
+                if self.finished:
+                    break
+
+    async def _in_order(self, chunk: TokenChunk) -> list[TokenChunk]:
+        """`chunk`, after the chunks before it that never reached this listener (a dropped
+        connection loses plain NATS messages): those come from JetStream, and if JetStream does
+        not have them either, the generation ends with an error rather than with text missing."""
+        if chunk.index < 0:  # the task ended and its last chunk did not come: look in the stream first
+            found = await stored_chunks(self._ctx.nc, self.command_id, self._next_index, None)
+            stored = [found[i] for i in sorted(found)]
+            if stored and stored[-1].finish_reason is not None and len(stored) == stored[-1].index + 1 - self._next_index:
+                self._next_index = stored[-1].index + 1
+                return stored
+            return [chunk]
+        if chunk.index < self._next_index:
+            return []  # a duplicate
+        missing = range(self._next_index, chunk.index)
+        self._next_index = chunk.index + 1
+        if not missing:
+            return [chunk]
+        found = await stored_chunks(self._ctx.nc, self.command_id, missing.start, missing.stop)
+        recovered = list(itertools.takewhile(lambda c: c is not None, (found.get(i) for i in missing)))
+        if len(recovered) == len(missing):
+            log.info("generation %s: %d chunks recovered from JetStream", self.command_id, len(missing))
+            return [*recovered, chunk]
+        lost = len(missing) - len(recovered)
+        log.warning("generation %s: %d chunks of its text are lost", self.command_id, lost)
+        self._ctx.in_background(cancel_generation(self._ctx, self.command_id))
+        return [*recovered, TokenChunk(command_id=self.command_id, index=chunk.index, finish_reason="error",
+                                       error=f"{lost} chunks of this generation's text were lost in transit (a NATS "
+                                             f"server restarted?) and are not in JetStream; the text would be incomplete")]
 
     def _measure(self, chunk: TokenChunk) -> None:
         metrics, now = self._ctx.metrics, time.perf_counter()

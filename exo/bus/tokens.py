@@ -30,6 +30,30 @@ async def publish_chunk(nc: Client, chunk: TokenChunk) -> None:
         await publish_durably(nc, subject, _encoder.encode(chunk), TOKENS_STREAM, msg_id)
 
 
+async def stored_chunks(nc: Client, command_id: str, first: int, stop: int | None,
+                        timeout: float = 2.0) -> dict[int, TokenChunk]:
+    """The chunks of one generation that EXO_TOKENS holds, by index: `first` to `stop` (excluded),
+    or with `stop` None everything from `first` through the last chunk. For a listener that
+    missed some (its connection dropped); what is not there after `timeout` was never stored."""
+    listener = await TokenListener.from_stream(nc, command_id)
+    found: dict[int, TokenChunk] = {}
+    end = stop
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    try:
+        while end is None or any(i not in found for i in range(first, end)):
+            chunk = await listener.next_within(deadline - loop.time())
+            if chunk is None:
+                break
+            if chunk.index >= first and (stop is None or chunk.index < stop):
+                found[chunk.index] = chunk
+                if stop is None and chunk.finish_reason is not None:
+                    end = chunk.index + 1
+    finally:
+        await listener.close()
+    return found
+
+
 class TokenListener:
     """Every chunk of one generation, in order, from its first.
 
@@ -59,6 +83,12 @@ class TokenListener:
             cb=listener._on_msg,
         )
         return listener
+
+    async def next_within(self, seconds: float) -> TokenChunk | None:
+        try:
+            return await asyncio.wait_for(self.queue.get(), seconds)
+        except asyncio.TimeoutError:
+            return None
 
     async def _on_msg(self, msg) -> None:
         self.queue.put_nowait(_decoder.decode(msg.data))
