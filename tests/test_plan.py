@@ -92,3 +92,19 @@ def test_a_task_is_forwarded_only_once_its_images_are_on_this_node():
     assert plan(fetched) == [ForwardTask(runner_id="r1", task_id="t1")]
     loading = WorkerView(node_id="me", state=state, runners=view(state, "loading").runners)
     assert plan(loading) == [FetchImages(digests=["aa", "bb"])]  # fetched while the model loads
+
+
+def test_a_runner_with_work_that_goes_silent_is_killed_as_hung():
+    from exo.worker.plan import KillHungRunner
+
+    task = Task(task_id="t1", instance_id="i1", model_id="m/a")
+    state = state_with(InstanceCreated(instance=MINE), TaskCreated(task=task))
+
+    def at(now: float, **local) -> list:
+        runners = {"r1": LocalRunner(runner_id="r1", instance_id="i1", phase="ready", heard_at=100.0, **local)}
+        return plan(WorkerView(node_id="me", state=state, runners=runners, now=now, stall_after=30.0))
+
+    assert at(129.0, forwarded=frozenset({"t1"})) == []  # heard from recently
+    (kill,) = at(131.0, forwarded=frozenset({"t1"}))
+    assert kill == KillHungRunner(runner_id="r1", reason="no progress for 31 s while generating")
+    assert at(500.0) == [ForwardTask(runner_id="r1", task_id="t1")]  # no work yet: silence is not a hang

@@ -25,12 +25,13 @@ from exo.runner.coalesce import Coalescer
 from exo.runner.engine import Engine, GenerationResult, Output
 from exo.runner.follower import follow
 from exo.runner.protocol import (
-    Cancel, Done, Failed, Generate, Load, Loaded, Report, Shutdown, Started, WarmedUp, WarmUp,
+    Alive, Cancel, Done, Failed, Generate, Load, Loaded, Report, Shutdown, Started, WarmedUp, WarmUp,
     encode_line, request_decoder,
 )
 
 # Text that comes faster than this is sent in one message per interval (see coalesce.py).
 STREAM_INTERVAL_S = float(os.environ.get("EXO_STREAM_INTERVAL_MS", "20")) / 1000
+PULSE_S = 1.0  # how often the runner tells the worker it is alive (protocol.Alive)
 
 
 class Runner:
@@ -45,6 +46,7 @@ class Runner:
         limit = max_batch()
         self._batcher = Batcher(self._engine, limit, self._mlx_thread) if limit > 1 else None
         self._generating: dict[str, asyncio.Task] = {}  # batched generations in flight, by task id
+        self._in_flight: set[str] = set()  # generations the model thread has not finished yet
 
     def report(self, message: Report) -> None:
         self._reports.write(encode_line(message))
@@ -54,6 +56,7 @@ class Runner:
         loop = asyncio.get_running_loop()
         reader = asyncio.create_task(self._read_stdin(loop))
         publisher = asyncio.create_task(self._publish_chunks())
+        pulse = asyncio.create_task(self._pulse())
         while True:
             request = await self._requests.get()
             if request is None:  # the worker went away: nobody is left to want the batch's text
@@ -69,6 +72,17 @@ class Runner:
         await self._chunks.join()
         publisher.cancel()
         reader.cancel()
+        pulse.cancel()
+
+    async def _pulse(self) -> None:
+        """Alive every PULSE_S while idle or while the model thread has moved since the last one:
+        a model thread stuck in a step (or a stopped process) goes quiet, and the worker acts."""
+        last = self._engine.pulse
+        while True:
+            await asyncio.sleep(PULSE_S)
+            if not self._in_flight or self._engine.pulse != last:
+                self.report(Alive())
+            last = self._engine.pulse
 
     def _start_batched(self, loop, request: Generate) -> None:
         task = asyncio.create_task(self._serve(loop, request))
@@ -145,15 +159,19 @@ class Runner:
 
         running = self._start(loop, request, on_output)
         self.report(Started(task_id=task_id))  # after the model thread has its work: off the first token's path
+        self._in_flight.add(task_id)
+        self._engine.beat()  # waiting for the model thread counts from here
         try:
             result = await running
         except Exception as error:
+            self._in_flight.discard(task_id)
             traceback.print_exc()
             await self._finish(task_id, index, "error", 0, 0, error=f"{type(error).__name__}: {error}")
             if self._engine.lockstep is not None and (isinstance(error, BatchFailed) or not self._batched(request)):
                 # The other ranks may still wait in a collective of this step: only a new group is sure to be in step.
                 self.report(Failed(error=f"{type(error).__name__}: {error}"))
             return
+        self._in_flight.discard(task_id)
         rest = coalescer.flush(time.perf_counter())
         if rest or held.logprobs:  # on the loop thread, after every chunk the model thread scheduled
             self._chunks.put_nowait(chunk_of(rest or "", result.completion_tokens, result.prompt_tokens,

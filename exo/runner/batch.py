@@ -230,6 +230,7 @@ class Batcher:
         try:
             self._tell_the_other_ranks()
             _, responses = self._batch().next()
+            self._engine.beat()  # prefill chunks produce no token, but they are progress
         except Exception as error:
             log.exception("a batch step failed")
             self._fail_all(error)

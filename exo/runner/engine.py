@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -54,6 +55,7 @@ class Engine:
         self.tokenizer: Any = None
         self.lockstep: Lockstep | None = None  # set when this runner is one rank of a multi-node instance
         self.prompt_cache = PromptCache(None, max_bytes=0)
+        self.pulse = time.monotonic()  # when the model thread last made progress (see Runner._pulse)
 
     def load(self, model_path: str, shard: RankSetup | None = None) -> None:
         if shard is None:
@@ -111,7 +113,7 @@ class Engine:
         for response in stream_generate(
             self.model, self.tokenizer, mx.array(reuse.rest), max_tokens=max_tokens_of(params),
             sampler=sampler, logits_processors=_seeing_prefix(logits_processors_of(params), tokens[:reuse.cached]),
-            prompt_cache=reuse.cache,
+            prompt_cache=reuse.cache, prompt_progress_callback=lambda *_: self.beat(),
         ):
             generated.append(response.token)
             result = decoding.step(response.text, response.token, response.logprobs,
@@ -124,6 +126,10 @@ class Engine:
         self.prompt_cache.keep(tokens + generated, reuse.cache)
         self._trim_cache()
         return result or decoding.finish()
+
+    def beat(self) -> None:
+        """The model thread made progress (a token, a prefill chunk, a batch step)."""
+        self.pulse = time.monotonic()
 
     def _reuse(self, tokens: list[int], told: Announcement | None) -> Reuse:
         if told is None:
@@ -175,6 +181,7 @@ class Decoding:
     def step(self, text: str, token: int, logprobs: Any, prompt_tokens: int, completion_tokens: int,
              finish_reason: str | None) -> GenerationResult | None:
         """Sends what this step produced; returns the result once a stop string ends the request."""
+        self._engine.beat()
         self.prompt_tokens, self.completion_tokens = prompt_tokens, completion_tokens
         self.finish_reason = finish_reason or self.finish_reason
         entries = [self._engine.logprob(token, logprobs, self._top_logprobs)] if self._top_logprobs >= 0 else []

@@ -75,8 +75,13 @@ class Failed(Report, tag="failed", kw_only=True):
     error: str
 
 
+class Alive(Report, tag="alive", kw_only=True):
+    """Every second while the runner is idle or its model thread makes progress: a runner that
+    has work and stops sending this is hung (exo/worker/plan.py)."""
+
+
 AnyRequest = Load | WarmUp | Generate | Cancel | Shutdown
-AnyReport = Loaded | WarmedUp | Started | Done | Failed
+AnyReport = Loaded | WarmedUp | Started | Done | Failed | Alive
 
 request_decoder = msgspec.json.Decoder(AnyRequest)
 report_decoder = msgspec.json.Decoder(AnyReport)

@@ -29,6 +29,7 @@ class LocalRunner(msgspec.Struct, frozen=True, kw_only=True):
     failures: int = 0  # its own failures since it was last ready (a peer's failure does not count)
     failed_at: float = 0.0  # the worker's clock when it failed: restarts back off from here
     restartable: bool = True  # False when restarting cannot help (e.g. the model is not on the Hub)
+    heard_at: float = 0.0  # the worker's clock at the runner's latest report (it sends Alive every second)
 
 
 class WorkerView(msgspec.Struct, frozen=True, kw_only=True):
@@ -40,6 +41,7 @@ class WorkerView(msgspec.Struct, frozen=True, kw_only=True):
     images_in_flight: frozenset[str] = frozenset()  # being fetched right now
     now: float = 0.0  # the worker's clock (time.monotonic()), for restart back-off
     max_failures: int = 3  # restarts stop here; the master then deletes the instance
+    stall_after: float = 30.0  # a runner with work that is silent this long is hung (EXO_RUNNER_STALL_S)
 
 
 class Step(msgspec.Struct, frozen=True, kw_only=True, tag_field="step"):
@@ -74,6 +76,14 @@ class RestartRunner(Step, tag="restart_runner", kw_only=True):
 
     runner_id: str
     instance_id: str
+
+
+class KillHungRunner(Step, tag="kill_hung_runner", kw_only=True):
+    """It has work and has not shown progress for `stall_after`: fail it (its requests get the
+    reason), kill it, and let the restart rules bring it back."""
+
+    runner_id: str
+    reason: str
 
 
 class AbandonRunner(Step, tag="abandon_runner", kw_only=True):
@@ -135,6 +145,9 @@ def _lifecycle_steps(view: WorkerView, instance: Instance, local: LocalRunner) -
     if failed_peer is not None and local.phase in _IN_GROUP:
         reason = f"peer runner {failed_peer.runner_id} on node {failed_peer.node_id} failed: {failed_peer.error}"
         return [AbandonRunner(runner_id=local.runner_id, reason=reason)]
+    if local.phase == "ready" and busy(view, local) and view.now - local.heard_at > view.stall_after:
+        silent = view.now - local.heard_at
+        return [KillHungRunner(runner_id=local.runner_id, reason=f"no progress for {silent:.0f} s while generating")]
     if local.phase == "failed":
         if local.restartable and local.failures < view.max_failures and view.now >= restart_due(local):
             return [RestartRunner(runner_id=local.runner_id, instance_id=instance.instance_id)]
@@ -147,6 +160,11 @@ def _lifecycle_steps(view: WorkerView, instance: Instance, local: LocalRunner) -
     if lifecycle is not None:
         return [lifecycle(runner_id=local.runner_id, model_id=instance.model_id)]
     return []
+
+
+def busy(view: WorkerView, local: LocalRunner) -> bool:
+    """It was given tasks that have not ended."""
+    return bool(local.forwarded - view.ended_tasks)
 
 
 def _can_form_group(view: WorkerView, peers: list) -> bool:

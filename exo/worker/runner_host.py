@@ -25,9 +25,11 @@ class RunnerHost:
         self._process: asyncio.subprocess.Process | None = None
         self._reader: asyncio.Task | None = None
         self._stopping = False
+        self._log_start = 0  # where this process's part of the (appended) log file begins
 
     async def start(self, on_report: OnReport, on_exit: OnExit) -> None:
         self._log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log_start = self._log_path.stat().st_size if self._log_path.exists() else 0
         env = {**os.environ, "EXO_RUNNER_NATS": ",".join(self._nats_urls)}
         with open(self._log_path, "ab") as log:
             self._process = await asyncio.create_subprocess_exec(
@@ -71,7 +73,11 @@ class RunnerHost:
             await on_exit(code, self._log_tail())
 
     def _log_tail(self, lines: int = 5) -> str:
+        """The end of what this process wrote: an earlier run's traceback is not its cause."""
         try:
-            return " | ".join(self._log_path.read_text(errors="replace").strip().splitlines()[-lines:])
+            with open(self._log_path, "rb") as log_file:
+                log_file.seek(self._log_start)
+                text = log_file.read().decode(errors="replace")
         except OSError:
             return ""
+        return " | ".join(text.strip().splitlines()[-lines:])

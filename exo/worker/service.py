@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 import uuid
 from collections.abc import Mapping
@@ -34,6 +35,10 @@ from exo.worker.downloads import DownloadCoordinator
 from exo.worker.runner_host import RunnerHost
 
 log = logging.getLogger(__name__)
+
+# A runner that has work and shows no progress this long (no Alive report: its model thread is
+# stuck, or the process is stopped) is hung. Longer than any one step: a prefill chunk of a big model.
+RUNNER_STALL_S = float(os.environ.get("EXO_RUNNER_STALL_S", "30"))
 
 
 class Worker:
@@ -78,6 +83,7 @@ class Worker:
         await self.downloads.start()
         await self._fetch_images(p.images_to_fetch(self._worker_view()))
         log.info("worker: disk reconciled with State at sequence %d; planning starts", self._view.state.last_seq)
+        self._in_background(self._watch_busy_runners())
         self._wake.set()
         while True:
             await self._wake.wait()
@@ -87,6 +93,14 @@ class Worker:
                     await self._execute(step)
                 except Exception:  # one failed step must not stop the worker; the next plan retries
                     log.exception("step %s failed", step)
+
+    async def _watch_busy_runners(self) -> None:
+        """Plan again every second while a runner has work, so a hung one is found (plan.KillHungRunner)."""
+        while True:
+            await asyncio.sleep(1.0)
+            view = self._worker_view()
+            if any(p.busy(view, runner) for runner in view.runners.values()):
+                self._wake.set()
 
     async def stop(self) -> None:
         await self.downloads.stop()
@@ -102,7 +116,7 @@ class Worker:
         return p.WorkerView(
             node_id=self.node_id, state=self._view.state, runners=dict(self._runners), ended_tasks=frozenset(self._ended),
             local_images=frozenset(self._local_images), images_in_flight=frozenset(self._images_in_flight),
-            now=time.monotonic(),
+            now=time.monotonic(), stall_after=RUNNER_STALL_S,
         )
 
     def _on_event(self, seq: int, event: AnyEvent, state: State) -> None:
@@ -168,6 +182,10 @@ class Worker:
                 await self._restart_runner(step)
             case p.AbandonRunner():
                 await self._abandon_runner(step)
+            case p.KillHungRunner():
+                log.error("worker: runner %s is hung (%s): killing it", step.runner_id, step.reason)
+                self._hosts[step.runner_id].kill()
+                await self._fail_runner(step.runner_id, f"the runner was hung: {step.reason}")
             case p.StopRunner():
                 self._set_phase(step.runner_id, "stopping")
                 self._in_background(self._stop_runner(step.runner_id))
@@ -250,6 +268,8 @@ class Worker:
         )
 
     async def _on_report(self, runner_id: str, report: rp.AnyReport) -> None:
+        if runner_id in self._runners:
+            self._runners[runner_id] = replace(self._runners[runner_id], heard_at=time.monotonic())
         match report:
             case rp.Loaded():
                 self._set_phase(runner_id, "loaded")
