@@ -2,20 +2,8 @@
 its own stream sequence (exo/core/apply.py, exo/master/service.py). A forged election lasts only
 until the lease holder elects itself again; a forged term written into an event raises nothing."""
 
-from exo.core.apply import apply
-from exo.core.events import AnyEvent, InstanceCreated, InstanceDeleted, LeaderElected, TaskStarted
-from exo.core.state import State
-from exo.core.types import Instance, ShardAssignment
-
-INSTANCE = Instance(instance_id="i1", model_id="org/m", shards=[
-    ShardAssignment(runner_id="r1", node_id="n1", start_layer=0, end_layer=2)])
-
-
-def fold(events: list[AnyEvent], state: State | None = None) -> State:
-    state = state or State()
-    for event in events:
-        state = apply(state, event, state.last_seq + 1)
-    return state
+from exo.core.events import InstanceCreated, InstanceDeleted, LeaderElected, TaskStarted
+from tests.test_reducer import INSTANCE, fold
 
 
 def test_the_latest_election_leads_with_its_own_sequence_as_term():
