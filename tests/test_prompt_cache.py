@@ -185,6 +185,25 @@ def test_sliding_window_caches_that_cannot_be_trimmed_are_reused_only_where_corr
     assert engine.prompt_cache.stats().hits > 0  # a turn extends the last one's cache, which needs no trim
 
 
+def test_generation_stops_at_the_models_context_and_a_prompt_that_fills_it_is_refused(model_dir):
+    # Not a cache property, but these helpers run both paths: max_tokens is capped by what the
+    # context leaves after the prompt, and a prompt as long as the context is an error, not a run.
+    from exo.runner.engine import PromptTooLong
+
+    engine = loaded(model_dir, cache_bytes=0)
+    params = chat(("user", "Hello"), max_tokens=500)
+    prompt = len(engine.encode(engine.prompt_for(params)))
+    engine.context_length = prompt + 7
+    _, alone = run_alone(engine, params)
+    [(_, batched)] = run_batched(engine, [params])
+    assert [(r.finish_reason, r.completion_tokens) for r in (alone, batched)] == [("length", 7)] * 2
+    engine.context_length = prompt
+    with pytest.raises(PromptTooLong, match=f"the prompt is {prompt} tokens; the model's context is {prompt}"):
+        run_alone(engine, params)
+    with pytest.raises(PromptTooLong):
+        run_batched(engine, [params])
+
+
 # End to end: exo and mlx_lm.server, the same turns, the same text.
 
 @pytest.fixture(scope="module")

@@ -64,7 +64,7 @@ class Generation:
         connection loses plain NATS messages): those come from JetStream, and if JetStream does
         not have them either, the generation ends with an error rather than with text missing."""
         if chunk.index < 0:  # the task ended and its last chunk did not come: look in the stream first
-            found = await stored_chunks(self._ctx.nc, self.command_id, self._next_index, None)
+            found = await self._stored(self._next_index, None)
             stored = [found[i] for i in sorted(found)]
             if stored and stored[-1].finish_reason is not None and len(stored) == stored[-1].index + 1 - self._next_index:
                 self._next_index = stored[-1].index + 1
@@ -76,7 +76,7 @@ class Generation:
         self._next_index = chunk.index + 1
         if not missing:
             return [chunk]
-        found = await stored_chunks(self._ctx.nc, self.command_id, missing.start, missing.stop)
+        found = await self._stored(missing.start, missing.stop)
         recovered = list(itertools.takewhile(lambda c: c is not None, (found.get(i) for i in missing)))
         if len(recovered) == len(missing):
             log.info("generation %s: %d chunks recovered from JetStream", self.command_id, len(missing))
@@ -87,6 +87,13 @@ class Generation:
         return [*recovered, TokenChunk(command_id=self.command_id, index=chunk.index, finish_reason="error",
                                        error=f"{lost} chunks of this generation's text were lost in transit (a NATS "
                                              f"server restarted?) and are not in JetStream; the text would be incomplete")]
+
+    async def _stored(self, first: int, stop: int | None) -> dict[int, TokenChunk]:
+        try:
+            return await stored_chunks(self._ctx.nc, self.command_id, first, stop)
+        except Exception as error:  # JetStream unreachable right now: what is missing stays missing
+            log.warning("generation %s: cannot read its chunks from JetStream: %r", self.command_id, error)
+            return {}
 
     def _measure(self, chunk: TokenChunk) -> None:
         metrics, now = self._ctx.metrics, time.perf_counter()

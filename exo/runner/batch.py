@@ -33,7 +33,7 @@ from mlx_lm.sample_utils import make_sampler
 from exo.core.types import GenerationParams, SamplingDefaults
 from exo.runner.distributed import AgreedSamplers, BatchJoin, BatchStep, Lockstep, Sampling
 from exo.runner.engine import (
-    Decoding, Engine, GenerationResult, OnOutput, max_tokens_of, penalties, sampling_of,
+    Decoding, Engine, GenerationResult, OnOutput, penalties, sampling_of,
 )
 from exo.runner.prompt_cache import PromptCache, Reuse
 
@@ -189,10 +189,11 @@ class Batcher:
             params, tokens = job.params, job.start(self._engine)
             if not tokens:  # mlx-lm's own check, made before a sampler is taken (see AgreedSamplers)
                 raise ValueError("the prompt is empty")
+            max_tokens = self._engine.max_tokens_for(params, len(tokens))
             reuse = self._engine.prompt_cache.take(tokens)
             assert job.decoding is not None
             job.decoding.cached = reuse.cached
-            join = BatchJoin(tokens=tokens, max_tokens=max_tokens_of(params), cached=reuse.cached,
+            join = BatchJoin(tokens=tokens, max_tokens=max_tokens, cached=reuse.cached,
                              sampling=sampling_of(params, job.defaults), presence_penalty=params.presence_penalty,
                              frequency_penalty=params.frequency_penalty)
             generator = self._batch()

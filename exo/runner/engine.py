@@ -49,6 +49,10 @@ class GenerationResult:
         self.cached_tokens = cached_tokens  # prompt tokens reused from the prompt cache
 
 
+class PromptTooLong(ValueError):
+    """The prompt alone fills the model's context: nothing could be generated."""
+
+
 class Engine:
     def __init__(self) -> None:
         self.model: Any = None
@@ -56,6 +60,7 @@ class Engine:
         self.lockstep: Lockstep | None = None  # set when this runner is one rank of a multi-node instance
         self.prompt_cache = PromptCache(None, max_bytes=0)
         self.pulse = time.monotonic()  # when the model thread last made progress (see Runner._pulse)
+        self.context_length = 0  # the model's (max_position_embeddings), 0 if it does not say
 
     def load(self, model_path: str, shard: RankSetup | None = None) -> None:
         if shard is None:
@@ -66,6 +71,7 @@ class Engine:
             self.lockstep = Lockstep(group)
         # The budget comes from the memory free once the model is in it. On a multi-node instance
         # rank 0 decides which entries every rank keeps (its byte count; see PromptCache.trim).
+        self.context_length = int(getattr(getattr(self.model, "args", None), "max_position_embeddings", 0) or 0)
         budget = budget_bytes(memory()[1]) if shard is None or shard.rank == 0 else FOLLOWER_BUDGET
         self.prompt_cache = PromptCache(self.model, budget, entry_limit())
 
@@ -100,6 +106,7 @@ class Engine:
     ) -> GenerationResult:
         """One request alone. `told`: rank 0's announcement of it, on the other ranks of an instance."""
         tokens = self.encode(self.prompt_for(params))
+        max_tokens = self.max_tokens_for(params, len(tokens))
         reuse = self._reuse(tokens, told)
         decoding = Decoding(self, params, on_output, task_id, cached=reuse.cached)
         sampler = _sampler(params, defaults)
@@ -111,7 +118,7 @@ class Engine:
         generated: list[int] = []
         result = None
         for response in stream_generate(
-            self.model, self.tokenizer, mx.array(reuse.rest), max_tokens=max_tokens_of(params),
+            self.model, self.tokenizer, mx.array(reuse.rest), max_tokens=max_tokens,
             sampler=sampler, logits_processors=_seeing_prefix(logits_processors_of(params), tokens[:reuse.cached]),
             prompt_cache=reuse.cache, prompt_progress_callback=lambda *_: self.beat(),
         ):
@@ -126,6 +133,14 @@ class Engine:
         self.prompt_cache.keep(tokens + generated, reuse.cache)
         self._trim_cache()
         return result or decoding.finish()
+
+    def max_tokens_for(self, params: GenerationParams, prompt_tokens: int) -> int:
+        """The request's max_tokens, within what the model's context leaves after the prompt."""
+        if not self.context_length:
+            return max_tokens_of(params)
+        if prompt_tokens >= self.context_length:
+            raise PromptTooLong(f"the prompt is {prompt_tokens} tokens; the model's context is {self.context_length}")
+        return min(max_tokens_of(params), self.context_length - prompt_tokens)
 
     def beat(self) -> None:
         """The model thread made progress (a token, a prefill chunk, a batch step)."""
