@@ -71,13 +71,19 @@ async def test_a_view_folds_the_whole_log_in_order(nc):
     await view.stop()
 
 
-async def test_master_answers_commands_with_events_and_a_redelivery_decides_the_same(nc):
+async def view_with_a_node(nc, node_id: str) -> tuple[StateView, dict[str, list]]:
+    """A caught-up view, the events it folds by command id from now on, and a node to place on."""
     view = StateView(nc)
     await view.start()
     await view.wait_for(await EventLog(nc).last_sequence())
-    answers: dict[str, object] = {}
-    view.add_listener(lambda seq, event, state: answers.setdefault(getattr(event, "command_id", ""), event))
-    await EventLog(nc).append(NodeRegistered(node=NodeInfo(node_id="master-test", memory_available=10**12)), "mt-node")
+    answers: dict[str, list] = {}
+    view.add_listener(lambda seq, event, state: answers.setdefault(getattr(event, "command_id", ""), []).append(event))
+    await EventLog(nc).append(NodeRegistered(node=NodeInfo(node_id=node_id, memory_available=10**12)), f"{node_id}-node")
+    return view, answers
+
+
+async def test_master_answers_commands_with_events_and_a_redelivery_decides_the_same(nc):
+    view, answers = await view_with_a_node(nc, "master-test")
     builtin = {"org/m": ModelCard(model_id="org/m", n_layers=2)}
     master = Master(nc, view, builtin, node_id="master-test")
     running = asyncio.create_task(master.run())
@@ -88,7 +94,7 @@ async def test_master_answers_commands_with_events_and_a_redelivery_decides_the_
             if "mt-1" in answers and "mt-2" in answers:
                 break
             await asyncio.sleep(0.02)
-        created, rejected = answers["mt-1"], answers["mt-2"]
+        created, rejected = answers["mt-1"][0], answers["mt-2"][0]
         assert isinstance(created, InstanceCreated) and created.instance.model_id == "org/m"
         assert isinstance(rejected, CommandRejected) and rejected.code == "not_found"
         before = view.state.last_seq
@@ -181,11 +187,7 @@ async def test_a_command_whose_handling_keeps_failing_is_answered_once_not_loope
 
     nc = await connect([fresh_nats], name="poison-test")
     await provision(nc)
-    view = StateView(nc)
-    await view.start()
-    answers: dict[str, list] = {}
-    view.add_listener(lambda seq, event, state: answers.setdefault(getattr(event, "command_id", ""), []).append(event))
-    await EventLog(nc).append(NodeRegistered(node=NodeInfo(node_id="poison-test", memory_available=10**12)), "pt-node")
+    view, answers = await view_with_a_node(nc, "poison-test")
     attempts: list[str] = []
 
     class Buggy(Master):

@@ -42,7 +42,7 @@ async def received(nc, command_id: str, delivered: list[TokenChunk], ended: Task
         end.set_result(ended)
     generation = Generation(ctx, command_id, listener, end)
     out = [chunk async for chunk in generation.chunks()]
-    assert bool(cancels) == (out[-1].finish_reason == "error")  # a broken generation is cancelled, not left running
+    assert bool(cancels) == ("were lost" in out[-1].error)  # a generation missing text is cancelled, not left running
     return out
 
 
@@ -72,3 +72,13 @@ async def test_a_last_chunk_that_did_not_arrive_is_read_from_jetstream(nc):
     ended = TaskFinished(task_id=command_id, status="completed", finish_reason="length", completion_tokens=2)
     out = await received(nc, command_id, [chunks[0]], ended)
     assert [(c.index, c.text, c.finish_reason) for c in out] == [(0, "x", None), (1, "y", None), (2, "", "length")]
+
+
+async def test_an_end_from_the_worker_after_the_runners_chunks_ends_at_once(nc):
+    # A runner that died mid-generation: the worker ends its task with a chunk of index 0.
+    command_id = uuid.uuid4().hex
+    chunks = chunks_of(command_id, ["a", "b"])[:2]
+    await stored(nc, chunks)
+    ended_by_worker = TokenChunk(command_id=command_id, index=0, finish_reason="error", error="the runner failed")
+    out = await asyncio.wait_for(received(nc, command_id, [*chunks, ended_by_worker]), 10)  # not a duplicate to wait past
+    assert [(c.index, c.finish_reason) for c in out] == [(0, None), (1, None), (0, "error")]

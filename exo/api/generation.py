@@ -71,7 +71,9 @@ class Generation:
                 return stored
             return [chunk]
         if chunk.index < self._next_index:
-            return []  # a duplicate
+            # A duplicate, unless it ends the generation: the worker ends a task whose runner died
+            # with a last chunk of index 0, whatever the runner had sent.
+            return [chunk] if chunk.finish_reason is not None else []
         missing = range(self._next_index, chunk.index)
         self._next_index = chunk.index + 1
         if not missing:

@@ -2,7 +2,7 @@
 
 The API keeps only hashes in the command; the bytes go to the object store exo-images once
 (a second send of the same image uploads nothing), and workers fetch them by hash. Images are
-stored only for a request that can be served (`store_for`): one the master refuses leaves
+stored only for a request that can be served (`ImageUploads.stored`): one the master refuses leaves
 nothing behind that it uploaded.
 """
 

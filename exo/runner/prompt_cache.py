@@ -109,8 +109,8 @@ class PromptCache:
         mx.eval([layer.state for layer in cache])  # nothing lazy left to compute when another request reuses it
         self._lru.insert_cache(_MODEL_KEY, list(tokens), cache)
 
-    def trim(self, active_bytes: int = 0, entries: int | None = None) -> int:
-        """Evict the least recently stored entries until the cache fits; the entries left.
+    def trim(self, active_bytes: int = 0, entries: int | None = None) -> None:
+        """Evict the least recently stored entries until the cache fits.
         `active_bytes`: KV memory of requests still running, which counts against the budget.
         `entries`: rank 0's count (other ranks: drop the same entries, whatever their bytes)."""
         before = len(self._lru)
@@ -119,7 +119,6 @@ class PromptCache:
         else:
             self._lru.trim_to(n_sequences=self.max_entries, n_bytes=self.max_bytes - active_bytes)
         self._evictions += before - len(self._lru)
-        return len(self._lru)
 
     def stats(self) -> PromptCacheStats:
         return PromptCacheStats(hits=self._hits, misses=self._misses, tokens_reused=self._reused,
