@@ -90,6 +90,7 @@ def _env_number(name: str, kind=float):
 
 
 async def run(config: NodeConfig) -> int:
+    from exo.bus.embedded import CREDENTIALS_FILE
     from exo.bus.errors import BusError
     from exo.node import Node, StartupError
 
@@ -112,7 +113,10 @@ async def run(config: NodeConfig) -> int:
         print(f"exo: {error}", file=sys.stderr, flush=True)
         await node.stop()
         return 1
-    print(f"exo: node ready, API at {node.api_url or '(off)'}, NATS at {','.join(node.nats_urls)}", flush=True)
+    nats = ",".join(node.shown_nats_urls)
+    if node.embedded is not None:
+        nats += f" (users exo and operator, passwords in {node.embedded.store_dir / CREDENTIALS_FILE})"
+    print(f"exo: node ready, API at {node.api_url or '(off)'}, NATS at {nats}", flush=True)
     waiting = asyncio.create_task(node.wait())
     stopping = asyncio.create_task(stop.wait())
     done, _ = await asyncio.wait({waiting, stopping}, return_when=asyncio.FIRST_COMPLETED)

@@ -17,7 +17,7 @@ from exo.api.app import build_app
 from exo.api.auth import warn_if_exposed
 from exo.api.context import ApiContext
 from exo.api.outcomes import CommandOutcomes
-from exo.bus.connection import connect
+from exo.bus.connection import connect, redact
 from exo.bus.embedded import EmbeddedNats
 from exo.bus.errors import LogGap
 from exo.bus.event_log import EventLog
@@ -99,6 +99,7 @@ class Node:
             urls = [await self.embedded.start()]
             self._tasks.append(asyncio.create_task(self.embedded.supervise(), name="embedded nats-server"))
         self.nats_urls = urls
+        self.shown_nats_urls = [redact(url) for url in urls]
         self._nc = nc = await connect(urls, name="exo-node")
         await provision(nc, replicas=config.replicas, overrides=event_retention(config.events_max_age_s, config.events_max_bytes))
         node_id = load_node_id(config.data_dir)

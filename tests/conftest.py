@@ -33,12 +33,18 @@ async def nc(nats_url: str):
 
 
 @pytest_asyncio.fixture
-async def fresh_nats(tmp_path: Path):
+async def fresh_server(tmp_path: Path):
     """A server of its own, for tests that change streams."""
     server = EmbeddedNats(tmp_path / "nats", port=0)
-    url = await server.start()
-    yield url
+    await server.start()
+    yield server
     server.stop()
+
+
+@pytest_asyncio.fixture
+async def fresh_nats(fresh_server: EmbeddedNats) -> str:
+    """Its URL for exo's own processes (user `exo`)."""
+    return fresh_server.url
 
 
 async def eventually(predicate, timeout: float = 10.0, interval: float = 0.02):

@@ -32,7 +32,7 @@ def exo_serving(root: Path, models: dict[str, Path], env: dict[str, str] | None 
 
 
 def nats_url_of(node: ExoProcess) -> str:
-    return re.search(r"NATS at (\S+)", node.output()).group(1)
+    return node.nats_url()
 
 
 def place(http: httpx.Client, model_id: str, **extra) -> str:

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from exo.bus.embedded import load_credentials, with_user
+from exo.bus.permissions import EXO_USER, OPERATOR_USER
 
 
 def free_port() -> int:
@@ -44,6 +48,13 @@ class ExoProcess:
                 return self
             time.sleep(0.1)
         raise RuntimeError(f"exo did not become ready in {timeout} s:\n{self.output()}")
+
+    def nats_url(self, user: str = EXO_USER) -> str:
+        """The node's embedded NATS server (as printed), with the password of `user` from its data dir."""
+        address = re.search(r"NATS at (\S+)", self.output()).group(1)
+        credentials = load_credentials(self.data_dir / "nats")
+        password = credentials.operator_password if user == OPERATOR_USER else credentials.exo_password
+        return with_user(address, user, password)
 
     def output(self) -> str:
         return self.log_path.read_text(errors="replace")

@@ -137,6 +137,44 @@ async def test_images_are_stored_once_by_hash_and_fetched_verified(nc):
         await fetch_image(nc, "0" * 64)
 
 
+async def test_a_full_image_store_refuses_an_image_whole_and_keeps_nothing_of_it(fresh_nats):
+    import os
+
+    from exo.bus.images import ImageStoreFull, store_image
+    from exo.bus.subjects import IMAGES_STREAM
+
+    client = await connect([fresh_nats], name="t")
+    try:
+        await provision(client, overrides={IMAGES_STREAM: {"max_bytes": 600_000}})
+        kept = os.urandom(300_000)
+        await store_image(client, kept)
+        used = (await client.jetstream().stream_info(IMAGES_STREAM)).state.bytes
+        with pytest.raises(ImageStoreFull, match="the image store is full"):
+            await store_image(client, os.urandom(400_000))  # its first chunks fit, the rest do not
+        assert (await client.jetstream().stream_info(IMAGES_STREAM)).state.bytes == used
+    finally:
+        await client.close()
+
+
+async def test_a_stream_as_an_earlier_release_made_it_is_updated_and_one_an_operator_tuned_is_not(fresh_nats):
+    from exo.bus.subjects import IMAGES_STREAM
+
+    client = await connect([fresh_nats], name="t")
+    try:
+        config = next(c for c in stream_configs() if c["name"] == IMAGES_STREAM)
+        assert config["max_bytes"] > 0
+        await client.request(f"$JS.API.STREAM.CREATE.{IMAGES_STREAM}", json.dumps({**config, "max_bytes": -1}).encode())
+        await provision(client)  # unbounded, as releases before the limit made it
+        assert (await client.jetstream().stream_info(IMAGES_STREAM)).config.max_bytes == config["max_bytes"]
+        tuned = {**config, "max_bytes": 123_456_789}
+        await client.request(f"$JS.API.STREAM.UPDATE.{IMAGES_STREAM}", json.dumps(tuned).encode())
+        with pytest.raises(ConfigMismatch, match=IMAGES_STREAM):
+            await provision(client)
+        assert (await client.jetstream().stream_info(IMAGES_STREAM)).config.max_bytes == 123_456_789
+    finally:
+        await client.close()
+
+
 async def test_catch_up_starts_from_the_snapshot_and_says_clearly_when_the_log_was_trimmed_past_it(fresh_nats):
     from exo.bus.catch_up import catch_up
     from exo.bus.errors import LogGap

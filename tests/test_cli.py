@@ -11,6 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from exo.bus.connection import redact
 from tests.exo_process import ExoProcess, exo_command
 
 pytestmark = pytest.mark.slow
@@ -41,7 +42,9 @@ def test_an_unusable_nats_url_is_one_line_and_a_non_zero_exit(tmp_path: Path):
 def test_joining_an_existing_nats_starts_no_server_of_its_own(tmp_path: Path, nats_url: str):
     exo = ExoProcess(tmp_path / "data", {}, ["--nats", nats_url]).start()
     try:
-        assert f"NATS at {nats_url}" in exo.output()
+        assert f"NATS at {redact(nats_url)}" in exo.output()
+        password = nats_url.split("@")[0].rsplit(":", 1)[1]
+        assert password not in exo.output()  # logs never show it
         assert httpx.get(f"{exo.url}/health").json()["nats_connected"] is True
         assert not (tmp_path / "data" / "nats").exists()
     finally:

@@ -4,7 +4,6 @@ reconnects and carries on, and nothing acknowledged is lost."""
 from __future__ import annotations
 
 import os
-import re
 import signal
 import time
 
@@ -27,7 +26,7 @@ def test_a_killed_embedded_server_is_restarted_and_nothing_acknowledged_is_lost(
             assert http.post("/models/add", json={"model_id": "local/tiny", "path": str(model)}).status_code == 200
             assert http.post("/place_instance", json={"model_id": "local/tiny"}).status_code == 200
             expected = http.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["content"]
-            nats_url = re.search(r"NATS at (\S+)", node.output()).group(1)
+            nats_url = node.nats_url()
             before, _, _ = stream_events([nats_url])
             (ports_file,) = (node.data_dir / "nats" / "ports").glob("*.ports")
             server_pid = int(ports_file.stem.rsplit("_", 1)[1])

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import time
 from pathlib import Path
 
@@ -144,7 +143,7 @@ def test_a_client_that_disconnects_cancels_its_generation(http, node, instance_i
 def test_a_late_listener_replays_every_chunk_from_jetstream(client, node, instance_id, expected):
     reply = client.chat.completions.create(model=TINY_MODEL_ID, messages=MESSAGES, temperature=0, max_tokens=MAX_TOKENS)
     command_id = reply.id.removeprefix("chatcmpl-")
-    nats_url = re.search(r"NATS at (\S+)", node.output()).group(1)
+    nats_url = node.nats_url()
 
     async def replay() -> list[TokenChunk]:
         nc = await connect([nats_url], name="late-listener")
@@ -236,7 +235,7 @@ def test_state_node_id_and_models(http, node, instance_id):
 def test_forged_elections_do_not_wedge_the_cluster(http, client, node, instance_id, expected):
     """A stray publisher's leader.elected, with a huge term of the old scheme or as a new-scheme
     election, displaces the master for a moment at most: it elects itself again and serves."""
-    nats_url = re.search(r"NATS at (\S+)", node.output()).group(1)
+    nats_url = node.nats_url()
     node_id = http.get("/node_id").json()
     before = http.get("/state").json()["last_seq"]
 

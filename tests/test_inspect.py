@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from exo.bus.command_queue import send_command
-from exo.bus.connection import connect
-from exo.bus.embedded import nats_server_binary
+from exo.bus.connection import connect, redact
+from exo.bus.embedded import EmbeddedNats, nats_server_binary
 from exo.bus.event_log import EventLog
 from exo.bus.images import store_image
 from exo.bus.provision import provision
@@ -31,16 +31,17 @@ IMAGE = b"\x89PNG not really, but bytes all the same"
 
 
 @pytest.fixture
-async def populated(fresh_nats: str):
-    """Three events, one command nobody consumed yet, a snapshot and an image."""
-    nc = await connect([fresh_nats], name="test-inspect")
+async def populated(fresh_server: EmbeddedNats):
+    """Three events, one command nobody consumed yet, a snapshot and an image; the URL for the
+    tool is the read-only operator's."""
+    nc = await connect([fresh_server.url], name="test-inspect")
     await provision(nc)
     for n in range(3):
         await EventLog(nc).append(TaskStarted(task_id=f"t{n}"), uuid.uuid4().hex)
     await send_command(nc, PlaceInstance(command_id="waiting", model_id="org/m"))
     assert await write_snapshot(nc, State(last_seq=2)) and await write_snapshot(nc, State(last_seq=3))
     digest, _ = await store_image(nc, IMAGE)
-    yield fresh_nats, digest
+    yield fresh_server.operator_url, digest
     await nc.close()
 
 
@@ -63,7 +64,7 @@ async def test_inspect_json_shows_streams_consumers_keys_and_objects(populated):
     (images,) = report["object_stores"]
     assert images["bucket"] == "exo-images"
     assert [(o["name"], o["size"], o["chunks"]) for o in images["objects"]] == [(digest, len(IMAGE), 1)]
-    assert report["server"]["url"] == url and report["server"]["monitor"] is None
+    assert report["server"]["url"] == redact(url) and report["server"]["monitor"] is None
 
 
 async def test_inspect_text_is_a_readable_report(populated):
@@ -71,7 +72,7 @@ async def test_inspect_text_is_a_readable_report(populated):
     done = await in_thread(run_tool, ["inspect"], url)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
-    assert lines[0].startswith(f"NATS {url} (nats-server 2.")
+    assert lines[0].startswith(f"NATS {redact(url)} (nats-server 2.")
     assert re.search(r"^  EXO_EVENTS +3 +\S+ \S+ +1 +3 +\d{4}-\S+Z +0$", done.stdout, re.M)
     assert re.search(r"^  EXO_COMMANDS +exo-master +durable pull +1 +0 +0 +0 +0 +0$", done.stdout, re.M)
     assert re.search(r"^  snapshot +2 +\S+ \S+ +2 +State at sequence 3$", done.stdout, re.M)

@@ -84,6 +84,12 @@ def in_a_terminal(command: list[str], timeout: float = 30) -> str:
 
 
 @pytest.fixture
+def operator_url(fresh_server: EmbeddedNats) -> str:
+    """What an operator's `nats` commands use: read-only (exo/bus/permissions.py)."""
+    return fresh_server.operator_url
+
+
+@pytest.fixture
 async def fresh_nc(fresh_nats: str):
     client = await connect([fresh_nats], name="test-nats-cli")
     await provision(client)
@@ -121,21 +127,21 @@ async def test_stream_add_config_gives_exactly_what_exo_provisions(nats_cli, fre
         by_cli.stop()
 
 
-async def test_stream_get_and_view_show_readable_json_events(nats_cli, fresh_nc, fresh_nats):
+async def test_stream_get_and_view_show_readable_json_events(nats_cli, fresh_nc, operator_url):
     await append_script(fresh_nc)
-    got = (await in_thread(cli, nats_cli, fresh_nats, "stream", "get", "EXO_EVENTS", "4")).stdout.decode()
+    got = (await in_thread(cli, nats_cli, operator_url, "stream", "get", "EXO_EVENTS", "4")).stdout.decode()
     assert "EXO_EVENTS#4" in got and "on Subject exo.events.task.created" in got
     assert "Nats-Msg-Id: " in got
     assert got.strip().splitlines()[-1] == encode_event(SCRIPT[3]).decode()
 
-    view = await in_thread(in_a_terminal, [nats_cli, "--server", fresh_nats, "stream", "view", "EXO_EVENTS", "25"])
+    view = await in_thread(in_a_terminal, [nats_cli, "--server", operator_url, "stream", "view", "EXO_EVENTS", "25"])
     assert "[4] Subject: exo.events.task.created Received: " in view
     bodies = [json.loads(line) for line in view.splitlines() if line.startswith('{"kind"')]
     assert bodies == [msgspec.to_builtins(e) for e in SCRIPT if e is not None]
 
 
-async def test_nats_sub_sees_live_events(nats_cli, fresh_nc, fresh_nats):
-    sub = subprocess.Popen([nats_cli, "--server", fresh_nats, "sub", "exo.events.>", "--count", "2", "--raw"],
+async def test_nats_sub_sees_live_events(nats_cli, fresh_nc, operator_url):
+    sub = subprocess.Popen([nats_cli, "--server", operator_url, "sub", "exo.events.>", "--count", "2", "--raw"],
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     sent = []
     try:
@@ -157,26 +163,40 @@ async def test_nats_sub_sees_live_events(nats_cli, fresh_nc, fresh_nats):
     assert seen == sent[first:first + 2]
 
 
-async def test_kv_get_returns_the_snapshot(nats_cli, fresh_nc, fresh_nats):
+async def test_kv_get_returns_the_snapshot(nats_cli, fresh_nc, operator_url):
     state = State(last_seq=7, nodes={"n1": NodeInfo(node_id="n1", hostname="alpha")})
     assert await write_snapshot(fresh_nc, state)
-    got = await in_thread(cli, nats_cli, fresh_nats, "kv", "get", "exo-state", "snapshot", "--raw")
+    got = await in_thread(cli, nats_cli, operator_url, "kv", "get", "exo-state", "snapshot", "--raw")
     assert got.stdout == encode_state(state)
 
 
-async def test_object_ls_and_get_the_images(nats_cli, fresh_nc, fresh_nats, tmp_path: Path):
+async def test_object_ls_and_get_the_images(nats_cli, fresh_nc, operator_url, tmp_path: Path):
     image = b"\x89PNG\r\n not really an image" * 100
     digest, _ = await store_image(fresh_nc, image)
-    listed = await in_thread(cli, nats_cli, fresh_nats, "object", "ls", "exo-images")
+    listed = await in_thread(cli, nats_cli, operator_url, "object", "ls", "exo-images")
     assert digest in listed.stdout.decode()
     target = tmp_path / "image.bin"
-    await in_thread(cli, nats_cli, fresh_nats, "object", "get", "exo-images", digest, "--output", str(target),
+    await in_thread(cli, nats_cli, operator_url, "object", "get", "exo-images", digest, "--output", str(target),
                     "--no-progress", "--force")
     assert target.read_bytes() == image
 
 
-async def test_consumer_info_shows_the_masters_consumer_and_its_backlog(nats_cli, fresh_nc, fresh_nats):
+async def test_consumer_info_shows_the_masters_consumer_and_its_backlog(nats_cli, fresh_nc, operator_url):
     await send_command(fresh_nc, PlaceInstance(command_id="queued", model_id="org/m"))
-    info = await in_thread(cli_json, nats_cli, fresh_nats, "consumer", "info", "EXO_COMMANDS", "exo-master")
+    info = await in_thread(cli_json, nats_cli, operator_url, "consumer", "info", "EXO_COMMANDS", "exo-master")
     assert info["config"]["durable_name"] == "exo-master" and info["config"]["ack_policy"] == "explicit"
     assert (info["num_pending"], info["num_ack_pending"]) == (1, 0)
+
+
+async def test_the_operator_cannot_change_anything_with_the_cli(nats_cli, fresh_nc, operator_url):
+    await append_script(fresh_nc)
+    before = await fresh_nc.jetstream().stream_info("EXO_EVENTS")
+    for args in (["stream", "rm", "EXO_EVENTS", "-f"], ["stream", "purge", "EXO_EVENTS", "-f"],
+                 ["kv", "put", "exo-state", "snapshot", "{}"], ["consumer", "rm", "EXO_COMMANDS", "exo-master", "-f"],
+                 ["request", "exo.events.leader.elected", '{"kind":"leader.elected","node_id":"x"}']):
+        done = await in_thread(subprocess.run, [nats_cli, "--server", operator_url, "--timeout", "2s", *args],
+                               capture_output=True, timeout=30)
+        assert b"ermissions violation" in done.stderr.lower(), (args, done.stderr)  # `nats request` exits 0 even so
+    after = await fresh_nc.jetstream().stream_info("EXO_EVENTS")
+    assert after.state.last_seq == before.state.last_seq
+    assert (await fresh_nc.jetstream().consumer_info("EXO_COMMANDS", "exo-master")).name == "exo-master"

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from exo.bus.connection import connect
 from exo.bus.log_reader import LogRecord
+from exo.bus.permissions import OPERATOR_USER
 from exo.bus.provision import provision
 from exo.bus.snapshots import write_snapshot
 from exo.core.events import encode_event
@@ -333,7 +334,7 @@ def test_replay_of_a_cluster_session_equals_the_live_state(tmp_path: Path):
     env = {"HF_ENDPOINT": hub.endpoint, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_DISABLE_TELEMETRY": "1"}
     node = ExoProcess(tmp_path / "data", env).start()
     try:
-        url = re.search(r"NATS at (\S+)", node.output()).group(1)
+        url = node.nats_url(OPERATOR_USER)  # the tools need only the read-only operator
         with httpx.Client(base_url=node.url, timeout=120) as http:
             seen = _run_session(http, tmp_path / "model")
         for live in seen:

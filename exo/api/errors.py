@@ -17,7 +17,7 @@ log = logging.getLogger(__name__)
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 409: "conflict_error",
           413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable", 504: "timeout_error",
-          500: "internal_error"}
+          500: "internal_error", 507: "service_unavailable"}
 _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                     404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
 

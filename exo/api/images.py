@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from exo.api.errors import ApiError
-from exo.bus.images import delete_image, image_digest, store_image
+from exo.bus.images import ImageStoreFull, delete_image, image_digest, store_image
 from exo.core.state import State
 
 MAX_IMAGE_BYTES = int(os.environ.get("EXO_MAX_IMAGE_BYTES", str(20 * 1024 * 1024)))
@@ -60,15 +60,26 @@ class ImageUploads:
         uploaded here are deleted again, unless a task in State took them meanwhile."""
         if self.by_digest and not view.state.instances_of(model_id):
             raise ApiError(503, f"no instance of {model_id!r} is running; place one first", code="unavailable")
-        uploaded = [digest for digest, new in [await store_image(nc, data) for data in self.by_digest.values()] if new]
+        uploaded: list[str] = []
+        try:
+            for data in self.by_digest.values():
+                digest, new = await store_image(nc, data)
+                uploaded += [digest] if new else []
+        except ImageStoreFull as full:
+            await _delete_unused(nc, view, uploaded)
+            raise ApiError(507, str(full), code="insufficient_storage") from None
         try:
             yield
         except BaseException:
-            in_use = _images_of_open_tasks(view.state)
-            for digest in uploaded:
-                if digest not in in_use:
-                    await delete_image(nc, digest)
+            await _delete_unused(nc, view, uploaded)
             raise
+
+
+async def _delete_unused(nc, view, digests: list[str]) -> None:
+    in_use = _images_of_open_tasks(view.state)
+    for digest in digests:
+        if digest not in in_use:
+            await delete_image(nc, digest)
 
 
 def _images_of_open_tasks(state: State) -> set[str]:

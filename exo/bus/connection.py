@@ -22,6 +22,14 @@ def split_urls(urls: str) -> list[str]:
     return [u.strip() for u in urls.split(",") if u.strip()]
 
 
+def redact(url: str) -> str:
+    """The URL without a user or password in it: what logs and messages may show."""
+    scheme, separator, rest = url.partition("://")
+    if not separator or "@" not in rest.split("/", 1)[0]:
+        return url
+    return f"{scheme}://{rest.split('@', 1)[1]}"
+
+
 # NATS security settings, read from the environment so that every exo process (runners
 # included, which inherit it) connects the same way. `exo --nats-user ...` sets these too.
 SECURITY_ENV = {
@@ -79,4 +87,5 @@ async def connect(urls: list[str], name: str) -> Client:
         )
         return client
     except Exception as error:  # nats-py raises several unrelated types here
-        raise BusError(f"cannot connect to NATS at {', '.join(urls)}: {error or type(error).__name__}") from error
+        shown = ", ".join(redact(url) for url in urls)
+        raise BusError(f"cannot connect to NATS at {shown}: {error or type(error).__name__}") from error

@@ -6,13 +6,17 @@ import asyncio
 import json
 import logging
 import os
+import secrets
 import shutil
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
+import msgspec
+
 from exo.bus.errors import BusError
+from exo.bus.permissions import EXO_USER, OPERATOR_USER, authorization_block
 
 log = logging.getLogger(__name__)
 
@@ -32,8 +36,42 @@ def nats_server_binary() -> str:
     return found
 
 
+class Credentials(msgspec.Struct, forbid_unknown_fields=True):
+    """The embedded server's passwords, generated once into the store dir (mode 0600): exo's
+    own processes use `exo`, an operator's `nats` commands and exo tools use `operator`."""
+
+    exo_password: str
+    operator_password: str
+
+
+CREDENTIALS_FILE = "credentials.json"
+
+
+def load_credentials(store_dir: Path) -> Credentials:
+    """The store's credentials, created on first use. Readable by this user only."""
+    path = store_dir / CREDENTIALS_FILE
+    if not path.exists():
+        fresh = Credentials(exo_password=secrets.token_hex(24), operator_password=secrets.token_hex(24))
+        store_dir.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(".tmp")
+        partial.unlink(missing_ok=True)
+        with os.fdopen(os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as out:
+            out.write(msgspec.json.encode(fresh))
+        partial.replace(path)
+    try:
+        return msgspec.json.decode(path.read_bytes(), type=Credentials)
+    except msgspec.DecodeError as error:
+        raise BusError(f"{path} is not valid ({error}); remove it to generate new credentials") from None
+
+
+def with_user(url: str, user: str, password: str) -> str:
+    scheme, rest = url.split("://", 1)
+    return f"{scheme}://{user}:{password}@{rest}"
+
+
 class EmbeddedNats:
-    """A nats-server with JetStream and a file store under `store_dir`.
+    """A nats-server with JetStream and a file store under `store_dir`, refusing clients
+    without credentials (see exo/bus/permissions.py).
 
     port 0 lets the server pick a free port; we read it back from its ports file.
     """
@@ -46,8 +84,19 @@ class EmbeddedNats:
         self._stopping = False
 
     @property
-    def url(self) -> str:
+    def address(self) -> str:
+        """The URL without credentials: what to print."""
         return f"nats://{self.host}:{self.port}"
+
+    @property
+    def url(self) -> str:
+        """The URL exo's own processes connect with (user `exo`)."""
+        return with_user(self.address, EXO_USER, load_credentials(self.store_dir).exo_password)
+
+    @property
+    def operator_url(self) -> str:
+        """Read-only access, for `nats` commands and exo's tools."""
+        return with_user(self.address, OPERATOR_USER, load_credentials(self.store_dir).operator_password)
 
     async def start(self, timeout: float = 10.0) -> str:
         self.store_dir.mkdir(parents=True, exist_ok=True)
@@ -56,7 +105,11 @@ class EmbeddedNats:
         for stale in ports_dir.glob("*.ports"):
             stale.unlink()
         config = self.store_dir / "nats-server.conf"
-        config.write_text(f"max_payload: {MAX_PAYLOAD_BYTES}\n")
+        credentials = load_credentials(self.store_dir)
+        config.touch(mode=0o600)
+        config.chmod(0o600)  # it holds the passwords; set before writing them
+        config.write_text(f"max_payload: {MAX_PAYLOAD_BYTES}\n"
+                          + authorization_block(credentials.exo_password, credentials.operator_password))
         args = [
             nats_server_binary(), "--config", str(config), "--jetstream", "--store_dir", str(self.store_dir / "jetstream"),
             "--addr", self.host, "--port", str(self.port if self.port else -1),

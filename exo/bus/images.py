@@ -12,7 +12,7 @@ import hashlib
 
 from nats.aio.client import Client
 from nats.js import api
-from nats.js.errors import ObjectNotFoundError
+from nats.js.errors import APIError, ObjectNotFoundError
 
 from exo.bus.errors import BusError
 from exo.bus.subjects import IMAGES_BUCKET, IMAGES_STREAM, image_chunks_subject
@@ -24,6 +24,10 @@ class ImageMissing(BusError):
 
 class ImageCorrupt(BusError):
     pass
+
+
+class ImageStoreFull(BusError):
+    """exo-images holds its byte limit (streams/OBJ_exo-images.json): nothing was stored."""
 
 
 def image_digest(data: bytes) -> str:
@@ -40,7 +44,12 @@ async def store_image(nc: Client, data: bytes) -> tuple[str, bool]:
             return digest, False
     except ObjectNotFoundError:
         pass
-    await store.put(digest, data)
+    try:
+        await store.put(digest, data)  # on failure nats-py purges the chunks it wrote
+    except APIError as error:
+        if "maximum bytes" in str(error.description).lower():
+            raise ImageStoreFull(f"the image store is full ({error.description}); try again once older images expire") from None
+        raise
     return digest, True
 
 

@@ -2,26 +2,38 @@
 
 The JSON files are nats-server's own config format, so `nats stream add --config` reads the
 same files. We send them to the JetStream API unchanged: creating with an identical config is
-a no-op on the server, and a different existing config is an error we surface, never overwrite.
+a no-op on the server, and a different existing config is an error we surface, never overwrite,
+except where it is exactly what an earlier release of these files made (EARLIER_LIMITS): that
+stream is brought up to the file's limits, and the log says so.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
 from nats.aio.client import Client
 
 from exo.bus.errors import BusError, ConfigMismatch
-from exo.bus.subjects import EVENTS_STREAM
+from exo.bus.subjects import EVENTS_STREAM, IMAGES_STREAM
 from exo.resources import streams_dir
+
+log = logging.getLogger(__name__)
 
 _STREAM_IN_USE = 10058  # "stream name already in use with a different configuration"
 _CONSUMER_EXISTS = 10148  # "consumer already exists" (with another config)
 
 
 Overrides = dict[str, dict[str, Any]]  # stream name -> fields that replace the file's
+
+# Limits that earlier releases of streams/*.json had, one dict per release. A stream that differs
+# from its file in these fields only, and has exactly these values, was made by exo and never
+# tuned by anyone: it is updated to the file. Anything else is an operator's choice: an error.
+EARLIER_LIMITS: dict[str, list[dict[str, Any]]] = {
+    IMAGES_STREAM: [{"max_bytes": -1}],  # before images were bounded by bytes
+}
 
 
 def stream_configs(
@@ -62,6 +74,8 @@ async def _create_stream(nc: Client, config: dict[str, Any]) -> None:
     name = config["name"]
     reply = await _api(nc, f"$JS.API.STREAM.CREATE.{name}", config)
     error = reply.get("error")
+    if error and error.get("err_code") == _STREAM_IN_USE and await _upgrade_stream(nc, config):
+        return
     if error and error.get("err_code") == _STREAM_IN_USE:
         raise ConfigMismatch(
             f"stream {name} already exists with a configuration different from streams/{name}.json; "
@@ -69,6 +83,23 @@ async def _create_stream(nc: Client, config: dict[str, Any]) -> None:
         )
     if error:
         raise BusError(f"cannot create stream {name}: {error.get('description', error)}")
+
+
+async def _upgrade_stream(nc: Client, config: dict[str, Any]) -> bool:
+    """Update a stream that an earlier release made to the file's limits; False if it is not one."""
+    name = config["name"]
+    existing = (await _api(nc, f"$JS.API.STREAM.INFO.{name}", {})).get("config", {})
+    differing = {key for key, value in config.items() if existing.get(key) != value}
+    earlier = next((limits for limits in EARLIER_LIMITS.get(name, []) if differing and differing <= limits.keys()
+                    and all(existing.get(key) == limits[key] for key in differing)), None)
+    if earlier is None:
+        return False
+    reply = await _api(nc, f"$JS.API.STREAM.UPDATE.{name}", config)
+    if reply.get("error"):
+        raise BusError(f"cannot update stream {name} to streams/{name}.json: {reply['error'].get('description')}")
+    changes = ", ".join(f"{key} {existing.get(key)} -> {config[key]}" for key in sorted(differing))
+    log.info("stream %s, made by an earlier release, updated to streams/%s.json: %s", name, name, changes)
+    return True
 
 
 async def _create_consumer(nc: Client, stream: str, config: dict[str, Any]) -> None:

@@ -6,12 +6,15 @@ import argparse
 import os
 import sys
 from collections.abc import Coroutine
+from pathlib import Path
 from typing import Any
 
 from nats.aio.client import Client
 
 from exo import event_loop
 from exo.bus.connection import connect, split_urls
+from exo.bus.embedded import CREDENTIALS_FILE, load_credentials, with_user
+from exo.bus.permissions import OPERATOR_USER
 from exo.bus.errors import BusError
 from exo.tools.export_format import ExportFormatError
 
@@ -26,12 +29,21 @@ class ToolError(Exception):
 
 
 def add_nats_option(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--nats", default=os.environ.get("EXO_NATS_URL") or DEFAULT_NATS_URL,
-                        help=f"NATS URL(s), comma-separated (env EXO_NATS_URL; default {DEFAULT_NATS_URL})")
+    parser.add_argument("--nats", default=os.environ.get("EXO_NATS_URL", ""),
+                        help=f"NATS URL(s), comma-separated (env EXO_NATS_URL; default {DEFAULT_NATS_URL}, as the "
+                             "read-only operator of this machine's embedded server: EXO_HOME or ~/.exo)")
+
+
+def local_operator_url() -> str:
+    """The local node's embedded server, with its read-only operator's password if there is one."""
+    store = Path(os.environ.get("EXO_HOME") or Path.home() / ".exo").expanduser() / "nats"
+    if not (store / CREDENTIALS_FILE).exists():
+        return DEFAULT_NATS_URL
+    return with_user(DEFAULT_NATS_URL, OPERATOR_USER, load_credentials(store).operator_password)
 
 
 async def open_nats(urls: str, tool: str) -> Client:
-    return await connect(split_urls(urls), name=f"exo-{tool}")
+    return await connect(split_urls(urls or local_operator_url()), name=f"exo-{tool}")
 
 
 def run_tool(tool: str, main: Coroutine[Any, Any, int]) -> int:

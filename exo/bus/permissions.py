@@ -1,0 +1,55 @@
+"""Who may do what on exo's NATS: the users of the embedded server, and the permission block
+docs/deploy.md gives for clusters you run yourself (a test keeps the two the same).
+
+Two roles. `exo` is every exo process (API, master, worker, runner): each one provisions the
+streams at start and a worker appends events by design, so a finer split would forbid nothing a
+stolen worker credential could not already do; what keeps a forged event harmless is the
+reducer, which checks it (see exo/core/apply.py). `operator` reads everything an operator's
+`nats` commands and `exo inspect|replay|events` read, and changes nothing: no event, command,
+token, snapshot or image can be written, no stream changed, and the master's consumer can be
+neither taken over nor deleted.
+"""
+
+from __future__ import annotations
+
+import json
+
+from exo.bus.subjects import COMMANDS_STREAM, MASTER_CONSUMER
+
+EXO_USER = "exo"
+OPERATOR_USER = "operator"
+
+_MASTER = f"{COMMANDS_STREAM}.{MASTER_CONSUMER}"
+
+OPERATOR_PERMISSIONS: dict = {
+    "publish": {
+        "allow": [
+            "$JS.API.INFO",
+            "$JS.API.STREAM.INFO.>", "$JS.API.STREAM.LIST", "$JS.API.STREAM.NAMES",
+            "$JS.API.STREAM.MSG.GET.>", "$JS.API.DIRECT.GET.>",
+            "$JS.API.CONSUMER.INFO.>", "$JS.API.CONSUMER.LIST.>", "$JS.API.CONSUMER.NAMES.>",
+            # Reading a stream in order takes a consumer of one's own (ordered, ephemeral),
+            # with flow-control replies, and deleting it when done.
+            "$JS.API.CONSUMER.CREATE.>", "$JS.API.CONSUMER.DELETE.>", "$JS.API.CONSUMER.MSG.NEXT.>", "$JS.FC.>",
+        ],
+        "deny": [
+            f"$JS.API.CONSUMER.CREATE.{_MASTER}", f"$JS.API.CONSUMER.CREATE.{_MASTER}.>",
+            f"$JS.API.CONSUMER.DELETE.{_MASTER}", f"$JS.API.CONSUMER.MSG.NEXT.{_MASTER}",
+        ],
+    },
+    "subscribe": {
+        "allow": [">"],
+        # Subscribing to a request subject would let one answer it: model files, download
+        # control and the JetStream API are answered by nodes and the server only.
+        "deny": ["exo.models.>", "exo.downloads.>", "$JS.API.>"],
+    },
+}
+
+
+def authorization_block(exo_password: str, operator_password: str) -> str:
+    """The nats-server `authorization` block for both roles (JSON is valid nats-server config)."""
+    users = [
+        {"user": EXO_USER, "password": exo_password},
+        {"user": OPERATOR_USER, "password": operator_password, "permissions": OPERATOR_PERMISSIONS},
+    ]
+    return "authorization: " + json.dumps({"users": users}, indent=2) + "\n"
