@@ -5,6 +5,7 @@ models by id. Every greedy text is compared with mlx-lm's own output, exactly.""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import openai
@@ -240,6 +241,19 @@ def test_deep_nesting_and_huge_since_are_400_not_500(http, tiny):
     assert response.status_code == 400 and "nested too deeply" in response.json()["error"]["message"], response.text
     response = http.get("/events", params={"since": str(10**30)})
     assert response.status_code == 400 and response.json()["error"]["param"] == "since", response.text
+
+
+def test_a_prompt_longer_than_the_context_is_400_and_the_instance_serves_on(http, tiny):
+    words = " ".join(["hello"] * 11_000)  # 3 tokens each: past the tiny model's 32768
+    body = {"model": TINY_MODEL_ID, "messages": [{"role": "user", "content": words}], "max_tokens": 4}
+    response = http.post("/v1/chat/completions", json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (error["type"], error["code"], error["param"]) == ("invalid_request_error", "context_length_exceeded", "messages")
+    assert re.fullmatch(r"the prompt is 330\d\d tokens; the model's context is 32768", error["message"]), error
+    streamed = http.post("/v1/chat/completions", json={**body, "stream": True})
+    assert '"code": "context_length_exceeded"' in streamed.text, streamed.text
+    assert http.post("/v1/chat/completions", json={**body, "messages": MESSAGES}).status_code == 200
 
 
 @pytest.mark.parametrize(("card", "param", "message"), [

@@ -67,7 +67,8 @@ async def stream_chat(request: web.Request, generation: Generation, model: str, 
             await sse.send(choice(delta, None, logprobs_json(chunk.logprobs) if with_logprobs else None), event_id=event_id)
         if chunk.finish_reason in ("error", "cancelled"):
             message = chunk.error or "generation was cancelled"
-            await sse.send({"error": {"message": message, "type": "internal_error", "code": chunk.finish_reason}},
+            kind = "invalid_request_error" if chunk.error_code else "internal_error"
+            await sse.send({"error": {"message": message, "type": kind, "code": chunk.error_code or chunk.finish_reason}},
                            event_id=event_id)
         elif chunk.finish_reason:
             reason = "tool_calls" if calls_sent and chunk.finish_reason == "stop" else chunk.finish_reason

@@ -212,6 +212,7 @@ class TokenChunk(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     tool_calls: list[ToolCall] = []  # parsed from the model's output by the tokenizer's tool parser
     stop_sequence: str = ""  # the stop string that ended generation, if one did
     cached_tokens: int = 0  # on the last chunk: prompt tokens reused from the runner's prompt cache
+    error_code: str = ""  # with finish_reason "error": what kind, e.g. "context_length_exceeded" (a client's 400)
 
 
 class ToolCall(msgspec.Struct, frozen=True, kw_only=True):

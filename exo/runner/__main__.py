@@ -22,7 +22,7 @@ from exo.bus.tokens import publish_chunk
 from exo.core.types import TokenChunk
 from exo.runner.batch import BatchFailed, Batcher, batchable, max_batch
 from exo.runner.coalesce import Coalescer
-from exo.runner.engine import Engine, GenerationResult, Output
+from exo.runner.engine import Engine, GenerationResult, Output, PromptTooLong
 from exo.runner.follower import follow
 from exo.runner.protocol import (
     Alive, Cancel, Done, Failed, Generate, Load, Loaded, Report, Shutdown, Started, WarmedUp, WarmUp,
@@ -165,6 +165,9 @@ class Runner:
             result = await running
         except Exception as error:
             self._in_flight.discard(task_id)
+            if isinstance(error, PromptTooLong):  # the client's mistake, refused before any collective
+                await self._finish(task_id, index, "error", 0, 0, error=str(error), error_code="context_length_exceeded")
+                return
             traceback.print_exc()
             await self._finish(task_id, index, "error", 0, 0, error=f"{type(error).__name__}: {error}")
             if self._engine.lockstep is not None and (isinstance(error, BatchFailed) or not self._batched(request)):
@@ -192,10 +195,10 @@ class Runner:
                                     on_output, is_cancelled, task_id)
 
     async def _finish(self, task_id, index, reason, prompt, completion, error: str = "", stop_sequence: str = "",
-                      cached: int = 0) -> None:
+                      cached: int = 0, error_code: str = "") -> None:
         final = TokenChunk(
             command_id=task_id, index=index, token_count=completion, prompt_tokens=prompt,
-            finish_reason=reason, error=error, stop_sequence=stop_sequence, cached_tokens=cached,
+            finish_reason=reason, error=error, stop_sequence=stop_sequence, cached_tokens=cached, error_code=error_code,
         )
         published = asyncio.get_running_loop().create_future()
         self._chunks.put_nowait((final, published))
