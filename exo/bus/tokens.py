@@ -1,8 +1,7 @@
 """The data plane: generated text on exo.tokens.<command_id>, captured by the EXO_TOKENS stream.
 
-Chunks are published without waiting for a JetStream ack each (that would cost a round trip
-per token); the last chunk of a generation is acked, and since one connection keeps order,
-its ack means every chunk before it is stored too.
+Runners publish with exo/bus/chunk_publisher.py (every chunk acked, resent if not); here: a
+single last chunk from a worker (its runner died), and reading chunks back.
 """
 
 from __future__ import annotations
@@ -31,10 +30,11 @@ async def publish_chunk(nc: Client, chunk: TokenChunk) -> None:
 
 
 async def stored_chunks(nc: Client, command_id: str, first: int, stop: int | None,
-                        timeout: float = 2.0) -> dict[int, TokenChunk]:
+                        timeout: float = 5.0) -> dict[int, TokenChunk]:
     """The chunks of one generation that EXO_TOKENS holds, by index: `first` to `stop` (excluded),
     or with `stop` None everything from `first` through the last chunk. For a listener that
-    missed some (its connection dropped); what is not there after `timeout` was never stored."""
+    missed some (its connection dropped); what is not there after `timeout` was never stored
+    (a runner resends a chunk JetStream did not ack after 1 s: the timeout leaves room for that)."""
     listener = await TokenListener.from_stream(nc, command_id)
     found: dict[int, TokenChunk] = {}
     end = stop

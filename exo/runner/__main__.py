@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from exo import event_loop
 from exo.bus.connection import connect, split_urls
-from exo.bus.tokens import publish_chunk
+from exo.bus.chunk_publisher import ChunkPublisher
 from exo.core.types import TokenChunk
 from exo.runner.batch import BatchFailed, Batcher, batchable, max_batch
 from exo.runner.coalesce import Coalescer
@@ -207,12 +207,14 @@ class Runner:
                          error=error, cached_tokens=cached, prompt_cache=self._engine.prompt_cache.stats()))
 
     async def _publish_chunks(self) -> None:
-        # One publisher keeps chunks in order on the wire.
+        # One publisher keeps chunks in order on the wire; each is acked by JetStream (resent if not).
+        publisher = ChunkPublisher(self._nc)
+        await publisher.start()
         while True:
             chunk = await self._chunks.get()
             chunk, published = chunk if isinstance(chunk, tuple) else (chunk, None)
             try:
-                await publish_chunk(self._nc, chunk)
+                await publisher.publish(chunk)
             except Exception:
                 logging.exception("cannot publish a token chunk")
             finally:
