@@ -7,7 +7,8 @@ from exo.core.commands import GenerateText, PlaceInstance
 from exo.core.events import TaskFinished
 from exo.core.state import State
 from exo.core.types import ChatMessage, GenerationParams
-from exo.master.routing import shared_conversation
+from exo.core.conversation import digest_conversation
+from exo.master.routing import shared_conversation as shared_digests
 from tests.test_decide import run, with_node
 
 SYSTEM = ChatMessage(role="system", content="You are a coding agent. " * 20)
@@ -75,6 +76,10 @@ def test_a_busier_instance_still_gets_its_conversation_while_it_has_room():
     assert where == first
 
 
+def shared_conversation(earlier: GenerationParams, later: GenerationParams) -> int:
+    return shared_digests(digest_conversation(earlier), digest_conversation(later), later.prompt)
+
+
 def test_shared_conversation_counts_leading_messages_past_the_system_prompt():
     earlier = chat(("user", "Hello"))
     assert shared_conversation(earlier, chat(("user", "Hello"), ("assistant", "Hi"), ("user", "x"))) == len(SYSTEM.content) + 7
@@ -84,3 +89,28 @@ def test_shared_conversation_counts_leading_messages_past_the_system_prompt():
     assert shared_conversation(GenerationParams(prompt=prompt), GenerationParams(prompt=prompt + " there")) == len(prompt)
     assert shared_conversation(GenerationParams(prompt="short"), GenerationParams(prompt="short and more")) == 0
     assert shared_conversation(GenerationParams(prompt=prompt), chat(("user", prompt))) == 0
+
+
+def test_finished_tasks_keep_their_prompt_by_digest_only_and_state_stays_small():
+    from exo.core.state import encode_state
+
+    state, _ = two_instances()
+    long = "x" * 100_000
+
+    def params(n: int, *more: str) -> GenerationParams:
+        turns = [ChatMessage(role="user", content=f"{n}{long}")] + [ChatMessage(role="user", content=m) for m in more]
+        return GenerationParams(messages=turns, stop=["y" * 1000] * 16, tools=[{"type": "function", "n": n}])
+
+    for n in range(0, 50, 2):  # two at a time: while both are open, the least busy spreads them
+        state, _ = ask(state, f"g{n}", params(n), finish=False)
+        state, _ = ask(state, f"g{n + 1}", params(n + 1), finish=False)
+        state = finished(finished(state, f"g{n}"), f"g{n + 1}")
+    assert state.tasks["g6"].instance_id != state.tasks["g7"].instance_id
+    task = state.tasks["g0"]
+    assert (task.params.messages, task.params.stop, task.params.tools) == ([], [], [])
+    assert len(task.conversation.messages) == 1 and task.conversation.chars == [100_002]
+    assert len(encode_state(state)) < 50_000  # 50 prompts of 100 kB: the text stays in the log
+    # Routing still finds each conversation's instance, from the digests alone.
+    for n in (6, 7):
+        _, where = ask(state, f"next{n}", params(n, "and on"))
+        assert where == state.tasks[f"g{n}"].instance_id

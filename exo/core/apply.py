@@ -41,6 +41,7 @@ from exo.core.events import (
     TaskStarted,
     command_id_of,
 )
+from exo.core.conversation import digest_conversation, without_text
 from exo.core.state import MAX_ANSWERED_COMMANDS, MAX_FINISHED_TASKS, MAX_SKIPPED_KEPT, SkippedEvent, State
 from exo.core.types import DownloadProgress, RunnerInfo, Task
 
@@ -214,7 +215,8 @@ def _on_runner_status(draft: Draft, event: RunnerStatusChanged, seq: int) -> Non
 def _on_task_created(draft: Draft, event: TaskCreated, seq: int) -> None:
     if event.task.task_id in draft.tasks:
         raise _Skip(f"task {event.task.task_id} already exists")
-    draft.own("tasks")[event.task.task_id] = event.task
+    task = event.task
+    draft.own("tasks")[task.task_id] = replace(task, conversation=digest_conversation(task.params))
 
 
 def _open_task(draft: Draft, task_id: str) -> Task:
@@ -242,7 +244,8 @@ def _on_task_finished(draft: Draft, event: TaskFinished, seq: int) -> None:
     task = _open_task(draft, event.task_id)
     tasks = draft.own("tasks")
     tasks[event.task_id] = replace(
-        task, status=event.status, finish_reason=event.finish_reason, error=event.error,
+        task, params=without_text(task.params),  # the text stays in the log; State keeps its digest
+        status=event.status, finish_reason=event.finish_reason, error=event.error,
         prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens,
         cached_tokens=event.cached_tokens,
     )

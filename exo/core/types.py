@@ -183,6 +183,17 @@ class GenerationParams(msgspec.Struct, frozen=True, kw_only=True):
     prompt: str | None = None  # raw prompt text (completions): used as is, no chat template
 
 
+class ConversationDigest(msgspec.Struct, frozen=True, kw_only=True):
+    """A request's prompt by digest (exo/core/conversation.py): what routing compares."""
+
+    roles: list[str] = []
+    messages: list[str] = []  # a digest of each message (role, content, images)
+    chars: list[int] = []  # each message's content length + 1: how much a shared message is worth
+    tools: str = ""  # digest of the tool definitions, "" with none
+    prompt_chars: int = -1  # a raw prompt's (completions) length; -1: a chat
+    prompt: str = ""
+
+
 class Task(msgspec.Struct, frozen=True, kw_only=True):
     task_id: str  # equals the command id that asked for it, so the caller can find it
     instance_id: str
@@ -196,6 +207,9 @@ class Task(msgspec.Struct, frozen=True, kw_only=True):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens reused from the runner's prompt cache
+    # Set by the reducer: the prompt by digest. Once the task finishes, `params` loses its
+    # messages, prompt, tools and stop strings, and this is what routing reads of it.
+    conversation: ConversationDigest = ConversationDigest()
 
 
 class TokenChunk(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):

@@ -3,7 +3,7 @@ conversation in its prompt cache, else the least busy. Pure: it reads State only
 
 A runner's prompt cache holds the KV caches of the requests it served last (exo/runner/
 prompt_cache.py), and State already says which instance served which recent request and with
-what messages (`State.tasks`, the open ones and the last 1,000 finished). So the master needs no
+what messages, by digest (`State.tasks`, the open ones and the last 1,000 finished). So the master needs no
 summary of the caches from the runners: the request that continues a conversation shares its
 leading messages with that conversation's earlier turns, and goes where they went. A new master
 folds the same State and routes the same way.
@@ -17,8 +17,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from exo.core.conversation import digest_conversation, prompt_starts_with
 from exo.core.state import State
-from exo.core.types import GenerationParams, Instance
+from exo.core.types import ConversationDigest, GenerationParams, Instance
 
 MIN_SHARED_PROMPT_CHARS = 32  # completions: a raw prompt that continues an earlier one by less is not worth a detour
 
@@ -28,29 +29,31 @@ def choose_instance(state: State, candidates: list[Instance], params: Generation
     """The candidate that served the longest shared conversation; ties (and none): the least busy."""
     shared = {i.instance_id: 0 for i in candidates}
     if by_conversation and len(candidates) > 1:
+        later = digest_conversation(params)
         for task in state.tasks.values():
             if task.instance_id in shared:
-                shared[task.instance_id] = max(shared[task.instance_id], shared_conversation(task.params, params))
+                here = shared_conversation(task.conversation, later, params.prompt)
+                shared[task.instance_id] = max(shared[task.instance_id], here)
     return min(candidates, key=lambda i: (-shared[i.instance_id], open_tasks[i.instance_id]))
 
 
-def shared_conversation(earlier: GenerationParams, later: GenerationParams) -> int:
+def shared_conversation(earlier: ConversationDigest, later: ConversationDigest, later_prompt: str | None) -> int:
     """How much of `later`'s prompt an earlier request's cache can hold, in characters: its leading
     messages equal to `earlier`'s, counted once they include more than system prompts."""
-    if earlier.prompt is not None or later.prompt is not None:
-        return _continued_prompt(earlier.prompt, later.prompt)
+    if earlier.prompt_chars >= 0 or later_prompt is not None:
+        return _continued_prompt(earlier, later_prompt)
     if earlier.tools != later.tools:  # tool definitions are rendered ahead of the messages
         return 0
     shared, past_system = 0, False
-    for mine, theirs in zip(earlier.messages, later.messages):
+    for mine, theirs, chars, role in zip(earlier.messages, later.messages, later.chars, later.roles):
         if mine != theirs:
             break
-        shared += len(mine.content) + 1
-        past_system = past_system or mine.role != "system"
+        shared += chars
+        past_system = past_system or role != "system"
     return shared if past_system else 0
 
 
-def _continued_prompt(earlier: str | None, later: str | None) -> int:
-    if earlier is None or later is None or len(earlier) < MIN_SHARED_PROMPT_CHARS or not later.startswith(earlier):
+def _continued_prompt(earlier: ConversationDigest, later: str | None) -> int:
+    if later is None or earlier.prompt_chars < MIN_SHARED_PROMPT_CHARS or not prompt_starts_with(later, earlier):
         return 0
-    return len(earlier)
+    return earlier.prompt_chars
