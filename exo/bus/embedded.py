@@ -21,6 +21,12 @@ from exo.bus.permissions import EXO_USER, OPERATOR_USER, authorization_block
 log = logging.getLogger(__name__)
 
 
+# The Go runtime keeps what the file store cached (blocks read back, large messages) until the
+# heap nears a limit; without one, RSS grew to hundreds of MB after images were read back
+# (bench/nats_memory.py). A soft limit for the embedded server only; GOMEMLIMIT in the
+# environment wins.
+MEMORY_LIMIT = os.environ.get("EXO_NATS_MEMORY_LIMIT", "256MiB")
+
 # State snapshots are single KV values; nats-server's default 1 MB payload limit is too small
 # for a busy cluster's State. 64 MB is the server's own ceiling.
 MAX_PAYLOAD_BYTES = 32 * 1024 * 1024
@@ -118,7 +124,8 @@ class EmbeddedNats:
         ]
         log = open(self.store_dir / "nats-server.log", "ab")
         # A session of its own: a Ctrl-C in the terminal reaches exo, which stops the server last.
-        self.process = subprocess.Popen(args, stdout=log, stderr=log, start_new_session=True)
+        env = {"GOMEMLIMIT": MEMORY_LIMIT, **os.environ}
+        self.process = subprocess.Popen(args, stdout=log, stderr=log, start_new_session=True, env=env)
         self.port = await self._read_port(ports_dir, timeout)
         return self.url
 
