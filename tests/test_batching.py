@@ -9,9 +9,11 @@ import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import mlx.core as mx
 import mlx_lm
 import pytest
 from mlx_lm.generate import BatchGenerator
+from mlx_lm.sample_utils import make_sampler
 
 from exo.core.types import ChatMessage, GenerationParams, SamplingDefaults
 from exo.runner.batch import BatchFailed, Batcher, batchable, max_batch
@@ -152,13 +154,26 @@ def test_a_cancelled_request_leaves_the_batch_at_once_and_the_others_go_on(engin
         assert batched[i] == alone(engine, requests[i])
 
 
-def test_sampled_requests_run_batched_and_seeded_ones_take_the_single_path(engine):
+def test_sampled_and_seeded_requests_run_batched_and_a_seed_gives_what_mlx_lm_gives(engine):
     requests = [chat(ask, max_tokens=20, temperature=0.8, top_p=0.9) for ask in ASKS[:3]]
-    for out, done in together(engine, requests):
+    seeded = [chat(ASKS[0], max_tokens=24, temperature=1.3, top_p=0.95, seed=7),
+              chat(ASKS[1], max_tokens=24, temperature=0.9, top_k=5, seed=2**64 - 1)]
+    outcomes = together(engine, [*requests, *seeded])
+    for out, done in outcomes[:3]:
         assert done[0] == "length" and done[2] == 20 and "".join(o[0] for o in out)
-    assert batchable(chat("x"), {})
-    assert not batchable(chat("x", seed=3), {})
-    assert not batchable(chat("x"), {"abc": "/tmp/image"})
+    for params, (out, done) in zip(seeded, outcomes[3:]):
+        # mlx-lm's own seeded generation: the global seed, then its sampler; the others in the
+        # batch drew from the global random state meanwhile and change nothing.
+        mx.random.seed(params.seed)
+        sampler = make_sampler(temp=params.temperature, top_p=params.top_p or 0.0, top_k=params.top_k or 0)
+        prompt = engine.prompt_for(params)
+        reference = mlx_lm.generate(engine.model, engine.tokenizer, prompt, max_tokens=24, sampler=sampler)
+        assert "".join(o[0] for o in out) == reference and done[2] == 24
+        assert (out, done) == alone(engine, params)
+    assert batchable(chat("x"), {}, multi_node=False)
+    assert batchable(chat("x", seed=3), {}, multi_node=False)
+    assert not batchable(chat("x", seed=3), {}, multi_node=True)  # the ranks agree on one sampler per setting
+    assert not batchable(chat("x"), {"abc": "/tmp/image"}, multi_node=False)
 
 
 def test_a_failing_request_fails_alone(engine):

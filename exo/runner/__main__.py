@@ -113,7 +113,7 @@ class Runner:
 
     def _batched(self, request) -> bool:
         return (self._batcher is not None and isinstance(request, Generate)
-                and batchable(request.params, request.image_paths))
+                and batchable(request.params, request.image_paths, multi_node=self._engine.lockstep is not None))
 
     async def _serve(self, loop, request) -> None:
         try:

@@ -7,9 +7,10 @@ feeds each request's tokens, detokenized the way `stream_generate` does it, thro
 the same. A request leaves the batch at EOS or max_tokens (mlx-lm), at a stop string, or when
 cancelled (checked after every step); others join as they come, up to `EXO_MAX_BATCH`.
 
-Requests with a seed take the single path, as in mlx_lm.server: a seed sets the global random
-state for one generation, which in a batch the others would draw from too. So do requests
-with images.
+A request with a seed samples with a random key of its own (engine.seeded_sampler), so it
+shares the batch like any other and its tokens do not depend on who else is in it. On a
+multi-node instance it takes the single path (the ranks agree on one sampler per setting), as
+do requests with images.
 
 In a multi-node instance the batch runs on every rank in lockstep: before each step rank 0
 tells the others who joins and who leaves (`BatchStep`), and every sampled token is rank 0's
@@ -33,7 +34,7 @@ from mlx_lm.sample_utils import make_sampler
 from exo.core.types import GenerationParams, SamplingDefaults
 from exo.runner.distributed import AgreedSamplers, BatchJoin, BatchStep, Lockstep, Sampling
 from exo.runner.engine import (
-    Decoding, Engine, GenerationResult, OnOutput, penalties, sampling_of,
+    Decoding, Engine, GenerationResult, OnOutput, penalties, sampling_of, seeded_sampler,
 )
 from exo.runner.prompt_cache import PromptCache, Reuse
 
@@ -50,8 +51,8 @@ def max_batch() -> int:
     return max(1, int(os.environ.get("EXO_MAX_BATCH", str(DEFAULT_MAX_BATCH))))
 
 
-def batchable(params: GenerationParams, image_paths: dict[str, str]) -> bool:
-    return params.seed is None and not image_paths
+def batchable(params: GenerationParams, image_paths: dict[str, str], multi_node: bool) -> bool:
+    return not image_paths and (params.seed is None or not multi_node)
 
 
 @functools.lru_cache(maxsize=64)
@@ -197,7 +198,9 @@ class Batcher:
                              sampling=sampling_of(params, job.defaults), presence_penalty=params.presence_penalty,
                              frequency_penalty=params.frequency_penalty)
             generator = self._batch()
-            uid = insert(generator, join, self._sampler(join.sampling), reuse)
+            seeded = params.seed is not None and self._lockstep() is None
+            sampler = seeded_sampler(*join.sampling, params.seed) if seeded else self._sampler(join.sampling)
+            uid = insert(generator, join, sampler, reuse)
         except Exception as error:
             job.on_done(error)
             return

@@ -9,7 +9,7 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm import load, stream_generate
-from mlx_lm.sample_utils import make_logits_processors, make_sampler
+from mlx_lm.sample_utils import apply_top_k, apply_top_p, make_logits_processors, make_sampler
 
 from exo.core.types import GenerationParams, SamplingDefaults, TokenLogprob, ToolCall, TopLogprob
 from exo.memory import memory
@@ -258,8 +258,28 @@ def sampling_of(params: GenerationParams, defaults: SamplingDefaults) -> tuple[f
 def _sampler(params: GenerationParams, defaults: SamplingDefaults) -> Callable:
     temperature, top_p, top_k = sampling_of(params, defaults)
     if params.seed is not None:
-        mx.random.seed(params.seed)
+        return seeded_sampler(temperature, top_p, top_k, params.seed)
     return make_sampler(temp=temperature, top_p=top_p, top_k=top_k)
+
+
+def seeded_sampler(temperature: float, top_p: float, top_k: int, seed: int) -> Callable:
+    """make_sampler's sampling with a random key of the request's own: the same tokens as
+    `mx.random.seed(seed)` then make_sampler (mlx-lm's reference), however many other requests
+    draw from the global random state meanwhile. So a seeded request can share a batch."""
+    if temperature == 0:
+        return make_sampler(temp=0.0)
+    key = mx.random.key(seed)
+
+    def sample(logprobs: mx.array) -> mx.array:
+        nonlocal key
+        if 0 < top_p < 1.0:
+            logprobs = apply_top_p(logprobs, top_p)
+        if top_k > 0:
+            logprobs = apply_top_k(logprobs, top_k)
+        key, draw = mx.random.split(key)  # what mlx's global key sequence does on each draw
+        return mx.random.categorical(logprobs * (1.0 / temperature), key=draw)
+
+    return sample
 
 
 def _template_messages(params: GenerationParams) -> list[dict]:

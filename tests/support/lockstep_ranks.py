@@ -48,7 +48,7 @@ async def lead(engine: Engine, requests: list[dict]) -> list:
         limit = request.get("cancel_after")
         cancelled = (lambda i=i, limit=limit: limit is not None and len(outs[i]) >= limit)
         params = params_of(request)
-        if batchable(params, {}):
+        if batchable(params, {}, multi_node=True):
             futures.append(batcher.run(loop, params, SamplingDefaults(), outs[i].append, cancelled, f"task{i}"))
         else:
             futures.append(loop.run_in_executor(model_thread, engine.generate, params, SamplingDefaults(),
