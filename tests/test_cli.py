@@ -54,7 +54,10 @@ def test_joining_an_existing_nats_starts_no_server_of_its_own(tmp_path: Path, na
 def test_a_second_ctrl_c_exits_at_once(tmp_path: Path):
     exo = ExoProcess(tmp_path / "data", {}).start()
     exo.process.send_signal(2)
-    time.sleep(0.02)  # two signals sent at once would merge into one
+    # A second signal sent before the first is delivered merges with it (one pending SIGINT): wait for the first.
+    deadline = time.monotonic() + 10
+    while "exo: stopping" not in exo.output() and time.monotonic() < deadline:
+        time.sleep(0.01)
     exo.process.send_signal(2)
     started = time.monotonic()
     code = exo.process.wait(10)

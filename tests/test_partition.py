@@ -37,7 +37,8 @@ def test_a_partitioned_worker_is_timed_out_then_rejoins_and_converges(tmp_path: 
     head = start_node(tmp_path, "head", nats.url, "--no-worker", "--node-timeout", str(NODE_TIMEOUT_S),
                       env={"EXO_HEARTBEAT_S": "0.5"})
     steady = start_node(tmp_path, "steady", nats.url, "--no-master", "--no-api", env=_worker_env())
-    cut_off = start_node(tmp_path, "cut-off", proxy.url, "--no-master", env=_worker_env())  # API on: we read its State
+    through_proxy = nats.url.replace(f"127.0.0.1:{port}", proxy.url.split("://", 1)[1])  # with the credentials
+    cut_off = start_node(tmp_path, "cut-off", through_proxy, "--no-master", env=_worker_env())  # API on: we read its State
     http = httpx.Client(base_url=head.url, timeout=120)
     try:
         wait_until(lambda: len(state_of(head).nodes) == 2, 30, what="both workers registered")
