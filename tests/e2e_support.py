@@ -9,7 +9,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+import mlx.core as mx
 import mlx_lm
+from mlx_lm.sample_utils import make_sampler
 
 from tests.exo_process import ExoProcess
 from tests.support.fake_hub import FakeHub
@@ -59,6 +61,13 @@ class Reference:
 
     def chat(self, messages: list[dict], max_tokens: int, tools: list[dict] | None = None, **kwargs) -> str:
         return self.generate(self.chat_prompt(messages, tools), max_tokens, **kwargs)
+
+    def sampled_chat(self, messages: list[dict], max_tokens: int, seed: int, temperature: float, top_p: float = 0.0,
+                     top_k: int = 0) -> str:
+        """mlx-lm's seeded sampling: the global seed, then its sampler (as mlx_lm.generate users do)."""
+        mx.random.seed(seed)
+        sampler = make_sampler(temp=temperature, top_p=top_p, top_k=top_k)
+        return self.generate(self.chat_prompt(messages), max_tokens, sampler=sampler)
 
     def prompt_tokens(self, prompt: str) -> int:
         return len(self.tokenizer.encode(prompt, add_special_tokens=not prompt.startswith(self.tokenizer.bos_token or "\0")))

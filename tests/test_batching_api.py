@@ -62,12 +62,12 @@ def test_concurrent_greedy_requests_decode_together_and_each_equals_mlx_lm(clien
 
 
 def test_a_seeded_request_shares_the_batch_and_is_still_repeatable(client, tiny):
-    seeded = {"temperature": 1.5, "top_p": 0.95, "seed": 7}
+    seeded = {"temperature": 1.5, "top_p": 0.95, "seed": 7}  # a sampler mlx-lm applies with the global seed
     alone = streamed(client, [{"role": "user", "content": ASKS[0]}], 24, **seeded)["text"]
     jobs = [(ASKS[1], 200, {"temperature": 0}), (ASKS[0], 24, seeded), (ASKS[2], 200, {"temperature": 0})]
     with ThreadPoolExecutor(len(jobs)) as pool:
         replies = list(pool.map(lambda job: streamed(client, [{"role": "user", "content": job[0]}], job[1], **job[2]), jobs))
-    assert replies[1]["text"] == alone
+    assert replies[1]["text"] == alone == tiny.sampled_chat([{"role": "user", "content": ASKS[0]}], 24, **seeded)
     # It runs alongside the others (once it waited for the batch to end, then held up the next).
     assert replies[1]["first"] < min(replies[0]["done"], replies[2]["done"])
     assert replies[0]["text"] == tiny.chat([{"role": "user", "content": ASKS[1]}], 200)

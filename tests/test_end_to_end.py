@@ -17,6 +17,7 @@ from exo.bus.connection import connect
 from exo.bus.tokens import TokenListener
 from exo.core.types import TokenChunk
 from tests.exo_process import ExoProcess
+from tests.e2e_support import Reference
 from tests.support.fake_hub import FakeHub
 from tests.support.tiny_model import TINY_MODEL_ID, make_tiny_model
 
@@ -114,14 +115,17 @@ def test_stop_strings_cut_the_text(client, instance_id, expected):
     assert reply.choices[0].finish_reason == "stop"
 
 
-def test_sampling_with_a_seed_is_repeatable(client, instance_id):
-    def sample() -> str:
+def test_sampling_with_a_seed_equals_mlx_lm_with_that_seed(client, instance_id, tiny_model):
+    def sample(seed: int) -> str:
         reply = client.chat.completions.create(
-            model=TINY_MODEL_ID, messages=MESSAGES, temperature=1.5, top_p=0.95, seed=7, max_tokens=16
+            model=TINY_MODEL_ID, messages=MESSAGES, temperature=1.5, top_p=0.95, seed=seed, max_tokens=16
         )
         return reply.choices[0].message.content
 
-    assert sample() == sample()
+    reference = Reference(tiny_model)
+    for seed in (7, 8):
+        assert sample(seed) == reference.sampled_chat(MESSAGES, 16, seed=seed, temperature=1.5, top_p=0.95)
+    assert sample(7) != sample(8)  # the seed is used, not ignored
 
 
 def test_a_client_that_disconnects_cancels_its_generation(http, node, instance_id):
