@@ -12,7 +12,7 @@ import httpx
 from exo.bus.connection import connect
 from exo.bus.embedded import EmbeddedNats
 from exo.bus.event_log import EventFollower
-from exo.core.apply import apply, skip_event
+from exo.core.apply import apply, skip_event, was_skipped
 from exo.core.events import AnyEvent
 from exo.core.state import State, decode_state
 from tests.exo_process import ExoProcess
@@ -69,8 +69,7 @@ def replay(nats_url: str | list[str], upto: int) -> tuple[State, list[tuple[int,
             if seq > upto:  # events appended since (heartbeats) still arrive until the follower stops
                 return
             state = apply(state, event, seq)
-            skipped = bool(state.skipped_events) and state.skipped_events[-1].seq == seq
-            seen.append((seq, event, not skipped))
+            seen.append((seq, event, not was_skipped(state, seq)))
             if seq >= upto and not done.done():
                 done.set_result(None)
 

@@ -15,6 +15,7 @@ import pytest
 
 from exo.bus.connection import connect
 from tests.compose_topology import LocalTopology
+from tests.support.ack_recorder import AckRecorder
 from tests.support.fake_hub import FakeHub
 from tests.support.tiny_model import TINY_MODEL_ID, make_tiny_model
 
@@ -86,8 +87,8 @@ def test_compose_topology_serves_chat_and_survives_killing_the_event_stream_lead
         first = http.post("/v1/chat/completions", json={"model": TINY_MODEL_ID, "messages": MESSAGES, "max_tokens": 8})
         assert first.status_code == 200, first.text
 
-        with ChatLoop(topology.api_url) as chats:
-            while len(chats.outcomes) < 5:
+        with ChatLoop(topology.api_url) as chats, AckRecorder(topology.nats_urls) as acks:
+            while len(chats.outcomes) < 5 or len(acks.acked) < 20:
                 time.sleep(0.1)
             before, leader, replicas = stream_events(topology.nats_urls)
             assert replicas == 3
@@ -99,7 +100,7 @@ def test_compose_topology_serves_chat_and_survives_killing_the_event_stream_lead
                 time.sleep(0.2)
             resumed_after = min(at for at, o in chats.outcomes if at > killed_at + 0.5 and o == "ok") - killed_at
             count = len(chats.outcomes)
-            while len(chats.outcomes) < count + 3:
+            while len(chats.outcomes) < count + 3 or not acks.acks_between(killed_at + resumed_after, float("inf")):
                 time.sleep(0.1)
 
         survivors = [u for n, u in zip(topology.nats_names, topology.nats_urls) if n != leader]
@@ -108,6 +109,8 @@ def test_compose_topology_serves_chat_and_survives_killing_the_event_stream_lead
         assert resumed_after < 15
         assert not [o for _, o in chats.outcomes if o == "hung"]
         assert set(before) <= set(after)  # every acknowledged event is still there, at its sequence
+        # ...and so is every publish acknowledged just before the kill, during the election and after it.
+        assert acks.acks_between(killed_at - 1, killed_at) and acks.missing_from(after) == []
         ids = collections.Counter(msg_id for _, msg_id in after)
         assert [i for i, n in ids.items() if n > 1] == []  # ...and once
         http.close()

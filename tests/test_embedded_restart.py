@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from tests.exo_process import ExoProcess
+from tests.support.ack_recorder import AckRecorder
 from tests.support.tiny_model import make_tiny_model
 from tests.test_compose_topology import stream_events
 
@@ -30,21 +31,31 @@ def test_a_killed_embedded_server_is_restarted_and_nothing_acknowledged_is_lost(
             before, _, _ = stream_events([nats_url])
             (ports_file,) = (node.data_dir / "nats" / "ports").glob("*.ports")
             server_pid = int(ports_file.stem.rsplit("_", 1)[1])
-            os.kill(server_pid, signal.SIGKILL)
-            killed_at = time.monotonic()
-            while True:
-                try:
-                    reply = http.post("/v1/chat/completions", json=body)
-                    if reply.status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                assert time.monotonic() - killed_at < 30, node.output()[-2000:]
-                time.sleep(0.2)
+            with AckRecorder([nats_url]) as acks:
+                while len(acks.acked) < 20:
+                    time.sleep(0.01)
+                os.kill(server_pid, signal.SIGKILL)
+                killed_at = time.monotonic()
+                while True:
+                    try:
+                        reply = http.post("/v1/chat/completions", json=body)
+                        if reply.status_code == 200:
+                            break
+                    except httpx.HTTPError:
+                        pass
+                    assert time.monotonic() - killed_at < 30, node.output()[-2000:]
+                    time.sleep(0.2)
+                served_at = time.monotonic()
+                while not acks.acks_between(served_at, float("inf")):
+                    assert time.monotonic() - served_at < 30, "no ack after the restart"
+                    time.sleep(0.05)
             assert reply.json()["choices"][0]["message"]["content"] == expected
             assert time.monotonic() - killed_at < 15
             after, _, _ = stream_events([nats_url])
             assert set(before) <= set(after)
+            # Every publish the server acknowledged around the kill, up to its last ack before it
+            # died and from the restarted server, is in the log at the sequence it was given.
+            assert acks.acks_between(killed_at - 1, killed_at) and acks.missing_from(after) == []
             assert "restarting it on port" in node.output()
     finally:
         assert node.interrupt() == 0

@@ -11,6 +11,7 @@ from nats.aio.client import Client
 from exo.api.errors import STATUS_FOR_REJECTION, ApiError
 from exo.bus.command_queue import send_command
 from exo.bus.state_view import StateView
+from exo.core.apply import was_skipped
 from exo.core.commands import Command
 from exo.core.events import AnyEvent, CommandRejected, TaskFinished, command_id_of
 from exo.core.state import State
@@ -79,6 +80,10 @@ class CommandOutcomes:
         return event
 
     def _on_event(self, seq: int, event: AnyEvent, state: State) -> None:
+        if was_skipped(state, seq):
+            # Not an answer: e.g. a deposed master's decision fenced off by its old term (the
+            # new master decides the command again) or a stray publisher's event.
+            return
         future = self._waiters.get(command_id_of(event))
         if future is not None and not future.done():
             future.set_result(event)

@@ -65,6 +65,11 @@ def apply_all(state: State, events: Iterable[tuple[AnyEvent, int]]) -> State:
     return draft.state()
 
 
+def was_skipped(state: State, seq: int) -> bool:
+    """Whether event `seq`, the latest one folded into `state`, was skipped rather than used."""
+    return bool(state.skipped_events) and state.skipped_events[-1].seq == seq
+
+
 def skip_event(state: State, seq: int, reason: str) -> State:
     """Advance past an event that cannot be used, keeping a bounded record of why."""
     draft = Draft(state)
