@@ -32,7 +32,8 @@ KEY = "dashboard-test-key"
 PROMPT = "Tell me about the sea."
 MAX_TOKENS = 24
 LONG = 30_000  # never reached: the tiny model does not stop on its own (its context: 32768)
-REVIEW_SCREENSHOT = Path("/tmp/dashboard.png")
+# EXO_SCREENSHOT_DIR=folder keeps the two screenshots for review (nothing is left in /tmp otherwise).
+REVIEW_DIR = os.environ.get("EXO_SCREENSHOT_DIR")
 
 
 # -- the files, in process: no exo, no browser -----------------------------------------------
@@ -154,12 +155,13 @@ def test_the_dashboard_places_chats_stops_and_deletes(page, node, http, tmp_path
 
     page.evaluate("window.scrollTo(0, 0)")  # else the sticky header is drawn mid-page
     page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
-    shutil.copyfile(tmp_path / "dashboard.png", REVIEW_SCREENSHOT)
     page.set_viewport_size({"width": 390, "height": 844})
     page.emulate_media(color_scheme="dark")  # the dark look; the laptop shot shows the light one
     page.evaluate("window.scrollTo(0, 0)")
     page.screenshot(path=str(tmp_path / "dashboard-phone.png"), full_page=True)
-    shutil.copyfile(tmp_path / "dashboard-phone.png", REVIEW_SCREENSHOT.with_name("dashboard-phone.png"))
+    if REVIEW_DIR:
+        for shot in ("dashboard.png", "dashboard-phone.png"):
+            shutil.copyfile(tmp_path / shot, Path(REVIEW_DIR) / shot)
     _fits_the_width(page, 390)
     page.set_viewport_size({"width": 1440, "height": 1000})
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from functools import cache
 
+import msgspec
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -170,3 +171,21 @@ def test_a_deposed_masters_events_are_skipped_in_a_batch_too():
     assert reasons == ["from term 2, older than the leader's term 3", "leader term 3 is not newer than 3"]
     assert folded.leader_node == "n1" and "i0" not in folded.instances
     assert folded.instance_end_reasons == {"m/a": "deleted"}
+
+
+def test_a_draft_carries_every_field_of_state():
+    """A field added to State and not carried by Draft would silently reset on every event."""
+    values = {}
+    for field in msgspec.structs.fields(State):
+        if field.type is int:
+            values[field.name] = int("987654321")  # not an interned small int
+        elif field.type is str:
+            values[field.name] = f"kept-{field.name}"
+        elif field.type is bool:
+            values[field.name] = not field.default
+        else:
+            values[field.name] = msgspec.convert(msgspec.to_builtins(getattr(State(), field.name)), field.type)
+    start = State(**values)
+    carried = Draft(start).state()
+    assert carried == start
+    assert all(getattr(carried, name) is getattr(start, name) for name in State.__struct_fields__ if name != "leader_by_sequence")

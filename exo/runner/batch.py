@@ -43,6 +43,9 @@ log = logging.getLogger(__name__)
 Outcome = GenerationResult | BaseException
 DEFAULT_MAX_BATCH = 32
 PREFILL_BATCH = 8  # prompts processed together at most, as mlx_lm.server's --prompt-concurrency
+# Prompt tokens per prefill chunk between two decode steps: mlx-lm's (and mlx_lm.server's) default.
+# Every rank of an instance must use the same value; bench/fairness.py measures smaller ones.
+PREFILL_STEP = 2048
 
 
 def max_batch() -> int:
@@ -64,7 +67,7 @@ def _shared_sampler(temperature: float, top_p: float, top_k: int) -> Callable:
 def new_generator(model: Any, tokenizer: Any, limit: int) -> BatchGenerator:
     return BatchGenerator(
         model, stop_tokens=[[t] for t in tokenizer.eos_token_ids],
-        completion_batch_size=limit, prefill_batch_size=min(limit, PREFILL_BATCH),
+        completion_batch_size=limit, prefill_batch_size=min(limit, PREFILL_BATCH), prefill_step_size=PREFILL_STEP,
     )
 
 

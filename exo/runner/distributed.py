@@ -39,7 +39,10 @@ def join_ring(rank: int, hosts: list[str]) -> mx.distributed.Group:
     hostfile.write_text(json.dumps([[host] for host in hosts]))
     os.environ["MLX_RANK"] = str(rank)
     os.environ["MLX_HOSTFILE"] = str(hostfile)
-    group = mx.distributed.init(strict=True, backend="ring")
+    try:
+        group = mx.distributed.init(strict=True, backend="ring")
+    finally:
+        hostfile.unlink(missing_ok=True)  # read once, by init
     if group.size() != len(hosts) or group.rank() != rank:
         raise RuntimeError(f"ring group is rank {group.rank()} of {group.size()}, expected {rank} of {len(hosts)}")
     return group

@@ -202,8 +202,14 @@ class Worker:
             finally:
                 self._images_in_flight.discard(digest)
             temporary = self.images_dir / f".{digest}.tmp"
-            await asyncio.to_thread(temporary.write_bytes, data)
-            temporary.replace(self.images_dir / digest)
+            try:
+                await asyncio.to_thread(temporary.write_bytes, data)
+                temporary.replace(self.images_dir / digest)
+            except OSError as error:  # a full disk: no half-written file stays behind
+                temporary.unlink(missing_ok=True)
+                log.error("cannot store image %s: %s", digest, error)
+                self._fail_tasks_needing(digest, f"cannot store the image: {error}")
+                continue
             self._local_images.add(digest)
             log.info("worker: image %s fetched and verified (%d bytes)", digest, len(data))
         self._wake.set()
