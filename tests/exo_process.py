@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import re
 import signal
 import socket
@@ -19,6 +20,30 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def free_port_range(count: int) -> int:
+    """The first of `count` consecutive ports that bind now, below the kernel's ephemeral range:
+    a range inside it (free_port()'s neighbours) can be taken by any outgoing connection's local
+    port before a ring group binds it ("[ring] Couldn't bind socket (error: 98)")."""
+    try:
+        ephemeral_start = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_start = 32768
+    for _ in range(200):
+        first = random.randrange(10000, ephemeral_start - count)
+        if all(_binds(port) for port in range(first, first + count)):
+            return first
+    raise RuntimeError(f"no {count} free consecutive ports below {ephemeral_start}")
+
+
+def _binds(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def exo_command() -> list[str]:

@@ -18,7 +18,7 @@ import pytest
 
 from tests.cluster import NatsServer, start_node, state_of, wait_until
 from tests.e2e_support import Reference
-from tests.exo_process import ExoProcess, free_port
+from tests.exo_process import ExoProcess, free_port_range
 from tests.support.tiny_model import Dims, make_tiny_model
 
 pytestmark = pytest.mark.slow
@@ -29,7 +29,7 @@ PROMPT = [{"role": "user", "content": "tell me about the sea"}]
 
 
 def _ring_ports() -> str:
-    first = free_port()
+    first = free_port_range(21)
     return f"{first}-{first + 20}"
 
 

@@ -13,7 +13,7 @@ import pytest
 from exo.core.state import encode_state
 from tests.cluster import NatsServer, replay, start_node, state_of, wait_until
 from tests.e2e_support import Reference
-from tests.exo_process import free_port
+from tests.exo_process import free_port_range
 from tests.support.tcp_proxy import TcpProxy
 from tests.support.tiny_model import Dims, make_tiny_model
 
@@ -25,7 +25,7 @@ PROMPT = [{"role": "user", "content": "and the tide came in"}]
 
 
 def _worker_env() -> dict[str, str]:
-    first = free_port()
+    first = free_port_range(21)
     return {"EXO_HEARTBEAT_S": "0.5", "EXO_ADVERTISE_ADDRESSES": "127.0.0.1", "EXO_RING_PORTS": f"{first}-{first + 20}"}
 
 

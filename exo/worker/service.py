@@ -257,6 +257,11 @@ class Worker:
         return shards[0] if shards else ShardAssignment(runner_id=runner_id, node_id=self.node_id)  # all layers
 
     async def _send_lifecycle(self, runner_id: str, phase: p.LocalPhase, request: rp.Request) -> None:
+        runner = self._runners.get(runner_id)
+        if runner is None or runner.phase in ("failed", "stopping"):
+            # It died (or is being stopped) since this step was planned; setting the phase now
+            # would hide that failure and nothing would restart it. The next plan decides.
+            return
         self._set_phase(runner_id, phase)
         await self._publish_status(runner_id, phase)  # type: ignore[arg-type]
         await self._hosts[runner_id].send(request)
