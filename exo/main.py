@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 import asyncio
+import importlib
 import logging
 import os
 import signal
 import sys
-from typing import TYPE_CHECKING
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from exo import event_loop
 from exo.bus.connection import SECURITY_ENV, split_urls

@@ -17,11 +17,11 @@ from exo.api.app import build_app
 from exo.api.auth import warn_if_exposed
 from exo.api.context import ApiContext
 from exo.api.outcomes import CommandOutcomes
+from exo.bus.catch_up import catch_up
 from exo.bus.connection import connect, redact
 from exo.bus.embedded import EmbeddedNats
 from exo.bus.errors import LogGap
 from exo.bus.event_log import EventLog
-from exo.bus.catch_up import catch_up
 from exo.bus.provision import event_retention, provision
 from exo.bus.state_view import StateView
 from exo.core.events import NodeRegistered

@@ -3,7 +3,6 @@ models, and what mlx-lm itself generates, to compare with exactly."""
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import mlx.core as mx
 import mlx_lm
@@ -16,7 +15,7 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.sample_utils import make_sampler
 
 from exo.core.types import ChatMessage, GenerationParams, SamplingDefaults
-from exo.runner.batch import BatchFailed, Batcher, batchable, max_batch
+from exo.runner.batch import Batcher, BatchFailed, batchable, max_batch
 from exo.runner.engine import Engine, GenerationResult, Output
 from tests.support.tiny_model import make_tiny_model
 from tests.support.tool_model import WEATHER_TOOL, make_tool_model

@@ -5,8 +5,15 @@ import itertools
 from exo.core.apply import apply
 from exo.core.commands import AddCustomCard, CancelTask, DeleteCustomCard, DeleteInstance, GenerateText, PlaceInstance
 from exo.core.events import (
-    CommandRejected, CustomCardAdded, CustomCardDeleted, InstanceCreated, InstanceDeleted, NodeRegistered,
-    TaskCancelRequested, TaskCreated, TaskFinished,
+    CommandRejected,
+    CustomCardAdded,
+    CustomCardDeleted,
+    InstanceCreated,
+    InstanceDeleted,
+    NodeRegistered,
+    TaskCancelRequested,
+    TaskCreated,
+    TaskFinished,
 )
 from exo.core.state import State
 from exo.core.types import GenerationParams, ModelCard, NodeInfo

@@ -10,12 +10,8 @@ from exo.core.apply import apply
 from exo.core.events import DownloadDeleted, DownloadFailed, DownloadProgressed, InstanceCreated, TaskCreated
 from exo.core.state import State
 from exo.core.types import DownloadProgress, FileProgress, Instance, ModelCard, ShardAssignment, Task
-from exo.models.dirs import (
-    LEGACY_MARKER, DownloadSettings, ModelDirs, choose_target, dir_name, find_complete, write_manifest,
-)
-from exo.models.files import (
-    FileMeta, Manifest, is_safe_path, layer_files, missing, needed_files, rebase, with_verified,
-)
+from exo.models.dirs import LEGACY_MARKER, DownloadSettings, ModelDirs, choose_target, dir_name, find_complete, write_manifest
+from exo.models.files import FileMeta, Manifest, is_safe_path, layer_files, missing, needed_files, rebase, with_verified
 from exo.models.progress import RetryPolicy, next_delay, speed, summarize
 from exo.worker.downloads import peers_with
 from exo.worker.plan import EndTask, LocalRunner, WorkerView, plan

@@ -12,9 +12,24 @@ from hypothesis import strategies as st
 
 from exo.core.apply import Draft, apply, apply_all, skip_event
 from exo.core.events import (
-    AnyEvent, CommandRejected, CustomCardAdded, CustomCardDeleted, DownloadDeleted, DownloadFailed,
-    DownloadProgressed, InstanceCreated, InstanceDeleted, LeaderElected, NodeHeartbeat, NodeRegistered,
-    NodeTimedOut, RunnerStatusChanged, TaskCancelRequested, TaskCreated, TaskFinished, TaskStarted,
+    AnyEvent,
+    CommandRejected,
+    CustomCardAdded,
+    CustomCardDeleted,
+    DownloadDeleted,
+    DownloadFailed,
+    DownloadProgressed,
+    InstanceCreated,
+    InstanceDeleted,
+    LeaderElected,
+    NodeHeartbeat,
+    NodeRegistered,
+    NodeTimedOut,
+    RunnerStatusChanged,
+    TaskCancelRequested,
+    TaskCreated,
+    TaskFinished,
+    TaskStarted,
 )
 from exo.core.state import MAX_ANSWERED_COMMANDS, MAX_FINISHED_TASKS, MAX_SKIPPED_KEPT, State, encode_state
 from exo.core.types import DownloadProgress, Instance, ModelCard, NodeInfo, ShardAssignment, Task

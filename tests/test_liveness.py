@@ -8,18 +8,32 @@ import pytest
 from msgspec.structs import replace
 
 from exo.core.apply import apply
+from exo.core.commands import GenerateText
 from exo.core.events import (
-    InstanceCreated, InstanceDeleted, NodeHeartbeat, NodeRegistered, NodeTimedOut, RunnerStatusChanged, TaskCreated,
+    InstanceCreated,
+    InstanceDeleted,
+    NodeHeartbeat,
+    NodeRegistered,
+    NodeTimedOut,
+    RunnerStatusChanged,
+    TaskCreated,
     TaskFinished,
 )
 from exo.core.state import State
 from exo.core.types import Instance, NodeInfo, ShardAssignment, Task
 from exo.master.decide import decide
-from exo.core.commands import GenerateText
 from exo.master.supervise import failing_instances, silent_nodes, supervise, time_out_node
 from exo.worker.identity import IdentityError, load_node_id, lock_data_dir
 from exo.worker.plan import (
-    AbandonRunner, DownloadModel, EndTask, ForwardTask, LoadModel, LocalRunner, RestartRunner, WorkerView, plan,
+    AbandonRunner,
+    DownloadModel,
+    EndTask,
+    ForwardTask,
+    LoadModel,
+    LocalRunner,
+    RestartRunner,
+    WorkerView,
+    plan,
     restart_due,
 )
 

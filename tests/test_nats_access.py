@@ -25,7 +25,6 @@ from exo.core.commands import PlaceInstance
 from exo.core.events import TaskStarted
 
 
-
 async def test_a_client_without_credentials_or_with_wrong_ones_cannot_connect(fresh_server: EmbeddedNats):
     for url in (fresh_server.address, with_user(fresh_server.address, EXO_USER, "guessed")):
         with pytest.raises(BusError, match="Authorization Violation"):

@@ -5,8 +5,17 @@ from exo.core.events import InstanceCreated, TaskCancelRequested, TaskCreated
 from exo.core.state import State
 from exo.core.types import Instance, ShardAssignment, Task
 from exo.worker.plan import (
-    CancelForwardedTask, CreateRunner, DownloadModel, EndTask, ForwardTask, LoadModel, LocalRunner, StopRunner,
-    WarmUp, WorkerView, plan,
+    CancelForwardedTask,
+    CreateRunner,
+    DownloadModel,
+    EndTask,
+    ForwardTask,
+    LoadModel,
+    LocalRunner,
+    StopRunner,
+    WarmUp,
+    WorkerView,
+    plan,
 )
 
 MINE = Instance(instance_id="i1", model_id="m/a", shards=[ShardAssignment(runner_id="r1", node_id="me", end_layer=2)])

@@ -78,6 +78,7 @@ def text_of(outputs: list) -> str:
 def test_a_growing_conversation_reuses_each_turn_and_equals_the_uncached_output(model_dir, uncached):
     engine = loaded(model_dir)
     turns: list[tuple[str, str]] = [("system", SYSTEM), ("user", "Tell me about the sea.")]
+    previous_prompt = 0
     for turn, extra in enumerate([{}, {"logprobs": True, "top_logprobs": 3}, {"presence_penalty": 0.8},
                                   {"stop": ["the"]}, {"temperature": 0.9, "seed": 11}]):
         params = chat(*turns, **extra)

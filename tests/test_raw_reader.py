@@ -18,11 +18,9 @@ from exo.bus import log_reader
 from exo.bus.connection import connect
 from exo.bus.errors import LogGap
 from exo.bus.event_log import EventLog
-from exo.bus.raw_reader import RawParser, RawRangeReader, headers_of
-from exo.bus.log_reader import (
-    LogRecord, read_log, read_log_batches, read_log_ordered,
-)
+from exo.bus.log_reader import LogRecord, read_log, read_log_batches, read_log_ordered
 from exo.bus.provision import provision
+from exo.bus.raw_reader import RawParser, RawRangeReader, headers_of
 from exo.bus.subjects import EVENTS_STREAM
 from exo.core.events import TaskStarted
 
@@ -248,3 +246,20 @@ async def test_a_lost_message_starts_a_new_consumer_from_the_next_sequence(log_n
     raw = await _read(read_log_batches, log_nc)
     assert dropped and [r.seq for r in raw] == list(range(1, 304))
     assert await _consumers(log_nc) == 0
+
+
+def test_nats_py_still_has_the_private_parts_the_raw_reader_uses():
+    """pyproject pins nats-py to the minor version this was written against; if an upgrade
+    moves these, this fails loudly rather than the raw reader misreading the log."""
+    import inspect
+
+    from nats.aio.client import Client
+    from nats.protocol import parser
+
+    client = Client()
+    assert type(client._ps) is Parser and client._ps.state == parser.AWAITING_CONTROL_LINE and client._subs == {}
+    assert list(inspect.signature(Client._process_msg).parameters) == ["self", "sid", "subject", "reply", "data", "headers"]
+    assert list(inspect.signature(Client._process_err).parameters) == ["self", "err_msg"]
+    for name in ("AWAITING_CONTROL_LINE", "ERR_RE", "INFO_RE", "OK_RE", "PING_RE", "PONG_RE"):
+        assert hasattr(parser, name), name
+    assert RawParser.install(client)  # and it takes the place of that parser

@@ -5,9 +5,20 @@ import pytest
 
 from exo.core.apply import apply
 from exo.core.events import (
-    AnyEvent, CommandRejected, CustomCardAdded, CustomCardDeleted, InstanceCreated, InstanceDeleted,
-    NodeRegistered, RunnerStatusChanged, TaskCancelRequested, TaskCreated, TaskFinished, TaskStarted,
-    decode_event, encode_event,
+    AnyEvent,
+    CommandRejected,
+    CustomCardAdded,
+    CustomCardDeleted,
+    InstanceCreated,
+    InstanceDeleted,
+    NodeRegistered,
+    RunnerStatusChanged,
+    TaskCancelRequested,
+    TaskCreated,
+    TaskFinished,
+    TaskStarted,
+    decode_event,
+    encode_event,
 )
 from exo.core.state import MAX_FINISHED_TASKS, State, decode_state, encode_state
 from exo.core.types import Instance, ModelCard, NodeInfo, ShardAssignment, Task

@@ -31,7 +31,15 @@ from exo.tools.replayer import Checkpoint, Replayer
 from exo.tools.state_diff import Change, format_change, state_changes
 from tests.exo_process import ExoProcess
 from tests.support.exo_tools import (
-    GARBAGE, GARBAGE_SEQ, IMPOSSIBLE_SEQ, SCRIPT, append_script, builtins, in_thread, json_lines, run_tool,
+    GARBAGE,
+    GARBAGE_SEQ,
+    IMPOSSIBLE_SEQ,
+    SCRIPT,
+    append_script,
+    builtins,
+    in_thread,
+    json_lines,
+    run_tool,
 )
 from tests.support.fake_hub import FakeHub
 from tests.support.tiny_model import TINY_MODEL_ID, make_tiny_model

@@ -4,10 +4,10 @@ everything else goes to the least busy instance."""
 
 from exo.core.apply import apply
 from exo.core.commands import GenerateText, PlaceInstance
+from exo.core.conversation import digest_conversation
 from exo.core.events import TaskFinished
 from exo.core.state import State
 from exo.core.types import ChatMessage, GenerationParams
-from exo.core.conversation import digest_conversation
 from exo.master.routing import shared_conversation as shared_digests
 from tests.test_decide import run, with_node
 

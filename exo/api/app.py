@@ -5,10 +5,19 @@ from __future__ import annotations
 from aiohttp import web
 
 from exo.api import (
-    admin, anthropic_messages, cluster, downloads, events_sse, ollama, openai_chat, openai_chat_stream, openai_completions,
-    openai_responses, prometheus,
+    admin,
+    anthropic_messages,
+    cluster,
+    dashboard,
+    downloads,
+    events_sse,
+    ollama,
+    openai_chat,
+    openai_chat_stream,
+    openai_completions,
+    openai_responses,
+    prometheus,
 )
-from exo.api import dashboard
 from exo.api.auth import auth_middleware
 from exo.api.context import CONTEXT_KEY, ApiContext
 from exo.api.errors import error_middleware

@@ -8,20 +8,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from aiohttp import web
-from nats.aio.client import Client
 
 from exo.api.errors import ApiError
 from exo.api.metrics import Metrics
 from exo.api.outcomes import CommandOutcomes
 from exo.api.settings import ApiSettings
+from exo.background import Background
+from exo.bus.connection import Connection
 from exo.bus.state_view import StateView
+from exo.core.catalogue import find_card
 from exo.core.types import ModelCard
-from exo.master.decide import find_card
 
 
 @dataclass
 class ApiContext:
-    nc: Client
+    nc: Connection
     view: StateView
     outcomes: CommandOutcomes
     builtin_cards: Mapping[str, ModelCard]
@@ -31,7 +32,7 @@ class ApiContext:
     metrics: Metrics = field(default_factory=Metrics)
     # Cancels waiting out the resume grace of a dropped stream, by command id (this node only).
     pending_cancels: dict[str, asyncio.TimerHandle] = field(default_factory=dict)
-    _background: set[asyncio.Task] = field(default_factory=set)
+    _background: Background = field(default_factory=lambda: Background("api"))
 
     def card(self, model_id: str) -> ModelCard | None:
         return find_card(self.view.state, self.builtin_cards, model_id)
@@ -44,9 +45,7 @@ class ApiContext:
         return card
 
     def in_background(self, coroutine: Coroutine) -> None:
-        task = asyncio.get_running_loop().create_task(coroutine)
-        self._background.add(task)  # the loop keeps only weak references
-        task.add_done_callback(self._background.discard)
+        self._background.start(coroutine)
 
     def all_cards(self) -> dict[str, ModelCard]:
         return {**self.builtin_cards, **self.view.state.custom_model_cards}

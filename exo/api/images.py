@@ -11,7 +11,6 @@ from __future__ import annotations
 import base64
 import binascii
 import os
-
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 

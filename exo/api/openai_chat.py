@@ -8,9 +8,9 @@ from aiohttp import web
 from exo.api.context import context_of
 from exo.api.errors import ApiError
 from exo.api.generation import start_generation
+from exo.api.images import ImageUploads
 from exo.api.openai_chat_stream import complete_chat, parse_event_id, resume_chat, stream_chat
 from exo.api.openai_tools import RequestToolCall, ToolChoice, check_logprobs, check_penalty, offered_tools, tool_turn
-from exo.api.images import ImageUploads
 from exo.api.request_body import decode_body
 from exo.core.types import ChatMessage, GenerationParams
 

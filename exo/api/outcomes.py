@@ -6,10 +6,9 @@ import asyncio
 from collections.abc import Callable
 from typing import TypeVar
 
-from nats.aio.client import Client
-
 from exo.api.errors import STATUS_FOR_REJECTION, ApiError
 from exo.bus.command_queue import send_command
+from exo.bus.connection import Connection
 from exo.bus.state_view import StateView
 from exo.core.apply import was_skipped
 from exo.core.commands import Command
@@ -22,7 +21,7 @@ T = TypeVar("T")
 
 
 class CommandOutcomes:
-    def __init__(self, nc: Client, view: StateView) -> None:
+    def __init__(self, nc: Connection, view: StateView) -> None:
         self._nc = nc
         self._waiters: dict[str, asyncio.Future[AnyEvent]] = {}
         self._task_ends: dict[str, list[asyncio.Future[TaskFinished]]] = {}

@@ -11,6 +11,9 @@ from nats.aio.client import Client
 
 from exo.bus.errors import BusError
 
+# What the rest of exo holds: a connection to NATS. Only exo/bus imports `nats` (tests/test_layering.py).
+Connection = Client
+
 log = logging.getLogger(__name__)
 
 

@@ -1,5 +1,7 @@
 """Our own small exception types for what the broker can tell us."""
 
+import nats.errors
+
 
 class BusError(Exception):
     """Something about NATS / JetStream that exo cannot work around."""
@@ -11,3 +13,8 @@ class ConfigMismatch(BusError):
 
 class LogGap(BusError):
     """The event stream no longer holds the sequence a reader needs next."""
+
+
+# Whatever the broker or its client can raise (nats-py's errors included): callers outside
+# exo/bus catch this tuple instead of importing `nats`.
+BROKER_ERRORS: tuple[type[Exception], ...] = (BusError, nats.errors.Error)

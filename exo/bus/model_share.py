@@ -24,7 +24,7 @@ from nats.errors import Error as NatsError
 
 from exo.bus.errors import BusError
 from exo.bus.subjects import model_share_subject
-from exo.models.files import Manifest, decode_manifest, encode_manifest
+from exo.core.manifest import Manifest, decode_manifest, encode_manifest
 
 log = logging.getLogger(__name__)
 

@@ -12,9 +12,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.errors import ProtocolError
 from nats.js import api
-from nats.protocol.parser import (
-    AWAITING_CONTROL_LINE, ERR_RE, INFO_RE, OK_RE, PING_RE, PONG_RE, Parser,
-)
+from nats.protocol.parser import AWAITING_CONTROL_LINE, ERR_RE, INFO_RE, OK_RE, PING_RE, PONG_RE, Parser
 
 from exo.bus.errors import BusError, LogGap
 from exo.bus.log_records import HEARTBEAT_S, LogRecord, OnBatch, unsubscribe_quietly

@@ -20,6 +20,7 @@ from typing import Any, get_args
 
 from msgspec.structs import replace
 
+from exo.core.conversation import digest_conversation, without_text
 from exo.core.events import (
     AnyEvent,
     CommandRejected,
@@ -41,7 +42,6 @@ from exo.core.events import (
     TaskStarted,
     command_id_of,
 )
-from exo.core.conversation import digest_conversation, without_text
 from exo.core.state import MAX_ANSWERED_COMMANDS, MAX_FINISHED_TASKS, MAX_SKIPPED_KEPT, SkippedEvent, State
 from exo.core.types import DownloadProgress, RunnerInfo, Task
 

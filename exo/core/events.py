@@ -8,16 +8,7 @@ from __future__ import annotations
 
 import msgspec
 
-from exo.core.types import (
-    DownloadProgress,
-    Instance,
-    ModelCard,
-    NodeInfo,
-    RejectionCode,
-    RunnerStatus,
-    Task,
-    TaskStatus,
-)
+from exo.core.types import DownloadProgress, Instance, ModelCard, NodeInfo, RejectionCode, RunnerStatus, Task, TaskStatus
 
 
 class Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind"):

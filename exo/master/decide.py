@@ -6,6 +6,7 @@ from collections.abc import Iterator, Mapping
 
 from msgspec.structs import replace
 
+from exo.core.catalogue import find_card
 from exo.core.commands import (
     AddCustomCard,
     AnyCommand,
@@ -31,7 +32,6 @@ from exo.core.placement import Unplaceable, place_instance
 from exo.core.state import State
 from exo.core.types import ModelCard, RejectionCode, Task
 from exo.master.routing import choose_instance
-
 
 # Open (pending or running) tasks an instance admits, unless placed with its own max_queue.
 DEFAULT_MAX_QUEUE = 64
@@ -61,10 +61,6 @@ def decide(
             return _add_card(state, command, builtin_cards)
         case DeleteCustomCard():
             return _delete_card(state, command, builtin_cards)
-
-
-def find_card(state: State, builtin_cards: Mapping[str, ModelCard], model_id: str) -> ModelCard | None:
-    return state.custom_model_cards.get(model_id) or builtin_cards.get(model_id)
 
 
 def _reject(command: AnyCommand, code: RejectionCode, reason: str) -> list[Event]:

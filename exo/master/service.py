@@ -12,12 +12,10 @@ import uuid
 from collections.abc import Iterator, Mapping
 
 from msgspec.structs import replace
-from nats.aio.client import Client
 
-from nats.errors import Error as NatsError
-
-from exo.bus.errors import BusError
 from exo.bus.command_queue import NotLeader, consume_commands
+from exo.bus.connection import Connection
+from exo.bus.errors import BROKER_ERRORS
 from exo.bus.event_log import EventLog
 from exo.bus.leadership import Lease
 from exo.bus.snapshots import write_snapshot
@@ -41,7 +39,7 @@ def ids_for(command_id: str) -> Iterator[str]:
 
 class Master:
     def __init__(
-        self, nc: Client, view: StateView, builtin_cards: Mapping[str, ModelCard], node_id: str,
+        self, nc: Connection, view: StateView, builtin_cards: Mapping[str, ModelCard], node_id: str,
         snapshot_every: int = 1000, snapshot_interval: float = 30.0, max_queue: int | None = None,
         node_timeout: float = DEFAULT_NODE_TIMEOUT_S,
     ) -> None:
@@ -71,7 +69,7 @@ class Master:
                         await asyncio.sleep(self._lease.ttl / 5)
                         continue
                     await self._lead()
-                except (BusError, NatsError, asyncio.TimeoutError) as error:
+                except (*BROKER_ERRORS, asyncio.TimeoutError) as error:
                     # The broker is changing leaders or we are reconnecting: campaign again.
                     log.warning("master: %r; campaigning again", error)
                     await asyncio.sleep(1)
@@ -121,7 +119,7 @@ class Master:
             events = supervise(state, self._heard_at, now, node_timeout=self._node_timeout)
             try:
                 await self._append_all(events, term, f"supervise:{term}:{state.last_seq}")
-            except (BusError, NatsError, asyncio.TimeoutError, NotLeader) as error:
+            except (*BROKER_ERRORS, asyncio.TimeoutError, NotLeader) as error:
                 log.warning("master: supervision events not appended: %r", error)
             for event in events:
                 if isinstance(event, NodeTimedOut):
@@ -166,7 +164,7 @@ CACHE_ROUTING = os.environ.get("EXO_CACHE_ROUTING", "1") != "0"
 class Snapshotter:
     """Writes State to the KV bucket every `every` events or `interval` seconds, whichever first."""
 
-    def __init__(self, nc: Client, view: StateView, every: int, interval: float) -> None:
+    def __init__(self, nc: Connection, view: StateView, every: int, interval: float) -> None:
         self._nc = nc
         self._view = view
         self._every = every

@@ -18,10 +18,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from exo.core.types import ModelCard, is_valid_model_id
-from exo.models.progress import RetryPolicy
 from exo.models.files import (
-    INDEX_FILE, Manifest, decode_manifest, encode_manifest, is_weight_file, layer_files, missing, needed_files,
+    INDEX_FILE,
+    Manifest,
+    decode_manifest,
+    encode_manifest,
+    is_weight_file,
+    layer_files,
+    missing,
+    needed_files,
 )
+from exo.models.progress import RetryPolicy
 
 MANIFEST_FILE = ".exo-manifest.json"
 PARTIAL_DIR = ".exo-partial"

@@ -13,32 +13,14 @@ import re
 
 import msgspec
 
+from exo.core.manifest import FileMeta, Manifest, decode_manifest, encode_manifest  # noqa: F401 (re-exported)
+
 INDEX_FILE = "model.safetensors.index.json"
 WEIGHT_SUFFIX = ".safetensors"
 # What mlx-lm needs besides the weights: config, tokenizer and chat templates. No *.py: exo
 # never runs a repository's code.
 SUPPORT_PATTERNS = ("*.json", "*.jsonl", "*.txt", "*.model", "*.tiktoken", "*.jinja")
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-
-
-class FileMeta(msgspec.Struct, frozen=True, kw_only=True):
-    """What a file must be. The Hub gives sha256 for LFS files and a git blob id for the rest;
-    once a node has verified a file it also knows its sha256, which is what peers check."""
-
-    size: int
-    sha256: str = ""
-    git_oid: str = ""
-
-
-class Manifest(msgspec.Struct, frozen=True, kw_only=True):
-    """A model at one commit: every file the source offers, and which of them are verified on
-    this disk (a node's copy of this is `.exo-manifest.json` in the model directory)."""
-
-    repo_id: str
-    revision: str = "main"
-    commit: str = ""
-    files: dict[str, FileMeta] = {}
-    verified: list[str] = []
 
 
 def is_support_file(path: str) -> bool:
@@ -111,12 +93,3 @@ def missing(manifest: Manifest, needed: list[str]) -> list[str]:
     return [p for p in needed if p not in verified]
 
 
-_manifest_decoder = msgspec.json.Decoder(Manifest)
-
-
-def decode_manifest(data: bytes) -> Manifest:
-    return _manifest_decoder.decode(data)
-
-
-def encode_manifest(manifest: Manifest) -> bytes:
-    return msgspec.json.encode(manifest)

@@ -16,7 +16,11 @@ from dataclasses import dataclass
 import httpx2
 from huggingface_hub import HfApi, constants, hf_hub_url
 from huggingface_hub.errors import (
-    GatedRepoError, HfHubHTTPError, OfflineModeIsEnabled, RemoteEntryNotFoundError, RepositoryNotFoundError,
+    GatedRepoError,
+    HfHubHTTPError,
+    OfflineModeIsEnabled,
+    RemoteEntryNotFoundError,
+    RepositoryNotFoundError,
     RevisionNotFoundError,
 )
 from huggingface_hub.hf_api import RepoFile

@@ -17,16 +17,28 @@ from collections.abc import Awaitable
 from concurrent.futures import ThreadPoolExecutor
 
 from exo import event_loop
-from exo.bus.connection import connect, split_urls
 from exo.bus.chunk_publisher import ChunkPublisher
+from exo.bus.connection import connect, split_urls
 from exo.core.types import TokenChunk
-from exo.runner.batch import BatchFailed, Batcher, batchable, max_batch
+from exo.runner.batch import Batcher, BatchFailed, batchable, max_batch
 from exo.runner.coalesce import Coalescer
 from exo.runner.engine import Engine, GenerationResult, Output, PromptTooLong
 from exo.runner.follower import follow
 from exo.runner.protocol import (
-    Alive, Cancel, Done, Failed, Generate, Load, Loaded, Report, Shutdown, Started, WarmedUp, WarmUp,
-    encode_line, request_decoder,
+    Alive,
+    Cancel,
+    Done,
+    Failed,
+    Generate,
+    Load,
+    Loaded,
+    Report,
+    Shutdown,
+    Started,
+    WarmedUp,
+    WarmUp,
+    encode_line,
+    request_decoder,
 )
 
 # Text that comes faster than this is sent in one message per interval (see coalesce.py).

@@ -33,9 +33,7 @@ from mlx_lm.sample_utils import make_sampler
 
 from exo.core.types import GenerationParams, SamplingDefaults
 from exo.runner.distributed import AgreedSamplers, BatchJoin, BatchStep, Lockstep, Sampling
-from exo.runner.engine import (
-    Decoding, Engine, GenerationResult, OnOutput, penalties, sampling_of, seeded_sampler,
-)
+from exo.runner.engine import Decoding, Engine, GenerationResult, OnOutput, penalties, sampling_of, seeded_sampler
 from exo.runner.prompt_cache import PromptCache, Reuse
 
 log = logging.getLogger(__name__)

@@ -27,7 +27,6 @@ from mlx_lm.sample_utils import make_sampler
 from mlx_lm.utils import load_model, load_tokenizer, sharded_load
 
 from exo.core.types import GenerationParams, SamplingDefaults
-
 from exo.runner.pipeline import split_layers
 
 Sampler = Callable[[mx.array], mx.array]

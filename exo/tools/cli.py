@@ -9,13 +9,11 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
-from nats.aio.client import Client
-
 from exo import event_loop
-from exo.bus.connection import connect, split_urls
+from exo.bus.connection import Connection, connect, split_urls
 from exo.bus.embedded import CREDENTIALS_FILE, load_credentials, with_user
-from exo.bus.permissions import OPERATOR_USER
 from exo.bus.errors import BusError
+from exo.bus.permissions import OPERATOR_USER
 from exo.tools.export_format import ExportFormatError
 
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
@@ -42,7 +40,7 @@ def local_operator_url() -> str:
     return with_user(DEFAULT_NATS_URL, OPERATOR_USER, load_credentials(store).operator_password)
 
 
-async def open_nats(urls: str, tool: str) -> Client:
+async def open_nats(urls: str, tool: str) -> Connection:
     return await connect(split_urls(urls or local_operator_url()), name=f"exo-{tool}")
 
 

@@ -15,8 +15,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from nats.aio.client import Client
-
+from exo.background import Background
+from exo.bus.connection import Connection
 from exo.bus.download_control import Action, DownloadControlServer, DownloadReply
 from exo.bus.model_share import IN_FLIGHT, ModelShareServer
 from exo.core.events import DownloadDeleted, DownloadFailed, DownloadProgressed, Event
@@ -52,7 +52,7 @@ class _Job:
 
 class DownloadCoordinator:
     def __init__(
-        self, nc: Client, node_id: str, settings: DownloadSettings, publish: Callable[[Event], Awaitable[None]],
+        self, nc: Connection, node_id: str, settings: DownloadSettings, publish: Callable[[Event], Awaitable[None]],
         state: Callable[[], State], card_of: Callable[[str], ModelCard | None], clock: Callable[[], float] = time.time,
     ) -> None:
         self.node_id = node_id
@@ -70,7 +70,7 @@ class DownloadCoordinator:
         if settings.share and not settings.offline:
             self._servers.append(ModelShareServer(nc, node_id, self._shareable))
         self._reporter: asyncio.Task | None = None
-        self._background: set[asyncio.Task] = set()
+        self._background = Background("downloads")
         self._terminal = sys.stderr.isatty()
 
     async def start(self) -> None:
@@ -84,9 +84,9 @@ class DownloadCoordinator:
         running = [j.task for j in self._jobs.values() if j.task is not None]
         if running:
             await asyncio.wait(running, timeout=10)
-        for task in [self._reporter, *self._background]:
-            if task is not None:
-                task.cancel()
+        self._background.cancel_all()
+        if self._reporter is not None:
+            self._reporter.cancel()
         for server in self._servers:
             await server.stop()
 
@@ -245,9 +245,7 @@ class DownloadCoordinator:
         return None
 
     def _in_background(self, coroutine) -> None:
-        task = asyncio.create_task(coroutine)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        self._background.start(coroutine)
 
 
 def _draw(progress: DownloadProgress) -> None:

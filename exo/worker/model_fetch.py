@@ -15,13 +15,20 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from nats.aio.client import Client
-
+from exo.bus.connection import Connection
 from exo.bus.model_share import PeerError, fetch_from_peer, peer_manifest
 from exo.core.types import ModelCard
 from exo.models.dirs import DownloadSettings, choose_target, free_bytes, read_manifest, write_manifest
 from exo.models.files import (
-    INDEX_FILE, FileMeta, Manifest, is_support_file, is_weight_file, missing, needed_files, rebase, with_verified,
+    INDEX_FILE,
+    FileMeta,
+    Manifest,
+    is_support_file,
+    is_weight_file,
+    missing,
+    needed_files,
+    rebase,
+    with_verified,
 )
 from exo.models.hub import fetch_from_hub, hub_manifest
 from exo.models.transfer import Corrupt, DownloadCancelled, DownloadError, PartialFile
@@ -32,7 +39,7 @@ log = logging.getLogger(__name__)
 class ModelFetch:
     """Progress (`totals`, `done_of`) is read by the coordinator's reporter while this runs."""
 
-    def __init__(self, nc: Client, card: ModelCard, start: int, end: int, settings: DownloadSettings,
+    def __init__(self, nc: Connection, card: ModelCard, start: int, end: int, settings: DownloadSettings,
                  peers: Callable[[], list[str]], slots: asyncio.Semaphore) -> None:
         self._nc = nc
         self._slots = slots  # chunk requests to peers in flight, shared by this node's downloads

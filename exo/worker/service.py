@@ -15,17 +15,18 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from msgspec.structs import replace
-from nats.aio.client import Client
 
+from exo.background import Background
+from exo.bus.connection import Connection
 from exo.bus.errors import BusError
 from exo.bus.event_log import EventLog
 from exo.bus.images import fetch_image
 from exo.bus.state_view import StateView
 from exo.bus.tokens import publish_chunk
+from exo.core.catalogue import find_card
 from exo.core.events import AnyEvent, CustomCardAdded, CustomCardDeleted, Event, RunnerStatusChanged, TaskFinished, TaskStarted
 from exo.core.state import State
 from exo.core.types import ModelCard, PromptCacheStats, RunnerStatus, ShardAssignment, TokenChunk
-from exo.master.decide import find_card
 from exo.models.cards import reconcile_custom_card, reconcile_custom_cards
 from exo.models.dirs import DownloadSettings
 from exo.models.transfer import DownloadCancelled, DownloadError
@@ -43,7 +44,7 @@ RUNNER_STALL_S = float(os.environ.get("EXO_RUNNER_STALL_S", "30"))
 
 class Worker:
     def __init__(
-        self, nc: Client, view: StateView, node_id: str, data_dir: Path,
+        self, nc: Connection, view: StateView, node_id: str, data_dir: Path,
         nats_urls: list[str], builtin_cards: Mapping[str, ModelCard], download_settings: DownloadSettings | None = None,
     ) -> None:
         self.node_id = node_id
@@ -61,7 +62,7 @@ class Worker:
         self._local_images: set[str] = {p.name for p in self.images_dir.glob("[0-9a-f]*")} if self.images_dir.is_dir() else set()
         self._images_in_flight: set[str] = set()
         self._wake = asyncio.Event()
-        self._background: set[asyncio.Task] = set()
+        self._background = Background("worker")
         self.downloads = DownloadCoordinator(
             nc, node_id, download_settings or DownloadSettings.from_env(data_dir), self._publish,
             lambda: self._view.state, lambda model_id: find_card(self._view.state, builtin_cards, model_id),
@@ -104,8 +105,7 @@ class Worker:
 
     async def stop(self) -> None:
         await self.downloads.stop()
-        for task in self._background:
-            task.cancel()
+        self._background.cancel_all()
         await asyncio.gather(*(host.stop() for host in self._hosts.values()), return_exceptions=True)
 
     def kill_runners(self) -> None:
@@ -145,14 +145,7 @@ class Worker:
         ))
 
     def _in_background(self, coroutine) -> None:
-        task = asyncio.create_task(coroutine)
-        self._background.add(task)
-        task.add_done_callback(self._background_done)
-
-    def _background_done(self, task: asyncio.Task) -> None:
-        self._background.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.error("worker: background step failed", exc_info=task.exception())
+        self._background.start(coroutine)
 
     async def _execute(self, step: p.Step) -> None:
         log.debug("step %s", step)

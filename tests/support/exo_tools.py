@@ -16,8 +16,16 @@ from exo.bus.event_log import EventLog
 from exo.bus.state_view import StateView
 from exo.bus.subjects import EVENTS_STREAM
 from exo.core.events import (
-    AnyEvent, CustomCardAdded, CustomCardDeleted, InstanceCreated, InstanceDeleted, NodeRegistered,
-    RunnerStatusChanged, TaskCreated, TaskFinished, TaskStarted,
+    AnyEvent,
+    CustomCardAdded,
+    CustomCardDeleted,
+    InstanceCreated,
+    InstanceDeleted,
+    NodeRegistered,
+    RunnerStatusChanged,
+    TaskCreated,
+    TaskFinished,
+    TaskStarted,
 )
 from exo.core.state import State
 from exo.core.types import Instance, ModelCard, NodeInfo, ShardAssignment, Task

@@ -1,0 +1,83 @@
+"""README's layering, enforced: only exo/bus imports `nats` (the rest holds exo.bus.connection's
+Connection and catches exo.bus.errors' BROKER_ERRORS), and the pure core imports no service."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+EXO = Path(__file__).resolve().parents[1] / "exo"
+
+
+def imported_modules(path: Path) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+    return names
+
+
+def importers_of(prefix: str, outside: str) -> dict[str, list[str]]:
+    found = {}
+    for path in sorted(EXO.rglob("*.py")):
+        package = path.relative_to(EXO).parts[0]
+        if package == outside:
+            continue
+        hits = sorted(m for m in imported_modules(path) if m == prefix or m.startswith(prefix + "."))
+        if hits:
+            found[str(path.relative_to(EXO.parent))] = hits
+    return found
+
+
+def test_only_the_bus_package_imports_nats():
+    assert importers_of("nats", outside="bus") == {}
+
+
+def test_the_check_sees_an_import_of_nats(tmp_path, monkeypatch):
+    """The walk above is not vacuous: a file outside exo/bus that imports nats is reported."""
+    assert imported_modules(EXO / "bus" / "connection.py") >= {"nats", "nats.aio.client"}
+    stray = tmp_path / "stray.py"
+    stray.write_text("from nats.errors import Error\n")
+    assert imported_modules(stray) == {"nats.errors"}
+
+
+def test_the_pure_core_imports_no_service_and_no_io_library():
+    for path in sorted((EXO / "core").rglob("*.py")):
+        outside = {m for m in imported_modules(path) if m.split(".")[0] not in CORE_MAY_IMPORT and not m.startswith("exo.core")}
+        assert outside == set(), path
+
+
+# The standard library parts the core uses, and msgspec: no asyncio, no sockets, no clock, no mlx.
+CORE_MAY_IMPORT = {"__future__", "collections", "dataclasses", "enum", "functools", "hashlib", "itertools", "json",
+                   "math", "msgspec", "re", "typing", "collections.abc"}
+
+
+# Which of exo's packages each package may import: no arrow runs back up, no service reaches
+# into another (the card catalogue and wire types the services share live in exo/core).
+ALLOWED_ARROWS = {
+    "core": set(),
+    "models": {"core"},
+    "resources": set(),
+    "memory": set(),
+    "bus": {"core", "resources"},
+    "runner": {"bus", "core", "memory"},
+    "worker": {"background", "bus", "core", "memory", "models", "runner"},
+    "master": {"bus", "core"},
+    "api": {"background", "bus", "core"},
+    "tools": {"bus", "core"},
+}
+
+
+def test_no_arrow_runs_back_up():
+    crossing = {}
+    for path in sorted(EXO.rglob("*.py")):
+        package = path.relative_to(EXO).parts[0]
+        if package not in ALLOWED_ARROWS:
+            continue  # exo/node.py, exo/main.py: the wiring on top
+        reached = {m.split(".")[1] for m in imported_modules(path) if m.startswith("exo.") and m.count(".") >= 1}
+        wrong = reached - ALLOWED_ARROWS[package] - {package}
+        if wrong:
+            crossing[str(path.relative_to(EXO.parent))] = sorted(wrong)
+    assert crossing == {}
