@@ -129,16 +129,25 @@ class Worker:
             reconcile_custom_card(self.custom_cards_dir, model_id, state.custom_model_cards.get(model_id))
         self._wake.set()
 
-    def _set_phase(self, runner_id: str, phase: p.LocalPhase, **changes) -> None:
-        if runner_id in self._runners:
-            self._runners[runner_id] = replace(self._runners[runner_id], phase=phase, **changes)
+    def _set_phase(self, runner_id: str, phase: p.LocalPhase, **changes) -> bool:
+        """False when the runner failed meanwhile: a step planned before it died (a download that
+        finished, a load) must not hide the failure, or nothing would ever restart it."""
+        runner = self._runners.get(runner_id)
+        if runner is not None and runner.phase == "failed" and phase not in ("failed", "stopping"):
+            log.info("worker: runner %s failed meanwhile; not moving it to %s", runner_id, phase)
+            return False
+        if runner is not None:
+            self._runners[runner_id] = replace(runner, phase=phase, **changes)
         self._wake.set()
+        return True
 
     async def _publish(self, event: Event) -> None:
         await self._log.append(event, event_id=uuid.uuid4().hex)
 
     async def _publish_status(self, runner_id: str, status: RunnerStatus, error: str = "") -> None:
         runner = self._runners[runner_id]
+        if runner.phase == "failed" and status not in ("failed", "stopped"):
+            return  # it failed since this step began: State must keep saying so (the master counts failures there)
         await self._publish(RunnerStatusChanged(
             runner_id=runner_id, instance_id=runner.instance_id, node_id=self.node_id, status=status, error=error,
             failures=runner.failures,
@@ -153,8 +162,8 @@ class Worker:
             case p.CreateRunner():
                 await self._create_runner(step)
             case p.DownloadModel():
-                self._set_phase(step.runner_id, "downloading")
-                self._in_background(self._download(step))
+                if self._set_phase(step.runner_id, "downloading"):
+                    self._in_background(self._download(step))
             case p.LoadModel():
                 load = rp.Load(model_path=str(self._model_paths[step.runner_id]), shard=self._rank_setup(step.runner_id))
                 await self._send_lifecycle(step.runner_id, "loading", load)
@@ -240,8 +249,8 @@ class Worker:
             await self._fail_runner(step.runner_id, f"download failed: {type(error).__name__}: {error}")
             return
         self._model_paths[step.runner_id] = path
-        self._set_phase(step.runner_id, "downloaded")
-        await self._publish_status(step.runner_id, "downloaded")  # peers wait for it to form a group
+        if self._set_phase(step.runner_id, "downloaded"):
+            await self._publish_status(step.runner_id, "downloaded")  # peers wait for it to form a group
 
     def _shard_of(self, runner_id: str) -> ShardAssignment:
         runner = self._view.state.runners.get(runner_id)
@@ -251,11 +260,8 @@ class Worker:
 
     async def _send_lifecycle(self, runner_id: str, phase: p.LocalPhase, request: rp.Request) -> None:
         runner = self._runners.get(runner_id)
-        if runner is None or runner.phase in ("failed", "stopping"):
-            # It died (or is being stopped) since this step was planned; setting the phase now
-            # would hide that failure and nothing would restart it. The next plan decides.
-            return
-        self._set_phase(runner_id, phase)
+        if runner is None or runner.phase == "stopping" or not self._set_phase(runner_id, phase):
+            return  # it failed or is being stopped since this step was planned: the next plan decides
         await self._publish_status(runner_id, phase)  # type: ignore[arg-type]
         await self._hosts[runner_id].send(request)
 
