@@ -29,6 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.summary import print_medians  # noqa: E402
 from exo.core.types import ChatMessage, GenerationParams, SamplingDefaults  # noqa: E402
 from exo.runner import batch  # noqa: E402
 from exo.runner.batch import Batcher  # noqa: E402
@@ -106,13 +107,8 @@ def main() -> None:
                 print(f"run {run + 1} {way}: {outcome}", flush=True)
     print(f"\nA: 400 greedy tokens; B: a prompt of ~{b_tokens} tokens arriving after A's {args.warm}th token; "
           f"model hidden {args.hidden}, {args.layers} layers; prefill step {args.prefill_step}; {args.runs} runs each, median [min-max]")
-    print(f"{'B served':>12}  {'A stalled ms':>20}  {'A median gap ms':>18}  {'B TTFT ms':>20}")
-    for way, runs in results.items():
-        cells = []
-        for key in ("stall_ms", "gap_ms", "b_ttft_ms"):
-            values = [r[key] for r in runs]
-            cells.append(f"{statistics.median(values):.0f} [{min(values):.0f}-{max(values):.0f}]")
-        print(f"{way:>12}  {cells[0]:>20}  {cells[1]:>18}  {cells[2]:>20}")
+    print_medians([("B served", 12), ("A stalled ms", 20), ("A median gap ms", 18), ("B TTFT ms", 20)],
+                  results, ["stall_ms", "gap_ms", "b_ttft_ms"])
 
 
 if __name__ == "__main__":

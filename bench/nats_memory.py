@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -21,6 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.summary import print_medians  # noqa: E402
 from exo.bus.connection import connect  # noqa: E402
 from exo.bus.embedded import EmbeddedNats  # noqa: E402
 from exo.bus.images import fetch_image, store_image  # noqa: E402
@@ -74,13 +74,8 @@ def main() -> None:
             print(f"run {run + 1} {limit}: {results[limit][-1]}", flush=True)
     print(f"\n{args.images} images of 10 MB stored, {args.images // 2} read back, {args.big} messages of 8 MB; "
           f"{args.runs} runs each, median [min-max]")
-    print(f"{'GOMEMLIMIT':>10}  {'peak RSS MB':>18}  {'RSS 10 s later MB':>18}  {'image reads MB/s':>18}")
-    for limit, runs in results.items():
-        cells = []
-        for key in ("peak", "settled", "read_mb_s"):
-            values = [r[key] for r in runs]
-            cells.append(f"{statistics.median(values):.0f} [{min(values):.0f}-{max(values):.0f}]")
-        print(f"{limit:>10}  {cells[0]:>18}  {cells[1]:>18}  {cells[2]:>18}")
+    print_medians([("GOMEMLIMIT", 10), ("peak RSS MB", 18), ("RSS 10 s later MB", 18), ("image reads MB/s", 18)],
+                  results, ["peak", "settled", "read_mb_s"])
 
 
 if __name__ == "__main__":
