@@ -18,6 +18,7 @@ from nats.errors import Error as NatsError
 from nats.errors import NoRespondersError
 
 from exo.bus.errors import BusError
+from exo.bus.responders import OnRequest, Responders
 from exo.bus.subjects import download_control_subject
 
 Action = Literal["start", "cancel", "delete"]
@@ -46,23 +47,18 @@ class DownloadControlServer:
         self._nc = nc
         self._node_id = node_id
         self._handler = handler
-        self._subscriptions = []
+        self._responders = Responders(nc)
 
     async def start(self) -> None:
-        for action in ACTIONS:
-            async def on_request(msg: Msg, action: Action = action) -> None:
+        def answering(action: Action) -> OnRequest:
+            async def on_request(msg: Msg) -> None:  # nats-py takes coroutine functions only
                 await self._answer(msg, action)
-            subject = download_control_subject(self._node_id, action)
-            self._subscriptions.append(await self._nc.subscribe(subject, cb=on_request))
-        await self._nc.flush()  # the server knows the subscriptions: requests reach us from now on
+            return on_request
+
+        await self._responders.start({download_control_subject(self._node_id, a): answering(a) for a in ACTIONS})
 
     async def stop(self) -> None:
-        for subscription in self._subscriptions:
-            try:
-                await subscription.unsubscribe()
-            except NatsError:
-                pass
-        self._subscriptions = []
+        await self._responders.stop()
 
     async def _answer(self, msg: Msg, action: Action) -> None:
         try:

@@ -23,6 +23,7 @@ from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 
 from exo.bus.errors import BusError
+from exo.bus.responders import Responders
 from exo.bus.subjects import model_share_subject
 from exo.core.manifest import Manifest, decode_manifest, encode_manifest
 
@@ -66,22 +67,14 @@ class ModelShareServer:
         self._nc = nc
         self._node_id = node_id
         self._lookup = lookup
-        self._subscriptions = []
+        self._responders = Responders(nc)
 
     async def start(self) -> None:
-        self._subscriptions = [
-            await self._nc.subscribe(model_share_subject(self._node_id, "manifest"), cb=self._on_manifest),
-            await self._nc.subscribe(model_share_subject(self._node_id, "chunk"), cb=self._on_chunk),
-        ]
-        await self._nc.flush()  # the server knows the subscriptions: peers can ask from now on
+        await self._responders.start({model_share_subject(self._node_id, "manifest"): self._on_manifest,
+                                      model_share_subject(self._node_id, "chunk"): self._on_chunk})
 
     async def stop(self) -> None:
-        for subscription in self._subscriptions:
-            try:
-                await subscription.unsubscribe()
-            except NatsError:  # the connection may be closing already
-                pass
-        self._subscriptions = []
+        await self._responders.stop()
 
     async def _error(self, msg: Msg, reason: str) -> None:
         await self._nc.publish(msg.reply, b"", headers={_ERROR_HEADER: reason})

@@ -1,0 +1,31 @@
+"""A node's request/reply handlers (download control, model sharing): subscribed together and
+flushed, so requests reach them as soon as `start` returns, and unsubscribed together."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Mapping
+
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.errors import Error as NatsError
+
+OnRequest = Callable[[Msg], Awaitable[None]]
+
+
+class Responders:
+    def __init__(self, nc: Client) -> None:
+        self._nc = nc
+        self._subscriptions: list = []
+
+    async def start(self, handlers: Mapping[str, OnRequest]) -> None:
+        for subject, handler in handlers.items():
+            self._subscriptions.append(await self._nc.subscribe(subject, cb=handler))
+        await self._nc.flush()  # the server knows the subscriptions: requests reach us from now on
+
+    async def stop(self) -> None:
+        for subscription in self._subscriptions:
+            try:
+                await subscription.unsubscribe()
+            except NatsError:  # the connection may be closing already
+                pass
+        self._subscriptions = []
