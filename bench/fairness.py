@@ -29,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.summary import print_medians  # noqa: E402
+from bench.summary import alternating, print_medians  # noqa: E402
 from exo.core.types import ChatMessage, GenerationParams, SamplingDefaults  # noqa: E402
 from exo.runner import batch  # noqa: E402
 from exo.runner.batch import Batcher  # noqa: E402
@@ -97,14 +97,12 @@ def main() -> None:
         a = chat("Tell me about the sea.", 400)
         b_tokens = len(engine.encode(engine.prompt_for(chat(" ".join(["hello0b"] * args.long_words), 1))))
         results: dict[str, list[dict[str, float]]] = {"batch": [], "single path": []}
-        for run in range(args.runs):
-            order = ["batch", "single path"] if run % 2 == 0 else ["single path", "batch"]
-            for way in order:
-                # A prompt of its own per run and way: a prompt seen before would be a cache hit.
-                b = chat(" ".join([f"hello{run}{way[0]}"] * args.long_words), 8)
-                outcome = asyncio.run(batched(engine, a, b, args.warm)) if way == "batch" else serial(engine, a, b, args.warm)
-                results[way].append(outcome)
-                print(f"run {run + 1} {way}: {outcome}", flush=True)
+        for run, way in alternating(list(results), args.runs):
+            # A prompt of its own per run and way: a prompt seen before would be a cache hit.
+            b = chat(" ".join([f"hello{run}{way[0]}"] * args.long_words), 8)
+            outcome = asyncio.run(batched(engine, a, b, args.warm)) if way == "batch" else serial(engine, a, b, args.warm)
+            results[way].append(outcome)
+            print(f"run {run + 1} {way}: {outcome}", flush=True)
     print(f"\nA: 400 greedy tokens; B: a prompt of ~{b_tokens} tokens arriving after A's {args.warm}th token; "
           f"model hidden {args.hidden}, {args.layers} layers; prefill step {args.prefill_step}; {args.runs} runs each, median [min-max]")
     print_medians([("B served", 12), ("A stalled ms", 20), ("A median gap ms", 18), ("B TTFT ms", 20)],

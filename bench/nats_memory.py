@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.summary import print_medians  # noqa: E402
+from bench.summary import alternating, print_medians  # noqa: E402
 from exo.bus.connection import connect  # noqa: E402
 from exo.bus.embedded import EmbeddedNats  # noqa: E402
 from exo.bus.images import fetch_image, store_image  # noqa: E402
@@ -67,11 +67,9 @@ def main() -> None:
     parser.add_argument("--limits", nargs="+", default=["off", "256MiB", "64MiB"])
     args = parser.parse_args()
     results: dict[str, list[dict[str, float]]] = {limit: [] for limit in args.limits}
-    for run in range(args.runs):
-        order = args.limits if run % 2 == 0 else list(reversed(args.limits))
-        for limit in order:
-            results[limit].append(asyncio.run(one_run(limit, args.images, args.big)))
-            print(f"run {run + 1} {limit}: {results[limit][-1]}", flush=True)
+    for run, limit in alternating(args.limits, args.runs):
+        results[limit].append(asyncio.run(one_run(limit, args.images, args.big)))
+        print(f"run {run + 1} {limit}: {results[limit][-1]}", flush=True)
     print(f"\n{args.images} images of 10 MB stored, {args.images // 2} read back, {args.big} messages of 8 MB; "
           f"{args.runs} runs each, median [min-max]")
     print_medians([("GOMEMLIMIT", 10), ("peak RSS MB", 18), ("RSS 10 s later MB", 18), ("image reads MB/s", 18)],
