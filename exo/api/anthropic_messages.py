@@ -1,28 +1,53 @@
-"""POST /v1/messages in Anthropic's shapes: system prompt, stop sequences, usage, and the
-message_start ... message_stop event stream."""
+"""POST /v1/messages in Anthropic's shapes: system prompt, stop sequences, client tools
+(`tool_use` / `tool_result` blocks), usage, and the message_start ... message_stop event stream
+(anthropic_stream.py)."""
 
 from __future__ import annotations
 
 import msgspec
 from aiohttp import web
 
+from exo.api.anthropic_stream import content_blocks, stop_fields, stream_message, usage
 from exo.api.context import context_of
-from exo.api.errors import ApiError, error_body
-from exo.api.generation import Generation, collect, raise_if_failed, start_generation
+from exo.api.errors import ApiError
+from exo.api.generation import Generation, collect, start_generation
+from exo.api.openai_tools import FUNCTION_NAME, NamedFunction, ToolChoice, offered_tools
 from exo.api.request_body import decode_body
-from exo.api.sse import SseStream
+from exo.api.tool_conversation import Conversation, arguments_text, function_tool
 from exo.api.validate import at_least_one, in_range
-from exo.core.types import ChatMessage, GenerationParams, TokenChunk
+from exo.core.types import GenerationParams, ToolCall
+
+# Blocks a client sends back that only mattered to the model that wrote them: dropped.
+_DROPPED_BLOCKS = {"thinking", "redacted_thinking"}
 
 
 class ContentBlock(msgspec.Struct, kw_only=True):
     type: str
     text: str = ""
+    id: str = ""  # tool_use
+    name: str = ""
+    input: dict | None = None
+    tool_use_id: str = ""  # tool_result
+    content: str | list[ContentBlock] = ""
+    is_error: bool = False
 
 
 class Message(msgspec.Struct, kw_only=True):
     role: str
     content: str | list[ContentBlock]
+
+
+class Tool(msgspec.Struct, kw_only=True):
+    name: str
+    input_schema: dict | None = None
+    description: str | None = None
+    type: str | None = None  # "custom", or one of Anthropic's own server tools
+
+
+class AnthropicToolChoice(msgspec.Struct, kw_only=True):
+    type: str
+    name: str | None = None
+    disable_parallel_tool_use: bool | None = None
 
 
 class MessagesRequest(msgspec.Struct, kw_only=True):
@@ -36,7 +61,8 @@ class MessagesRequest(msgspec.Struct, kw_only=True):
     top_k: int | None = None
     stream: bool = False
     metadata: dict | None = None
-    tools: list[dict] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: AnthropicToolChoice | None = None
 
 
 def _text_of(content: str | list[ContentBlock], param: str) -> str:
@@ -44,22 +70,81 @@ def _text_of(content: str | list[ContentBlock], param: str) -> str:
         return content
     for n, block in enumerate(content):
         if block.type != "text":
-            raise ApiError(400, f"content block type {block.type!r} is not supported", param=f"{param}[{n}].type")
+            raise ApiError(400, f"content block type {block.type!r} is not supported here", param=f"{param}[{n}].type")
     return "".join(block.text for block in content)
+
+
+def _add_message(conversation: Conversation, n: int, message: Message) -> None:
+    """One Anthropic message: tool results become `tool` messages before the user's text; an
+    assistant's tool_use blocks become its tool calls."""
+    param = f"messages[{n}].content"
+    if isinstance(message.content, str):
+        conversation.say(message.role, message.content)
+        return
+    texts: list[str] = []
+    calls: list[ToolCall] = []
+    for k, block in enumerate(message.content):
+        where = f"{param}[{k}]"
+        if block.type == "text":
+            texts.append(block.text)
+        elif block.type == "tool_use" and message.role == "assistant":
+            calls.append(ToolCall(id=_required(block.id, f"{where}.id"), name=_required(block.name, f"{where}.name"),
+                                  arguments=arguments_text(block.input if block.input is not None else {}, f"{where}.input")))
+        elif block.type == "tool_result" and message.role == "user":
+            conversation.answer(_required(block.tool_use_id, f"{where}.tool_use_id"), _text_of(block.content, f"{where}.content"))
+        elif block.type not in _DROPPED_BLOCKS or message.role != "assistant":
+            raise ApiError(400, f"content block type {block.type!r} is not supported in a {message.role} message",
+                           param=f"{where}.type")
+    if calls:
+        conversation.call("".join(texts), calls)
+    elif texts or message.role == "assistant":
+        conversation.say(message.role, "".join(texts))
+
+
+def _required(value: str, param: str) -> str:
+    if not value:
+        raise ApiError(400, f"{param} is required", param=param)
+    return value
+
+
+def _tools(body: MessagesRequest) -> list[dict]:
+    """Anthropic's client tools as the function tools the chat template sees, `tool_choice` applied."""
+    tools = []
+    for n, tool in enumerate(body.tools or []):
+        if tool.type not in (None, "custom"):
+            raise ApiError(400, f"tools[{n}]: server tool {tool.type!r} is not supported; only client tools (with "
+                                "input_schema)", param=f"tools[{n}].type")
+        if not FUNCTION_NAME.match(tool.name):
+            raise ApiError(400, "tool names are 1-64 letters, digits, '_' or '-'", param=f"tools[{n}].name")
+        if tool.input_schema is None:
+            raise ApiError(400, f"tools[{n}].input_schema is required", param=f"tools[{n}].input_schema")
+        tools.append(function_tool(tool.name, tool.description, tool.input_schema))
+    choice = body.tool_choice
+    if choice is None:
+        return offered_tools(tools, None)
+    if choice.type == "tool":
+        if not choice.name:
+            raise ApiError(400, "tool_choice.name is required for type 'tool'", param="tool_choice.name")
+        return offered_tools(tools, ToolChoice(type="function", function=NamedFunction(name=choice.name)))
+    openai_choice = {"auto": "auto", "any": "required", "none": "none"}.get(choice.type)
+    if openai_choice is None:
+        raise ApiError(400, "tool_choice.type must be 'auto', 'any', 'tool' or 'none'", param="tool_choice.type")
+    return offered_tools(tools, openai_choice if tools else None)
 
 
 def to_params(body: MessagesRequest) -> GenerationParams:
     if not body.messages:
         raise ApiError(400, "messages: at least one message is required", param="messages")
-    if body.tools:
-        raise ApiError(400, "tools are not supported on /v1/messages yet; use /v1/chat/completions", param="tools")
-    messages = [ChatMessage(role="system", content=_text_of(body.system, "system"))] if body.system else []
+    conversation = Conversation()
+    if body.system:
+        conversation.say("system", _text_of(body.system, "system"))
     for n, message in enumerate(body.messages):
         if message.role not in ("user", "assistant"):
             raise ApiError(400, f"messages[{n}].role must be 'user' or 'assistant'", param=f"messages[{n}].role")
-        messages.append(ChatMessage(role=message.role, content=_text_of(message.content, f"messages[{n}].content")))
+        _add_message(conversation, n, message)
     return GenerationParams(
-        messages=messages, max_tokens=at_least_one(body.max_tokens, "max_tokens"),
+        messages=conversation.messages, tool_turns=conversation.tool_turns, tools=_tools(body),
+        max_tokens=at_least_one(body.max_tokens, "max_tokens"),
         temperature=in_range(body.temperature, 0.0, 1.0, "temperature"), top_p=in_range(body.top_p, 0.0, 1.0, "top_p"),
         top_k=at_least_one(body.top_k, "top_k"), stop=list(body.stop_sequences or []),
     )
@@ -74,63 +159,17 @@ async def messages(request: web.Request) -> web.StreamResponse:
     generation = await start_generation(ctx, body.model, params)
     try:
         if body.stream:
-            return await _stream(request, generation, body.model)
+            return await stream_message(request, generation, body.model)
         return await _complete(generation, body.model)
     finally:
         await generation.close()
 
 
-def _stop(chunk: TokenChunk) -> dict:
-    if chunk.finish_reason == "length":
-        return {"stop_reason": "max_tokens", "stop_sequence": None}
-    if chunk.stop_sequence:
-        return {"stop_reason": "stop_sequence", "stop_sequence": chunk.stop_sequence}
-    return {"stop_reason": "end_turn", "stop_sequence": None}
-
-
-def _message(generation: Generation, model: str, content: list[dict], chunk: TokenChunk, output_tokens: int) -> dict:
-    return {"id": f"msg_{generation.command_id}", "type": "message", "role": "assistant", "model": model,
-            "content": content, "stop_reason": None, "stop_sequence": None,
-            "usage": _usage(chunk) | {"output_tokens": output_tokens}}
-
-
-def _usage(chunk: TokenChunk) -> dict:
-    """Anthropic counts prompt tokens read from a cache apart from input_tokens, as we do ours."""
-    return {"input_tokens": chunk.prompt_tokens - chunk.cached_tokens, "cache_creation_input_tokens": 0,
-            "cache_read_input_tokens": chunk.cached_tokens}
-
-
 async def _complete(generation: Generation, model: str) -> web.Response:
     done = await collect(generation)
     assert done.final is not None
-    body = _message(generation, model, [{"type": "text", "text": done.text}], done.final,
-                    done.final.token_count) | _stop(done.final)
-    return web.json_response(body)
-
-
-async def _stream(request: web.Request, generation: Generation, model: str) -> web.StreamResponse:
-    chunks = generation.chunks()
-    first = await anext(chunks)  # message_start reports the prompt's size, known with the first chunk
-    raise_if_failed(first)  # nothing sent yet: a plain error response with its status
-    sse = await SseStream.open(request)
-
-    async def send(kind: str, data: dict) -> None:
-        await sse.send({"type": kind, **data}, event=kind)
-
-    await send("message_start", {"message": _message(generation, model, [], first, 0)})
-    await send("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
-    await send("ping", {})
-    chunk = first
-    while True:
-        if chunk.text:
-            await send("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": chunk.text}})
-        if chunk.finish_reason is not None:
-            break
-        chunk = await anext(chunks)
-    await send("content_block_stop", {"index": 0})
-    if chunk.finish_reason in ("error", "cancelled"):
-        await sse.send(error_body(500, chunk.error or "generation was cancelled", path="/v1/messages"), event="error")
-    else:
-        await send("message_delta", {"delta": _stop(chunk), "usage": _usage(chunk) | {"output_tokens": chunk.token_count}})
-        await send("message_stop", {})
-    return await sse.close()
+    return web.json_response({
+        "id": f"msg_{generation.command_id}", "type": "message", "role": "assistant", "model": model,
+        "content": content_blocks(done.text, done.tool_calls),
+        "usage": usage(done.final) | {"output_tokens": done.final.token_count},
+    } | stop_fields(done.final, bool(done.tool_calls)))

@@ -14,9 +14,11 @@ from aiohttp import web
 from exo.api.context import context_of
 from exo.api.errors import ApiError
 from exo.api.generation import Generation, collect, start_generation
+from exo.api.openai_tools import offered_tools
 from exo.api.request_body import decode_body
+from exo.api.tool_conversation import Conversation, arguments_object, arguments_text
 from exo.api.validate import at_least_one, in_range, stop_list
-from exo.core.types import ChatMessage, GenerationParams, ModelCard
+from exo.core.types import ChatMessage, GenerationParams, ModelCard, ToolCall
 
 OLLAMA_VERSION = "0.9.0"  # the Ollama API level these routes follow
 
@@ -32,10 +34,21 @@ class Options(msgspec.Struct, kw_only=True):
     frequency_penalty: float | None = None
 
 
+class CalledFunction(msgspec.Struct, kw_only=True):
+    name: str
+    arguments: dict = {}
+
+
+class OllamaToolCall(msgspec.Struct, kw_only=True):
+    function: CalledFunction
+
+
 class OllamaMessage(msgspec.Struct, kw_only=True):
     role: str
     content: str = ""
     images: list[str] | None = None
+    tool_calls: list[OllamaToolCall] | None = None
+    tool_name: str | None = None  # which tool a `tool` message answers
 
 
 class ChatRequest(msgspec.Struct, kw_only=True):
@@ -86,14 +99,38 @@ def _unsupported(**given: object) -> None:
 
 async def chat(request: web.Request) -> web.StreamResponse:
     body = await decode_body(request, ChatRequest)
-    _unsupported(format=body.format, tools=body.tools, images=any(m.images for m in body.messages))
+    _unsupported(format=body.format, images=any(m.images for m in body.messages))
     if not body.messages:
         raise ApiError(400, "messages must contain at least one message")
     roles = {"system", "user", "assistant", "tool"}
     if bad := [m.role for m in body.messages if m.role not in roles]:
         raise ApiError(400, f"invalid role {bad[0]!r}: use one of {sorted(roles)}")
-    params = _params(body.options, messages=[ChatMessage(role=m.role, content=m.content) for m in body.messages])
+    conversation = _conversation(body.messages)
+    params = _params(body.options, messages=conversation.messages, tool_turns=conversation.tool_turns,
+                     tools=offered_tools(body.tools, None))
     return await _run(request, body.model, params, body.stream, _chat_piece)
+
+
+def _conversation(messages: list[OllamaMessage]) -> Conversation:
+    """Ollama's calls carry no ids: each gets one, and a tool message answers the first call
+    still unanswered (of its tool_name, when it says)."""
+    conversation = Conversation()
+    unanswered: list[ToolCall] = []
+    for n, message in enumerate(messages):
+        if message.role == "assistant" and message.tool_calls:
+            unanswered = [ToolCall(id=f"call_{n}_{k}", name=c.function.name,
+                                   arguments=arguments_text(c.function.arguments, f"messages[{n}].tool_calls[{k}].arguments"))
+                          for k, c in enumerate(message.tool_calls)]
+            conversation.call(message.content, unanswered)
+        elif message.role == "tool":
+            match = next((c for c in unanswered if not message.tool_name or c.name == message.tool_name), None)
+            if match is not None:
+                unanswered.remove(match)
+            conversation.answer(match.id if match else f"call_{n}", message.content,
+                                message.tool_name or (match.name if match else ""))
+        else:
+            conversation.say(message.role, message.content)
+    return conversation
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
@@ -104,11 +141,14 @@ async def generate(request: web.Request) -> web.StreamResponse:
     else:
         system = [ChatMessage(role="system", content=body.system)] if body.system else []
         params = _params(body.options, messages=[*system, ChatMessage(role="user", content=body.prompt)])
-    return await _run(request, body.model, params, body.stream, lambda text: {"response": text})
+    return await _run(request, body.model, params, body.stream, lambda text, calls=None: {"response": text})
 
 
-def _chat_piece(text: str) -> dict:
-    return {"message": {"role": "assistant", "content": text}}
+def _chat_piece(text: str, calls: list[ToolCall] | None = None) -> dict:
+    message: dict = {"role": "assistant", "content": text}
+    if calls:
+        message["tool_calls"] = [{"function": {"name": c.name, "arguments": arguments_object(c.arguments)}} for c in calls]
+    return {"message": message}
 
 
 async def _run(request: web.Request, model: str, params: GenerationParams, stream: bool, piece) -> web.StreamResponse:
@@ -122,7 +162,7 @@ async def _run(request: web.Request, model: str, params: GenerationParams, strea
             return await _stream(request, generation, model, piece, started)
         done = await collect(generation)
         assert done.final is not None
-        return web.json_response(_head(model) | piece(done.text) | _done(done.final, started))
+        return web.json_response(_head(model) | piece(done.text, done.tool_calls) | _done(done.final, started))
     finally:
         await generation.close()
 
@@ -146,8 +186,8 @@ async def _stream(request: web.Request, generation: Generation, model: str, piec
         await response.write(json.dumps(obj, ensure_ascii=False).encode() + b"\n")
 
     async for chunk in generation.chunks():
-        if chunk.text:
-            await send(_head(model) | piece(chunk.text) | {"done": False})
+        if chunk.text or chunk.tool_calls:
+            await send(_head(model) | piece(chunk.text, chunk.tool_calls) | {"done": False})
         if chunk.finish_reason in ("error", "cancelled"):
             await send({"error": chunk.error or "generation was cancelled"})
         elif chunk.finish_reason:

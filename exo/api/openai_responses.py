@@ -1,23 +1,24 @@
-"""POST /v1/responses in OpenAI's shapes: text in, text out, and its typed event stream
-(response.created ... response.output_text.delta ... response.completed)."""
+"""POST /v1/responses in OpenAI's shapes: message and function-call items in, message and
+function_call items out, and its typed event stream (openai_responses_stream.py)."""
 
 from __future__ import annotations
-
-import time
 
 import msgspec
 from aiohttp import web
 
 from exo.api.context import context_of
 from exo.api.errors import ApiError
-from exo.api.generation import Generation, collect, start_generation
+from exo.api.generation import collect, start_generation
+from exo.api.openai_responses_stream import Answer, response_body, stream_response
+from exo.api.openai_tools import NamedFunction, ToolChoice, offered_tools
 from exo.api.request_body import decode_body
-from exo.api.sse import SseStream
+from exo.api.tool_conversation import Conversation, function_tool
 from exo.api.validate import at_least_one, in_range
-from exo.core.types import ChatMessage, GenerationParams, TokenChunk
+from exo.core.types import GenerationParams, ToolCall
 
 _ROLES = {"user", "assistant", "system", "developer"}
 _TEXT_PARTS = {"input_text", "output_text", "text"}
+_DROPPED_ITEMS = {"reasoning"}  # the model's own notes from an earlier turn: not part of the prompt
 
 
 class ContentPart(msgspec.Struct, kw_only=True):
@@ -26,9 +27,26 @@ class ContentPart(msgspec.Struct, kw_only=True):
 
 
 class InputItem(msgspec.Struct, kw_only=True):
+    type: str = "message"
     role: str = ""
     content: str | list[ContentPart] = ""
-    type: str = "message"
+    call_id: str = ""  # function_call, function_call_output
+    name: str = ""
+    arguments: str = ""
+    output: str | list[ContentPart] = ""
+
+
+class FunctionTool(msgspec.Struct, kw_only=True):
+    type: str
+    name: str = ""
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class NamedTool(msgspec.Struct, kw_only=True):
+    type: str
+    name: str = ""
 
 
 class ResponsesRequest(msgspec.Struct, kw_only=True):
@@ -41,32 +59,66 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     stream: bool = False
     store: bool | None = None
     previous_response_id: str | None = None
-    tools: list[dict] | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: str | NamedTool | None = None
+    parallel_tool_calls: bool | None = None
     metadata: dict | None = None
 
 
-def _message(n: int, item: InputItem) -> ChatMessage:
-    if item.type != "message" or item.role not in _ROLES:
-        raise ApiError(400, f"input[{n}] must be a message with role one of {sorted(_ROLES)}", param=f"input[{n}]")
-    content = item.content
-    if isinstance(content, list):
-        if bad := [p.type for p in content if p.type not in _TEXT_PARTS]:
-            raise ApiError(400, f"content part type {bad[0]!r} is not supported", param=f"input[{n}].content")
-        content = "".join(p.text for p in content)
-    return ChatMessage(role=item.role, content=content)
+def _text(content: str | list[ContentPart], param: str) -> str:
+    if isinstance(content, str):
+        return content
+    if bad := [p.type for p in content if p.type not in _TEXT_PARTS]:
+        raise ApiError(400, f"content part type {bad[0]!r} is not supported", param=param)
+    return "".join(p.text for p in content)
+
+
+def _add_item(conversation: Conversation, n: int, item: InputItem) -> None:
+    param = f"input[{n}]"
+    if item.type == "message":
+        if item.role not in _ROLES:
+            raise ApiError(400, f"{param} must be a message with role one of {sorted(_ROLES)}", param=param)
+        conversation.say(item.role, _text(item.content, f"{param}.content"))
+    elif item.type == "function_call":
+        if not (item.call_id and item.name):
+            raise ApiError(400, f"{param}: a function_call needs call_id and name", param=param)
+        conversation.call("", [ToolCall(id=item.call_id, name=item.name, arguments=item.arguments or "{}")])
+    elif item.type == "function_call_output":
+        if not item.call_id:
+            raise ApiError(400, f"{param}: a function_call_output needs call_id", param=f"{param}.call_id")
+        conversation.answer(item.call_id, _text(item.output, f"{param}.output"))
+    elif item.type not in _DROPPED_ITEMS:
+        raise ApiError(400, f"{param}: item type {item.type!r} is not supported", param=f"{param}.type")
+
+
+def _tools(body: ResponsesRequest) -> list[dict]:
+    tools = []
+    for n, tool in enumerate(body.tools or []):
+        if tool.type != "function":
+            raise ApiError(400, f"tools[{n}]: tool type {tool.type!r} is not supported; only 'function'",
+                           param=f"tools[{n}].type")
+        tools.append(function_tool(tool.name, tool.description, tool.parameters))
+    choice = body.tool_choice
+    if isinstance(choice, NamedTool):
+        if choice.type != "function":
+            raise ApiError(400, "tool_choice must be 'none', 'auto', 'required' or a function", param="tool_choice.type")
+        return offered_tools(tools, ToolChoice(type="function", function=NamedFunction(name=choice.name)))
+    return offered_tools(tools, choice if tools or choice not in ("auto", "none") else None)
 
 
 def to_params(body: ResponsesRequest) -> GenerationParams:
     if body.previous_response_id:
         raise ApiError(400, "previous_response_id is not supported: responses are not stored", param="previous_response_id")
-    if body.tools:
-        raise ApiError(400, "tools are not supported on /v1/responses yet; use /v1/chat/completions", param="tools")
     items = [InputItem(role="user", content=body.input)] if isinstance(body.input, str) else body.input
     if not items:
         raise ApiError(400, "input must not be empty", param="input")
-    system = [ChatMessage(role="system", content=body.instructions)] if body.instructions else []
+    conversation = Conversation()
+    if body.instructions:
+        conversation.say("system", body.instructions)
+    for n, item in enumerate(items):
+        _add_item(conversation, n, item)
     return GenerationParams(
-        messages=[*system, *(_message(n, item) for n, item in enumerate(items))],
+        messages=conversation.messages, tool_turns=conversation.tool_turns, tools=_tools(body),
         max_tokens=at_least_one(body.max_output_tokens, "max_output_tokens"),
         temperature=in_range(body.temperature, 0.0, 2.0, "temperature"), top_p=in_range(body.top_p, 0.0, 1.0, "top_p"),
     )
@@ -78,71 +130,25 @@ async def responses(request: web.Request) -> web.StreamResponse:
     ctx = context_of(request)
     ctx.require_card(body.model)
     generation = await start_generation(ctx, body.model, params)
+    echo = _echo(body)
     try:
         if body.stream:
-            return await _stream(request, generation, body)
+            return await stream_response(request, generation, echo)
         done = await collect(generation)
         assert done.final is not None
-        return web.json_response(_response(generation, body, "completed", done.text, done.final))
+        answer = Answer(generation.command_id)
+        answer.add_text(done.text, keep_empty=not done.tool_calls)
+        answer.add_calls(done.tool_calls)
+        return web.json_response(response_body(generation.command_id, echo, "completed", answer.items(), done.final))
     finally:
         await generation.close()
 
 
-def _output_item(generation: Generation, text: str, status: str) -> dict:
-    content = [{"type": "output_text", "text": text, "annotations": []}] if status == "completed" else []
-    return {"type": "message", "id": f"msg_{generation.command_id}", "status": status, "role": "assistant",
-            "content": content}
-
-
-def _response(generation: Generation, body: ResponsesRequest, status: str, text: str = "",
-              final: TokenChunk | None = None) -> dict:
-    incomplete = final is not None and final.finish_reason == "length"
-    usage = None
-    if final is not None:
-        usage = {"input_tokens": final.prompt_tokens, "output_tokens": final.token_count,
-                 "total_tokens": final.prompt_tokens + final.token_count,
-                 "input_tokens_details": {"cached_tokens": final.cached_tokens}, "output_tokens_details": {"reasoning_tokens": 0}}
-    return {
-        "id": f"resp_{generation.command_id}", "object": "response", "created_at": int(time.time()),
-        "status": "incomplete" if incomplete else status, "model": body.model, "error": None,
-        "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
-        "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
-        "output": [_output_item(generation, text, "completed")] if final is not None else [],
-        "parallel_tool_calls": False, "temperature": body.temperature, "top_p": body.top_p,
-        "tool_choice": "auto", "tools": [], "usage": usage, "metadata": body.metadata or {},
-    }
-
-
-async def _stream(request: web.Request, generation: Generation, body: ResponsesRequest) -> web.StreamResponse:
-    sse = await SseStream.open(request)
-    sequence = 0
-    item_id = f"msg_{generation.command_id}"
-
-    async def send(kind: str, data: dict) -> None:
-        nonlocal sequence
-        await sse.send({"type": kind, "sequence_number": sequence, **data}, event=kind)
-        sequence += 1
-
-    where = {"item_id": item_id, "output_index": 0, "content_index": 0}
-    await send("response.created", {"response": _response(generation, body, "in_progress")})
-    await send("response.in_progress", {"response": _response(generation, body, "in_progress")})
-    await send("response.output_item.added", {"output_index": 0, "item": _output_item(generation, "", "in_progress")})
-    await send("response.content_part.added", where | {"part": {"type": "output_text", "text": "", "annotations": []}})
-    text: list[str] = []
-    async for chunk in generation.chunks():
-        if chunk.text:
-            text.append(chunk.text)
-            await send("response.output_text.delta", where | {"delta": chunk.text})
-        if chunk.finish_reason in ("error", "cancelled"):
-            message = chunk.error or "generation was cancelled"
-            await send("error", {"code": chunk.finish_reason, "message": message, "param": None})
-            await send("response.failed", {"response": _response(generation, body, "failed") | {
-                "error": {"code": "server_error", "message": message}}})
-        elif chunk.finish_reason:
-            whole = "".join(text)
-            await send("response.output_text.done", where | {"text": whole})
-            await send("response.content_part.done", where | {"part": {"type": "output_text", "text": whole, "annotations": []}})
-            await send("response.output_item.done", {"output_index": 0, "item": _output_item(generation, whole, "completed")})
-            kind = "response.incomplete" if chunk.finish_reason == "length" else "response.completed"
-            await send(kind, {"response": _response(generation, body, "completed", whole, chunk)})
-    return await sse.close()
+def _echo(body: ResponsesRequest) -> dict:
+    """What a response repeats of its request."""
+    choice = body.tool_choice
+    return {"model": body.model, "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
+            "temperature": body.temperature, "top_p": body.top_p, "metadata": body.metadata or {},
+            "parallel_tool_calls": body.parallel_tool_calls if body.parallel_tool_calls is not None else True,
+            "tool_choice": msgspec.to_builtins(choice) if choice is not None else "auto",
+            "tools": msgspec.to_builtins(body.tools or [])}

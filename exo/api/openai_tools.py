@@ -14,7 +14,7 @@ import msgspec
 from exo.api.errors import ApiError
 from exo.core.types import TokenLogprob, ToolCall, ToolTurn
 
-_FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 MAX_TOP_LOGPROBS = 20
 
 
@@ -58,7 +58,7 @@ def offered_tools(tools: list[dict] | None, choice: str | ToolChoice | None) -> 
         tool = _checked_tool(n, raw)
         if tool.type != "function":
             raise ApiError(400, f"tools[{n}].type must be 'function'", param=f"tools[{n}].type")
-        if not _FUNCTION_NAME.match(tool.function.name):
+        if not FUNCTION_NAME.match(tool.function.name):
             raise ApiError(400, "function names are 1-64 letters, digits, '_' or '-'", param=f"tools[{n}].function.name")
     if choice is not None and not tools:
         raise ApiError(400, "tool_choice is only allowed when tools are given", param="tool_choice")
