@@ -64,10 +64,21 @@ def test_coalescer_sends_the_first_text_at_once_and_batches_fast_text():
     from exo.runner.coalesce import Coalescer
 
     coalescer = Coalescer(interval=0.020)
-    assert coalescer.add("a", now=1.000) == "a"  # nothing sent recently: no wait
+    assert coalescer.add("a", now=1.000) == ("a", "")  # nothing sent recently: no wait
     assert coalescer.add("b", now=1.005) is None
     assert coalescer.add("c", now=1.010) is None
-    assert coalescer.add("d", now=1.021) == "bcd"
-    assert coalescer.add("e", now=1.050) == "e"  # slow text streams token by token
+    assert coalescer.add("d", now=1.021) == ("bcd", "")
+    assert coalescer.add("e", now=1.050) == ("e", "")  # slow text streams token by token
     assert coalescer.add("f", now=1.055) is None
-    assert coalescer.flush(now=1.056) == "f" and coalescer.flush(now=1.057) is None
+    assert coalescer.flush(now=1.056) == ("f", "") and coalescer.flush(now=1.057) is None
+
+
+def test_coalescer_never_puts_content_before_reasoning_that_came_after_it():
+    from exo.runner.coalesce import Coalescer
+
+    coalescer = Coalescer(interval=0.020)
+    assert coalescer.add("", now=1.000, reasoning="r1") == ("", "r1")
+    assert coalescer.add("", now=1.005, reasoning="r2") is None
+    assert coalescer.add("c1", now=1.010) is None  # reasoning then content: one chunk, in that order
+    assert coalescer.add("", now=1.012, reasoning="r3") == ("c1", "r2")  # ...but content held before reasoning leaves first
+    assert coalescer.flush(now=1.013) == ("", "r3")

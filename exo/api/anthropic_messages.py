@@ -7,6 +7,7 @@ from __future__ import annotations
 import msgspec
 from aiohttp import web
 
+from exo.api import thinking
 from exo.api.anthropic_stream import content_blocks, stop_fields, stream_message, usage
 from exo.api.context import context_of
 from exo.api.errors import ApiError
@@ -50,6 +51,11 @@ class AnthropicToolChoice(msgspec.Struct, kw_only=True):
     disable_parallel_tool_use: bool | None = None
 
 
+class ThinkingConfig(msgspec.Struct, kw_only=True):
+    type: str
+    budget_tokens: int | None = None  # not enforced: the model thinks until it closes its thinking
+
+
 class MessagesRequest(msgspec.Struct, kw_only=True):
     model: str
     messages: list[Message]
@@ -63,6 +69,7 @@ class MessagesRequest(msgspec.Struct, kw_only=True):
     metadata: dict | None = None
     tools: list[Tool] | None = None
     tool_choice: AnthropicToolChoice | None = None
+    thinking: ThinkingConfig | None = None
 
 
 def _text_of(content: str | list[ContentBlock], param: str) -> str:
@@ -147,6 +154,7 @@ def to_params(body: MessagesRequest) -> GenerationParams:
         max_tokens=at_least_one(body.max_tokens, "max_tokens"),
         temperature=in_range(body.temperature, 0.0, 1.0, "temperature"), top_p=in_range(body.top_p, 0.0, 1.0, "top_p"),
         top_k=at_least_one(body.top_k, "top_k"), stop=list(body.stop_sequences or []),
+        enable_thinking=thinking.from_anthropic(body.thinking.type if body.thinking else None),
     )
 
 
@@ -170,6 +178,6 @@ async def _complete(generation: Generation, model: str) -> web.Response:
     assert done.final is not None
     return web.json_response({
         "id": f"msg_{generation.command_id}", "type": "message", "role": "assistant", "model": model,
-        "content": content_blocks(done.text, done.tool_calls),
+        "content": content_blocks(done.text, done.tool_calls, done.reasoning),
         "usage": usage(done.final) | {"output_tokens": done.final.token_count},
     } | stop_fields(done.final, bool(done.tool_calls)))

@@ -1,7 +1,7 @@
-"""Anthropic's answer shapes: content blocks (text, tool_use), stop reasons, usage, and the
-streamed events (message_start, content_block_start/delta/stop per block, message_delta,
-message_stop). Blocks open as their content arrives: text as text_delta, each tool call as a
-tool_use block whose input comes as one input_json_delta."""
+"""Anthropic's answer shapes: content blocks (thinking, text, tool_use), stop reasons, usage, and
+the streamed events (message_start, content_block_start/delta/stop per block, message_delta,
+message_stop). Blocks open as their content arrives: thinking as thinking_delta, text as
+text_delta, each tool call as a tool_use block whose input comes as one input_json_delta."""
 
 from __future__ import annotations
 
@@ -34,10 +34,16 @@ def tool_use_block(call: ToolCall) -> dict:
     return {"type": "tool_use", "id": call.id, "name": call.name, "input": arguments_object(call.arguments)}
 
 
-def content_blocks(text: str, calls: list[ToolCall]) -> list[dict]:
-    """A whole answer: its text (omitted when empty and tools were called), then its tool calls."""
+def content_blocks(text: str, calls: list[ToolCall], reasoning: str = "") -> list[dict]:
+    """A whole answer: its thinking, its text (omitted when empty and tools were called), then its tool calls."""
+    thinking = [_thinking_block(reasoning)] if reasoning else []
     text_blocks = [{"type": "text", "text": text}] if text or not calls else []
-    return [*text_blocks, *(tool_use_block(call) for call in calls)]
+    return [*thinking, *text_blocks, *(tool_use_block(call) for call in calls)]
+
+
+def _thinking_block(reasoning: str) -> dict:
+    # No signature: nothing here is signed, and thinking blocks sent back are dropped (anthropic_messages.py).
+    return {"type": "thinking", "thinking": reasoning, "signature": ""}
 
 
 class _Blocks:
@@ -51,6 +57,11 @@ class _Blocks:
 
     async def send(self, kind: str, data: dict) -> None:
         await self._sse.send({"type": kind, **data}, event=kind)
+
+    async def thinking(self, piece: str) -> None:
+        if self._open != "thinking":
+            await self._start(_thinking_block(""))
+        await self.send("content_block_delta", {"index": self._index, "delta": {"type": "thinking_delta", "thinking": piece}})
 
     async def text(self, piece: str) -> None:
         if self._open != "text":
@@ -94,6 +105,8 @@ async def stream_message(request: web.Request, generation: Generation, model: st
     await blocks.send("ping", {})
     chunk = first
     while True:
+        if chunk.reasoning:
+            await blocks.thinking(chunk.reasoning)
         if chunk.text:
             await blocks.text(chunk.text)
         for call in chunk.tool_calls:

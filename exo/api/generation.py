@@ -199,6 +199,7 @@ class Collected:
     """A whole generation, for the surfaces that answer in one piece."""
 
     text: str = ""
+    reasoning: str = ""
     tool_calls: list[ToolCall] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     final: TokenChunk | None = None
@@ -213,9 +214,10 @@ class Collected:
 
 async def collect(generation: Generation) -> Collected:
     """Every chunk until the last; a failed or cancelled generation becomes an ApiError."""
-    collected, text = Collected(), []
+    collected, text, reasoning = Collected(), [], []
     async for chunk in generation.chunks():
         text.append(chunk.text)
+        reasoning.append(chunk.reasoning)
         collected.tool_calls.extend(chunk.tool_calls)
         collected.logprobs.extend(chunk.logprobs)
         raise_if_failed(chunk)
@@ -224,6 +226,7 @@ async def collect(generation: Generation) -> Collected:
     if collected.final is None:
         raise ApiError(500, "generation ended without a finish reason")
     collected.text = "".join(text)
+    collected.reasoning = "".join(reasoning)
     return collected
 
 

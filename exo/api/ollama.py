@@ -16,6 +16,7 @@ from exo.api.errors import ApiError
 from exo.api.generation import Generation, collect, start_generation
 from exo.api.openai_tools import offered_tools
 from exo.api.request_body import decode_body
+from exo.api.thinking import from_ollama
 from exo.api.tool_conversation import Conversation, arguments_object, arguments_text
 from exo.api.validate import at_least_one, in_range, stop_list
 from exo.core.types import ChatMessage, GenerationParams, ModelCard, ToolCall
@@ -72,6 +73,7 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
     format: str | dict | None = None
     images: list[str] | None = None
     suffix: str | None = None
+    think: bool | str | None = None
     keep_alive: str | int | float | None = None
 
 
@@ -107,7 +109,7 @@ async def chat(request: web.Request) -> web.StreamResponse:
         raise ApiError(400, f"invalid role {bad[0]!r}: use one of {sorted(roles)}")
     conversation = _conversation(body.messages)
     params = _params(body.options, messages=conversation.messages, tool_turns=conversation.tool_turns,
-                     tools=offered_tools(body.tools, None))
+                     tools=offered_tools(body.tools, None), enable_thinking=from_ollama(body.think))
     return await _run(request, body.model, params, body.stream, _chat_piece)
 
 
@@ -140,12 +142,19 @@ async def generate(request: web.Request) -> web.StreamResponse:
         params = _params(body.options, prompt=body.prompt)
     else:
         system = [ChatMessage(role="system", content=body.system)] if body.system else []
-        params = _params(body.options, messages=[*system, ChatMessage(role="user", content=body.prompt)])
-    return await _run(request, body.model, params, body.stream, lambda text, calls=None: {"response": text})
+        params = _params(body.options, messages=[*system, ChatMessage(role="user", content=body.prompt)],
+                         enable_thinking=from_ollama(body.think))
+    return await _run(request, body.model, params, body.stream, _generate_piece)
 
 
-def _chat_piece(text: str, calls: list[ToolCall] | None = None) -> dict:
+def _generate_piece(text: str, reasoning: str = "", calls: list[ToolCall] | None = None) -> dict:
+    return {"response": text, "thinking": reasoning} if reasoning else {"response": text}
+
+
+def _chat_piece(text: str, reasoning: str = "", calls: list[ToolCall] | None = None) -> dict:
     message: dict = {"role": "assistant", "content": text}
+    if reasoning:
+        message["thinking"] = reasoning
     if calls:
         message["tool_calls"] = [{"function": {"name": c.name, "arguments": arguments_object(c.arguments)}} for c in calls]
     return {"message": message}
@@ -162,7 +171,7 @@ async def _run(request: web.Request, model: str, params: GenerationParams, strea
             return await _stream(request, generation, model, piece, started)
         done = await collect(generation)
         assert done.final is not None
-        return web.json_response(_head(model) | piece(done.text, done.tool_calls) | _done(done.final, started))
+        return web.json_response(_head(model) | piece(done.text, done.reasoning, done.tool_calls) | _done(done.final, started))
     finally:
         await generation.close()
 
@@ -186,8 +195,8 @@ async def _stream(request: web.Request, generation: Generation, model: str, piec
         await response.write(json.dumps(obj, ensure_ascii=False).encode() + b"\n")
 
     async for chunk in generation.chunks():
-        if chunk.text or chunk.tool_calls:
-            await send(_head(model) | piece(chunk.text, chunk.tool_calls) | {"done": False})
+        if chunk.text or chunk.reasoning or chunk.tool_calls:
+            await send(_head(model) | piece(chunk.text, chunk.reasoning, chunk.tool_calls) | {"done": False})
         if chunk.finish_reason in ("error", "cancelled"):
             await send({"error": chunk.error or "generation was cancelled"})
         elif chunk.finish_reason:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgspec
 from aiohttp import web
 
+from exo.api import thinking
 from exo.api.context import context_of
 from exo.api.errors import ApiError
 from exo.api.generation import start_generation
@@ -57,6 +58,9 @@ class ChatRequest(msgspec.Struct, kw_only=True):
     tools: list[dict] | None = None
     tool_choice: str | ToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    reasoning_effort: str | None = None
+    chat_template_kwargs: dict | None = None
+    enable_thinking: bool | None = None
 
 
 _ROLES = {"system", "developer", "user", "assistant", "tool"}
@@ -83,7 +87,7 @@ def to_params(body: ChatRequest, uploads: ImageUploads) -> GenerationParams:
 
 
 def _openai_extras(body: ChatRequest) -> dict:
-    """Penalties, logprobs and tools, validated, as GenerationParams fields."""
+    """Penalties, logprobs, tools and the thinking switch, validated, as GenerationParams fields."""
     turns = [tool_turn(i, m.role, m.tool_calls, m.tool_call_id, m.name) for i, m in enumerate(body.messages)]
     return {
         "presence_penalty": check_penalty(body.presence_penalty, "presence_penalty"),
@@ -92,6 +96,8 @@ def _openai_extras(body: ChatRequest) -> dict:
         "top_logprobs": check_logprobs(body.logprobs, body.top_logprobs),
         "tools": offered_tools(body.tools, body.tool_choice),
         "tool_turns": [t for t in turns if t is not None],
+        "enable_thinking": thinking.first_of(thinking.from_template_kwargs(body.chat_template_kwargs), body.enable_thinking,
+                                             thinking.from_effort(body.reasoning_effort, "reasoning_effort")),
     }
 
 

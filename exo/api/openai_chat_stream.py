@@ -39,6 +39,8 @@ async def complete_chat(generation: Generation, model: str, with_logprobs: bool)
     assert done.final is not None
     message: dict = {"role": "assistant", "content": done.text if done.text or not done.tool_calls else None,
                      "refusal": None}
+    if done.reasoning:
+        message["reasoning_content"] = done.reasoning
     if done.tool_calls:
         message["tool_calls"] = tool_calls_json(done.tool_calls)
     choice = {"index": 0, "message": message, "finish_reason": done.finish_reason,
@@ -82,6 +84,8 @@ async def stream_chat(request: web.Request, generation: Generation, model: str, 
 
 def _delta(chunk: TokenChunk, calls_sent: int) -> dict:
     delta: dict = {}
+    if chunk.reasoning:  # first: a chunk's reasoning came before its text
+        delta["reasoning_content"] = chunk.reasoning
     if chunk.text:
         delta["content"] = chunk.text
     if chunk.tool_calls:

@@ -12,6 +12,7 @@ from exo.api.generation import collect, start_generation
 from exo.api.openai_responses_stream import Answer, response_body, stream_response
 from exo.api.openai_tools import NamedFunction, ToolChoice, offered_tools
 from exo.api.request_body import decode_body
+from exo.api.thinking import from_effort
 from exo.api.tool_conversation import Conversation, function_tool
 from exo.api.validate import at_least_one, in_range
 from exo.core.types import GenerationParams, ToolCall
@@ -49,6 +50,11 @@ class NamedTool(msgspec.Struct, kw_only=True):
     name: str = ""
 
 
+class Reasoning(msgspec.Struct, kw_only=True):
+    effort: str | None = None
+    summary: str | None = None  # no summaries: the reasoning itself comes back as reasoning_text
+
+
 class ResponsesRequest(msgspec.Struct, kw_only=True):
     model: str
     input: str | list[InputItem]
@@ -62,6 +68,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     tools: list[FunctionTool] | None = None
     tool_choice: str | NamedTool | None = None
     parallel_tool_calls: bool | None = None
+    reasoning: Reasoning | None = None
     metadata: dict | None = None
 
 
@@ -121,6 +128,7 @@ def to_params(body: ResponsesRequest) -> GenerationParams:
         messages=conversation.messages, tool_turns=conversation.tool_turns, tools=_tools(body),
         max_tokens=at_least_one(body.max_output_tokens, "max_output_tokens"),
         temperature=in_range(body.temperature, 0.0, 2.0, "temperature"), top_p=in_range(body.top_p, 0.0, 1.0, "top_p"),
+        enable_thinking=from_effort(body.reasoning.effort if body.reasoning else None, "reasoning.effort"),
     )
 
 
@@ -137,8 +145,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
         done = await collect(generation)
         assert done.final is not None
         answer = Answer(generation.command_id)
-        answer.add_text(done.text, keep_empty=not done.tool_calls)
-        answer.add_calls(done.tool_calls)
+        answer.add_whole(done.reasoning, done.text, done.tool_calls)
         return web.json_response(response_body(generation.command_id, echo, "completed", answer.items(), done.final))
     finally:
         await generation.close()

@@ -1,7 +1,8 @@
-"""Responses answers in OpenAI's shapes: output items (an assistant message with output_text,
-function_call items), whole or as the typed event stream (response.created ...
-response.output_text.delta ... response.function_call_arguments.delta ... response.completed).
-Items open as their content arrives, each with its own output_index."""
+"""Responses answers in OpenAI's shapes: output items (reasoning with reasoning_text, an assistant
+message with output_text, function_call items), whole or as the typed event stream
+(response.created ... response.reasoning_text.delta ... response.output_text.delta ...
+response.function_call_arguments.delta ... response.completed). Items open as their content
+arrives, each with its own output_index."""
 
 from __future__ import annotations
 
@@ -37,9 +38,17 @@ def _message_item(item_id: str, text: str, status: str) -> dict:
     return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
 
 
+def _reasoning_item(item_id: str, text: str, status: str) -> dict:
+    content = [{"type": "reasoning_text", "text": text}] if status == "completed" else []
+    return {"type": "reasoning", "id": item_id, "summary": [], "content": content, "status": status}
+
+
 def _call_item(item_id: str, call: ToolCall, status: str) -> dict:
     return {"type": "function_call", "id": item_id, "call_id": call.id, "name": call.name,
             "arguments": call.arguments if status == "completed" else "", "status": status}
+
+
+_ITEMS = {"message": _message_item, "reasoning": _reasoning_item}
 
 
 class Answer:
@@ -49,29 +58,34 @@ class Answer:
         self._command_id = command_id
         self._send = send
         self._items: list[dict] = []
-        self._text: list[str] | None = None  # the open message item's text, while one is open
+        self._open: str | None = None  # the kind of the text item still open ("message", "reasoning")
+        self._text: list[str] = []  # its text so far
 
     def items(self) -> list[dict]:
         return list(self._items)
 
+    def add_whole(self, reasoning: str, text: str, calls: list[ToolCall]) -> None:
+        """A whole answer's items: its reasoning, its text (empty only when nothing else), its calls."""
+        if reasoning:
+            self._items.append(_reasoning_item(self._item_id("reasoning"), reasoning, "completed"))
+        if text or not calls:
+            self._items.append(_message_item(self._item_id("message"), text, "completed"))
+        for call in calls:
+            self._items.append(_call_item(self._item_id("call"), call, "completed"))
+
     async def text(self, piece: str) -> None:
-        if self._text is None:
-            await self._open_message()
-        assert self._text is not None
+        await self._into("message")
         self._text.append(piece)
         await self._emit("response.output_text.delta", self._where() | {"delta": piece})
 
-    def add_text(self, text: str, keep_empty: bool) -> None:
-        if text or keep_empty:
-            self._items.append(_message_item(f"msg_{self._command_id}", text, "completed"))
-
-    def add_calls(self, calls: list[ToolCall]) -> None:
-        for call in calls:
-            self._items.append(_call_item(self._call_id(), call, "completed"))
+    async def reasoning(self, piece: str) -> None:
+        await self._into("reasoning")
+        self._text.append(piece)
+        await self._emit("response.reasoning_text.delta", self._where() | {"delta": piece})
 
     async def call(self, call: ToolCall) -> None:
-        await self._close_message()
-        index, item_id = len(self._items), self._call_id()
+        await self._close()
+        index, item_id = len(self._items), self._item_id("call")
         self._items.append(_call_item(item_id, call, "completed"))
         where = {"item_id": item_id, "output_index": index}
         await self._emit("response.output_item.added", {"output_index": index, "item": _call_item(item_id, call, "in_progress")})
@@ -80,30 +94,38 @@ class Answer:
         await self._emit("response.output_item.done", {"output_index": index, "item": self._items[index]})
 
     async def finish(self) -> None:
-        if not self._items and self._text is None:  # nothing at all: one empty message, as a whole answer has
-            await self._open_message()
-        await self._close_message()
+        if not any(item["type"] != "reasoning" for item in self._items) and self._open != "message":
+            await self._into("message")  # no answer at all: one empty message, as a whole answer has
+        await self._close()
 
-    def _call_id(self) -> str:
-        return f"fc_{self._command_id}_{len(self._items)}"
+    def _item_id(self, kind: str) -> str:
+        prefix = {"message": "msg", "reasoning": "rs", "call": "fc"}[kind]
+        return f"{prefix}_{self._command_id}" + (f"_{len(self._items)}" if self._items else "")
 
     def _where(self) -> dict:
         return {"item_id": self._items[-1]["id"], "output_index": len(self._items) - 1, "content_index": 0}
 
-    async def _open_message(self) -> None:
-        item_id = f"msg_{self._command_id}" + (f"_{len(self._items)}" if self._items else "")
-        self._items.append(_message_item(item_id, "", "in_progress"))
-        self._text = []
-        await self._emit("response.output_item.added", {"output_index": len(self._items) - 1, "item": self._items[-1]})
-        await self._emit("response.content_part.added", self._where() | {"part": _part("")})
-
-    async def _close_message(self) -> None:
-        if self._text is None:
+    async def _into(self, kind: str) -> None:
+        if self._open == kind:
             return
-        whole, self._text = "".join(self._text), None
-        self._items[-1] = _message_item(self._items[-1]["id"], whole, "completed")
-        await self._emit("response.output_text.done", self._where() | {"text": whole})
-        await self._emit("response.content_part.done", self._where() | {"part": _part(whole)})
+        await self._close()
+        self._items.append(_ITEMS[kind](self._item_id(kind), "", "in_progress"))
+        self._open, self._text = kind, []
+        await self._emit("response.output_item.added", {"output_index": len(self._items) - 1, "item": self._items[-1]})
+        if kind == "message":
+            await self._emit("response.content_part.added", self._where() | {"part": _part("")})
+
+    async def _close(self) -> None:
+        kind, self._open = self._open, None
+        if kind is None:
+            return
+        whole = "".join(self._text)
+        self._items[-1] = _ITEMS[kind](self._items[-1]["id"], whole, "completed")
+        if kind == "message":
+            await self._emit("response.output_text.done", self._where() | {"text": whole})
+            await self._emit("response.content_part.done", self._where() | {"part": _part(whole)})
+        else:
+            await self._emit("response.reasoning_text.done", self._where() | {"text": whole})
         await self._emit("response.output_item.done", {"output_index": len(self._items) - 1, "item": self._items[-1]})
 
     async def _emit(self, kind: str, data: dict) -> None:
@@ -129,6 +151,8 @@ async def stream_response(request: web.Request, generation: Generation, echo: di
     await send("response.created", {"response": response_body(command_id, echo, "in_progress", [])})
     await send("response.in_progress", {"response": response_body(command_id, echo, "in_progress", [])})
     async for chunk in generation.chunks():
+        if chunk.reasoning:
+            await answer.reasoning(chunk.reasoning)
         if chunk.text:
             await answer.text(chunk.text)
         for call in chunk.tool_calls:

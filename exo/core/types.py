@@ -54,10 +54,17 @@ class ModelCard(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     context_length: int = 0
     supports_images: bool = False
     sampling: SamplingDefaults = SamplingDefaults()
+    sampling_no_thinking: SamplingDefaults | None = None  # for requests that turn a thinking model's thinking off
 
     @property
     def source_repo(self) -> str:
         return self.repo_id or self.model_id
+
+    def sampling_for(self, enable_thinking: bool | None) -> SamplingDefaults:
+        """The defaults for a request: thinking models often want other ones when they do not think."""
+        if enable_thinking is False and self.sampling_no_thinking is not None:
+            return self.sampling_no_thinking
+        return self.sampling
 
     def problem(self) -> str | None:
         """Why this card cannot be served or stored (None: it can). Checked by the master before it
@@ -181,6 +188,7 @@ class GenerationParams(msgspec.Struct, frozen=True, kw_only=True):
     tools: list[dict] = []  # OpenAI-style function tools, given to the chat template
     tool_turns: list[ToolTurn] = []  # tool calls and results of earlier turns (see ToolTurn)
     prompt: str | None = None  # raw prompt text (completions): used as is, no chat template
+    enable_thinking: bool | None = None  # the chat template's switch; None: the model's default
 
 
 class ConversationDigest(msgspec.Struct, frozen=True, kw_only=True):
@@ -217,7 +225,8 @@ class TokenChunk(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
 
     command_id: str
     index: int
-    text: str = ""
+    text: str = ""  # the answer's text (content)
+    reasoning: str = ""  # the model's thinking, split from the content at its thinking markers
     token_count: int = 0  # completion tokens so far
     prompt_tokens: int = 0
     finish_reason: FinishReason | None = None

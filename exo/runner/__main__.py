@@ -21,7 +21,7 @@ from exo.bus.chunk_publisher import ChunkPublisher
 from exo.bus.connection import connect, split_urls
 from exo.core.types import TokenChunk
 from exo.runner.batch import Batcher, BatchFailed, batchable, max_batch
-from exo.runner.coalesce import Coalescer
+from exo.runner.coalesce import Coalescer, Piece
 from exo.runner.engine import Engine, GenerationResult, Output, PromptTooLong
 from exo.runner.follower import follow
 from exo.runner.protocol import (
@@ -152,22 +152,30 @@ class Runner:
         coalescer = Coalescer(STREAM_INTERVAL_S)
         held = Output("", 0, 0, [], [])  # logprobs and tool calls ride with the text they came with
 
-        def chunk_of(text: str, completion: int, prompt: int, cached: int) -> TokenChunk:
+        def chunk_of(piece: Piece | None, completion: int, prompt: int, cached: int) -> TokenChunk:
             nonlocal index
             index += 1
             logprobs, tool_calls, held.logprobs, held.tool_calls = held.logprobs, held.tool_calls, [], []
-            return TokenChunk(command_id=task_id, index=index - 1, text=text, token_count=completion, prompt_tokens=prompt,
-                              logprobs=logprobs, tool_calls=tool_calls, cached_tokens=cached)
+            text, reasoning = piece or ("", "")
+            return TokenChunk(command_id=task_id, index=index - 1, text=text, reasoning=reasoning, token_count=completion,
+                              prompt_tokens=prompt, logprobs=logprobs, tool_calls=tool_calls, cached_tokens=cached)
 
         def on_output(out: Output) -> None:  # on the model thread
             held.logprobs.extend(out.logprobs)
-            held.tool_calls.extend(out.tool_calls)
             now = time.perf_counter()
-            # A tool call is sent at once, with any text held before it.
-            ready = (coalescer.flush(now) or "") if out.tool_calls else coalescer.add(out.text, now)
-            if ready or out.tool_calls:
-                loop.call_soon_threadsafe(self._chunks.put_nowait, chunk_of(ready or "", out.completion_tokens,
+
+            def send(piece: Piece | None) -> None:
+                loop.call_soon_threadsafe(self._chunks.put_nowait, chunk_of(piece, out.completion_tokens,
                                                                             out.prompt_tokens, out.cached_tokens))
+
+            ready = coalescer.add(out.text, now, out.reasoning)
+            if out.tool_calls:  # a tool call is sent at once, with the text held before it
+                if ready:
+                    send(ready)
+                held.tool_calls.extend(out.tool_calls)
+                ready = coalescer.flush(now)
+            if ready or out.tool_calls:
+                send(ready)
 
         running = self._start(loop, request, on_output)
         self.report(Started(task_id=task_id))  # after the model thread has its work: off the first token's path
@@ -189,7 +197,7 @@ class Runner:
         self._in_flight.discard(task_id)
         rest = coalescer.flush(time.perf_counter())
         if rest or held.logprobs:  # on the loop thread, after every chunk the model thread scheduled
-            self._chunks.put_nowait(chunk_of(rest or "", result.completion_tokens, result.prompt_tokens,
+            self._chunks.put_nowait(chunk_of(rest, result.completion_tokens, result.prompt_tokens,
                                              result.cached_tokens))
         await self._finish(task_id, index, result.finish_reason, result.prompt_tokens, result.completion_tokens,
                            stop_sequence=result.stop_sequence, cached=result.cached_tokens)

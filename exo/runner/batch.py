@@ -106,7 +106,7 @@ class Job:
     def start(self, engine: Engine) -> list[int]:
         """The prompt's tokens; from here on the job can take steps."""
         tokens = engine.encode(engine.prompt_for(self.params))
-        self.decoding = Decoding(engine, self.params, self.on_output, self.task_id)
+        self.decoding = Decoding(engine, self.params, self.on_output, self.task_id, tokens)
         self.decoding.prompt_tokens = self.prompt_tokens = len(tokens)
         self.detokenizer = engine.tokenizer.detokenizer
         return tokens

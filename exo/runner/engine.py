@@ -16,19 +16,22 @@ from exo.memory import memory
 from exo.runner.distributed import Announcement, Lockstep, join_ring, load_shard
 from exo.runner.prompt_cache import FOLLOWER_BUDGET, PromptCache, Reuse, budget_bytes, entry_limit
 from exo.runner.protocol import RankSetup
+from exo.runner.splitter import OutputSplitter
 from exo.runner.stops import StopMatcher
-from exo.runner.tool_calls import ToolCallSplitter
 
 DEFAULT_MAX_TOKENS = 2048
 PENALTY_CONTEXT = 256  # more than mlx-lm's penalties look back at (20 tokens by default)
 
 
 class Output:
-    """What one decode step produced for the caller: text, and tool calls / logprobs if asked for."""
+    """What one decode step produced for the caller: text (content and reasoning), and tool calls /
+    logprobs if asked for."""
 
     def __init__(self, text: str, completion_tokens: int, prompt_tokens: int,
-                 logprobs: list[TokenLogprob], tool_calls: list[ToolCall], cached_tokens: int = 0) -> None:
+                 logprobs: list[TokenLogprob], tool_calls: list[ToolCall], cached_tokens: int = 0,
+                 reasoning: str = "") -> None:
         self.text = text
+        self.reasoning = reasoning
         self.cached_tokens = cached_tokens  # of prompt_tokens, reused from the prompt cache
         self.completion_tokens = completion_tokens
         self.prompt_tokens = prompt_tokens
@@ -90,8 +93,10 @@ class Engine:
             return params.prompt  # completions: the caller's text is the whole prompt
         messages = _template_messages(params) if text is None else [{"role": "user", "content": text}]
         if getattr(self.tokenizer, "chat_template", None):
+            # enable_thinking left out: mlx-lm's wrapper passes its default (on when the model thinks).
+            switch = {} if params.enable_thinking is None else {"enable_thinking": params.enable_thinking}
             return self.tokenizer.apply_chat_template(
-                messages, tools=params.tools or None, add_generation_prompt=True, tokenize=False
+                messages, tools=params.tools or None, add_generation_prompt=True, tokenize=False, **switch
             )
         return "\n".join(m["content"] for m in messages)
 
@@ -108,7 +113,7 @@ class Engine:
         tokens = self.encode(self.prompt_for(params))
         max_tokens = self.max_tokens_for(params, len(tokens))
         reuse = self._reuse(tokens, told)
-        decoding = Decoding(self, params, on_output, task_id, cached=reuse.cached)
+        decoding = Decoding(self, params, on_output, task_id, tokens, cached=reuse.cached)
         sampler = _sampler(params, defaults)
         if self.lockstep is not None:  # every rank takes rank 0's tokens and stops when rank 0 does
             if self.lockstep.leads:
@@ -183,13 +188,15 @@ class Decoding:
     (batch.py) BatchGenerator's, detokenized the same way, so both send the same chunks."""
 
     def __init__(self, engine: Engine, params: GenerationParams, on_output: OnOutput, task_id: str,
-                 cached: int = 0) -> None:
+                 prompt: list[int], cached: int = 0) -> None:
         self._engine = engine
         self.cached = cached
         self._top_logprobs = params.top_logprobs if params.logprobs else -1
         self._on_output = on_output
         self._stops = StopMatcher(params.stop)
-        self._tools = ToolCallSplitter(engine.tokenizer, params.tools, task_id[:12])
+        # A raw prompt (completions) gets its text whole: only a chat's answer has reasoning apart.
+        self._splitter = OutputSplitter(engine.tokenizer, params.tools, task_id[:12], prompt,
+                                        reasoning=params.prompt is None)
         self.prompt_tokens = self.completion_tokens = 0
         self.finish_reason = "length"
 
@@ -200,10 +207,10 @@ class Decoding:
         self.prompt_tokens, self.completion_tokens = prompt_tokens, completion_tokens
         self.finish_reason = finish_reason or self.finish_reason
         entries = [self._engine.logprob(token, logprobs, self._top_logprobs)] if self._top_logprobs >= 0 else []
-        content, calls = self._tools.feed(text)
-        text = self._stops.feed(content)
-        if text or calls or entries:
-            self._on_output(Output(text, completion_tokens, prompt_tokens, entries, calls, self.cached))
+        split = self._splitter.feed(text)
+        text = self._stops.feed(split.text)  # stop strings end the answer, not the reasoning
+        if text or split.reasoning or split.calls or entries:
+            self._on_output(Output(text, completion_tokens, prompt_tokens, entries, split.calls, self.cached, split.reasoning))
         return self._stopped() if self._stops.stopped else None
 
     def cancelled(self) -> GenerationResult:
@@ -211,11 +218,12 @@ class Decoding:
 
     def finish(self) -> GenerationResult:
         """mlx-lm ended the request (EOS or max_tokens): what the tool parser and stop strings held back."""
-        content, calls = self._tools.finish(self.finish_reason)
-        text = self._stops.feed(content)
+        split = self._splitter.finish(self.finish_reason)
+        text = self._stops.feed(split.text)
         text += "" if self._stops.stopped else self._stops.flush()
-        if text or calls:
-            self._on_output(Output(text, self.completion_tokens, self.prompt_tokens, [], calls, self.cached))
+        if text or split.reasoning or split.calls:
+            self._on_output(Output(text, self.completion_tokens, self.prompt_tokens, [], split.calls, self.cached,
+                                   split.reasoning))
         return self._stopped() if self._stops.stopped else GenerationResult(
             self.finish_reason, self.prompt_tokens, self.completion_tokens, cached_tokens=self.cached)
 

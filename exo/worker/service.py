@@ -270,7 +270,7 @@ class Worker:
         self._runners[step.runner_id] = replace(runner, forwarded=runner.forwarded | {step.task_id})
         task = self._view.state.tasks[step.task_id]
         card = find_card(self._view.state, self._builtin_cards, task.model_id)
-        defaults = card.sampling if card else rp.SamplingDefaults()
+        defaults = card.sampling_for(task.params.enable_thinking) if card else rp.SamplingDefaults()
         images = {d: str(self.images_dir / d) for d in p.images_of(task)}
         log.info("worker: task %s forwarded to runner %s", task.task_id, step.runner_id)
         await self._hosts[step.runner_id].send(

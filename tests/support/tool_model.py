@@ -69,24 +69,32 @@ _SLOT_WEIGHT = 50.0
 
 def make_tool_model(path: pathlib.Path) -> pathlib.Path:
     path = make_tiny_model(pathlib.Path(path))
+    special = [t for t in CHAIN if t != CALL_JSON]
+    return add_chain(path, special, [CALL_JSON], [*CHAIN, EOS], blocked=CHAIN, template=TOOL_TEMPLATE)
+
+
+def add_chain(path: pathlib.Path, special: list[str], plain: list[str], chain: list[str], blocked: list[str],
+              template: str) -> pathlib.Path:
+    """Teach the tiny model at `path` a chain: after chain[i] its greedy next token is chain[i+1].
+    `special` and `plain` are the tokens added to the tokenizer; `blocked` tokens are never
+    generated except as a chain's next token; `template` becomes the chat template."""
     tok = Tokenizer.from_file(str(path / "tokenizer.json"))
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in CHAIN if t != CALL_JSON])
-    tok.add_tokens([AddedToken(CALL_JSON, special=False, normalized=False)])
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in plain])
     (path / "tokenizer.json").write_text(tok.to_str(pretty=True), encoding="utf-8")
-    ids = [tok.token_to_id(t) for t in CHAIN] + [tok.token_to_id(EOS)]
     vocab = tok.get_vocab_size()
-    _rewrite_json(path / "tokenizer_config.json", lambda c: c | {"chat_template": TOOL_TEMPLATE})
+    _rewrite_json(path / "tokenizer_config.json", lambda c: c | {"chat_template": template})
     _rewrite_json(path / "config.json", lambda c: c | {"vocab_size": vocab})
     weights = load_file(str(path / "model.safetensors"))
-    _rig_weights(weights, ids, vocab)
+    _rig_weights(weights, [tok.token_to_id(t) for t in chain], [tok.token_to_id(t) for t in blocked], vocab)
     save_file(weights, str(path / "model.safetensors"), metadata={"format": "mlx"})
     return path
 
 
-def _rig_weights(w: dict[str, np.ndarray], chain_ids: list[int], vocab: int) -> None:
+def _rig_weights(w: dict[str, np.ndarray], chain_ids: list[int], blocked_ids: list[int], vocab: int) -> None:
     rng = np.random.default_rng(99)
     hidden = w["model.embed_tokens.weight"].shape[1]
-    slots = list(range(hidden - len(CHAIN), hidden))
+    slots = list(range(hidden - (len(chain_ids) - 1), hidden))
     embed = _grow(w["model.embed_tokens.weight"], vocab, rng)
     lm_head = _grow(w["lm_head.weight"], vocab, rng)
     embed[:, slots] = 0.0
@@ -97,7 +105,7 @@ def _rig_weights(w: dict[str, np.ndarray], chain_ids: list[int], vocab: int) -> 
     for n, slot in enumerate(slots):
         embed[chain_ids[n], slot] = _SLOT_VALUE
         lm_head[chain_ids[n + 1], slot] = _SLOT_WEIGHT
-    for token in chain_ids[:-1]:
+    for token in blocked_ids:
         lm_head[token, 0] = -1000.0  # never generated except as a chain's next token
     w["model.embed_tokens.weight"] = embed
     w["lm_head.weight"] = lm_head
