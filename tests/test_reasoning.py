@@ -6,6 +6,8 @@ enable_thinking=false and gives mlx-lm's text for that prompt, with no reasoning
 
 from __future__ import annotations
 
+import json
+
 import anthropic
 import ollama
 import pytest
@@ -166,3 +168,14 @@ def test_a_cards_unthinking_sampling_applies_when_thinking_is_off(http, model_di
 def test_bad_thinking_switches_are_400(http, ref, path, body, says):
     response = http.post(path, json=body)
     assert response.status_code == 400 and says in response.text, response.text
+
+
+def test_a_response_format_constrains_the_answer_not_the_reasoning(http, ref):
+    schema = {"type": "object", "properties": {"calm": {"type": "boolean"}, "size": {"type": "integer", "minimum": 0,
+                                                                                      "maximum": 99}},
+              "required": ["calm", "size"], "additionalProperties": False}
+    body = ask(max_tokens=40, response_format={"type": "json_schema", "json_schema": {"name": "sea", "schema": schema}})
+    message = http.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+    assert message["reasoning_content"] == THOUGHT  # the thought the model writes unconstrained
+    answer = json.loads(message["content"])
+    assert set(answer) == {"calm", "size"} and isinstance(answer["calm"], bool) and 0 <= answer["size"] <= 99

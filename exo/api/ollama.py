@@ -16,6 +16,7 @@ from exo.api.errors import ApiError
 from exo.api.generation import Generation, collect, start_generation
 from exo.api.openai_tools import offered_tools
 from exo.api.request_body import decode_body
+from exo.api.structured import ollama_format
 from exo.api.thinking import from_ollama
 from exo.api.tool_conversation import Conversation, arguments_object, arguments_text
 from exo.api.validate import at_least_one, in_range, stop_list
@@ -101,7 +102,7 @@ def _unsupported(**given: object) -> None:
 
 async def chat(request: web.Request) -> web.StreamResponse:
     body = await decode_body(request, ChatRequest)
-    _unsupported(format=body.format, images=any(m.images for m in body.messages))
+    _unsupported(images=any(m.images for m in body.messages))
     if not body.messages:
         raise ApiError(400, "messages must contain at least one message")
     roles = {"system", "user", "assistant", "tool"}
@@ -109,7 +110,8 @@ async def chat(request: web.Request) -> web.StreamResponse:
         raise ApiError(400, f"invalid role {bad[0]!r}: use one of {sorted(roles)}")
     conversation = _conversation(body.messages)
     params = _params(body.options, messages=conversation.messages, tool_turns=conversation.tool_turns,
-                     tools=offered_tools(body.tools, None), enable_thinking=from_ollama(body.think))
+                     tools=offered_tools(body.tools, None), enable_thinking=from_ollama(body.think),
+                     response_format=ollama_format(body.format))
     return await _run(request, body.model, params, body.stream, _chat_piece)
 
 
@@ -137,13 +139,13 @@ def _conversation(messages: list[OllamaMessage]) -> Conversation:
 
 async def generate(request: web.Request) -> web.StreamResponse:
     body = await decode_body(request, GenerateRequest)
-    _unsupported(format=body.format, images=body.images, suffix=body.suffix)
+    _unsupported(images=body.images, suffix=body.suffix)
     if body.raw:
-        params = _params(body.options, prompt=body.prompt)
+        params = _params(body.options, prompt=body.prompt, response_format=ollama_format(body.format))
     else:
         system = [ChatMessage(role="system", content=body.system)] if body.system else []
         params = _params(body.options, messages=[*system, ChatMessage(role="user", content=body.prompt)],
-                         enable_thinking=from_ollama(body.think))
+                         enable_thinking=from_ollama(body.think), response_format=ollama_format(body.format))
     return await _run(request, body.model, params, body.stream, _generate_piece)
 
 

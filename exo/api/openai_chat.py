@@ -13,6 +13,7 @@ from exo.api.images import ImageUploads
 from exo.api.openai_chat_stream import complete_chat, parse_event_id, resume_chat, stream_chat
 from exo.api.openai_tools import RequestToolCall, ToolChoice, check_logprobs, check_penalty, offered_tools, tool_turn
 from exo.api.request_body import decode_body
+from exo.api.structured import openai_chat_format
 from exo.core.types import ChatMessage, GenerationParams
 
 
@@ -61,6 +62,7 @@ class ChatRequest(msgspec.Struct, kw_only=True):
     reasoning_effort: str | None = None
     chat_template_kwargs: dict | None = None
     enable_thinking: bool | None = None
+    response_format: dict | None = None
 
 
 _ROLES = {"system", "developer", "user", "assistant", "tool"}
@@ -87,7 +89,7 @@ def to_params(body: ChatRequest, uploads: ImageUploads) -> GenerationParams:
 
 
 def _openai_extras(body: ChatRequest) -> dict:
-    """Penalties, logprobs, tools and the thinking switch, validated, as GenerationParams fields."""
+    """Penalties, logprobs, tools, the answer's format and the thinking switch, validated, as GenerationParams fields."""
     turns = [tool_turn(i, m.role, m.tool_calls, m.tool_call_id, m.name) for i, m in enumerate(body.messages)]
     return {
         "presence_penalty": check_penalty(body.presence_penalty, "presence_penalty"),
@@ -96,6 +98,7 @@ def _openai_extras(body: ChatRequest) -> dict:
         "top_logprobs": check_logprobs(body.logprobs, body.top_logprobs),
         "tools": offered_tools(body.tools, body.tool_choice),
         "tool_turns": [t for t in turns if t is not None],
+        "response_format": openai_chat_format(body.response_format),
         "enable_thinking": thinking.first_of(thinking.from_template_kwargs(body.chat_template_kwargs), body.enable_thinking,
                                              thinking.from_effort(body.reasoning_effort, "reasoning_effort")),
     }

@@ -12,6 +12,7 @@ from exo.api.generation import collect, start_generation
 from exo.api.openai_responses_stream import Answer, response_body, stream_response
 from exo.api.openai_tools import NamedFunction, ToolChoice, offered_tools
 from exo.api.request_body import decode_body
+from exo.api.structured import responses_format
 from exo.api.thinking import from_effort
 from exo.api.tool_conversation import Conversation, function_tool
 from exo.api.validate import at_least_one, in_range
@@ -55,6 +56,11 @@ class Reasoning(msgspec.Struct, kw_only=True):
     summary: str | None = None  # no summaries: the reasoning itself comes back as reasoning_text
 
 
+class TextOptions(msgspec.Struct, kw_only=True):
+    format: dict | None = None
+    verbosity: str | None = None
+
+
 class ResponsesRequest(msgspec.Struct, kw_only=True):
     model: str
     input: str | list[InputItem]
@@ -69,6 +75,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     tool_choice: str | NamedTool | None = None
     parallel_tool_calls: bool | None = None
     reasoning: Reasoning | None = None
+    text: TextOptions | None = None
     metadata: dict | None = None
 
 
@@ -129,6 +136,7 @@ def to_params(body: ResponsesRequest) -> GenerationParams:
         max_tokens=at_least_one(body.max_output_tokens, "max_output_tokens"),
         temperature=in_range(body.temperature, 0.0, 2.0, "temperature"), top_p=in_range(body.top_p, 0.0, 1.0, "top_p"),
         enable_thinking=from_effort(body.reasoning.effort if body.reasoning else None, "reasoning.effort"),
+        response_format=responses_format(body.text.format if body.text else None),
     )
 
 
@@ -158,4 +166,5 @@ def _echo(body: ResponsesRequest) -> dict:
             "temperature": body.temperature, "top_p": body.top_p, "metadata": body.metadata or {},
             "parallel_tool_calls": body.parallel_tool_calls if body.parallel_tool_calls is not None else True,
             "tool_choice": msgspec.to_builtins(choice) if choice is not None else "auto",
-            "tools": msgspec.to_builtins(body.tools or [])}
+            "tools": msgspec.to_builtins(body.tools or []),
+            "text": {"format": (body.text.format if body.text else None) or {"type": "text"}}}

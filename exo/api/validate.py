@@ -16,6 +16,7 @@ MAX_TOKENS_LIMIT = int(os.environ.get("EXO_MAX_TOKENS_LIMIT", "32768"))
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1000  # each
 MAX_TOOLS_BYTES = 256 * 1024  # all tool definitions, as JSON
+MAX_SCHEMA_BYTES = 64 * 1024  # a response_format's JSON schema
 SEED_MAX = 2**64 - 1  # mlx.random.seed takes an unsigned 64-bit integer
 
 N = TypeVar("N", int, float)
@@ -47,6 +48,8 @@ def check_limits(params: GenerationParams, context_length: int) -> None:
         raise ApiError(400, f"each stop string must be at most {MAX_STOP_CHARS} characters", param="stop")
     if params.tools and len(msgspec.json.encode(params.tools)) > MAX_TOOLS_BYTES:
         raise ApiError(400, f"tool definitions must be at most {MAX_TOOLS_BYTES} bytes of JSON", param="tools")
+    if params.response_format and len(msgspec.json.encode(params.response_format)) > MAX_SCHEMA_BYTES:
+        raise ApiError(400, f"response_format must be at most {MAX_SCHEMA_BYTES} bytes of JSON", param="response_format")
 
 
 def stop_list(stop: str | list[str] | None) -> list[str]:

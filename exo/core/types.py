@@ -171,6 +171,14 @@ class ChatMessage(msgspec.Struct, frozen=True, kw_only=True):
     images: list[str] = []  # sha256 hex of each image, in the object store exo-images
 
 
+class ResponseFormat(msgspec.Struct, frozen=True, kw_only=True):
+    """What the answer must be: any JSON object, or JSON valid for `json_schema` (constrained decoding)."""
+
+    type: Literal["json_object", "json_schema"]
+    json_schema: dict = {}  # the schema itself, for "json_schema"
+    name: str = ""
+
+
 class GenerationParams(msgspec.Struct, frozen=True, kw_only=True):
     """A text generation request as the runner sees it (already validated by the API)."""
 
@@ -189,6 +197,7 @@ class GenerationParams(msgspec.Struct, frozen=True, kw_only=True):
     tool_turns: list[ToolTurn] = []  # tool calls and results of earlier turns (see ToolTurn)
     prompt: str | None = None  # raw prompt text (completions): used as is, no chat template
     enable_thinking: bool | None = None  # the chat template's switch; None: the model's default
+    response_format: ResponseFormat | None = None  # constrains the answer (exo/runner/constraint.py)
 
 
 class ConversationDigest(msgspec.Struct, frozen=True, kw_only=True):

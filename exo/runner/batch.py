@@ -69,11 +69,14 @@ def new_generator(model: Any, tokenizer: Any, limit: int) -> BatchGenerator:
     )
 
 
-def insert(generator: BatchGenerator, join: BatchJoin, sampler: Callable, reuse: Reuse) -> int:
-    """Into the batch, starting from the cached prefix (`reuse`): only the rest is processed."""
+def insert(generator: BatchGenerator, join: BatchJoin, sampler: Callable, reuse: Reuse,
+           constraint: list[Callable] | None = None) -> int:
+    """Into the batch, starting from the cached prefix (`reuse`): only the rest is processed.
+    `constraint`: the request's own response_format processor (rank 0 only: it samples)."""
+    processors = [*penalties(join.presence_penalty, join.frequency_penalty), *(constraint or [])]
     (uid,) = generator.insert(
         [reuse.rest], max_tokens=[join.max_tokens], caches=[reuse.cache], all_tokens=[join.tokens[:reuse.cached]],
-        samplers=[sampler], logits_processors=[penalties(join.presence_penalty, join.frequency_penalty)],
+        samplers=[sampler], logits_processors=[processors],
     )
     return uid
 
@@ -201,7 +204,7 @@ class Batcher:
             generator = self._batch()
             seeded = params.seed is not None and self._lockstep() is None
             sampler = seeded_sampler(*join.sampling, params.seed) if seeded else self._sampler(join.sampling)
-            uid = insert(generator, join, sampler, reuse)
+            uid = insert(generator, join, sampler, reuse, self._engine.constraint_for(params, tokens))
         except Exception as error:
             job.on_done(error)
             return

@@ -13,10 +13,11 @@ from mlx_lm.sample_utils import apply_top_k, apply_top_p, make_logits_processors
 
 from exo.core.types import GenerationParams, SamplingDefaults, TokenLogprob, ToolCall, TopLogprob
 from exo.memory import memory
+from exo.runner.constraint import GrammarConstraint
 from exo.runner.distributed import Announcement, Lockstep, join_ring, load_shard
 from exo.runner.prompt_cache import FOLLOWER_BUDGET, PromptCache, Reuse, budget_bytes, entry_limit
 from exo.runner.protocol import RankSetup
-from exo.runner.splitter import OutputSplitter
+from exo.runner.splitter import OutputSplitter, starts_in_reasoning
 from exo.runner.stops import StopMatcher
 
 DEFAULT_MAX_TOKENS = 2048
@@ -115,6 +116,7 @@ class Engine:
         reuse = self._reuse(tokens, told)
         decoding = Decoding(self, params, on_output, task_id, tokens, cached=reuse.cached)
         sampler = _sampler(params, defaults)
+        processors = [*logits_processors_of(params), *self.constraint_for(params, tokens)]
         if self.lockstep is not None:  # every rank takes rank 0's tokens and stops when rank 0 does
             if self.lockstep.leads:
                 self.lockstep.announce(Announcement(task_id=task_id, params=params, defaults=defaults,
@@ -124,7 +126,7 @@ class Engine:
         result = None
         for response in stream_generate(
             self.model, self.tokenizer, mx.array(reuse.rest), max_tokens=max_tokens,
-            sampler=sampler, logits_processors=_seeing_prefix(logits_processors_of(params), tokens[:reuse.cached]),
+            sampler=sampler, logits_processors=_seeing_prefix(processors, tokens[:reuse.cached]),
             prompt_cache=reuse.cache, prompt_progress_callback=lambda *_: self.beat(),
         ):
             generated.append(response.token)
@@ -138,6 +140,14 @@ class Engine:
         self.prompt_cache.keep(tokens + generated, reuse.cache)
         self._trim_cache()
         return result or decoding.finish()
+
+    def constraint_for(self, params: GenerationParams, prompt: list[int]) -> list[Callable]:
+        """The request's response_format as a logits processor, on the rank that samples (the
+        others take its tokens)."""
+        if params.response_format is None or (self.lockstep is not None and not self.lockstep.leads):
+            return []
+        in_reasoning = params.prompt is None and starts_in_reasoning(self.tokenizer, prompt)
+        return [GrammarConstraint(self.tokenizer, params.response_format, in_reasoning)]
 
     def max_tokens_for(self, params: GenerationParams, prompt_tokens: int) -> int:
         """The request's max_tokens, within what the model's context leaves after the prompt."""

@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from mlx_lm.generate import BatchGenerator
 
-from exo.core.types import ChatMessage, GenerationParams, SamplingDefaults
+from exo.core.types import ChatMessage, GenerationParams, ResponseFormat, SamplingDefaults
 from exo.runner.batch import Batcher, batchable
 from exo.runner.engine import Engine, Output
 from exo.runner.follower import follow
@@ -30,6 +30,8 @@ def params_of(request: dict) -> GenerationParams:
     """A request: "text" (one user message) or "messages" ([role, content] pairs), and its settings."""
     settings = {k: v for k, v in request.items() if k not in ("text", "messages", "join_after", "cancel_after", "after_done")}
     turns = request.get("messages") or [["user", request["text"]]]
+    if "response_format" in settings:
+        settings["response_format"] = ResponseFormat(**settings["response_format"])
     return GenerationParams(messages=[ChatMessage(role=r, content=c) for r, c in turns], **{"temperature": 0, **settings})
 
 

@@ -1,0 +1,152 @@
+"""Structured outputs: `response_format` (OpenAI chat), `text.format` (Responses) and Ollama's
+`format` constrain decoding with llguidance. On 50 random schemas the answer validates against
+its schema and equals mlx-lm's own generation with the same constraint processor, token for
+token; a schema that leaves one choice gives exactly it; batched requests keep their own
+constraints; what cannot be enforced is a 400 naming it."""
+
+from __future__ import annotations
+
+import json
+import random
+from concurrent.futures import ThreadPoolExecutor
+
+import jsonschema
+import mlx_lm
+import ollama
+import pytest
+
+from exo.core.types import ResponseFormat
+from exo.runner.constraint import GrammarConstraint
+from tests.e2e_support import Reference, exo_serving, place
+from tests.support.tiny_model import TINY_MODEL_ID, make_tiny_model
+
+pytestmark = pytest.mark.slow
+
+MESSAGES = [{"role": "user", "content": "Describe the sea as JSON."}]
+LIMIT = 200  # every generated schema's language is finite and shorter than this
+
+
+def random_schema(rng: random.Random, depth: int = 0) -> dict:
+    """Objects, arrays, enums, bounded strings and integers, booleans, nested: a finite language."""
+    kinds = ["string", "integer", "boolean", "enum", "array"] + (["object"] * 2 if depth < 2 else [])
+    kind = rng.choice(kinds) if depth else "object"
+    if kind == "object":
+        names = rng.sample(["name", "size", "deep", "calm", "tags", "id", "waves"], rng.randint(1, 3))
+        return {"type": "object", "properties": {n: random_schema(rng, depth + 1) for n in names},
+                "required": names, "additionalProperties": False}
+    if kind == "string":
+        return {"type": "string", "maxLength": rng.randint(0, 6)}
+    if kind == "integer":
+        low = rng.randint(-50, 50)
+        return {"type": "integer", "minimum": low, "maximum": low + rng.randint(0, 500)}
+    if kind == "enum":
+        return {"enum": rng.sample(["blue", "grey", "green", "calm", "rough", 7, True], rng.randint(1, 4))}
+    if kind == "array":
+        item = rng.choice([{"type": "boolean"}, {"enum": ["a", "b"]}, {"type": "integer", "minimum": 0, "maximum": 9}])
+        return {"type": "array", "items": item, "minItems": 0, "maxItems": rng.randint(1, 3)}
+    return {"type": "boolean"}
+
+
+SCHEMAS = [random_schema(random.Random(n)) for n in range(50)]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("model") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory, model_dir):
+    with exo_serving(tmp_path_factory.mktemp("node"), {TINY_MODEL_ID: model_dir}) as exo:
+        yield exo
+
+
+@pytest.fixture(scope="module")
+def ref(http, model_dir) -> Reference:
+    place(http, TINY_MODEL_ID)
+    return Reference(model_dir)
+
+
+def constrained(ref: Reference, schema: dict | None) -> str:
+    """mlx-lm's greedy output with the same constraint processor the runner uses."""
+    fmt = ResponseFormat(type="json_schema", json_schema=schema) if schema else ResponseFormat(type="json_object")
+    return mlx_lm.generate(ref.model, ref.tokenizer, ref.chat_prompt(MESSAGES), max_tokens=LIMIT,
+                           logits_processors=[GrammarConstraint(ref.tokenizer, fmt)])
+
+
+def chat(http, response_format: dict, messages=MESSAGES) -> dict:
+    reply = http.post("/v1/chat/completions", json={"model": TINY_MODEL_ID, "messages": messages, "max_tokens": LIMIT,
+                                                     "temperature": 0, "response_format": response_format})
+    assert reply.status_code == 200, reply.text
+    return reply.json()["choices"][0]
+
+
+def as_format(schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}}
+
+
+def test_fifty_random_schemas_validate_and_equal_mlx_lm_with_the_same_constraint(http, ref):
+    unconstrained = ref.chat(MESSAGES, 20)
+    with pytest.raises(ValueError):
+        json.loads(unconstrained)  # the model alone writes no JSON: the constraint does the work
+    texts = set()
+    for schema in SCHEMAS:
+        choice = chat(http, as_format(schema))
+        jsonschema.validate(json.loads(choice["message"]["content"]), schema)
+        assert choice["finish_reason"] == "stop"
+        assert choice["message"]["content"] == constrained(ref, schema), schema
+        texts.add(choice["message"]["content"])
+    assert len(texts) > 25  # the schemas really differ, and so do their answers
+
+
+def test_a_schema_that_leaves_one_choice_gives_exactly_it(http, ref):
+    schema = {"type": "object", "properties": {"answer": {"const": "yes"}, "n": {"enum": [3]}},
+              "required": ["answer", "n"], "additionalProperties": False}
+    assert chat(http, as_format(schema))["message"]["content"] == '{"answer":"yes","n":3}'
+
+
+def test_json_object_is_one_json_object(http, ref):
+    choice = chat(http, {"type": "json_object"})
+    content = choice["message"]["content"]
+    assert content == constrained(ref, None)
+    if choice["finish_reason"] == "stop":
+        assert isinstance(json.loads(content), dict)
+    else:  # the tiny model may write one string until max_tokens: still the start of an object
+        assert content.startswith("{") and choice["finish_reason"] == "length"
+
+
+def test_batched_requests_keep_their_own_constraints(http, ref):
+    schemas = SCHEMAS[:6]
+    alone = [constrained(ref, s) for s in schemas]
+    with ThreadPoolExecutor(len(schemas)) as pool:
+        together = list(pool.map(lambda s: chat(http, as_format(s))["message"]["content"], schemas))
+    assert together == alone
+
+
+def test_responses_text_format_and_ollama_format(node, client, ref):
+    schema = SCHEMAS[3]
+    expected = constrained(ref, schema)
+    response = client.responses.create(model=TINY_MODEL_ID, input=MESSAGES[0]["content"], max_output_tokens=LIMIT,
+                                       temperature=0, text={"format": {"type": "json_schema", "name": "answer",
+                                                                       "schema": schema, "strict": True}})
+    assert response.output_text == expected
+    reply = ollama.Client(host=node.url, timeout=120).chat(model=TINY_MODEL_ID, messages=MESSAGES, format=schema,
+                                                           options={"temperature": 0, "num_predict": LIMIT})
+    assert reply.message.content == expected
+
+
+@pytest.mark.parametrize(("path", "body", "says"), [
+    ("/v1/chat/completions", {"response_format": as_format({"type": "object", "if": {}})}, '"if"'),
+    ("/v1/chat/completions", {"response_format": as_format({"type": "string", "format": "hostname-ish"})}, "hostname-ish"),
+    ("/v1/chat/completions", {"response_format": {"type": "yaml"}}, "response_format.type"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+    ("/v1/chat/completions", {"response_format": as_format({"type": "object", "properties": {"x": {"$ref": "#/nowhere"}}})},
+     "nowhere"),
+    ("/v1/responses", {"input": "x", "text": {"format": {"type": "json_schema", "name": "a", "schema": "no"}}},
+     "text.format.schema"),
+    ("/api/chat", {"format": "yaml", "stream": False}, "format"),
+])
+def test_formats_that_cannot_be_enforced_are_400(http, ref, path, body, says):
+    base = {"model": TINY_MODEL_ID, "messages": MESSAGES} if path != "/v1/responses" else {"model": TINY_MODEL_ID}
+    response = http.post(path, json=base | body)
+    assert response.status_code == 400 and says in str(response.json()), response.text
