@@ -75,8 +75,8 @@ async def load(url: str, model: str, concurrency: int, per_client: int, max_toke
 
 
 def start_exo(model_dir: Path, root: Path, max_batch: int | None = None,
-              extra_env: dict[str, str] | None = None) -> tuple[FakeHub, ExoProcess]:
-    hub = FakeHub({TINY_MODEL_ID: model_dir})
+              extra_env: dict[str, str] | None = None, model_id: str = TINY_MODEL_ID) -> tuple[FakeHub, ExoProcess]:
+    hub = FakeHub({model_id: model_dir})
     hub.start()
     env = {"HF_ENDPOINT": hub.endpoint, "HF_HOME": str(root / "hf"), "HF_HUB_DISABLE_TELEMETRY": "1",
            "EXO_LOG_LEVEL": "WARNING", **(extra_env or {})}
@@ -84,8 +84,8 @@ def start_exo(model_dir: Path, root: Path, max_batch: int | None = None,
         env["EXO_MAX_BATCH"] = str(max_batch)
     exo = ExoProcess(root / "data", env).start()
     with httpx.Client(base_url=exo.url, timeout=300) as http:
-        http.post("/models/add", json={"model_id": TINY_MODEL_ID}).raise_for_status()
-        http.post("/place_instance", json={"model_id": TINY_MODEL_ID, "max_queue": 1000}).raise_for_status()
+        http.post("/models/add", json={"model_id": model_id}).raise_for_status()
+        http.post("/place_instance", json={"model_id": model_id, "max_queue": 1000}).raise_for_status()
     return hub, exo
 
 

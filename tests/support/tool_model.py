@@ -24,7 +24,7 @@ import numpy as np
 from safetensors.numpy import load_file, save_file
 from tokenizers import AddedToken, Tokenizer
 
-from tests.support.tiny_model import EOS, make_tiny_model
+from tests.support.tiny_model import EOS, Dims, make_tiny_model
 
 TOOL_MODEL_ID = "exo-test/tiny-tools"
 
@@ -67,8 +67,8 @@ _SLOT_VALUE = 200.0  # dwarfs what the layers add, so the chain always wins
 _SLOT_WEIGHT = 50.0
 
 
-def make_tool_model(path: pathlib.Path) -> pathlib.Path:
-    path = make_tiny_model(pathlib.Path(path))
+def make_tool_model(path: pathlib.Path, dims: Dims = Dims()) -> pathlib.Path:
+    path = make_tiny_model(pathlib.Path(path), dims)
     special = [t for t in CHAIN if t != CALL_JSON]
     return add_chain(path, special, [CALL_JSON], [*CHAIN, EOS], blocked=CHAIN, template=TOOL_TEMPLATE)
 
