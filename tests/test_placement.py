@@ -295,3 +295,58 @@ async def test_previews_route_answers_every_placement_and_creates_nothing():
     with pytest.raises(ApiError) as unknown:
         await cluster.instance_previews(_previews_request(state, "no/such"))
     assert unknown.value.status == 404
+
+
+# Context: the KV cache of max_context tokens is reserved beside the weights.
+
+# 8 layers x 8 KV heads x head dim 128 x 2 (K and V) x 2 bytes: 32 KiB a token, 1 GiB for 32768 tokens.
+SIZED = ModelCard(model_id="org/kv", n_layers=8, hidden_size=2048, num_attention_heads=16, num_key_value_heads=8,
+                  storage_bytes=4 * GB, context_length=131072)
+PER_TOKEN = 8 * 8 * 128 * 2 * 2
+
+
+def test_the_default_context_is_reserved_and_recorded_on_the_instance():
+    placed = place(card=SIZED, state=cluster_of(node("n1", 10 * GB)))
+    assert placed.max_context == 32768 and placed.shards[0].kv_bytes == 32768 * PER_TOKEN
+    asked = place_instance(SIZED, "pipeline", 1, cluster_of(node("n1", 10 * GB)), ids(), max_context=100_000)
+    assert asked.max_context == 100_000 and asked.shards[0].kv_bytes == 100_000 * PER_TOKEN
+
+
+def test_without_room_for_the_default_the_most_that_fits_is_reserved():
+    room = 5000 * PER_TOKEN  # beside the weights
+    placed = place(card=SIZED, state=cluster_of(node("n1", 4 * GB + room)))
+    assert placed.max_context == 4864  # 5000 rounded down to a multiple of 256
+
+
+def test_a_context_that_does_not_fit_is_refused_with_the_numbers():
+    state = cluster_of(node("n1", 4 * GB + 5000 * PER_TOKEN))
+    refused = place_instance(SIZED, "pipeline", 1, state, ids(), max_context=8192)
+    assert refused == Unplaceable("conflict", f"org/kv with a context of 8192 tokens needs {8192 * PER_TOKEN} bytes of "
+                                              f"KV cache on n1 besides {4 * GB} for the weights, but it has "
+                                              f"{4 * GB + 5000 * PER_TOKEN} free: room for 4864 tokens of context")
+    tiny_room = place(card=SIZED, state=cluster_of(node("n1", 4 * GB + 1000 * PER_TOKEN)))
+    assert isinstance(tiny_room, Unplaceable) and "room for 768 tokens of context (less than 2048)" in tiny_room.reason
+    assert place_instance(SIZED, "pipeline", 1, state, ids(), max_context=131073).code == "invalid"
+
+
+def test_tensor_ranks_share_the_heads_pipeline_ranks_their_layers():
+    state = cluster_of(node("n1", 6 * GB), node("n2", 6 * GB))
+    tensor = place_instance(SIZED, "tensor", 2, state, ids(), max_context=1024)
+    assert [s.kv_bytes for s in tensor.shards] == [1024 * PER_TOKEN // 2] * 2
+    pipeline = place_instance(SIZED, "pipeline", 2, state, ids(), max_context=1024)
+    assert [s.kv_bytes for s in pipeline.shards] == [1024 * PER_TOKEN // 2] * 2  # 4 layers each
+
+
+def test_every_instances_reservation_is_taken_off_its_node_loaded_or_not():
+    first = place(card=SIZED, state=cluster_of(node("n1", 12 * GB)))
+    loaded = State(nodes={"n1": node("n1", 12 * GB - 4 * GB)}, instances={first.instance_id: first},
+                   runners={s.runner_id: RunnerInfo(runner_id=s.runner_id, instance_id=first.instance_id, node_id="n1",
+                                                    status="ready") for s in first.shards})
+    second = place(card=SIZED, state=loaded)  # 8 GB reported free, less the first's 1 GiB of KV, less 4 GB of weights
+    assert second.max_context == 32768
+    assert isinstance(place(card=msgspec.structs.replace(SIZED, storage_bytes=7 * GB), state=loaded), Unplaceable)
+
+
+def test_cards_without_sizes_reserve_nothing():
+    placed = place(card=ModelCard(model_id="org/m", n_layers=8, storage_bytes=GB), state=cluster_of(node("n1", GB)))
+    assert placed.max_context == 32768 and placed.shards[0].kv_bytes == 0

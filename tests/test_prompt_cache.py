@@ -199,7 +199,7 @@ def test_generation_stops_at_the_models_context_and_a_prompt_that_fills_it_is_re
     [(_, batched)] = run_batched(engine, [params])
     assert [(r.finish_reason, r.completion_tokens) for r in (alone, batched)] == [("length", 7)] * 2
     engine.context_length = prompt
-    with pytest.raises(PromptTooLong, match=f"the prompt is {prompt} tokens; the model's context is {prompt}"):
+    with pytest.raises(PromptTooLong, match=f"the prompt is {prompt} tokens; this instance's context is {prompt}"):
         run_alone(engine, params)
     with pytest.raises(PromptTooLong):
         run_batched(engine, [params])

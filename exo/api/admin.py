@@ -12,6 +12,7 @@ from exo.api.card_source import complete_card
 from exo.api.context import context_of
 from exo.api.errors import ApiError, error_body
 from exo.api.request_body import decode_body
+from exo.api.validate import check_max_context
 from exo.core.commands import AddCustomCard, DeleteCustomCard, DeleteInstance, PlaceInstance
 from exo.core.events import InstanceCreated
 from exo.core.state import State, encode_state
@@ -30,6 +31,7 @@ class PlaceInstanceRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=T
     sharding: Sharding = "pipeline"
     min_nodes: int = 1
     max_queue: int = 0  # open tasks admitted before 429s; 0: the master's default
+    max_context: int = 0  # tokens of context to reserve KV cache for; 0: the most that fits, up to a default
     wait: bool | float | None = None  # answer once the instance is ready or failed (seconds, or true)
 
 
@@ -131,9 +133,10 @@ async def place_instance(request: web.Request) -> web.Response:
         raise ApiError(404, f"unknown model {body.model_id!r}", param="model_id", code="model_not_found")
     if not 0 <= body.max_queue <= 100_000:
         raise ApiError(400, "max_queue must be between 0 (the default) and 100000", param="max_queue")
+    check_max_context(body.max_context, ctx.require_card(body.model_id))
     wait_s = _wait_seconds(request, body)
     command = PlaceInstance(command_id=uuid.uuid4().hex, model_id=body.model_id, sharding=body.sharding,
-                            min_nodes=body.min_nodes, max_queue=body.max_queue)
+                            min_nodes=body.min_nodes, max_queue=body.max_queue, max_context=body.max_context)
     event = await ctx.outcomes.call(command)
     assert isinstance(event, InstanceCreated)
     instance_id = event.instance.instance_id
@@ -233,9 +236,10 @@ async def delete_custom_model(request: web.Request) -> web.Response:
 
 
 async def list_models(request: web.Request) -> web.Response:
-    cards = context_of(request).all_cards()
-    data = [{"id": c.model_id, "object": "model", "created": 0, "owned_by": "exo", "name": c.name or c.model_id}
-            for c in sorted(cards.values(), key=lambda c: c.model_id)]
+    ctx = context_of(request)
+    data = [{"id": c.model_id, "object": "model", "created": 0, "owned_by": "exo", "name": c.name or c.model_id,
+             "context_length": c.context_length, "max_context": ctx.max_context(c.model_id) or None}
+            for c in sorted(ctx.all_cards().values(), key=lambda c: c.model_id)]
     return web.json_response({"object": "list", "data": data})
 
 

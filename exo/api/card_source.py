@@ -12,6 +12,9 @@ from huggingface_hub.errors import EntryNotFoundError, GatedRepoError, Repositor
 from exo.api.errors import ApiError
 from exo.core.types import ModelCard
 
+# The KV cache is kept in the activations' type, which follows the model's (quantized ones included).
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
 
 async def complete_card(card: ModelCard) -> ModelCard:
     if card.n_layers:
@@ -27,6 +30,8 @@ async def complete_card(card: ModelCard) -> ModelCard:
             "num_attention_heads": int(text.get("num_attention_heads", 0)),
             "num_key_value_heads": int(text.get("num_key_value_heads", text.get("num_attention_heads", 0))),
             "context_length": int(text.get("max_position_embeddings", 0)),
+            "head_dim": int(text.get("head_dim") or 0),
+            "kv_dtype_bytes": _DTYPE_BYTES.get(str(text.get("torch_dtype") or text.get("dtype") or ""), 0),
         })
     except (AttributeError, TypeError, ValueError) as error:  # a config.json that is not a model's
         raise ApiError(400, f"{card.source_repo!r} has a config.json exo cannot read: {error}", param="model_id") from None

@@ -10,6 +10,7 @@ from aiohttp import web
 from exo.api.context import context_of
 from exo.api.errors import ApiError
 from exo.api.generation import cancel_generation
+from exo.api.validate import check_max_context
 from exo.core.placement import placement_previews
 
 CANCEL_WAIT_S = 10.0  # how long the cancel route waits to report how the task ended
@@ -46,11 +47,15 @@ async def instance_previews(request: web.Request) -> web.Response:
     card = ctx.card(model_id)
     if card is None:
         raise ApiError(404, f"unknown model {model_id!r}", param="model_id", code="model_not_found")
+    try:
+        max_context = check_max_context(int(request.query.get("max_context", "0")), card)
+    except ValueError:
+        raise ApiError(400, "max_context must be a number of tokens", param="max_context") from None
     previews = []
-    for preview in placement_previews(card, ctx.view.state):
+    for preview in placement_previews(card, ctx.view.state, max_context):
         # min_nodes: what to send to POST /place_instance to get this placement.
         shown = {"model_id": model_id, "sharding": preview.sharding, "min_nodes": preview.node_count,
-                 "node_count": preview.node_count}
+                 "node_count": preview.node_count, "max_context": preview.instance.max_context if preview.instance else None}
         if preview.rejection is not None:
             previews.append(shown | {"instance": None, "error": preview.rejection.reason,
                                      "code": preview.rejection.code})
@@ -66,4 +71,5 @@ async def get_model(request: web.Request) -> web.Response:
     card = ctx.require_card(model_id)
     return web.json_response({"id": card.model_id, "object": "model", "created": 0, "owned_by": "exo",
                               "name": card.name or card.model_id, "context_length": card.context_length,
+                              "max_context": ctx.max_context(model_id) or None,
                               "card": msgspec.to_builtins(card)})

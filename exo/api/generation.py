@@ -156,7 +156,8 @@ async def cancel_generation(ctx: ApiContext, command_id: str) -> None:
 async def start_generation(ctx: ApiContext, model_id: str, params: GenerationParams) -> Generation:
     """Queue the request and return once the master accepted it (or raise why it did not)."""
     card = ctx.card(model_id)
-    check_limits(params, card.context_length if card is not None else 0)
+    # The context placed instances have room for, else the model's own (none placed: a 503 follows).
+    check_limits(params, ctx.max_context(model_id) or (card.context_length if card is not None else 0))
     command_id = uuid.uuid4().hex
     listener = await TokenListener.live(ctx.nc, command_id)  # before sending: no chunk can be missed
     answer = ctx.outcomes.expect(command_id)

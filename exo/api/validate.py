@@ -8,7 +8,8 @@ from typing import TypeVar
 import msgspec
 
 from exo.api.errors import ApiError
-from exo.core.types import GenerationParams
+from exo.core.kv_budget import context_cap
+from exo.core.types import GenerationParams, ModelCard
 
 # What one request may ask for. Everything in GenerationParams is stored in the log and in State,
 # so what a request may put there is bounded, not only what the model can do with it.
@@ -35,11 +36,11 @@ def at_least_one(value: int | None, param: str) -> int | None:
 
 
 def check_limits(params: GenerationParams, context_length: int) -> None:
-    """The bounds every surface shares: max_tokens (the server's limit and the model's context
-    length), seed, stop strings and tool definitions. A 400 naming the parameter."""
+    """The bounds every surface shares: max_tokens (the server's limit and the context its
+    instances have room for), seed, stop strings and tool definitions. A 400 naming the parameter."""
     limit = min(MAX_TOKENS_LIMIT, context_length) if context_length > 0 else MAX_TOKENS_LIMIT
     if params.max_tokens is not None and params.max_tokens > limit:
-        why = "the model's context length" if limit == context_length else "this server's limit (EXO_MAX_TOKENS_LIMIT)"
+        why = "the model's context" if limit == context_length else "this server's limit (EXO_MAX_TOKENS_LIMIT)"
         raise ApiError(400, f"max_tokens must be at most {limit} ({why}), got {params.max_tokens}", param="max_tokens")
     in_range(params.seed, 0, SEED_MAX, "seed")
     if len(params.stop) > MAX_STOP_STRINGS:
@@ -50,6 +51,15 @@ def check_limits(params: GenerationParams, context_length: int) -> None:
         raise ApiError(400, f"tool definitions must be at most {MAX_TOOLS_BYTES} bytes of JSON", param="tools")
     if params.response_format and len(msgspec.json.encode(params.response_format)) > MAX_SCHEMA_BYTES:
         raise ApiError(400, f"response_format must be at most {MAX_SCHEMA_BYTES} bytes of JSON", param="response_format")
+
+
+def check_max_context(max_context: int, card: ModelCard) -> int:
+    """A placement's max_context: 0 (the most that fits) up to the model's context length."""
+    cap = context_cap(card)
+    if not 0 <= max_context <= cap:
+        raise ApiError(400, f"max_context must be between 0 (the most that fits) and {cap} (the model's context), "
+                            f"got {max_context}", param="max_context")
+    return max_context
 
 
 def stop_list(stop: str | list[str] | None) -> list[str]:

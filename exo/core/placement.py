@@ -14,6 +14,11 @@ How an instance is placed (`place_instance`):
   are split in proportion to each node's free memory (largest-remainder rounding, every rank at
   least one layer), so k can be at most the layer count; a card without a layer count can only
   be placed on one node.
+- Context: each rank also keeps room for the KV cache of the instance's `max_context` tokens
+  (exo/core/kv_budget.py): the context asked for, refused with the numbers when it does not fit,
+  or else the most that fits up to the model's context and DEFAULT_MAX_CONTEXT (refused below
+  MIN_AUTO_CONTEXT). Every instance's reservation is taken off its nodes' free memory, loaded or
+  not: a runner's KV cache grows with its requests, after the node reported.
 - Memory: every rank needs its share of `storage_bytes` (tensor: storage / k; pipeline:
   storage * its layers / n_layers, rounded up) within its node's `memory_available`. There is
   no margin on top: `memory_available` is what the node itself reports as free (MemAvailable),
@@ -29,7 +34,7 @@ How an instance is placed (`place_instance`):
   rank of this placement. A node without an address or ring ports cannot join a multi-node
   instance. One node: `ring_address` is "".
 
-Checks for one k run in this order: heads / layers, memory, addresses and ring ports.
+Checks for one k run in this order: heads / layers, memory, context, addresses and ring ports.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from collections.abc import Iterator
 
 import msgspec
 
+from exo.core.kv_budget import MIN_AUTO_CONTEXT, context_cap, default_context, rank_kv_bytes, tokens_that_fit
 from exo.core.state import State
 from exo.core.types import Instance, ModelCard, NodeInfo, RejectionCode, ShardAssignment, Sharding
 
@@ -64,13 +70,19 @@ class _Rank(msgspec.Struct, frozen=True, kw_only=True):
     end_layer: int
     ring_address: str = ""
     memory_bytes: int = 0
+    kv_bytes: int = 0
+
+
+class _Plan(msgspec.Struct, frozen=True, kw_only=True):
+    ranks: list[_Rank]
+    max_context: int
 
 
 LOADED = ("warming_up", "ready")  # a runner past loading: its node's own report counts its memory
 
 
 def place_instance(
-    card: ModelCard, sharding: Sharding, min_nodes: int, state: State, ids: Iterator[str]
+    card: ModelCard, sharding: Sharding, min_nodes: int, state: State, ids: Iterator[str], max_context: int = 0,
 ) -> Instance | Unplaceable:
     """Place one instance on the fewest nodes (at least min_nodes) that can hold it.
 
@@ -79,6 +91,9 @@ def place_instance(
     """
     if min_nodes < 1:
         return Unplaceable("invalid", "min_nodes must be at least 1")
+    if not 0 <= max_context <= context_cap(card):
+        return Unplaceable("invalid", f"max_context must be between 0 (the most that fits) and {card.model_id}'s "
+                                      f"context length, {context_cap(card)}; got {max_context}")
     nodes = _nodes_by_free_memory(state)
     if not nodes:
         return Unplaceable("unavailable", "no worker node has joined the cluster yet")
@@ -86,7 +101,7 @@ def place_instance(
         return Unplaceable("conflict", f"min_nodes={min_nodes} but the cluster has {len(nodes)} node(s)")
     first_failure: Unplaceable | None = None
     for k in range(min_nodes, len(nodes) + 1):
-        planned = _plan(card, sharding, nodes[:k], state)
+        planned = _plan(card, sharding, nodes[:k], state, max_context)
         if not isinstance(planned, Unplaceable):
             return _instance(card, sharding, planned, ids)
         first_failure = first_failure or planned
@@ -97,7 +112,7 @@ def place_instance(
     return Unplaceable(first_failure.code, f"{first_failure.reason}; {tried} did not work either")
 
 
-def placement_previews(card: ModelCard, state: State) -> list[PlacementPreview]:
+def placement_previews(card: ModelCard, state: State, max_context: int = 0) -> list[PlacementPreview]:
     """Every sharding on exactly 1..N nodes: the instance it would give (ids "preview-<n>"), or why not.
 
     Placing with that sharding and min_nodes equal to a valid preview's node count gives that
@@ -111,7 +126,7 @@ def placement_previews(card: ModelCard, state: State) -> list[PlacementPreview]:
                 "unavailable", "no worker node has joined the cluster yet")))
             continue
         for k in range(1, len(nodes) + 1):
-            planned = _plan(card, sharding, nodes[:k], state)
+            planned = _plan(card, sharding, nodes[:k], state, max_context)
             if isinstance(planned, Unplaceable):
                 previews.append(PlacementPreview(sharding=sharding, node_count=k, rejection=planned))
             else:
@@ -151,7 +166,7 @@ def split_layers(n_layers: int, weights: list[int]) -> list[int]:
             fixed.add(r)
 
 
-def _plan(card: ModelCard, sharding: Sharding, nodes: list[NodeInfo], state: State) -> list[_Rank] | Unplaceable:
+def _plan(card: ModelCard, sharding: Sharding, nodes: list[NodeInfo], state: State, max_context: int) -> _Plan | Unplaceable:
     """The ranks on exactly these nodes (rank order = this order), or why they cannot hold the model."""
     k = len(nodes)
     if sharding == "tensor":
@@ -184,8 +199,13 @@ def _plan(card: ModelCard, sharding: Sharding, nodes: list[NodeInfo], state: Sta
         for rank, (node, need) in enumerate(zip(nodes, needs)):
             if node.memory_available and need > node.memory_available:
                 return Unplaceable("conflict", _memory_reason(card, sharding, nodes, rank, need, blocks[rank]))
+    context = _context(card, sharding, nodes, blocks, needs, max_context)
+    if isinstance(context, Unplaceable):
+        return context
+    kv = [rank_kv_bytes(card, sharding, k, block, context) for block in blocks]
     if k == 1:
-        return [_Rank(node_id=nodes[0].node_id, start_layer=blocks[0][0], end_layer=blocks[0][1], memory_bytes=needs[0])]
+        return _Plan(ranks=[_Rank(node_id=nodes[0].node_id, start_layer=blocks[0][0], end_layer=blocks[0][1],
+                                  memory_bytes=needs[0], kv_bytes=kv[0])], max_context=context)
     for node in nodes:
         if not node.addresses:
             return Unplaceable("conflict", f"node {node.node_id} reports no address peers can reach it on, "
@@ -195,7 +215,7 @@ def _plan(card: ModelCard, sharding: Sharding, nodes: list[NodeInfo], state: Sta
                                            f"so it cannot take part in an instance across {k} nodes")
     used = _used_ring_ports(state)
     ranks = []
-    for node, (start, end), need in zip(nodes, blocks, needs):
+    for node, (start, end), need, reserve in zip(nodes, blocks, needs, kv):
         ip = node.addresses[0]
         ports = range(node.ring_port_first, node.ring_port_first + node.ring_port_count)
         port = next((p for p in ports if (ip, p) not in used), None)
@@ -204,8 +224,28 @@ def _plan(card: ModelCard, sharding: Sharding, nodes: list[NodeInfo], state: Sta
                                            f"{ports.stop - 1} on {ip} are all in use by other instances")
         used.add((ip, port))
         ranks.append(_Rank(node_id=node.node_id, start_layer=start, end_layer=end, ring_address=f"{ip}:{port}",
-                           memory_bytes=need))
-    return ranks
+                           memory_bytes=need, kv_bytes=reserve))
+    return _Plan(ranks=ranks, max_context=context)
+
+
+def _context(card: ModelCard, sharding: Sharding, nodes: list[NodeInfo], blocks: list[tuple[int, int]],
+             needs: list[int], asked: int) -> int | Unplaceable:
+    """The instance's max_context: `asked` if its KV cache fits beside the weights on every rank,
+    else (not asked) the most that fits, up to the default."""
+    want = asked or default_context(card)
+    fits = [(tokens_that_fit(card, sharding, len(nodes), block, node.memory_available - need), rank)
+            for rank, (node, block, need) in enumerate(zip(nodes, blocks, needs)) if node.memory_available]
+    most, rank = min(fits, default=(want, 0))
+    if want <= most:
+        return want
+    if not asked and most >= MIN_AUTO_CONTEXT:
+        return most
+    node, block = nodes[rank], blocks[rank]
+    where = f"on {node.node_id}" if len(nodes) == 1 else f"on rank {rank} ({node.node_id})"
+    kv = rank_kv_bytes(card, sharding, len(nodes), block, want)
+    return Unplaceable("conflict", f"{card.model_id} with a context of {want} tokens needs {kv} bytes of KV cache {where} "
+                                   f"besides {needs[rank]} for the weights, but it has {node.memory_available} free: "
+                                   f"room for {most} tokens of context" + ("" if asked else f" (less than {MIN_AUTO_CONTEXT})"))
 
 
 def _memory_reason(card: ModelCard, sharding: Sharding, nodes: list[NodeInfo], rank: int, need: int,
@@ -234,14 +274,15 @@ def _used_ring_ports(state: State) -> set[tuple[str, int]]:
     return used
 
 
-def _instance(card: ModelCard, sharding: Sharding, ranks: list[_Rank], ids: Iterator[str]) -> Instance:
+def _instance(card: ModelCard, sharding: Sharding, plan: _Plan, ids: Iterator[str]) -> Instance:
     shards = [
-        ShardAssignment(runner_id=next(ids), node_id=r.node_id, rank=rank, world_size=len(ranks),
+        ShardAssignment(runner_id=next(ids), node_id=r.node_id, rank=rank, world_size=len(plan.ranks),
                         start_layer=r.start_layer, end_layer=r.end_layer, ring_address=r.ring_address,
-                        memory_bytes=r.memory_bytes)
-        for rank, r in enumerate(ranks)
+                        memory_bytes=r.memory_bytes, kv_bytes=r.kv_bytes)
+        for rank, r in enumerate(plan.ranks)
     ]
-    return Instance(instance_id=next(ids), model_id=card.model_id, sharding=sharding, shards=shards)
+    return Instance(instance_id=next(ids), model_id=card.model_id, sharding=sharding, shards=shards,
+                    max_context=plan.max_context)
 
 
 def _nodes_by_free_memory(state: State) -> list[NodeInfo]:
@@ -252,12 +293,13 @@ def _nodes_by_free_memory(state: State) -> list[NodeInfo]:
 
 
 def _memory_still_to_load(state: State) -> dict[str, int]:
+    """Per node: the weights of shards not loaded yet, and every shard's KV reservation."""
     coming: dict[str, int] = {}
     for instance in state.instances.values():
         for shard in instance.shards:
             runner = state.runners.get(shard.runner_id)
-            if runner is None or runner.status not in LOADED:
-                coming[shard.node_id] = coming.get(shard.node_id, 0) + shard.memory_bytes
+            weights = shard.memory_bytes if runner is None or runner.status not in LOADED else 0
+            coming[shard.node_id] = coming.get(shard.node_id, 0) + weights + shard.kv_bytes
     return coming
 
 

@@ -52,6 +52,8 @@ class ModelCard(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     num_key_value_heads: int = 0
     storage_bytes: int = 0
     context_length: int = 0
+    head_dim: int = 0  # 0: hidden_size / num_attention_heads (models that differ say so in their config)
+    kv_dtype_bytes: int = 0  # bytes per KV cache element (4: float32 models); 0: 2, as float16 / bfloat16
     supports_images: bool = False
     sampling: SamplingDefaults = SamplingDefaults()
     sampling_no_thinking: SamplingDefaults | None = None  # for requests that turn a thinking model's thinking off
@@ -95,6 +97,7 @@ class ShardAssignment(msgspec.Struct, frozen=True, kw_only=True):
     # "ip:port" this rank listens on for the MLX ring group; "" for a one-node instance.
     ring_address: str = ""
     memory_bytes: int = 0  # what placement counted this rank's part of the weights to take (0: unknown)
+    kv_bytes: int = 0  # what it reserved on this rank for the instance's max_context of KV cache (0: unknown)
 
 
 class Instance(msgspec.Struct, frozen=True, kw_only=True):
@@ -104,6 +107,7 @@ class Instance(msgspec.Struct, frozen=True, kw_only=True):
     shards: list[ShardAssignment] = []
     created_seq: int = 0  # stream sequence of its creation: a stable order for routing
     max_queue: int = 0  # open tasks it admits; 0: the master's default
+    max_context: int = 0  # tokens of context (prompt + answer) it has room for; 0: as the model allows
 
 
 class RunnerInfo(msgspec.Struct, frozen=True, kw_only=True):

@@ -130,7 +130,8 @@ class Runner:
     async def _serve(self, loop, request) -> None:
         try:
             if isinstance(request, Load):
-                await loop.run_in_executor(self._mlx_thread, self._engine.load, request.model_path, request.shard)
+                await loop.run_in_executor(self._mlx_thread, self._engine.load, request.model_path, request.shard,
+                                           request.max_context)
                 self.report(Loaded())
             elif isinstance(request, WarmUp):
                 await loop.run_in_executor(self._mlx_thread, self._engine.warm_up)

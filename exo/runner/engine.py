@@ -66,7 +66,7 @@ class Engine:
         self.pulse = time.monotonic()  # when the model thread last made progress (see Runner._pulse)
         self.context_length = 0  # the model's (max_position_embeddings), 0 if it does not say
 
-    def load(self, model_path: str, shard: RankSetup | None = None) -> None:
+    def load(self, model_path: str, shard: RankSetup | None = None, max_context: int = 0) -> None:
         if shard is None:
             self.model, self.tokenizer = load(model_path)
         else:
@@ -76,6 +76,8 @@ class Engine:
         # The budget comes from the memory free once the model is in it. On a multi-node instance
         # rank 0 decides which entries every rank keeps (its byte count; see PromptCache.trim).
         self.context_length = int(getattr(getattr(self.model, "args", None), "max_position_embeddings", 0) or 0)
+        if max_context:  # what placement reserved KV cache for: no request may outgrow it
+            self.context_length = min(self.context_length or max_context, max_context)
         budget = budget_bytes(memory()[1]) if shard is None or shard.rank == 0 else FOLLOWER_BUDGET
         self.prompt_cache = PromptCache(self.model, budget, entry_limit())
 
@@ -154,7 +156,7 @@ class Engine:
         if not self.context_length:
             return max_tokens_of(params)
         if prompt_tokens >= self.context_length:
-            raise PromptTooLong(f"the prompt is {prompt_tokens} tokens; the model's context is {self.context_length}")
+            raise PromptTooLong(f"the prompt is {prompt_tokens} tokens; this instance's context is {self.context_length}")
         return min(max_tokens_of(params), self.context_length - prompt_tokens)
 
     def beat(self) -> None:

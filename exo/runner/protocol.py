@@ -24,6 +24,7 @@ class RankSetup(msgspec.Struct, frozen=True, kw_only=True):
 class Load(Request, tag="load", kw_only=True):
     model_path: str
     shard: RankSetup | None = None  # None: the whole model on this runner
+    max_context: int = 0  # the instance's context (placement reserved its KV cache); 0: the model's
 
 
 class WarmUp(Request, tag="warm_up", kw_only=True):

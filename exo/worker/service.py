@@ -165,7 +165,8 @@ class Worker:
                 if self._set_phase(step.runner_id, "downloading"):
                     self._in_background(self._download(step))
             case p.LoadModel():
-                load = rp.Load(model_path=str(self._model_paths[step.runner_id]), shard=self._rank_setup(step.runner_id))
+                load = rp.Load(model_path=str(self._model_paths[step.runner_id]), shard=self._rank_setup(step.runner_id),
+                               max_context=self._max_context(step.runner_id))
                 await self._send_lifecycle(step.runner_id, "loading", load)
             case p.WarmUp():
                 await self._send_lifecycle(step.runner_id, "warming_up", rp.WarmUp())
@@ -343,6 +344,11 @@ class Worker:
             host.kill()
         self._model_paths.pop(step.runner_id, None)
         await self._create_runner(step, failures)
+
+    def _max_context(self, runner_id: str) -> int:
+        runner = self._view.state.runners.get(runner_id)
+        instance = self._view.state.instances.get(runner.instance_id) if runner else None
+        return instance.max_context if instance else 0
 
     def _rank_setup(self, runner_id: str) -> rp.RankSetup | None:
         """Where this runner sits in its instance's ring group; None for a one-node instance."""

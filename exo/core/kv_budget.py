@@ -1,0 +1,49 @@
+"""How much context an instance can hold: the KV cache its ranks must keep room for.
+
+Every token of context keeps a key and a value in every layer: 2 x KV heads x head dim x the
+cache's element size, per layer. Placement reserves that for an instance's `max_context` tokens
+(one request at the full context, or several sharing it in a batch) on top of the weights, and
+refuses a context that does not fit with the numbers. A card that does not give its layers, heads
+and sizes reserves nothing (unknown sizes do not constrain, as for the weights).
+"""
+
+from __future__ import annotations
+
+from exo.core.types import ModelCard, Sharding
+
+DEFAULT_MAX_CONTEXT = 32768  # what an instance gets when its placement does not say, at most the model's own
+MIN_AUTO_CONTEXT = 2048  # below this a context chosen to fit is not worth an instance: refused instead
+CONTEXT_STEP = 256  # contexts chosen to fit are rounded down to this
+ASSUMED_ELEMENT_BYTES = 2  # float16 / bfloat16 caches, when the card does not say
+
+
+def kv_bytes_per_token(card: ModelCard) -> int:
+    """One token's keys and values in every layer of the model (0: the card does not say)."""
+    heads = card.num_key_value_heads or card.num_attention_heads
+    head_dim = card.head_dim or (card.hidden_size // card.num_attention_heads if card.num_attention_heads else 0)
+    return 2 * heads * head_dim * (card.kv_dtype_bytes or ASSUMED_ELEMENT_BYTES) * card.n_layers
+
+
+def rank_kv_bytes(card: ModelCard, sharding: Sharding, world: int, layers: tuple[int, int], tokens: int) -> int:
+    """What one rank keeps for `tokens` of context: tensor ranks hold 1/world of every layer's
+    heads, pipeline ranks all heads of their block of layers."""
+    per_token = kv_bytes_per_token(card)
+    if not per_token or not tokens:
+        return 0
+    if sharding == "tensor":
+        return -(-per_token * tokens // world)
+    return -(-per_token * tokens * (layers[1] - layers[0]) // max(1, card.n_layers))
+
+
+def context_cap(card: ModelCard) -> int:
+    return card.context_length or DEFAULT_MAX_CONTEXT
+
+
+def default_context(card: ModelCard) -> int:
+    return min(context_cap(card), DEFAULT_MAX_CONTEXT)
+
+
+def tokens_that_fit(card: ModelCard, sharding: Sharding, world: int, layers: tuple[int, int], room: int) -> int:
+    """The most tokens of context whose KV cache fits in `room` bytes on this rank."""
+    one = rank_kv_bytes(card, sharding, world, layers, CONTEXT_STEP)
+    return room // one * CONTEXT_STEP if one else 1 << 62
