@@ -179,3 +179,11 @@ def test_a_response_format_constrains_the_answer_not_the_reasoning(http, ref):
     assert message["reasoning_content"] == THOUGHT  # the thought the model writes unconstrained
     answer = json.loads(message["content"])
     assert set(answer) == {"calm", "size"} and isinstance(answer["calm"], bool) and 0 <= answer["size"] <= 99
+
+
+def test_a_required_tool_call_is_refused_where_the_format_cannot_be_enforced(http, ref):
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    response = http.post("/v1/chat/completions", json=ask(tools=[tool], tool_choice="required"))
+    assert response.status_code == 400, response.text  # this model has no tool-call format mlx-lm knows
+    assert "cannot be enforced for this model's tool-call format (none)" in response.json()["error"]["message"]
+    assert http.post("/v1/chat/completions", json=ask(tools=[tool])).status_code == 200  # "auto": fine

@@ -160,6 +160,70 @@ def test_ollama_streamed_tool_call(llama, ref):
     assert parts[-1].done and "".join(p.message.content for p in parts) == ""
 
 
+# -- a required call is enforced: decoding constrained to the model's tool-call format -----------
+
+CITY_TOOL = {"type": "function", "function": {"name": CALL_NAME, "description": "The weather in a city", "parameters": {
+    "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo", "Lima"]}}, "required": ["city"],
+    "additionalProperties": False}}}
+
+
+@pytest.fixture(scope="module")
+def required_call(ref) -> tuple[str, list[tuple[str, dict]]]:
+    """After the tool's result the model answers in text; with a call required, mlx-lm with the same
+    constraint processor writes this call: (the id of the earlier call, [(name, arguments)])."""
+    from exo.core.grammar import tool_call_grammar
+    from exo.runner.constraint import GrammarConstraint
+
+    prompt = after_the_call(ref, "call_0", CITY_TOOL)
+    assert "<tool_call>" not in ref.generate(prompt, 16)  # unconstrained: text, not a call
+    grammar = tool_call_grammar([CITY_TOOL], list(ref.tokenizer.tool_call_start_tokens),
+                                list(ref.tokenizer.tool_call_end_tokens))
+    raw = ref.generate(prompt, 64, logits_processors=[GrammarConstraint(ref.tokenizer, grammar)])
+    calls = [json.loads(part.split("</tool_call>")[0]) for part in raw.split("<tool_call>")[1:]]
+    assert calls and all(c["arguments"]["city"] in ("Paris", "Oslo", "Lima") for c in calls), raw
+    return "call_0", [(c["name"], c["arguments"]) for c in calls]
+
+
+def chat_after_the_call(call_id: str) -> list[dict]:
+    call = {"id": call_id, "type": "function", "function": {"name": CALL_NAME, "arguments": json.dumps(CALL_ARGUMENTS)}}
+    return [{"role": "user", "content": ASK}, {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": call_id, "content": RESULT}]
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": CALL_NAME}}])
+def test_chat_tool_choice_required_or_named_is_enforced(client, required_call, choice):
+    call_id, expected = required_call
+    reply = client.chat.completions.create(model=TOOL_MODEL_ID, messages=chat_after_the_call(call_id), tools=[CITY_TOOL],
+                                           tool_choice=choice, temperature=0, max_tokens=64)
+    calls = reply.choices[0].message.tool_calls
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == expected
+    assert reply.choices[0].finish_reason == "tool_calls"
+
+
+@pytest.mark.parametrize("choice", [{"type": "any"}, {"type": "tool", "name": CALL_NAME}])
+def test_anthropic_any_or_named_tool_is_enforced(claude, required_call, choice):
+    call_id, expected = required_call
+    tool = {"name": CALL_NAME, "description": FUNCTION["description"], "input_schema": CITY_TOOL["function"]["parameters"]}
+    message = claude.messages.create(model=TOOL_MODEL_ID, max_tokens=64, tools=[tool], tool_choice=choice, messages=[
+        {"role": "user", "content": ASK},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": call_id, "name": CALL_NAME, "input": CALL_ARGUMENTS}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call_id, "content": RESULT}]}])
+    assert [(b.name, b.input) for b in message.content if b.type == "tool_use"] == expected
+    assert message.stop_reason == "tool_use"
+
+
+def test_responses_tool_choice_required_is_enforced(client, required_call):
+    call_id, expected = required_call
+    tool = {"type": "function", **CITY_TOOL["function"]}
+    response = client.responses.create(model=TOOL_MODEL_ID, tools=[tool], tool_choice="required", max_output_tokens=64,
+                                       temperature=0, input=[
+                                           {"role": "user", "content": ASK},
+                                           {"type": "function_call", "call_id": call_id, "name": CALL_NAME,
+                                            "arguments": json.dumps(CALL_ARGUMENTS)},
+                                           {"type": "function_call_output", "call_id": call_id, "output": RESULT}])
+    assert [(o.name, json.loads(o.arguments)) for o in response.output if o.type == "function_call"] == expected
+
+
 # -- bad requests: a 400 in each surface's shape, nothing run ------------------------------------
 
 @pytest.mark.parametrize(("path", "body", "says"), [
@@ -177,6 +241,10 @@ def test_ollama_streamed_tool_call(llama, ref):
     ("/v1/responses", {"input": [{"type": "function_call_output", "output": "x"}]}, "call_id"),
     ("/v1/responses", {"input": [{"type": "file_search_call", "id": "x"}]}, "not supported"),
     ("/api/chat", {"tools": [{"type": "function", "function": {"name": "no spaces"}}]}, "function names"),
+    ("/v1/responses", {"tools": [{"type": "function", "name": "f", "parameters": {"type": "object", "if": {}}}],
+                       "tool_choice": "required"}, "cannot be enforced for these tools"),
+    ("/v1/responses", {"tools": [RESPONSES_TOOL], "tool_choice": "required",
+                       "text": {"format": {"type": "json_object"}}}, "cannot be combined"),
     ("/api/chat", {"messages": [{"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f",
                                                                                                  "arguments": "x"}}]}]},
      "arguments"),

@@ -12,7 +12,7 @@ from exo.api.anthropic_stream import content_blocks, stop_fields, stream_message
 from exo.api.context import context_of
 from exo.api.errors import ApiError
 from exo.api.generation import Generation, collect, start_generation
-from exo.api.openai_tools import FUNCTION_NAME, NamedFunction, ToolChoice, offered_tools
+from exo.api.openai_tools import FUNCTION_NAME, NamedFunction, ToolChoice, offered_tools, required_call
 from exo.api.request_body import decode_body
 from exo.api.tool_conversation import Conversation, arguments_text, function_tool
 from exo.api.validate import at_least_one, in_range
@@ -149,8 +149,11 @@ def to_params(body: MessagesRequest) -> GenerationParams:
         if message.role not in ("user", "assistant"):
             raise ApiError(400, f"messages[{n}].role must be 'user' or 'assistant'", param=f"messages[{n}].role")
         _add_message(conversation, n, message)
+    tools = _tools(body)
+    choice = body.tool_choice.type if body.tool_choice else "auto"
     return GenerationParams(
-        messages=conversation.messages, tool_turns=conversation.tool_turns, tools=_tools(body),
+        messages=conversation.messages, tool_turns=conversation.tool_turns, tools=tools,
+        tools_required=required_call(tools, choice in ("any", "tool")),
         max_tokens=at_least_one(body.max_tokens, "max_tokens"),
         temperature=in_range(body.temperature, 0.0, 1.0, "temperature"), top_p=in_range(body.top_p, 0.0, 1.0, "top_p"),
         top_k=at_least_one(body.top_k, "top_k"), stop=list(body.stop_sequences or []),

@@ -232,8 +232,9 @@ async def collect(generation: Generation) -> Collected:
 
 
 def raise_if_failed(chunk: TokenChunk) -> None:
-    if chunk.finish_reason == "error" and chunk.error_code == "context_length_exceeded":
-        raise ApiError(400, chunk.error, param="messages", code="context_length_exceeded")
+    if chunk.finish_reason == "error" and chunk.error_code:  # refused by the runner before any work
+        param = "messages" if chunk.error_code == "context_length_exceeded" else None
+        raise ApiError(400, chunk.error, param=param, code=chunk.error_code)
     if chunk.finish_reason == "error":
         raise ApiError(500, chunk.error or "generation failed")
     if chunk.finish_reason == "cancelled":

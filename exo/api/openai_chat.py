@@ -11,7 +11,15 @@ from exo.api.errors import ApiError
 from exo.api.generation import start_generation
 from exo.api.images import ImageUploads
 from exo.api.openai_chat_stream import complete_chat, parse_event_id, resume_chat, stream_chat
-from exo.api.openai_tools import RequestToolCall, ToolChoice, check_logprobs, check_penalty, offered_tools, tool_turn
+from exo.api.openai_tools import (
+    RequestToolCall,
+    ToolChoice,
+    check_logprobs,
+    check_penalty,
+    offered_tools,
+    required_call,
+    tool_turn,
+)
 from exo.api.request_body import decode_body
 from exo.api.structured import openai_chat_format
 from exo.core.types import ChatMessage, GenerationParams
@@ -91,14 +99,20 @@ def to_params(body: ChatRequest, uploads: ImageUploads) -> GenerationParams:
 def _openai_extras(body: ChatRequest) -> dict:
     """Penalties, logprobs, tools, the answer's format and the thinking switch, validated, as GenerationParams fields."""
     turns = [tool_turn(i, m.role, m.tool_calls, m.tool_call_id, m.name) for i, m in enumerate(body.messages)]
+    tools = offered_tools(body.tools, body.tool_choice)
+    required = required_call(tools, body.tool_choice == "required" or isinstance(body.tool_choice, ToolChoice))
+    response_format = openai_chat_format(body.response_format)
+    if required and response_format is not None:
+        raise ApiError(400, "a required tool call and a response_format cannot be combined", param="response_format")
     return {
         "presence_penalty": check_penalty(body.presence_penalty, "presence_penalty"),
         "frequency_penalty": check_penalty(body.frequency_penalty, "frequency_penalty"),
         "logprobs": body.logprobs,
         "top_logprobs": check_logprobs(body.logprobs, body.top_logprobs),
-        "tools": offered_tools(body.tools, body.tool_choice),
+        "tools": tools,
+        "tools_required": required,
         "tool_turns": [t for t in turns if t is not None],
-        "response_format": openai_chat_format(body.response_format),
+        "response_format": response_format,
         "enable_thinking": thinking.first_of(thinking.from_template_kwargs(body.chat_template_kwargs), body.enable_thinking,
                                              thinking.from_effort(body.reasoning_effort, "reasoning_effort")),
     }

@@ -10,7 +10,7 @@ from exo.api.context import context_of
 from exo.api.errors import ApiError
 from exo.api.generation import collect, start_generation
 from exo.api.openai_responses_stream import Answer, response_body, stream_response
-from exo.api.openai_tools import NamedFunction, ToolChoice, offered_tools
+from exo.api.openai_tools import NamedFunction, ToolChoice, offered_tools, required_call
 from exo.api.request_body import decode_body
 from exo.api.structured import responses_format
 from exo.api.thinking import from_effort
@@ -131,12 +131,17 @@ def to_params(body: ResponsesRequest) -> GenerationParams:
         conversation.say("system", body.instructions)
     for n, item in enumerate(items):
         _add_item(conversation, n, item)
+    tools = _tools(body)
+    required = required_call(tools, body.tool_choice == "required" or isinstance(body.tool_choice, NamedTool))
+    response_format = responses_format(body.text.format if body.text else None)
+    if required and response_format is not None:
+        raise ApiError(400, "a required tool call and text.format cannot be combined", param="text.format")
     return GenerationParams(
-        messages=conversation.messages, tool_turns=conversation.tool_turns, tools=_tools(body),
+        messages=conversation.messages, tool_turns=conversation.tool_turns, tools=tools, tools_required=required,
         max_tokens=at_least_one(body.max_output_tokens, "max_output_tokens"),
         temperature=in_range(body.temperature, 0.0, 2.0, "temperature"), top_p=in_range(body.top_p, 0.0, 1.0, "top_p"),
         enable_thinking=from_effort(body.reasoning.effort if body.reasoning else None, "reasoning.effort"),
-        response_format=responses_format(body.text.format if body.text else None),
+        response_format=response_format,
     )
 
 

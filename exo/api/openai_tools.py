@@ -12,6 +12,7 @@ import re
 import msgspec
 
 from exo.api.errors import ApiError
+from exo.core.grammar import tool_call_problem
 from exo.core.types import TokenLogprob, ToolCall, ToolTurn
 
 FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -52,8 +53,7 @@ class RequestToolCall(msgspec.Struct, kw_only=True):
 
 def offered_tools(tools: list[dict] | None, choice: str | ToolChoice | None) -> list[dict]:
     """The tools the template is given, as the client sent them: none for tool_choice "none",
-    only the named one for a named choice. ("required" cannot be enforced without constrained
-    decoding: it acts as "auto".)"""
+    only the named one for a named choice (which `required_call` then enforces)."""
     for n, raw in enumerate(tools or []):
         tool = _checked_tool(n, raw)
         if tool.type != "function":
@@ -73,6 +73,17 @@ def offered_tools(tools: list[dict] | None, choice: str | ToolChoice | None) -> 
     if choice.type != "function" or not named:
         raise ApiError(400, f"tool_choice names no tool in tools: {choice.function.name!r}", param="tool_choice")
     return named
+
+
+def required_call(tools: list[dict], required: bool) -> bool:
+    """Whether the answer must call one of `tools` ("required", or a named tool): decoding is then
+    constrained to a call (exo/core/grammar.py); a 400 when the tools' parameters cannot be enforced."""
+    if not (required and tools):
+        return False
+    if problem := tool_call_problem(tools):
+        reason = problem.splitlines()[0].split(": ", 1)[-1]
+        raise ApiError(400, f"a required tool call cannot be enforced for these tools: {reason}", param="tools")
+    return True
 
 
 def _checked_tool(n: int, raw: dict) -> FunctionTool:

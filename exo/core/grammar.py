@@ -4,6 +4,8 @@ work, and the runner compiles the very same grammar (exo/runner/constraint.py)."
 
 from __future__ import annotations
 
+import json
+
 from llguidance import LLMatcher
 
 from exo.core.types import ResponseFormat
@@ -16,6 +18,25 @@ def grammar_of(response_format: ResponseFormat) -> str:
     """The llguidance grammar of a response format; ValueError when the schema is malformed."""
     schema = response_format.json_schema if response_format.type == "json_schema" else {"type": "object"}
     return LLMatcher.grammar_from_json_schema(schema, overrides=_COMPILE)  # type: ignore[arg-type]
+
+
+def tool_call_grammar(tools: list[dict], start: list[int], end: list[int]) -> str:
+    """One or more JSON tool calls between the model's call markers (token ids), each naming one
+    of `tools` with arguments valid for its parameters: what mlx-lm's json_tools parser reads."""
+    calls = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]},
+                                                "arguments": t["function"].get("parameters") or {"type": "object"}},
+              "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
+    schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    marks = ["".join(f"<[{token}]>" for token in ids) for ids in (start, end)]
+    return LLMatcher.grammar_from_lark(f'start: call+\ncall: {marks[0]} "\\n"? %json {json.dumps(schema)} "\\n"? {marks[1]} "\\n"?\n')
+
+
+def tool_call_problem(tools: list[dict]) -> str:
+    """Why a call to one of these tools cannot be required ('' when it can)."""
+    try:
+        return LLMatcher.validate_grammar(tool_call_grammar(tools, [0], [1]))
+    except ValueError as error:
+        return str(error)
 
 
 def grammar_problem(response_format: ResponseFormat) -> str:

@@ -198,6 +198,7 @@ class GenerationParams(msgspec.Struct, frozen=True, kw_only=True):
     logprobs: bool = False
     top_logprobs: int = 0  # alternatives per token, when logprobs is on
     tools: list[dict] = []  # OpenAI-style function tools, given to the chat template
+    tools_required: bool = False  # tool_choice "required" or a named tool: the answer must call one (constrained)
     tool_turns: list[ToolTurn] = []  # tool calls and results of earlier turns (see ToolTurn)
     prompt: str | None = None  # raw prompt text (completions): used as is, no chat template
     enable_thinking: bool | None = None  # the chat template's switch; None: the model's default

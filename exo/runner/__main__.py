@@ -22,7 +22,7 @@ from exo.bus.connection import connect, split_urls
 from exo.core.types import TokenChunk
 from exo.runner.batch import Batcher, BatchFailed, batchable, max_batch
 from exo.runner.coalesce import Coalescer, Piece
-from exo.runner.engine import Engine, GenerationResult, Output, PromptTooLong
+from exo.runner.engine import Engine, GenerationResult, Output, RequestRefused
 from exo.runner.follower import follow
 from exo.runner.protocol import (
     Alive,
@@ -186,8 +186,8 @@ class Runner:
             result = await running
         except Exception as error:
             self._in_flight.discard(task_id)
-            if isinstance(error, PromptTooLong):  # the client's mistake, refused before any collective
-                await self._finish(task_id, index, "error", 0, 0, error=str(error), error_code="context_length_exceeded")
+            if isinstance(error, RequestRefused):  # the client's mistake, refused before any collective
+                await self._finish(task_id, index, "error", 0, 0, error=str(error), error_code=error.code)
                 return
             traceback.print_exc()
             await self._finish(task_id, index, "error", 0, 0, error=f"{type(error).__name__}: {error}")

@@ -1,5 +1,5 @@
-"""Constrained decoding for `response_format`: a logits processor that lets the model write only
-what the request's grammar allows (JSON for json_object, the schema's JSON for json_schema).
+"""Constrained decoding: a logits processor that lets the model write only what the request's
+grammar allows (exo/core/grammar.py: JSON for a response_format, a tool call when one is required).
 
 llguidance (the grammar engine llama.cpp and vLLM use; no torch) compiles the schema and, at each
 step, says which tokens may come next; the processor masks every other token. It follows mlx-lm's
@@ -22,9 +22,6 @@ import mlx.core as mx
 import numpy as np
 from llguidance import LLMatcher
 
-from exo.core.grammar import grammar_of
-from exo.core.types import ResponseFormat
-
 
 @functools.lru_cache(maxsize=8)
 def _ll_tokenizer(tokenizer: Any) -> llguidance.LLTokenizer:
@@ -35,8 +32,8 @@ def _ll_tokenizer(tokenizer: Any) -> llguidance.LLTokenizer:
 class GrammarConstraint:
     """One request's constraint: masks each step's logits to the tokens its grammar allows."""
 
-    def __init__(self, tokenizer: Any, response_format: ResponseFormat, in_reasoning: bool = False) -> None:
-        self._matcher = LLMatcher(_ll_tokenizer(tokenizer), grammar_of(response_format))
+    def __init__(self, tokenizer: Any, grammar: str, in_reasoning: bool = False) -> None:
+        self._matcher = LLMatcher(_ll_tokenizer(tokenizer), grammar)
         if self._matcher.is_error():
             raise ValueError(f"response_format cannot be enforced: {self._matcher.get_error()}")
         self._think_end = tuple(getattr(tokenizer, "think_end_tokens", None) or ()) if in_reasoning else ()

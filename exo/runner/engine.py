@@ -11,6 +11,7 @@ import mlx.core as mx
 from mlx_lm import load, stream_generate
 from mlx_lm.sample_utils import apply_top_k, apply_top_p, make_logits_processors, make_sampler
 
+from exo.core.grammar import grammar_of, tool_call_grammar
 from exo.core.types import GenerationParams, SamplingDefaults, TokenLogprob, ToolCall, TopLogprob
 from exo.memory import memory
 from exo.runner.constraint import GrammarConstraint
@@ -53,8 +54,16 @@ class GenerationResult:
         self.cached_tokens = cached_tokens  # prompt tokens reused from the prompt cache
 
 
-class PromptTooLong(ValueError):
+class RequestRefused(ValueError):
+    """The client's mistake, found before any work (and before any collective): a 400, with `code`."""
+
+    code = "invalid_request_error"
+
+
+class PromptTooLong(RequestRefused):
     """The prompt alone fills the model's context: nothing could be generated."""
+
+    code = "context_length_exceeded"
 
 
 class Engine:
@@ -144,12 +153,27 @@ class Engine:
         return result or decoding.finish()
 
     def constraint_for(self, params: GenerationParams, prompt: list[int]) -> list[Callable]:
-        """The request's response_format as a logits processor, on the rank that samples (the
-        others take its tokens)."""
-        if params.response_format is None or (self.lockstep is not None and not self.lockstep.leads):
+        """The request's response_format, or its required tool call, as a logits processor, on the
+        rank that samples (the others take its tokens)."""
+        if self.lockstep is not None and not self.lockstep.leads:
+            return []
+        if params.response_format is not None:
+            grammar = grammar_of(params.response_format)
+        elif params.tools_required and params.tools:
+            grammar = self._tool_call_grammar(params.tools)
+        else:
             return []
         in_reasoning = params.prompt is None and starts_in_reasoning(self.tokenizer, prompt)
-        return [GrammarConstraint(self.tokenizer, params.response_format, in_reasoning)]
+        return [GrammarConstraint(self.tokenizer, grammar, in_reasoning)]
+
+    def _tool_call_grammar(self, tools: list[dict]) -> str:
+        parser = getattr(getattr(self.tokenizer, "tool_parser", None), "__module__", "") or ""
+        if not parser.endswith(".json_tools"):
+            kind = parser.rsplit(".", 1)[-1] or "none"
+            raise RequestRefused(f"a required tool call cannot be enforced for this model's tool-call format "
+                                 f"({kind}); only JSON tool calls (json_tools: Qwen, Hermes and the like) can be")
+        start, end = self.tokenizer.tool_call_start_tokens, self.tokenizer.tool_call_end_tokens
+        return tool_call_grammar(tools, list(start), list(end))
 
     def max_tokens_for(self, params: GenerationParams, prompt_tokens: int) -> int:
         """The request's max_tokens, within what the model's context leaves after the prompt."""
