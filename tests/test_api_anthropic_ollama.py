@@ -132,7 +132,7 @@ def test_ollama_errors_are_ollama_shaped(llama, http, tiny):
     assert http.get("/api/version").json()["version"]
     for path, body in [("/api/chat", {"model": TINY_MODEL_ID, "messages": []}),
                        ("/api/chat", {"model": TINY_MODEL_ID, "messages": [{"role": "x", "content": "y"}]}),
-                       ("/api/chat", {"model": TINY_MODEL_ID, "messages": [{"role": "user"}], "format": "json"}),
+                       ("/api/chat", {"model": TINY_MODEL_ID, "messages": [{"role": "user"}], "format": "yaml"}),
                        ("/api/generate", {"model": TINY_MODEL_ID, "prompt": "x", "options": {"temperature": "hot"}}),
                        ("/api/show", {"model": "nobody/nothing"})]:
         response = http.post(path, json=body)
