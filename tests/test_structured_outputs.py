@@ -15,6 +15,7 @@ import mlx_lm
 import ollama
 import pytest
 
+from exo.core.grammar import grammar_of
 from exo.core.types import ResponseFormat
 from exo.runner.constraint import GrammarConstraint
 from tests.e2e_support import Reference, exo_serving, place
@@ -71,7 +72,7 @@ def constrained(ref: Reference, schema: dict | None) -> str:
     """mlx-lm's greedy output with the same constraint processor the runner uses."""
     fmt = ResponseFormat(type="json_schema", json_schema=schema) if schema else ResponseFormat(type="json_object")
     return mlx_lm.generate(ref.model, ref.tokenizer, ref.chat_prompt(MESSAGES), max_tokens=LIMIT,
-                           logits_processors=[GrammarConstraint(ref.tokenizer, fmt)])
+                           logits_processors=[GrammarConstraint(ref.tokenizer, grammar_of(fmt))])
 
 
 def chat(http, response_format: dict, messages=MESSAGES) -> dict:

@@ -10,9 +10,9 @@ import datetime
 
 import msgspec
 from nats.aio.client import Client
-from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NoKeysError, NotFoundError
+from nats.js.errors import BucketNotFoundError, NotFoundError
 
-from exo.bus.subjects import SNAPSHOT_KEY, STATE_BUCKET
+from exo.bus.snapshots import snapshot_entries
 
 
 class StoredSnapshot(msgspec.Struct, frozen=True, kw_only=True):
@@ -24,9 +24,8 @@ class StoredSnapshot(msgspec.Struct, frozen=True, kw_only=True):
 async def stored_snapshots(nc: Client) -> list[StoredSnapshot]:
     """Oldest first. Deleted or purged revisions (empty values) are left out."""
     try:
-        kv = await nc.jetstream().key_value(STATE_BUCKET)
-        entries = await kv.history(SNAPSHOT_KEY)
-    except (BucketNotFoundError, KeyNotFoundError, NoKeysError, NotFoundError):
+        entries = await snapshot_entries(nc)
+    except (BucketNotFoundError, NotFoundError):
         return []
     return [
         StoredSnapshot(revision=e.revision or 0, created_ns=_nanoseconds(e.created), value=e.value)

@@ -13,6 +13,7 @@ import logging
 import msgspec
 from nats.aio.client import Client
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NoKeysError
+from nats.js.kv import KeyValue
 
 from exo.bus.embedded import MAX_PAYLOAD_BYTES
 from exo.bus.subjects import SNAPSHOT_KEY, STATE_BUCKET
@@ -45,12 +46,25 @@ async def read_latest_snapshot(nc: Client) -> State | None:
 
 async def snapshot_history(nc: Client) -> list[State]:
     """Every snapshot the bucket still holds, oldest first."""
+    return [decode_state(e.value) for e in await snapshot_entries(nc) if e.value]
+
+
+async def snapshot_entries(nc: Client, attempts: int = 5) -> list[KeyValue.Entry]:
+    """The key's history. nats-py's `history` can come back empty when its consumer's messages are
+    delivered before it reads the consumer's info (seen on a loaded machine): empty while the
+    stream holds revisions of the key is read again."""
     kv = await nc.jetstream().key_value(STATE_BUCKET)
-    try:
-        entries = await kv.history(SNAPSHOT_KEY)
-    except (KeyNotFoundError, NoKeysError):
-        return []
-    return [decode_state(e.value) for e in entries if e.value]
+    for _ in range(attempts):
+        try:
+            return await kv.history(SNAPSHOT_KEY)
+        except (KeyNotFoundError, NoKeysError):
+            stored = await nc.jetstream().stream_info(f"KV_{STATE_BUCKET}",
+                                                      subjects_filter=f"$KV.{STATE_BUCKET}.{SNAPSHOT_KEY}")
+            if not stored.state.messages:
+                return []
+    log.warning("the history of %s.%s came back empty %d times while the stream holds it", STATE_BUCKET,
+                SNAPSHOT_KEY, attempts)
+    return []
 
 
 async def write_snapshot(nc: Client, state: State, attempts: int = 5) -> bool:
