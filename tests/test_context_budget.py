@@ -4,6 +4,7 @@ a request that outgrows it is a 400 before any work, as a request over the model
 
 from __future__ import annotations
 
+import mlx_lm
 import pytest
 
 from tests.e2e_support import Reference, exo_serving, place
@@ -89,3 +90,22 @@ def test_a_context_that_cannot_fit_is_refused_with_the_reason(http, short, model
 def test_the_default_model_keeps_its_whole_context(http, short):
     place(http, TINY_MODEL_ID)
     assert http.get(f"/v1/models/{TINY_MODEL_ID}").json()["max_context"] == 32768
+
+
+def test_a_quantized_kv_cache_gives_mlx_lms_quantized_output(http, short, model_dir):
+    assert http.post("/models/add", json={"model_id": "local/q4", "path": str(model_dir)}).status_code == 200
+    preview = http.get("/instance/previews", params={"model_id": "local/q4", "kv_bits": 4}).json()["previews"][0]
+    assert preview["instance"]["shards"][0]["kv_bytes"] < 32768 * PER_TOKEN / 5  # 4 bits and group scales, not 32
+    placed = http.post("/place_instance", json={"model_id": "local/q4", "kv_bits": 4, "wait": True})
+    assert placed.status_code == 200 and placed.json()["instance"]["kv_bits"] == 4, placed.text
+    messages = [{"role": "user", "content": "Tell me about the sea."}]
+    prompt = short.chat_prompt(messages)
+    quantized = mlx_lm.generate(short.model, short.tokenizer, prompt, max_tokens=24, kv_bits=4, kv_group_size=64,
+                                quantized_kv_start=0)
+    assert quantized != short.generate(prompt, 24)  # 4 bits change this text: the test can fail
+    body = {"model": "local/q4", "messages": messages, "max_tokens": 24, "temperature": 0}
+    first = http.post("/v1/chat/completions", json=body).json()
+    assert first["choices"][0]["message"]["content"] == quantized
+    again = http.post("/v1/chat/completions", json=body).json()  # from the runner's (quantized) prompt cache
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert again["choices"][0]["message"]["content"] == quantized

@@ -350,3 +350,12 @@ def test_every_instances_reservation_is_taken_off_its_node_loaded_or_not():
 def test_cards_without_sizes_reserve_nothing():
     placed = place(card=ModelCard(model_id="org/m", n_layers=8, storage_bytes=GB), state=cluster_of(node("n1", GB)))
     assert placed.max_context == 32768 and placed.shards[0].kv_bytes == 0
+
+
+def test_a_quantized_kv_cache_reserves_its_bits_and_group_scales():
+    placed = place_instance(SIZED, "pipeline", 1, cluster_of(node("n1", 10 * GB)), ids(), kv_bits=8)
+    per_token = 2 * 8 * 128 * (1 + 2 * 2 / 64) * 8  # a byte per element, a 2-byte scale and bias per 64
+    assert placed.kv_bits == 8 and placed.shards[0].kv_bytes == 32768 * per_token
+    room = 5000 * PER_TOKEN  # what held 4864 tokens unquantized holds more
+    assert place_instance(SIZED, "pipeline", 1, cluster_of(node("n1", 4 * GB + room)), ids(), kv_bits=4).max_context == 17664
+    assert place_instance(SIZED, "pipeline", 1, cluster_of(node("n1", 10 * GB)), ids(), kv_bits=7).code == "invalid"

@@ -12,7 +12,7 @@ from exo.api.card_source import complete_card
 from exo.api.context import context_of
 from exo.api.errors import ApiError, error_body
 from exo.api.request_body import decode_body
-from exo.api.validate import check_max_context
+from exo.api.validate import check_kv_bits, check_max_context
 from exo.core.commands import AddCustomCard, DeleteCustomCard, DeleteInstance, PlaceInstance
 from exo.core.events import InstanceCreated
 from exo.core.state import State, encode_state
@@ -32,6 +32,7 @@ class PlaceInstanceRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=T
     min_nodes: int = 1
     max_queue: int = 0  # open tasks admitted before 429s; 0: the master's default
     max_context: int = 0  # tokens of context to reserve KV cache for; 0: the most that fits, up to a default
+    kv_bits: int = 0  # quantize the instance's KV cache (2-8 bits); 0: not quantized
     wait: bool | float | None = None  # answer once the instance is ready or failed (seconds, or true)
 
 
@@ -134,9 +135,11 @@ async def place_instance(request: web.Request) -> web.Response:
     if not 0 <= body.max_queue <= 100_000:
         raise ApiError(400, "max_queue must be between 0 (the default) and 100000", param="max_queue")
     check_max_context(body.max_context, ctx.require_card(body.model_id))
+    check_kv_bits(body.kv_bits)
     wait_s = _wait_seconds(request, body)
     command = PlaceInstance(command_id=uuid.uuid4().hex, model_id=body.model_id, sharding=body.sharding,
-                            min_nodes=body.min_nodes, max_queue=body.max_queue, max_context=body.max_context)
+                            min_nodes=body.min_nodes, max_queue=body.max_queue, max_context=body.max_context,
+                            kv_bits=body.kv_bits)
     event = await ctx.outcomes.call(command)
     assert isinstance(event, InstanceCreated)
     instance_id = event.instance.instance_id

@@ -10,7 +10,7 @@ from aiohttp import web
 from exo.api.context import context_of
 from exo.api.errors import ApiError
 from exo.api.generation import cancel_generation
-from exo.api.validate import check_max_context
+from exo.api.validate import check_kv_bits, check_max_context
 from exo.core.placement import placement_previews
 
 CANCEL_WAIT_S = 10.0  # how long the cancel route waits to report how the task ended
@@ -47,12 +47,10 @@ async def instance_previews(request: web.Request) -> web.Response:
     card = ctx.card(model_id)
     if card is None:
         raise ApiError(404, f"unknown model {model_id!r}", param="model_id", code="model_not_found")
-    try:
-        max_context = check_max_context(int(request.query.get("max_context", "0")), card)
-    except ValueError:
-        raise ApiError(400, "max_context must be a number of tokens", param="max_context") from None
+    max_context = check_max_context(_query_int(request, "max_context"), card)
+    kv_bits = check_kv_bits(_query_int(request, "kv_bits"))
     previews = []
-    for preview in placement_previews(card, ctx.view.state, max_context):
+    for preview in placement_previews(card, ctx.view.state, max_context, kv_bits):
         # min_nodes: what to send to POST /place_instance to get this placement.
         shown = {"model_id": model_id, "sharding": preview.sharding, "min_nodes": preview.node_count,
                  "node_count": preview.node_count, "max_context": preview.instance.max_context if preview.instance else None}
@@ -62,6 +60,13 @@ async def instance_previews(request: web.Request) -> web.Response:
         else:
             previews.append(shown | {"instance": msgspec.to_builtins(preview.instance), "error": None, "code": None})
     return web.json_response({"previews": previews})
+
+
+def _query_int(request: web.Request, name: str) -> int:
+    try:
+        return int(request.query.get(name, "0"))
+    except ValueError:
+        raise ApiError(400, f"{name} must be a whole number", param=name) from None
 
 
 async def get_model(request: web.Request) -> web.Response:

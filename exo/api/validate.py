@@ -8,7 +8,7 @@ from typing import TypeVar
 import msgspec
 
 from exo.api.errors import ApiError
-from exo.core.kv_budget import context_cap
+from exo.core.kv_budget import KV_BITS, context_cap
 from exo.core.types import GenerationParams, ModelCard
 
 # What one request may ask for. Everything in GenerationParams is stored in the log and in State,
@@ -60,6 +60,12 @@ def check_max_context(max_context: int, card: ModelCard) -> int:
         raise ApiError(400, f"max_context must be between 0 (the most that fits) and {cap} (the model's context), "
                             f"got {max_context}", param="max_context")
     return max_context
+
+
+def check_kv_bits(kv_bits: int) -> int:
+    if kv_bits and kv_bits not in KV_BITS:
+        raise ApiError(400, f"kv_bits must be 0 (not quantized) or one of {list(KV_BITS)}, got {kv_bits}", param="kv_bits")
+    return kv_bits
 
 
 def stop_list(stop: str | list[str] | None) -> list[str]:

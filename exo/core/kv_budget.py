@@ -9,30 +9,38 @@ and sizes reserves nothing (unknown sizes do not constrain, as for the weights).
 
 from __future__ import annotations
 
+import math
+
 from exo.core.types import ModelCard, Sharding
 
 DEFAULT_MAX_CONTEXT = 32768  # what an instance gets when its placement does not say, at most the model's own
 MIN_AUTO_CONTEXT = 2048  # below this a context chosen to fit is not worth an instance: refused instead
 CONTEXT_STEP = 256  # contexts chosen to fit are rounded down to this
 ASSUMED_ELEMENT_BYTES = 2  # float16 / bfloat16 caches, when the card does not say
+KV_BITS = (2, 3, 4, 5, 6, 8)  # what mlx quantizes to
+KV_GROUP_SIZE = 64  # elements sharing one scale and one bias (mlx-lm's default), kept in the cache's type
 
 
-def kv_bytes_per_token(card: ModelCard) -> int:
-    """One token's keys and values in every layer of the model (0: the card does not say)."""
+def kv_bytes_per_token(card: ModelCard, kv_bits: int = 0) -> float:
+    """One token's keys and values in every layer of the model (0: the card does not say); a
+    quantized cache keeps `kv_bits` per element and a scale and a bias per group."""
     heads = card.num_key_value_heads or card.num_attention_heads
     head_dim = card.head_dim or (card.hidden_size // card.num_attention_heads if card.num_attention_heads else 0)
-    return 2 * heads * head_dim * (card.kv_dtype_bytes or ASSUMED_ELEMENT_BYTES) * card.n_layers
+    element = card.kv_dtype_bytes or ASSUMED_ELEMENT_BYTES
+    if kv_bits:
+        element = kv_bits / 8 + 2 * element / KV_GROUP_SIZE
+    return 2 * heads * head_dim * element * card.n_layers
 
 
-def rank_kv_bytes(card: ModelCard, sharding: Sharding, world: int, layers: tuple[int, int], tokens: int) -> int:
+def rank_kv_bytes(card: ModelCard, sharding: Sharding, world: int, layers: tuple[int, int], tokens: int,
+                  kv_bits: int = 0) -> int:
     """What one rank keeps for `tokens` of context: tensor ranks hold 1/world of every layer's
     heads, pipeline ranks all heads of their block of layers."""
-    per_token = kv_bytes_per_token(card)
+    per_token = kv_bytes_per_token(card, kv_bits)
     if not per_token or not tokens:
         return 0
-    if sharding == "tensor":
-        return -(-per_token * tokens // world)
-    return -(-per_token * tokens * (layers[1] - layers[0]) // max(1, card.n_layers))
+    share = 1 / world if sharding == "tensor" else (layers[1] - layers[0]) / max(1, card.n_layers)
+    return math.ceil(per_token * tokens * share)
 
 
 def context_cap(card: ModelCard) -> int:
@@ -43,7 +51,8 @@ def default_context(card: ModelCard) -> int:
     return min(context_cap(card), DEFAULT_MAX_CONTEXT)
 
 
-def tokens_that_fit(card: ModelCard, sharding: Sharding, world: int, layers: tuple[int, int], room: int) -> int:
+def tokens_that_fit(card: ModelCard, sharding: Sharding, world: int, layers: tuple[int, int], room: int,
+                    kv_bits: int = 0) -> int:
     """The most tokens of context whose KV cache fits in `room` bytes on this rank."""
-    one = rank_kv_bytes(card, sharding, world, layers, CONTEXT_STEP)
+    one = rank_kv_bytes(card, sharding, world, layers, CONTEXT_STEP, kv_bits)
     return room // one * CONTEXT_STEP if one else 1 << 62

@@ -18,7 +18,8 @@ How an instance is placed (`place_instance`):
   (exo/core/kv_budget.py): the context asked for, refused with the numbers when it does not fit,
   or else the most that fits up to the model's context and DEFAULT_MAX_CONTEXT (refused below
   MIN_AUTO_CONTEXT). Every instance's reservation is taken off its nodes' free memory, loaded or
-  not: a runner's KV cache grows with its requests, after the node reported.
+  not: a runner's KV cache grows with its requests, after the node reported. An instance whose
+  cache is quantized (`kv_bits`) reserves that much less per token.
 - Memory: every rank needs its share of `storage_bytes` (tensor: storage / k; pipeline:
   storage * its layers / n_layers, rounded up) within its node's `memory_available`. There is
   no margin on top: `memory_available` is what the node itself reports as free (MemAvailable),
@@ -43,7 +44,7 @@ from collections.abc import Iterator
 
 import msgspec
 
-from exo.core.kv_budget import MIN_AUTO_CONTEXT, context_cap, default_context, rank_kv_bytes, tokens_that_fit
+from exo.core.kv_budget import KV_BITS, MIN_AUTO_CONTEXT, context_cap, default_context, rank_kv_bytes, tokens_that_fit
 from exo.core.state import State
 from exo.core.types import Instance, ModelCard, NodeInfo, RejectionCode, ShardAssignment, Sharding
 
@@ -76,6 +77,7 @@ class _Rank(msgspec.Struct, frozen=True, kw_only=True):
 class _Plan(msgspec.Struct, frozen=True, kw_only=True):
     ranks: list[_Rank]
     max_context: int
+    kv_bits: int = 0
 
 
 LOADED = ("warming_up", "ready")  # a runner past loading: its node's own report counts its memory
@@ -83,6 +85,7 @@ LOADED = ("warming_up", "ready")  # a runner past loading: its node's own report
 
 def place_instance(
     card: ModelCard, sharding: Sharding, min_nodes: int, state: State, ids: Iterator[str], max_context: int = 0,
+    kv_bits: int = 0,
 ) -> Instance | Unplaceable:
     """Place one instance on the fewest nodes (at least min_nodes) that can hold it.
 
@@ -94,6 +97,8 @@ def place_instance(
     if not 0 <= max_context <= context_cap(card):
         return Unplaceable("invalid", f"max_context must be between 0 (the most that fits) and {card.model_id}'s "
                                       f"context length, {context_cap(card)}; got {max_context}")
+    if kv_bits and kv_bits not in KV_BITS:
+        return Unplaceable("invalid", f"kv_bits must be 0 (not quantized) or one of {list(KV_BITS)}; got {kv_bits}")
     nodes = _nodes_by_free_memory(state)
     if not nodes:
         return Unplaceable("unavailable", "no worker node has joined the cluster yet")
@@ -101,7 +106,7 @@ def place_instance(
         return Unplaceable("conflict", f"min_nodes={min_nodes} but the cluster has {len(nodes)} node(s)")
     first_failure: Unplaceable | None = None
     for k in range(min_nodes, len(nodes) + 1):
-        planned = _plan(card, sharding, nodes[:k], state, max_context)
+        planned = _plan(card, sharding, nodes[:k], state, max_context, kv_bits)
         if not isinstance(planned, Unplaceable):
             return _instance(card, sharding, planned, ids)
         first_failure = first_failure or planned
@@ -112,7 +117,7 @@ def place_instance(
     return Unplaceable(first_failure.code, f"{first_failure.reason}; {tried} did not work either")
 
 
-def placement_previews(card: ModelCard, state: State, max_context: int = 0) -> list[PlacementPreview]:
+def placement_previews(card: ModelCard, state: State, max_context: int = 0, kv_bits: int = 0) -> list[PlacementPreview]:
     """Every sharding on exactly 1..N nodes: the instance it would give (ids "preview-<n>"), or why not.
 
     Placing with that sharding and min_nodes equal to a valid preview's node count gives that
@@ -126,7 +131,7 @@ def placement_previews(card: ModelCard, state: State, max_context: int = 0) -> l
                 "unavailable", "no worker node has joined the cluster yet")))
             continue
         for k in range(1, len(nodes) + 1):
-            planned = _plan(card, sharding, nodes[:k], state, max_context)
+            planned = _plan(card, sharding, nodes[:k], state, max_context, kv_bits)
             if isinstance(planned, Unplaceable):
                 previews.append(PlacementPreview(sharding=sharding, node_count=k, rejection=planned))
             else:
@@ -166,7 +171,8 @@ def split_layers(n_layers: int, weights: list[int]) -> list[int]:
             fixed.add(r)
 
 
-def _plan(card: ModelCard, sharding: Sharding, nodes: list[NodeInfo], state: State, max_context: int) -> _Plan | Unplaceable:
+def _plan(card: ModelCard, sharding: Sharding, nodes: list[NodeInfo], state: State, max_context: int,
+          kv_bits: int = 0) -> _Plan | Unplaceable:
     """The ranks on exactly these nodes (rank order = this order), or why they cannot hold the model."""
     k = len(nodes)
     if sharding == "tensor":
@@ -199,13 +205,13 @@ def _plan(card: ModelCard, sharding: Sharding, nodes: list[NodeInfo], state: Sta
         for rank, (node, need) in enumerate(zip(nodes, needs)):
             if node.memory_available and need > node.memory_available:
                 return Unplaceable("conflict", _memory_reason(card, sharding, nodes, rank, need, blocks[rank]))
-    context = _context(card, sharding, nodes, blocks, needs, max_context)
+    context = _context(card, sharding, nodes, blocks, needs, max_context, kv_bits)
     if isinstance(context, Unplaceable):
         return context
-    kv = [rank_kv_bytes(card, sharding, k, block, context) for block in blocks]
+    kv = [rank_kv_bytes(card, sharding, k, block, context, kv_bits) for block in blocks]
     if k == 1:
         return _Plan(ranks=[_Rank(node_id=nodes[0].node_id, start_layer=blocks[0][0], end_layer=blocks[0][1],
-                                  memory_bytes=needs[0], kv_bytes=kv[0])], max_context=context)
+                                  memory_bytes=needs[0], kv_bytes=kv[0])], max_context=context, kv_bits=kv_bits)
     for node in nodes:
         if not node.addresses:
             return Unplaceable("conflict", f"node {node.node_id} reports no address peers can reach it on, "
@@ -225,15 +231,15 @@ def _plan(card: ModelCard, sharding: Sharding, nodes: list[NodeInfo], state: Sta
         used.add((ip, port))
         ranks.append(_Rank(node_id=node.node_id, start_layer=start, end_layer=end, ring_address=f"{ip}:{port}",
                            memory_bytes=need, kv_bytes=reserve))
-    return _Plan(ranks=ranks, max_context=context)
+    return _Plan(ranks=ranks, max_context=context, kv_bits=kv_bits)
 
 
 def _context(card: ModelCard, sharding: Sharding, nodes: list[NodeInfo], blocks: list[tuple[int, int]],
-             needs: list[int], asked: int) -> int | Unplaceable:
+             needs: list[int], asked: int, kv_bits: int) -> int | Unplaceable:
     """The instance's max_context: `asked` if its KV cache fits beside the weights on every rank,
     else (not asked) the most that fits, up to the default."""
     want = asked or default_context(card)
-    fits = [(tokens_that_fit(card, sharding, len(nodes), block, node.memory_available - need), rank)
+    fits = [(tokens_that_fit(card, sharding, len(nodes), block, node.memory_available - need, kv_bits), rank)
             for rank, (node, block, need) in enumerate(zip(nodes, blocks, needs)) if node.memory_available]
     most, rank = min(fits, default=(want, 0))
     if want <= most:
@@ -242,7 +248,7 @@ def _context(card: ModelCard, sharding: Sharding, nodes: list[NodeInfo], blocks:
         return most
     node, block = nodes[rank], blocks[rank]
     where = f"on {node.node_id}" if len(nodes) == 1 else f"on rank {rank} ({node.node_id})"
-    kv = rank_kv_bytes(card, sharding, len(nodes), block, want)
+    kv = rank_kv_bytes(card, sharding, len(nodes), block, want, kv_bits)
     return Unplaceable("conflict", f"{card.model_id} with a context of {want} tokens needs {kv} bytes of KV cache {where} "
                                    f"besides {needs[rank]} for the weights, but it has {node.memory_available} free: "
                                    f"room for {most} tokens of context" + ("" if asked else f" (less than {MIN_AUTO_CONTEXT})"))
@@ -282,7 +288,7 @@ def _instance(card: ModelCard, sharding: Sharding, plan: _Plan, ids: Iterator[st
         for rank, r in enumerate(plan.ranks)
     ]
     return Instance(instance_id=next(ids), model_id=card.model_id, sharding=sharding, shards=shards,
-                    max_context=plan.max_context)
+                    max_context=plan.max_context, kv_bits=plan.kv_bits)
 
 
 def _nodes_by_free_memory(state: State) -> list[NodeInfo]:

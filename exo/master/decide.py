@@ -71,7 +71,7 @@ def _place(state: State, command: PlaceInstance, builtin: Mapping[str, ModelCard
     card = find_card(state, builtin, command.model_id)
     if card is None:
         return _reject(command, "not_found", f"unknown model {command.model_id!r}")
-    placed = place_instance(card, command.sharding, command.min_nodes, state, ids, command.max_context)
+    placed = place_instance(card, command.sharding, command.min_nodes, state, ids, command.max_context, command.kv_bits)
     if isinstance(placed, Unplaceable):
         return _reject(command, placed.code, placed.reason)
     return [InstanceCreated(command_id=command.command_id, instance=replace(placed, max_queue=command.max_queue))]

@@ -124,14 +124,15 @@ class Runner:
         os._exit(0)  # the model thread may be blocked in a collective that will never finish
 
     def _batched(self, request) -> bool:
-        return (self._batcher is not None and isinstance(request, Generate)
+        # A quantized KV cache takes the single path, as in mlx_lm.server (the batch keeps full caches).
+        return (self._batcher is not None and isinstance(request, Generate) and not self._engine.kv_bits
                 and batchable(request.params, request.image_paths, multi_node=self._engine.lockstep is not None))
 
     async def _serve(self, loop, request) -> None:
         try:
             if isinstance(request, Load):
                 await loop.run_in_executor(self._mlx_thread, self._engine.load, request.model_path, request.shard,
-                                           request.max_context)
+                                           request.max_context, request.kv_bits)
                 self.report(Loaded())
             elif isinstance(request, WarmUp):
                 await loop.run_in_executor(self._mlx_thread, self._engine.warm_up)

@@ -12,6 +12,7 @@ from mlx_lm import load, stream_generate
 from mlx_lm.sample_utils import apply_top_k, apply_top_p, make_logits_processors, make_sampler
 
 from exo.core.grammar import grammar_of, tool_call_grammar
+from exo.core.kv_budget import KV_GROUP_SIZE
 from exo.core.types import GenerationParams, SamplingDefaults, TokenLogprob, ToolCall, TopLogprob
 from exo.memory import memory
 from exo.runner.constraint import GrammarConstraint
@@ -74,8 +75,10 @@ class Engine:
         self.prompt_cache = PromptCache(None, max_bytes=0)
         self.pulse = time.monotonic()  # when the model thread last made progress (see Runner._pulse)
         self.context_length = 0  # the model's (max_position_embeddings), 0 if it does not say
+        self.kv_bits = 0  # > 0: the KV cache is quantized to this many bits from the first token
 
-    def load(self, model_path: str, shard: RankSetup | None = None, max_context: int = 0) -> None:
+    def load(self, model_path: str, shard: RankSetup | None = None, max_context: int = 0, kv_bits: int = 0) -> None:
+        self.kv_bits = kv_bits
         if shard is None:
             self.model, self.tokenizer = load(model_path)
         else:
@@ -138,7 +141,7 @@ class Engine:
         for response in stream_generate(
             self.model, self.tokenizer, mx.array(reuse.rest), max_tokens=max_tokens,
             sampler=sampler, logits_processors=_seeing_prefix(processors, tokens[:reuse.cached]),
-            prompt_cache=reuse.cache, prompt_progress_callback=lambda *_: self.beat(),
+            prompt_cache=reuse.cache, prompt_progress_callback=lambda *_: self.beat(), **self._quantized_cache(),
         ):
             generated.append(response.token)
             result = decoding.step(response.text, response.token, response.logprobs,
@@ -174,6 +177,12 @@ class Engine:
                                  f"({kind}); only JSON tool calls (json_tools: Qwen, Hermes and the like) can be")
         start, end = self.tokenizer.tool_call_start_tokens, self.tokenizer.tool_call_end_tokens
         return tool_call_grammar(tools, list(start), list(end))
+
+    def _quantized_cache(self) -> dict:
+        # From the first token: placement reserved memory for a quantized cache of the whole context.
+        if not self.kv_bits:
+            return {}
+        return {"kv_bits": self.kv_bits, "kv_group_size": KV_GROUP_SIZE, "quantized_kv_start": 0}
 
     def max_tokens_for(self, params: GenerationParams, prompt_tokens: int) -> int:
         """The request's max_tokens, within what the model's context leaves after the prompt."""

@@ -25,6 +25,7 @@ class Load(Request, tag="load", kw_only=True):
     model_path: str
     shard: RankSetup | None = None  # None: the whole model on this runner
     max_context: int = 0  # the instance's context (placement reserved its KV cache); 0: the model's
+    kv_bits: int = 0  # the instance's KV cache quantized to this many bits; 0: not quantized
 
 
 class WarmUp(Request, tag="warm_up", kw_only=True):

@@ -26,7 +26,7 @@ from exo.bus.tokens import publish_chunk
 from exo.core.catalogue import find_card
 from exo.core.events import AnyEvent, CustomCardAdded, CustomCardDeleted, Event, RunnerStatusChanged, TaskFinished, TaskStarted
 from exo.core.state import State
-from exo.core.types import ModelCard, PromptCacheStats, RunnerStatus, ShardAssignment, TokenChunk
+from exo.core.types import Instance, ModelCard, PromptCacheStats, RunnerStatus, ShardAssignment, TokenChunk
 from exo.models.cards import reconcile_custom_card, reconcile_custom_cards
 from exo.models.dirs import DownloadSettings
 from exo.models.transfer import DownloadCancelled, DownloadError
@@ -165,8 +165,10 @@ class Worker:
                 if self._set_phase(step.runner_id, "downloading"):
                     self._in_background(self._download(step))
             case p.LoadModel():
+                instance = self._instance_of(step.runner_id)
                 load = rp.Load(model_path=str(self._model_paths[step.runner_id]), shard=self._rank_setup(step.runner_id),
-                               max_context=self._max_context(step.runner_id))
+                               max_context=instance.max_context if instance else 0,
+                               kv_bits=instance.kv_bits if instance else 0)
                 await self._send_lifecycle(step.runner_id, "loading", load)
             case p.WarmUp():
                 await self._send_lifecycle(step.runner_id, "warming_up", rp.WarmUp())
@@ -345,10 +347,9 @@ class Worker:
         self._model_paths.pop(step.runner_id, None)
         await self._create_runner(step, failures)
 
-    def _max_context(self, runner_id: str) -> int:
+    def _instance_of(self, runner_id: str) -> Instance | None:
         runner = self._view.state.runners.get(runner_id)
-        instance = self._view.state.instances.get(runner.instance_id) if runner else None
-        return instance.max_context if instance else 0
+        return self._view.state.instances.get(runner.instance_id) if runner else None
 
     def _rank_setup(self, runner_id: str) -> rp.RankSetup | None:
         """Where this runner sits in its instance's ring group; None for a one-node instance."""
