@@ -50,6 +50,7 @@ class Reference:
     """mlx-lm on the same model directory: the text the cluster must reproduce exactly."""
 
     def __init__(self, model_dir: Path) -> None:
+        self.model_dir = model_dir
         self.model, self.tokenizer = mlx_lm.load(str(model_dir))
 
     def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None) -> str:

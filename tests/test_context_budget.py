@@ -8,7 +8,7 @@ import mlx_lm
 import pytest
 
 from tests.e2e_support import Reference, exo_serving, place
-from tests.support.tiny_model import TINY_MODEL_ID, make_tiny_model
+from tests.support.tiny_model import TINY_MODEL_ID, Dims, make_tiny_model
 
 pytestmark = pytest.mark.slow
 
@@ -92,17 +92,29 @@ def test_the_default_model_keeps_its_whole_context(http, short):
     assert http.get(f"/v1/models/{TINY_MODEL_ID}").json()["max_context"] == 32768
 
 
-def test_a_quantized_kv_cache_gives_mlx_lms_quantized_output(http, short, model_dir):
-    assert http.post("/models/add", json={"model_id": "local/q4", "path": str(model_dir)}).status_code == 200
+@pytest.fixture(scope="module")
+def wide_heads(tmp_path_factory) -> Reference:
+    """The tiny model with a head dim of 32: a KV cache mlx can quantize (groups of 32)."""
+    return Reference(make_tiny_model(tmp_path_factory.mktemp("model") / "wide",
+                                     Dims(hidden=128, intermediate=256, heads=4, kv_heads=2)))
+
+
+def test_a_quantized_kv_cache_gives_mlx_lms_quantized_output(http, short, wide_heads):
+    path = str(wide_heads.model_dir)
+    assert http.post("/models/add", json={"model_id": "local/q4", "path": path}).status_code == 200
     preview = http.get("/instance/previews", params={"model_id": "local/q4", "kv_bits": 4}).json()["previews"][0]
-    assert preview["instance"]["shards"][0]["kv_bytes"] < 32768 * PER_TOKEN / 5  # 4 bits and group scales, not 32
+    full = 2 * 2 * 32 * 2 * 4  # 2 layers x 2 KV heads x 32 x K and V x float32
+    assert preview["instance"]["shards"][0]["kv_bytes"] == 32768 * 2 * 2 * 32 * 2 * (0.5 + 2 * 4 / 32)  # < full / 5
+    assert preview["instance"]["shards"][0]["kv_bytes"] < 32768 * full / 5
+    refused = http.get("/instance/previews", params={"model_id": SHORT, "kv_bits": 4}).json()["previews"][0]
+    assert "head dim, 16, is not a multiple of 32" in refused["error"]
     placed = http.post("/place_instance", json={"model_id": "local/q4", "kv_bits": 4, "wait": True})
     assert placed.status_code == 200 and placed.json()["instance"]["kv_bits"] == 4, placed.text
     messages = [{"role": "user", "content": "Tell me about the sea."}]
-    prompt = short.chat_prompt(messages)
-    quantized = mlx_lm.generate(short.model, short.tokenizer, prompt, max_tokens=24, kv_bits=4, kv_group_size=64,
-                                quantized_kv_start=0)
-    assert quantized != short.generate(prompt, 24)  # 4 bits change this text: the test can fail
+    prompt = wide_heads.chat_prompt(messages)
+    quantized = mlx_lm.generate(wide_heads.model, wide_heads.tokenizer, prompt, max_tokens=24, kv_bits=4,
+                                kv_group_size=32, quantized_kv_start=0)
+    assert quantized != wide_heads.generate(prompt, 24)  # 4 bits change this text: the test can fail
     body = {"model": "local/q4", "messages": messages, "max_tokens": 24, "temperature": 0}
     first = http.post("/v1/chat/completions", json=body).json()
     assert first["choices"][0]["message"]["content"] == quantized

@@ -18,17 +18,27 @@ MIN_AUTO_CONTEXT = 2048  # below this a context chosen to fit is not worth an in
 CONTEXT_STEP = 256  # contexts chosen to fit are rounded down to this
 ASSUMED_ELEMENT_BYTES = 2  # float16 / bfloat16 caches, when the card does not say
 KV_BITS = (2, 3, 4, 5, 6, 8)  # what mlx quantizes to
-KV_GROUP_SIZE = 64  # elements sharing one scale and one bias (mlx-lm's default), kept in the cache's type
+
+
+def kv_group_size(head_dim: int) -> int:
+    """Elements of a head that share one scale and one bias in a quantized cache: mlx-lm's 64 where
+    the head dim allows, else 32 (0: it cannot be quantized); each scale and bias is kept in the
+    cache's type. An unknown head dim (0) is taken to allow 64."""
+    return next((g for g in (64, 32) if head_dim % g == 0), 0)
+
+
+def head_dim_of(card: ModelCard) -> int:
+    return card.head_dim or (card.hidden_size // card.num_attention_heads if card.num_attention_heads else 0)
 
 
 def kv_bytes_per_token(card: ModelCard, kv_bits: int = 0) -> float:
     """One token's keys and values in every layer of the model (0: the card does not say); a
     quantized cache keeps `kv_bits` per element and a scale and a bias per group."""
     heads = card.num_key_value_heads or card.num_attention_heads
-    head_dim = card.head_dim or (card.hidden_size // card.num_attention_heads if card.num_attention_heads else 0)
+    head_dim = head_dim_of(card)
     element = card.kv_dtype_bytes or ASSUMED_ELEMENT_BYTES
     if kv_bits:
-        element = kv_bits / 8 + 2 * element / KV_GROUP_SIZE
+        element = kv_bits / 8 + 2 * element / (kv_group_size(head_dim) or 64)
     return 2 * heads * head_dim * element * card.n_layers
 
 

@@ -44,7 +44,16 @@ from collections.abc import Iterator
 
 import msgspec
 
-from exo.core.kv_budget import KV_BITS, MIN_AUTO_CONTEXT, context_cap, default_context, rank_kv_bytes, tokens_that_fit
+from exo.core.kv_budget import (
+    KV_BITS,
+    MIN_AUTO_CONTEXT,
+    context_cap,
+    default_context,
+    head_dim_of,
+    kv_group_size,
+    rank_kv_bytes,
+    tokens_that_fit,
+)
 from exo.core.state import State
 from exo.core.types import Instance, ModelCard, NodeInfo, RejectionCode, ShardAssignment, Sharding
 
@@ -94,11 +103,8 @@ def place_instance(
     """
     if min_nodes < 1:
         return Unplaceable("invalid", "min_nodes must be at least 1")
-    if not 0 <= max_context <= context_cap(card):
-        return Unplaceable("invalid", f"max_context must be between 0 (the most that fits) and {card.model_id}'s "
-                                      f"context length, {context_cap(card)}; got {max_context}")
-    if kv_bits and kv_bits not in KV_BITS:
-        return Unplaceable("invalid", f"kv_bits must be 0 (not quantized) or one of {list(KV_BITS)}; got {kv_bits}")
+    if (invalid := _invalid_request(card, max_context, kv_bits)) is not None:
+        return invalid
     nodes = _nodes_by_free_memory(state)
     if not nodes:
         return Unplaceable("unavailable", "no worker node has joined the cluster yet")
@@ -117,6 +123,18 @@ def place_instance(
     return Unplaceable(first_failure.code, f"{first_failure.reason}; {tried} did not work either")
 
 
+def _invalid_request(card: ModelCard, max_context: int, kv_bits: int) -> Unplaceable | None:
+    if not 0 <= max_context <= context_cap(card):
+        return Unplaceable("invalid", f"max_context must be between 0 (the most that fits) and {card.model_id}'s "
+                                      f"context length, {context_cap(card)}; got {max_context}")
+    if kv_bits and kv_bits not in KV_BITS:
+        return Unplaceable("invalid", f"kv_bits must be 0 (not quantized) or one of {list(KV_BITS)}; got {kv_bits}")
+    if kv_bits and not kv_group_size(head_dim_of(card)):
+        return Unplaceable("invalid", f"{card.model_id}'s KV cache cannot be quantized: its head dim, "
+                                      f"{head_dim_of(card)}, is not a multiple of 32")
+    return None
+
+
 def placement_previews(card: ModelCard, state: State, max_context: int = 0, kv_bits: int = 0) -> list[PlacementPreview]:
     """Every sharding on exactly 1..N nodes: the instance it would give (ids "preview-<n>"), or why not.
 
@@ -125,6 +143,8 @@ def placement_previews(card: ModelCard, state: State, max_context: int = 0, kv_b
     """
     nodes = _nodes_by_free_memory(state)
     previews = []
+    if (invalid := _invalid_request(card, max_context, kv_bits)) is not None:
+        return [PlacementPreview(sharding=sharding, node_count=1, rejection=invalid) for sharding in SHARDINGS]
     for sharding in SHARDINGS:
         if not nodes:
             previews.append(PlacementPreview(sharding=sharding, node_count=1, rejection=Unplaceable(

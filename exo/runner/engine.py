@@ -12,7 +12,7 @@ from mlx_lm import load, stream_generate
 from mlx_lm.sample_utils import apply_top_k, apply_top_p, make_logits_processors, make_sampler
 
 from exo.core.grammar import grammar_of, tool_call_grammar
-from exo.core.kv_budget import KV_GROUP_SIZE
+from exo.core.kv_budget import kv_group_size
 from exo.core.types import GenerationParams, SamplingDefaults, TokenLogprob, ToolCall, TopLogprob
 from exo.memory import memory
 from exo.runner.constraint import GrammarConstraint
@@ -88,6 +88,8 @@ class Engine:
         # The budget comes from the memory free once the model is in it. On a multi-node instance
         # rank 0 decides which entries every rank keeps (its byte count; see PromptCache.trim).
         self.context_length = int(getattr(getattr(self.model, "args", None), "max_position_embeddings", 0) or 0)
+        if kv_bits and not self._group_size():
+            raise ValueError("this model's KV cache cannot be quantized: its head dim is not a multiple of 32")
         if max_context:  # what placement reserved KV cache for: no request may outgrow it
             self.context_length = min(self.context_length or max_context, max_context)
         budget = budget_bytes(memory()[1]) if shard is None or shard.rank == 0 else FOLLOWER_BUDGET
@@ -182,7 +184,11 @@ class Engine:
         # From the first token: placement reserved memory for a quantized cache of the whole context.
         if not self.kv_bits:
             return {}
-        return {"kv_bits": self.kv_bits, "kv_group_size": KV_GROUP_SIZE, "quantized_kv_start": 0}
+        return {"kv_bits": self.kv_bits, "kv_group_size": self._group_size(), "quantized_kv_start": 0}
+
+    def _group_size(self) -> int:
+        args = self.model.args
+        return kv_group_size(getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads)
 
     def max_tokens_for(self, params: GenerationParams, prompt_tokens: int) -> int:
         """The request's max_tokens, within what the model's context leaves after the prompt."""
