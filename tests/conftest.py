@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import anthropic
 import httpx
+import ollama
 import openai
 import pytest
 import pytest_asyncio
@@ -74,3 +76,13 @@ def http(node):
 @pytest.fixture(scope="module")
 def client(node) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{node.url}/v1", api_key="unused", timeout=120, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def claude(node) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=node.url, api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def llama(node) -> ollama.Client:
+    return ollama.Client(host=node.url, timeout=120)

@@ -34,14 +34,6 @@ def tiny(http, model_dir) -> Reference:
     return Reference(model_dir)
 
 
-@pytest.fixture(scope="module")
-def claude(node) -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url=node.url, api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def llama(node) -> ollama.Client:
-    return ollama.Client(host=node.url, timeout=120)
 
 
 def test_anthropic_messages_equal_mlx_lm(claude, tiny):

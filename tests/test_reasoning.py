@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 
-import anthropic
-import ollama
 import pytest
 
 from tests.e2e_support import Reference, exo_serving, place
@@ -55,14 +53,6 @@ def unthinking(ref) -> str:
     return ref.generate(prompt, TOKENS)
 
 
-@pytest.fixture(scope="module")
-def claude(node) -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url=node.url, api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def llama(node) -> ollama.Client:
-    return ollama.Client(host=node.url, timeout=120)
 
 
 def ask(**extra) -> dict:

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 
-import anthropic
-import ollama
 import pytest
 
 from tests.e2e_support import Reference, exo_serving, place
@@ -48,14 +46,6 @@ def ref(http, model_dir) -> Reference:
     return reference
 
 
-@pytest.fixture(scope="module")
-def claude(node) -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url=node.url, api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def llama(node) -> ollama.Client:
-    return ollama.Client(host=node.url, timeout=120)
 
 
 def after_the_call(ref: Reference, call_id: str, tool: dict = WEATHER_TOOL) -> str:
