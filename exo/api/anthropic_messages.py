@@ -11,7 +11,7 @@ from exo.api import thinking
 from exo.api.anthropic_stream import content_blocks, stop_fields, stream_message, usage
 from exo.api.context import context_of
 from exo.api.errors import ApiError
-from exo.api.generation import Generation, collect, start_generation
+from exo.api.generation import Generation, collect, generating
 from exo.api.openai_tools import FUNCTION_NAME, NamedFunction, ToolChoice, offered_tools, required_call
 from exo.api.request_body import decode_body
 from exo.api.tool_conversation import Conversation, arguments_text, function_tool
@@ -164,16 +164,11 @@ def to_params(body: MessagesRequest) -> GenerationParams:
 async def messages(request: web.Request) -> web.StreamResponse:
     body = await decode_body(request, MessagesRequest)
     params = to_params(body)
-    ctx = context_of(request)
-    if ctx.card(body.model) is None:
-        raise ApiError(404, f"model: {body.model!r} does not exist", param="model")
-    generation = await start_generation(ctx, body.model, params)
-    try:
+    missing = ApiError(404, f"model: {body.model!r} does not exist", param="model")
+    async with generating(context_of(request), body.model, params, missing) as generation:
         if body.stream:
             return await stream_message(request, generation, body.model)
         return await _complete(generation, body.model)
-    finally:
-        await generation.close()
 
 
 async def _complete(generation: Generation, model: str) -> web.Response:

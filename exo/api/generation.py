@@ -12,6 +12,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, nullcontext
 from dataclasses import dataclass, field
 
 from exo.api.context import ApiContext
@@ -176,6 +177,24 @@ async def start_generation(ctx: ApiContext, model_id: str, params: GenerationPar
     finally:
         ctx.outcomes.forget(command_id)
     return Generation(ctx, command_id, listener, ended)
+
+
+@asynccontextmanager
+async def generating(ctx: ApiContext, model_id: str, params: GenerationParams, missing: ApiError | None = None,
+                     resume_grace_s: float = 0.0, storing: AbstractAsyncContextManager | None = None,
+                     ) -> AsyncIterator[Generation]:
+    """The one way a surface runs a generation: the model must have a card (else `missing`, the
+    surface's own 404, or OpenAI's), the request is queued (inside `storing`: what must be stored
+    for it, e.g. its images), and however the handler ends the generation is closed: cancelled if
+    unfinished, at once or after `resume_grace_s` for a stream its client may resume."""
+    if ctx.card(model_id) is None:
+        raise missing or ApiError(404, f"The model {model_id!r} does not exist", param="model", code="model_not_found")
+    async with storing or nullcontext():
+        generation = await start_generation(ctx, model_id, params)
+    try:
+        yield generation
+    finally:
+        await generation.close(resume_grace_s)
 
 
 async def resume_generation(ctx: ApiContext, command_id: str, after: int) -> Generation:

@@ -13,7 +13,7 @@ from aiohttp import web
 
 from exo.api.context import context_of
 from exo.api.errors import ApiError
-from exo.api.generation import Generation, collect, start_generation
+from exo.api.generation import Generation, collect, generating
 from exo.api.openai_tools import offered_tools
 from exo.api.request_body import decode_body
 from exo.api.structured import ollama_format
@@ -163,19 +163,13 @@ def _chat_piece(text: str, reasoning: str = "", calls: list[ToolCall] | None = N
 
 
 async def _run(request: web.Request, model: str, params: GenerationParams, stream: bool, piece) -> web.StreamResponse:
-    ctx = context_of(request)
-    if ctx.card(model) is None:
-        raise ApiError(404, f"model '{model}' not found")
     started = time.perf_counter_ns()
-    generation = await start_generation(ctx, model, params)
-    try:
+    async with generating(context_of(request), model, params, ApiError(404, f"model '{model}' not found")) as generation:
         if stream:
             return await _stream(request, generation, model, piece, started)
         done = await collect(generation)
         assert done.final is not None
         return web.json_response(_head(model) | piece(done.text, done.reasoning, done.tool_calls) | _done(done.final, started))
-    finally:
-        await generation.close()
 
 
 def _head(model: str) -> dict:

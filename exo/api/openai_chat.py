@@ -8,7 +8,7 @@ from aiohttp import web
 from exo.api import thinking
 from exo.api.context import context_of
 from exo.api.errors import ApiError
-from exo.api.generation import start_generation
+from exo.api.generation import generating
 from exo.api.images import ImageUploads
 from exo.api.openai_chat_stream import complete_chat, parse_event_id, resume_chat, stream_chat
 from exo.api.openai_tools import (
@@ -148,15 +148,13 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     card = ctx.require_card(body.model)
     if uploads.by_digest and not card.supports_images:
         raise ApiError(400, f"the model {body.model!r} does not take image inputs", param="messages")
-    async with uploads.stored(ctx.nc, ctx.view, body.model):
-        generation = await start_generation(ctx, body.model, params)
-    try:
+    grace = ctx.settings.resume_grace_s if body.stream else 0.0
+    async with generating(ctx, body.model, params, resume_grace_s=grace,
+                          storing=uploads.stored(ctx.nc, ctx.view, body.model)) as generation:
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return await stream_chat(request, generation, body.model, include_usage, body.logprobs)
         return await complete_chat(generation, body.model, body.logprobs)
-    finally:
-        await generation.close(ctx.settings.resume_grace_s if body.stream else 0.0)
 
 
 def _wants_usage(raw: bytes) -> bool:

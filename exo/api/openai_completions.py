@@ -9,7 +9,7 @@ from aiohttp import web
 
 from exo.api.context import context_of
 from exo.api.errors import ApiError
-from exo.api.generation import Generation, collect, start_generation
+from exo.api.generation import Generation, collect, generating
 from exo.api.openai_chat_stream import usage
 from exo.api.openai_tools import check_penalty
 from exo.api.request_body import decode_body
@@ -77,15 +77,10 @@ def to_params(body: CompletionRequest) -> GenerationParams:
 async def completions(request: web.Request) -> web.StreamResponse:
     body = await decode_body(request, CompletionRequest)
     params = to_params(body)
-    ctx = context_of(request)
-    ctx.require_card(body.model)
-    generation = await start_generation(ctx, body.model, params)
-    try:
+    async with generating(context_of(request), body.model, params) as generation:
         if body.stream:
             return await _stream(request, generation, body)
         return await _complete(generation, body)
-    finally:
-        await generation.close()
 
 
 def _envelope(generation: Generation, model: str) -> dict:

@@ -8,7 +8,7 @@ from aiohttp import web
 
 from exo.api.context import context_of
 from exo.api.errors import ApiError
-from exo.api.generation import collect, start_generation
+from exo.api.generation import collect, generating
 from exo.api.openai_responses_stream import Answer, response_body, stream_response
 from exo.api.openai_tools import NamedFunction, ToolChoice, offered_tools, required_call
 from exo.api.request_body import decode_body
@@ -148,11 +148,8 @@ def to_params(body: ResponsesRequest) -> GenerationParams:
 async def responses(request: web.Request) -> web.StreamResponse:
     body = await decode_body(request, ResponsesRequest)
     params = to_params(body)
-    ctx = context_of(request)
-    ctx.require_card(body.model)
-    generation = await start_generation(ctx, body.model, params)
     echo = _echo(body)
-    try:
+    async with generating(context_of(request), body.model, params) as generation:
         if body.stream:
             return await stream_response(request, generation, echo)
         done = await collect(generation)
@@ -160,8 +157,6 @@ async def responses(request: web.Request) -> web.StreamResponse:
         answer = Answer(generation.command_id)
         answer.add_whole(done.reasoning, done.text, done.tool_calls)
         return web.json_response(response_body(generation.command_id, echo, "completed", answer.items(), done.final))
-    finally:
-        await generation.close()
 
 
 def _echo(body: ResponsesRequest) -> dict:
