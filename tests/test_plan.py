@@ -1,7 +1,7 @@
 """The worker's planner on plain data: lifecycle order, task forwarding, cancels, failures."""
 
 from exo.core.apply import apply
-from exo.core.events import InstanceCreated, TaskCancelRequested, TaskCreated
+from exo.core.events import InstanceCreated, TaskCancelRequested, TaskCreated, TaskFinished, TaskStarted
 from exo.core.state import State
 from exo.core.types import Instance, ShardAssignment, Task
 from exo.worker.plan import (
@@ -15,7 +15,9 @@ from exo.worker.plan import (
     StopRunner,
     WarmUp,
     WorkerView,
+    busy,
     plan,
+    settled,
 )
 
 MINE = Instance(instance_id="i1", model_id="m/a", shards=[ShardAssignment(runner_id="r1", node_id="me", end_layer=2)])
@@ -40,8 +42,8 @@ def test_lifecycle_runs_create_download_load_warm_up_in_order():
     assert plan(view(state, "spawned")) == [DownloadModel(runner_id="r1", model_id="m/a")]
     assert plan(view(state, "downloaded")) == [LoadModel(runner_id="r1", model_id="m/a")]
     assert plan(view(state, "loaded")) == [WarmUp(runner_id="r1")]
-    for busy in ("spawning", "downloading", "loading", "warming_up", "ready"):
-        assert plan(view(state, busy)) == []
+    for phase in ("spawning", "downloading", "loading", "warming_up", "ready"):
+        assert plan(view(state, phase)) == []
 
 
 def test_tasks_wait_for_a_ready_runner_then_are_forwarded_once():
@@ -117,3 +119,15 @@ def test_a_runner_with_work_that_goes_silent_is_killed_as_hung():
     (kill,) = at(131.0, forwarded=frozenset({"t1"}))
     assert kill == KillHungRunner(runner_id="r1", reason="no progress for 31 s while generating")
     assert at(500.0) == [ForwardTask(runner_id="r1", task_id="t1")]  # no work yet: silence is not a hang
+
+
+def test_ended_tasks_are_forgotten_once_state_has_their_end_and_not_before():
+    running = [Task(task_id=t, instance_id="i1", model_id="m/a") for t in ("t1", "t2", "t3")]
+    state = state_with(InstanceCreated(instance=MINE), *(TaskCreated(task=t) for t in running),
+                       TaskStarted(task_id="t2"), TaskFinished(task_id="t1", status="completed", finish_reason="stop"))
+    # t1: its end is in State; t2: this node ended it but State has not folded that yet; t9: gone from State.
+    assert settled(state, {"t1", "t2", "t9"}) == {"t1", "t9"}
+    # What stays keeps the runner busy and the task from being forwarded again.
+    local = view(state, "ready", forwarded=frozenset({"t2", "t3"}))
+    local = WorkerView(node_id="me", state=state, runners=local.runners, ended_tasks=frozenset({"t2"}))
+    assert busy(local, local.runners["r1"]) and plan(local) == []

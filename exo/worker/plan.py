@@ -162,6 +162,13 @@ def _lifecycle_steps(view: WorkerView, instance: Instance, local: LocalRunner) -
     return []
 
 
+def settled(state: State, ended: set[str] | frozenset[str]) -> set[str]:
+    """Ended tasks whose end State already has (or that State no longer keeps): neither the
+    ended set nor a runner's forwarded set needs them any more, so both stay bounded on a
+    long-lived node. A task whose end State has not folded yet stays: it is still open there."""
+    return {t for t in ended if (task := state.tasks.get(t)) is None or task.status not in ("pending", "running")}
+
+
 def busy(view: WorkerView, local: LocalRunner) -> bool:
     """It was given tasks that have not ended."""
     return bool(local.forwarded - view.ended_tasks)

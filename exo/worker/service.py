@@ -89,6 +89,7 @@ class Worker:
         while True:
             await self._wake.wait()
             self._wake.clear()
+            self._forget_settled()
             for step in p.plan(self._worker_view()):
                 try:
                     await self._execute(step)
@@ -111,6 +112,13 @@ class Worker:
     def kill_runners(self) -> None:
         for host in self._hosts.values():
             host.kill()
+
+    def _forget_settled(self) -> None:
+        done = p.settled(self._view.state, self._ended)
+        if done:
+            self._ended -= done
+            self._runners = {runner_id: replace(r, forwarded=r.forwarded - done, cancels_sent=r.cancels_sent - done)
+                             for runner_id, r in self._runners.items()}
 
     def _worker_view(self) -> p.WorkerView:
         return p.WorkerView(
