@@ -4,7 +4,7 @@ For each size, a fresh embedded nats-server gets that many generated events (a n
 an instance, then chat tasks created / started / finished, like a busy cluster's log), then
 every variant runs `--runs` times (median reported, with the range and this process's CPU
 time per event, which says more than wall time on a shared machine):
-  read only: raw reader                          what exo.bus.log_reader.read_log does now
+  read only: raw reader                          what exo.bus.tooling.log_reader.read_log does now
   read only: nats-py ordered push consumer       what it did before (read_log_ordered)
   read only: pull consumer fetch(1000)
   replay from stream: raw reader + batch fold    `exo replay`
@@ -33,9 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from exo import event_loop  # noqa: E402
 from exo.bus.connection import connect  # noqa: E402
 from exo.bus.embedded import EmbeddedNats  # noqa: E402
-from exo.bus.log_reader import log_bounds, read_log, read_log_batches, read_log_fetching, read_log_ordered  # noqa: E402
 from exo.bus.provision import provision  # noqa: E402
 from exo.bus.subjects import EVENTS_STREAM, event_subject  # noqa: E402
+from exo.bus.tooling.log_reader import log_bounds, read_log, read_log_batches, read_log_fetching, read_log_ordered  # noqa: E402
 from exo.core.events import (  # noqa: E402
     CustomCardAdded,
     Event,

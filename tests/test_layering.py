@@ -82,3 +82,12 @@ def test_no_arrow_runs_back_up():
         if wrong:
             crossing[str(path.relative_to(EXO.parent))] = sorted(wrong)
     assert crossing == {}
+
+
+def test_only_the_tools_use_the_log_tooling():
+    """exo/bus/tooling (raw log reading, inspection) serves `exo replay`, `inspect` and `events`;
+    the node's own packages do without it."""
+    users = {str(path.relative_to(EXO.parent)) for path in sorted(EXO.rglob("*.py"))
+             if any(m.startswith("exo.bus.tooling") for m in imported_modules(path))}
+    allowed = {u for u in users if u.startswith(("exo/tools/", "exo/bus/tooling/"))}
+    assert users - allowed == set() and allowed  # the tools do use it: the walk can see an import

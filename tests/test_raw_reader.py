@@ -1,4 +1,4 @@
-"""The raw event-log reader (exo.bus.log_reader): its protocol parser takes every message of
+"""The raw event-log reader (exo.bus.tooling.log_reader): its protocol parser takes every message of
 its subscription the way nats-py's parser would have delivered it, however the bytes are cut
 into socket reads, and leaves everything else to nats-py; against a real server it reads
 exactly what nats-py's ordered consumer reads, stops where asked, reports a trimmed head, and
@@ -14,14 +14,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from nats.protocol.parser import Parser
 
-from exo.bus import log_reader
 from exo.bus.connection import connect
 from exo.bus.errors import LogGap
 from exo.bus.event_log import EventLog
-from exo.bus.log_reader import LogRecord, read_log, read_log_batches, read_log_ordered
 from exo.bus.provision import provision
-from exo.bus.raw_reader import RawParser, RawRangeReader, headers_of
 from exo.bus.subjects import EVENTS_STREAM
+from exo.bus.tooling import log_reader
+from exo.bus.tooling.log_reader import LogRecord, read_log, read_log_batches, read_log_ordered
+from exo.bus.tooling.raw_reader import RawParser, RawRangeReader, headers_of
 from exo.core.events import TaskStarted
 
 # ---- the parser, without a server ------------------------------------------------------------

@@ -17,10 +17,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from exo.bus.connection import connect
-from exo.bus.log_reader import LogRecord
 from exo.bus.permissions import OPERATOR_USER
 from exo.bus.provision import provision
 from exo.bus.snapshots import write_snapshot
+from exo.bus.tooling.log_reader import LogRecord
 from exo.core.events import encode_event
 from exo.core.state import SkippedEvent, State, encode_state
 from exo.core.types import NodeInfo, Task

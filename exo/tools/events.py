@@ -16,7 +16,7 @@ import sys
 
 import msgspec
 
-from exo.bus.log_reader import LogFollower, LogRecord, log_bounds, read_log
+from exo.bus.tooling.log_reader import LogFollower, LogRecord, log_bounds, read_log
 from exo.core.apply import apply
 from exo.core.events import decode_event
 from exo.core.state import State

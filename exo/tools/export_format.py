@@ -17,7 +17,7 @@ from typing import IO
 
 import msgspec
 
-from exo.bus.log_reader import LogRecord
+from exo.bus.tooling.log_reader import LogRecord
 
 
 class ExportLine(msgspec.Struct, kw_only=True, omit_defaults=True):

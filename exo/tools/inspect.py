@@ -15,7 +15,7 @@ import os
 
 import msgspec
 
-from exo.bus.inspection import Inspection, inspect_nats
+from exo.bus.tooling.inspection import Inspection, inspect_nats
 from exo.tools.cli import EXIT_OK, Output, add_nats_option, open_nats, run_tool
 
 

@@ -23,8 +23,8 @@ from typing import Any
 
 import msgspec
 
-from exo.bus.log_reader import LogRecord, log_bounds, read_log_batches
-from exo.bus.snapshot_reader import StoredSnapshot, stored_snapshots
+from exo.bus.tooling.log_reader import LogRecord, log_bounds, read_log_batches
+from exo.bus.tooling.snapshot_reader import StoredSnapshot, stored_snapshots
 from exo.core.apply import Draft
 from exo.core.events import decode_event
 from exo.core.state import State, decode_state

@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterable
 
 import msgspec
 
-from exo.bus.log_reader import LogRecord
+from exo.bus.tooling.log_reader import LogRecord
 from exo.core.apply import apply, skip_event
 from exo.core.events import decode_event
 from exo.core.state import State

@@ -15,8 +15,8 @@ from nats.js import api
 from nats.protocol.parser import AWAITING_CONTROL_LINE, ERR_RE, INFO_RE, OK_RE, PING_RE, PONG_RE, Parser
 
 from exo.bus.errors import BusError, LogGap
-from exo.bus.log_records import HEARTBEAT_S, LogRecord, OnBatch, unsubscribe_quietly
 from exo.bus.subjects import ALL_EVENTS, EVENTS_STREAM
+from exo.bus.tooling.log_records import HEARTBEAT_S, LogRecord, OnBatch, unsubscribe_quietly
 
 log = logging.getLogger(__name__)
 

@@ -20,9 +20,9 @@ from nats.js import api
 
 from exo.bus.connection import connect
 from exo.bus.errors import BusError, LogGap
-from exo.bus.log_records import HEARTBEAT_S, LogBounds, LogRecord, OnBatch, OnRecord, unsubscribe_quietly
-from exo.bus.raw_reader import RawParser, RawRangeReader
 from exo.bus.subjects import ALL_EVENTS, EVENTS_STREAM
+from exo.bus.tooling.log_records import HEARTBEAT_S, LogBounds, LogRecord, OnBatch, OnRecord, unsubscribe_quietly
+from exo.bus.tooling.raw_reader import RawParser, RawRangeReader
 
 __all__ = ["LogBounds", "LogFollower", "LogRecord", "log_bounds", "read_log", "read_log_batches", "read_log_ordered",
            "read_log_fetching", "record_of"]
