@@ -6,8 +6,9 @@ from typing import Any
 
 import msgspec
 
+from exo.core.state import SkippedEvent
 from exo.tools.export_format import format_time_ns
-from exo.tools.replayer import CheckResult, Skipped, Step
+from exo.tools.replayer import CheckResult, Step
 from exo.tools.state_diff import format_change
 
 _INDENT = " " * 10
@@ -37,7 +38,7 @@ def step_json(step: Step) -> bytes:
     return _encoder.encode(body)
 
 
-def skipped_text(skipped: list[Skipped]) -> list[str]:
+def skipped_text(skipped: list[SkippedEvent]) -> list[str]:
     if not skipped:
         return []
     return [f"{len(skipped)} event(s) not used:", *(f"  {s.seq:>8}  {s.reason}" for s in skipped)]

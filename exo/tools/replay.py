@@ -27,12 +27,12 @@ from exo.bus.tooling.log_reader import LogRecord, log_bounds, read_log_batches
 from exo.bus.tooling.snapshot_reader import StoredSnapshot, stored_snapshots
 from exo.core.apply import Draft
 from exo.core.events import decode_event
-from exo.core.state import State, decode_state
+from exo.core.state import SkippedEvent, State, decode_state
 from exo.tools.cli import EXIT_FAILED, EXIT_OK, Output, ToolError, add_nats_option, open_nats, run_tool
 from exo.tools.event_view import parse_filters
 from exo.tools.export_format import read_lines
 from exo.tools.render import check_text, skipped_text, step_json, step_text
-from exo.tools.replayer import Checkpoint, Replayer, Skipped
+from exo.tools.replayer import Checkpoint, Replayer
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -103,7 +103,7 @@ class BatchReplayer(Replayer):
                 continue  # already folded in (a snapshot covers it, or a reader sent it twice)
             if seq > last + 1:
                 missing = f"sequence {last + 1}" if last + 1 == seq - 1 else f"sequences {last + 1}-{seq - 1}"
-                self.skipped.append(Skipped(seq=last + 1, reason=f"{missing} missing from the log"))
+                self.skipped.append(SkippedEvent(seq=last + 1, reason=f"{missing} missing from the log"))
             try:
                 event = decode_event(record.data)
             except (msgspec.DecodeError, msgspec.ValidationError) as error:
@@ -112,7 +112,7 @@ class BatchReplayer(Replayer):
             else:
                 reason = draft.apply(event, seq)
             if reason:
-                self.skipped.append(Skipped(seq=seq, reason=reason))
+                self.skipped.append(SkippedEvent(seq=seq, reason=reason))
             self.replayed += 1
             last = seq
             if seq in checkpoints:

@@ -13,14 +13,9 @@ import msgspec
 from exo.bus.tooling.log_reader import LogRecord
 from exo.core.apply import apply, skip_event
 from exo.core.events import decode_event
-from exo.core.state import State
+from exo.core.state import SkippedEvent, State
 from exo.tools.event_view import EventFilter, describe, kind_of, matches
 from exo.tools.state_diff import Change, format_path, state_changes
-
-
-class Skipped(msgspec.Struct, frozen=True, kw_only=True):
-    seq: int
-    reason: str
 
 
 class Step(msgspec.Struct, frozen=True, kw_only=True):
@@ -66,7 +61,7 @@ class Replayer:
     ) -> None:
         self.state = state or State()
         self.start_seq = self.state.last_seq
-        self.skipped: list[Skipped] = []
+        self.skipped: list[SkippedEvent] = []
         self.checks: list[CheckResult] = []
         self.replayed = 0
         self._on_step = on_step
@@ -87,12 +82,12 @@ class Replayer:
         if record.seq > self.state.last_seq + 1:
             first, last = self.state.last_seq + 1, record.seq - 1
             missing = f"sequence {first}" if first == last else f"sequences {first}-{last}"
-            self.skipped.append(Skipped(seq=first, reason=f"{missing} missing from the log"))
+            self.skipped.append(SkippedEvent(seq=first, reason=f"{missing} missing from the log"))
         before = self.state
         self.state, event, reason = _fold(before, record)
         self.replayed += 1
         if reason:
-            self.skipped.append(Skipped(seq=record.seq, reason=reason))
+            self.skipped.append(SkippedEvent(seq=record.seq, reason=reason))
         if self._on_step is not None:
             self._show(record, before, event, reason)
         if self._checkpoints:
