@@ -10,6 +10,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO
 
 from aiohttp import web
 
@@ -18,13 +19,13 @@ from exo.api.auth import warn_if_exposed
 from exo.api.context import ApiContext
 from exo.api.outcomes import CommandOutcomes
 from exo.bus.catch_up import catch_up
-from exo.bus.connection import connect, redact
+from exo.bus.connection import Connection, connect, redact
 from exo.bus.embedded import EmbeddedNats
 from exo.bus.errors import LogGap
 from exo.bus.event_log import EventLog
 from exo.bus.provision import event_retention, provision
 from exo.bus.state_view import StateView
-from exo.core.events import NodeRegistered
+from exo.core.events import Event, NodeRegistered
 from exo.master.service import Master
 from exo.models.cards import load_builtin_cards
 from exo.models.dirs import DownloadSettings
@@ -78,11 +79,11 @@ class Node:
         self.embedded: EmbeddedNats | None = None
         self.worker: Worker | None = None
         self._tasks: list[asyncio.Task] = []
-        self._nc = None
+        self._nc: Connection | None = None
         self._view: StateView | None = None
         self._site_runner: web.AppRunner | None = None
         self.api_url = ""
-        self._data_dir_lock = None
+        self._data_dir_lock: IO[bytes] | None = None
 
     async def start(self) -> None:
         config = self.config
@@ -116,7 +117,10 @@ class Node:
             downloads = DownloadSettings.from_env(config.data_dir, offline=config.offline, share=config.model_sharing)
             self.worker = Worker(nc, view, node_id, config.data_dir, urls, builtin, downloads)
             events = EventLog(nc)
-            heartbeat = Heartbeat(node_id, lambda event: events.append(event, uuid.uuid4().hex),
+            async def append(event: Event) -> None:
+                await events.append(event, uuid.uuid4().hex)
+
+            heartbeat = Heartbeat(node_id, append,
                                   prompt_caches=self.worker.prompt_caches)
             view.add_listener(heartbeat.on_event)
             info = describe_this_node(node_id, heartbeat.incarnation, time.time())
@@ -173,8 +177,8 @@ class Node:
                 pass
         if self.embedded is not None:
             self.embedded.stop()
-        if getattr(self, "_data_dir_lock", None) is not None:
-            self._data_dir_lock.close()  # another Node in this process may use the dir now
+        if (lock := getattr(self, "_data_dir_lock", None)) is not None:
+            lock.close()  # another Node in this process may use the dir now
             self._data_dir_lock = None
 
     def kill(self) -> None:

@@ -82,7 +82,7 @@ def report_of(state: State, instance: Instance) -> InstanceReport:
         download = failed.download
         # The runner failed because its download did (the record is failed, and the runner says so).
         by_download = download is not None and download.status == "failed" and failed.error.startswith(_DOWNLOAD_FAILED)
-        code = (download.error_code or "unknown") if by_download else "runner_failed"
+        code = (download.error_code or "unknown") if download is not None and by_download else "runner_failed"
         error = failed.error or "the runner failed"
         return InstanceReport(status="failed", error=error, error_code=code, runners=runners)
     if "stopped" in statuses:

@@ -23,7 +23,7 @@ from exo.bus.command_queue import send_command
 from exo.bus.tokens import TokenListener, stored_chunks
 from exo.core.commands import CancelTask, GenerateText
 from exo.core.events import TaskFinished
-from exo.core.types import GenerationParams, TokenChunk, TokenLogprob, ToolCall
+from exo.core.types import FinishReason, GenerationParams, TokenChunk, TokenLogprob, ToolCall
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ class Generation:
         if not missing:
             return [chunk]
         found = await self._stored(missing.start, missing.stop)
-        recovered = list(itertools.takewhile(lambda c: c is not None, (found.get(i) for i in missing)))
+        recovered = list(itertools.takewhile(lambda c: c is not None, (found[i] for i in missing if i in found)))
         if len(recovered) == len(missing):
             log.info("generation %s: %d chunks recovered from JetStream", self.command_id, len(missing))
             return [*recovered, chunk]
@@ -117,7 +117,7 @@ class Generation:
         queue = self._listener.queue
         if not queue.empty() or not self._ended.done():
             getter = asyncio.ensure_future(queue.get())
-            await asyncio.wait({getter, self._ended}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({getter, self._ended}, return_when=asyncio.FIRST_COMPLETED)  # type: ignore[type-var]
             if getter.done():
                 return getter.result()
             getter.cancel()
@@ -130,8 +130,8 @@ class Generation:
                 return TokenChunk(command_id=self.command_id, index=-1, finish_reason=reason,  # type: ignore[arg-type]
                                   prompt_tokens=end.prompt_tokens, token_count=end.completion_tokens,
                                   cached_tokens=end.cached_tokens)
-            reason = "error" if end.status == "failed" else "cancelled"
-            return TokenChunk(command_id=self.command_id, index=-1, finish_reason=reason, error=end.error or f"task {end.status}")
+            failed: FinishReason = "error" if end.status == "failed" else "cancelled"
+            return TokenChunk(command_id=self.command_id, index=-1, finish_reason=failed, error=end.error or f"task {end.status}")
 
     async def close(self, resume_grace_s: float = 0.0) -> None:
         """Stop listening. An unfinished generation is cancelled, at once or, for a stream

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import ssl
+from typing import Any
 
 import nats
 from nats.aio.client import Client
@@ -44,7 +45,7 @@ SECURITY_ENV = {
 
 def security_options() -> dict:
     """nats.connect keyword arguments for auth and TLS, from the environment."""
-    values = {key: os.environ[env] for key, env in SECURITY_ENV.items() if os.environ.get(env)}
+    values: dict[str, Any] = {key: os.environ[env] for key, env in SECURITY_ENV.items() if os.environ.get(env)}
     tls_ca, tls_cert, tls_key = values.pop("tls_ca", None), values.pop("tls_cert", None), values.pop("tls_key", None)
     if tls_ca or tls_cert:
         context = ssl.create_default_context(cafile=tls_ca)
@@ -81,7 +82,7 @@ async def connect(urls: list[str], name: str) -> Client:
             servers=urls,
             name=name,
             max_reconnect_attempts=-1,
-            reconnect_time_wait=0.5,
+            reconnect_time_wait=0.5,  # type: ignore[arg-type]  # nats-py types it int; it sleeps a float
             connect_timeout=3,
             allow_reconnect=True,
             error_cb=on_error,

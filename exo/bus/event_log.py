@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable
 import msgspec
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from nats.js import api
 
 from exo.bus.errors import LogGap
@@ -53,7 +54,7 @@ class EventFollower:
         self._on_event = on_event
         self._on_undecodable = on_undecodable
         self._next_seq = 1
-        self._subscription = None
+        self._subscription: Subscription | None = None
         self.gap: str = ""  # set if the log skipped sequences this reader needed
 
     async def start(self, start_seq: int = 1) -> None:

@@ -10,6 +10,7 @@ import asyncio
 
 import msgspec
 from nats.aio.client import Client
+from nats.aio.subscription import Subscription
 from nats.js import api
 
 from exo.bus.publish import publish_durably
@@ -64,7 +65,7 @@ class TokenListener:
 
     def __init__(self) -> None:
         self.queue: asyncio.Queue[TokenChunk] = asyncio.Queue()
-        self._subscription = None
+        self._subscription: Subscription | None = None
 
     @classmethod
     async def live(cls, nc: Client, command_id: str) -> "TokenListener":

@@ -129,7 +129,7 @@ class Draft:
         return value
 
     def own_downloads_of(self, node_id: str) -> dict[str, DownloadProgress]:
-        downloads = self.own("downloads")
+        downloads: dict[str, dict[str, DownloadProgress]] = self.own("downloads")
         if node_id not in self._own_downloads_of:
             downloads[node_id] = dict(downloads.get(node_id, {}))
             self._own_downloads_of.add(node_id)

@@ -12,7 +12,7 @@ class Command(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind"):
     command_id: str
 
 
-class PlaceInstance(Command, tag="place_instance", kw_only=True):
+class PlaceInstance(Command, frozen=True, tag="place_instance", kw_only=True):
     model_id: str
     sharding: Sharding = "pipeline"
     min_nodes: int = 1
@@ -21,25 +21,25 @@ class PlaceInstance(Command, tag="place_instance", kw_only=True):
     kv_bits: int = 0  # quantize the KV cache to this many bits (exo/core/kv_budget.py KV_BITS); 0: not quantized
 
 
-class DeleteInstance(Command, tag="delete_instance", kw_only=True):
+class DeleteInstance(Command, frozen=True, tag="delete_instance", kw_only=True):
     instance_id: str
 
 
-class GenerateText(Command, tag="generate_text", kw_only=True):
+class GenerateText(Command, frozen=True, tag="generate_text", kw_only=True):
     model_id: str
     params: GenerationParams = GenerationParams()
     at: float = 0.0
 
 
-class CancelTask(Command, tag="cancel_task", kw_only=True):
+class CancelTask(Command, frozen=True, tag="cancel_task", kw_only=True):
     task_id: str
 
 
-class AddCustomCard(Command, tag="add_card", kw_only=True):
+class AddCustomCard(Command, frozen=True, tag="add_card", kw_only=True):
     card: ModelCard
 
 
-class DeleteCustomCard(Command, tag="delete_card", kw_only=True):
+class DeleteCustomCard(Command, frozen=True, tag="delete_card", kw_only=True):
     model_id: str
 
 

@@ -19,7 +19,7 @@ class Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind"):
     term: int = 0
 
 
-class LeaderElected(Event, tag="leader.elected", kw_only=True):
+class LeaderElected(Event, frozen=True, tag="leader.elected", kw_only=True):
     """The latest one in the log is the leader. Its term is its own sequence: nothing a publisher
     writes into an event can raise it, so a forged election lasts only until the lease holder
     elects itself again (it does at once: exo/master/service.py)."""
@@ -28,35 +28,35 @@ class LeaderElected(Event, tag="leader.elected", kw_only=True):
     lease_revision: int = 0  # the lease's KV revision the master won; 0: an election of the old scheme
 
 
-class NodeRegistered(Event, tag="node.registered", kw_only=True):
+class NodeRegistered(Event, frozen=True, tag="node.registered", kw_only=True):
     node: NodeInfo
 
 
-class NodeHeartbeat(Event, tag="node.heartbeat", kw_only=True):
+class NodeHeartbeat(Event, frozen=True, tag="node.heartbeat", kw_only=True):
     """A node is alive and this is what it has now (memory changes as models load)."""
 
     node: NodeInfo
 
 
-class NodeTimedOut(Event, tag="node.timed_out", kw_only=True):
+class NodeTimedOut(Event, frozen=True, tag="node.timed_out", kw_only=True):
     """The master has not heard from the node for its timeout: it is out of State until it speaks again."""
 
     node_id: str
     reason: str = ""
 
 
-class InstanceCreated(Event, tag="instance.created", kw_only=True):
+class InstanceCreated(Event, frozen=True, tag="instance.created", kw_only=True):
     command_id: str = ""
     instance: Instance
 
 
-class InstanceDeleted(Event, tag="instance.deleted", kw_only=True):
+class InstanceDeleted(Event, frozen=True, tag="instance.deleted", kw_only=True):
     command_id: str = ""
     instance_id: str
     reason: str = ""
 
 
-class RunnerStatusChanged(Event, tag="runner.status", kw_only=True):
+class RunnerStatusChanged(Event, frozen=True, tag="runner.status", kw_only=True):
     runner_id: str
     instance_id: str
     node_id: str
@@ -65,21 +65,21 @@ class RunnerStatusChanged(Event, tag="runner.status", kw_only=True):
     failures: int = 0  # consecutive failures of this runner (restarts since it was last ready)
 
 
-class TaskCreated(Event, tag="task.created", kw_only=True):
+class TaskCreated(Event, frozen=True, tag="task.created", kw_only=True):
     command_id: str = ""
     task: Task
 
 
-class TaskCancelRequested(Event, tag="task.cancel_requested", kw_only=True):
+class TaskCancelRequested(Event, frozen=True, tag="task.cancel_requested", kw_only=True):
     command_id: str = ""
     task_id: str
 
 
-class TaskStarted(Event, tag="task.started", kw_only=True):
+class TaskStarted(Event, frozen=True, tag="task.started", kw_only=True):
     task_id: str
 
 
-class TaskFinished(Event, tag="task.finished", kw_only=True):
+class TaskFinished(Event, frozen=True, tag="task.finished", kw_only=True):
     task_id: str
     status: TaskStatus
     finish_reason: str = ""
@@ -89,17 +89,17 @@ class TaskFinished(Event, tag="task.finished", kw_only=True):
     cached_tokens: int = 0  # prompt tokens reused from the runner's prompt cache
 
 
-class CustomCardAdded(Event, tag="card.added", kw_only=True):
+class CustomCardAdded(Event, frozen=True, tag="card.added", kw_only=True):
     command_id: str = ""
     card: ModelCard
 
 
-class CustomCardDeleted(Event, tag="card.deleted", kw_only=True):
+class CustomCardDeleted(Event, frozen=True, tag="card.deleted", kw_only=True):
     command_id: str = ""
     model_id: str
 
 
-class CommandRejected(Event, tag="command.rejected", kw_only=True):
+class CommandRejected(Event, frozen=True, tag="command.rejected", kw_only=True):
     """A command the master could not carry out, with why: the API answers the caller from it."""
 
     command_id: str
@@ -108,14 +108,14 @@ class CommandRejected(Event, tag="command.rejected", kw_only=True):
     reason: str = ""
 
 
-class DownloadProgressed(Event, tag="download.progress", kw_only=True):
+class DownloadProgressed(Event, frozen=True, tag="download.progress", kw_only=True):
     """A node's download of a model started, moved on (at most about once a second), completed
     or was cancelled: the whole record, so the latest one is all a reader needs."""
 
     progress: DownloadProgress
 
 
-class DownloadFailed(Event, tag="download.failed", kw_only=True):
+class DownloadFailed(Event, frozen=True, tag="download.failed", kw_only=True):
     node_id: str
     model_id: str
     # A DownloadErrorCode; a plain string so that older nodes still read codes added later.
@@ -124,7 +124,7 @@ class DownloadFailed(Event, tag="download.failed", kw_only=True):
     at: float = 0.0
 
 
-class DownloadDeleted(Event, tag="download.deleted", kw_only=True):
+class DownloadDeleted(Event, frozen=True, tag="download.deleted", kw_only=True):
     """The node removed the model's files (never from a read-only directory) and its status."""
 
     node_id: str

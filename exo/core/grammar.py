@@ -5,6 +5,7 @@ work, and the runner compiles the very same grammar (exo/runner/constraint.py)."
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from llguidance import LLMatcher
 
@@ -20,7 +21,7 @@ def grammar_of(response_format: ResponseFormat) -> str:
     return LLMatcher.grammar_from_json_schema(schema, overrides=_COMPILE)  # type: ignore[arg-type]
 
 
-def tool_call_grammar(tools: list[dict], start: list[int], end: list[int]) -> str:
+def tool_call_grammar(tools: list[dict[str, Any]], start: list[int], end: list[int]) -> str:
     """One or more JSON tool calls between the model's call markers (token ids), each naming one
     of `tools` with arguments valid for its parameters: what mlx-lm's json_tools parser reads."""
     calls = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]},
@@ -31,7 +32,7 @@ def tool_call_grammar(tools: list[dict], start: list[int], end: list[int]) -> st
     return LLMatcher.grammar_from_lark(f'start: call+\ncall: {marks[0]} "\\n"? %json {json.dumps(schema)} "\\n"? {marks[1]} "\\n"?\n')
 
 
-def tool_call_problem(tools: list[dict]) -> str:
+def tool_call_problem(tools: list[dict[str, Any]]) -> str:
     """Why a call to one of these tools cannot be required ('' when it can)."""
     try:
         return LLMatcher.validate_grammar(tool_call_grammar(tools, [0], [1]))

@@ -36,7 +36,7 @@ def kv_bytes_per_token(card: ModelCard, kv_bits: int = 0) -> float:
     quantized cache keeps `kv_bits` per element and a scale and a bias per group."""
     heads = card.num_key_value_heads or card.num_attention_heads
     head_dim = head_dim_of(card)
-    element = card.kv_dtype_bytes or ASSUMED_ELEMENT_BYTES
+    element: float = card.kv_dtype_bytes or ASSUMED_ELEMENT_BYTES
     if kv_bits:
         element = kv_bits / 8 + 2 * element / (kv_group_size(head_dim) or 64)
     return 2 * heads * head_dim * element * card.n_layers

@@ -7,7 +7,7 @@ in snapshots. New fields must get defaults so older logs keep decoding.
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 
@@ -180,7 +180,7 @@ class ResponseFormat(msgspec.Struct, frozen=True, kw_only=True):
     """What the answer must be: any JSON object, or JSON valid for `json_schema` (constrained decoding)."""
 
     type: Literal["json_object", "json_schema"]
-    json_schema: dict = {}  # the schema itself, for "json_schema"
+    json_schema: dict[str, Any] = {}  # the schema itself, for "json_schema"
     name: str = ""
 
 
@@ -198,7 +198,7 @@ class GenerationParams(msgspec.Struct, frozen=True, kw_only=True):
     top_k: int | None = None
     logprobs: bool = False
     top_logprobs: int = 0  # alternatives per token, when logprobs is on
-    tools: list[dict] = []  # OpenAI-style function tools, given to the chat template
+    tools: list[dict[str, Any]] = []  # OpenAI-style function tools, given to the chat template
     tools_required: bool = False  # tool_choice "required" or a named tool: the answer must call one (constrained)
     tool_turns: list[ToolTurn] = []  # tool calls and results of earlier turns (see ToolTurn)
     prompt: str | None = None  # raw prompt text (completions): used as is, no chat template

@@ -9,7 +9,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 from msgspec.structs import replace
 
@@ -69,7 +69,7 @@ class Master:
                         await asyncio.sleep(self._lease.ttl / 5)
                         continue
                     await self._lead()
-                except (*BROKER_ERRORS, asyncio.TimeoutError) as error:
+                except (*BROKER_ERRORS, asyncio.TimeoutError) as error:  # type: ignore[misc]  # a tuple of exception types
                     # The broker is changing leaders or we are reconnecting: campaign again.
                     log.warning("master: %r; campaigning again", error)
                     await asyncio.sleep(1)
@@ -119,7 +119,7 @@ class Master:
             events = supervise(state, self._heard_at, now, node_timeout=self._node_timeout)
             try:
                 await self._append_all(events, term, f"supervise:{term}:{state.last_seq}")
-            except (*BROKER_ERRORS, asyncio.TimeoutError, NotLeader) as error:
+            except (*BROKER_ERRORS, asyncio.TimeoutError, NotLeader) as error:  # type: ignore[misc]  # as above
                 log.warning("master: supervision events not appended: %r", error)
             for event in events:
                 if isinstance(event, NodeTimedOut):
@@ -173,11 +173,11 @@ class Snapshotter:
         self._written_seq = 0
         view.add_listener(self._on_event)
 
-    def _on_event(self, seq, event, state) -> None:
+    def _on_event(self, seq: int, event: AnyEvent, state: State) -> None:
         if seq - self._written_seq >= self._every:
             self._due.set()
 
-    async def run(self, still_leader) -> None:
+    async def run(self, still_leader: Callable[[], bool]) -> None:
         while still_leader():
             try:
                 await asyncio.wait_for(self._due.wait(), self._interval)

@@ -10,6 +10,7 @@ import errno
 import hashlib
 import os
 from pathlib import Path
+from typing import Any, BinaryIO
 
 from exo.core.types import DownloadErrorCode
 from exo.models.dirs import PARTIAL_DIR
@@ -46,9 +47,9 @@ class PartialFile:
         self.final = model_dir / path
         self.partial = model_dir / PARTIAL_DIR / path
         self.size = 0
-        self._file = None
+        self._file: BinaryIO | None = None
         self._sha256 = hashlib.sha256()
-        self._git = None
+        self._git: Any = None  # hashlib's sha1, for files the Hub keeps in git
 
     def open(self) -> int:
         """Start or resume; returns the bytes already on disk (hashed again, so a resumed
@@ -74,6 +75,7 @@ class PartialFile:
         self.open()
 
     def write(self, data: bytes) -> None:
+        assert self._file is not None, "write before open"
         try:
             self._file.write(data)
         except OSError as error:

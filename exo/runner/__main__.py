@@ -211,7 +211,7 @@ class Runner:
         def is_cancelled() -> bool:
             return task_id in self._cancelled
 
-        if self._batched(request):
+        if self._batcher is not None and self._batched(request):
             return self._batcher.run(loop, request.params, request.defaults, on_output, is_cancelled, task_id)
         return loop.run_in_executor(self._mlx_thread, self._engine.generate, request.params, request.defaults,
                                     on_output, is_cancelled, task_id)

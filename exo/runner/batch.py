@@ -155,7 +155,7 @@ class Batcher:
         """Generates in the batch; the future resolves after every output of the job was scheduled on `loop`."""
         future = loop.create_future()
         self.submit(Job(params, defaults, on_output, is_cancelled, task_id,
-                        lambda outcome: loop.call_soon_threadsafe(_settle, future, outcome)))
+                        lambda outcome: None if loop.call_soon_threadsafe(_settle, future, outcome) else None))
         return future
 
     def submit(self, job: Job) -> None:
@@ -203,7 +203,7 @@ class Batcher:
                              frequency_penalty=params.frequency_penalty)
             generator = self._batch()
             seeded = params.seed is not None and self._lockstep() is None
-            sampler = seeded_sampler(*join.sampling, params.seed) if seeded else self._sampler(join.sampling)
+            sampler = seeded_sampler(*join.sampling, params.seed or 0) if seeded else self._sampler(join.sampling)
             uid = insert(generator, join, sampler, reuse, self._engine.constraint_for(params, tokens))
         except Exception as error:
             job.on_done(error)

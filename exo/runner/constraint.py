@@ -43,7 +43,8 @@ class GrammarConstraint:
 
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
         if self._started:
-            self._take(int(tokens[-1].item()))
+            last: Any = tokens[-1].item()
+            self._take(int(last))
         self._started = True
         if self._free:
             return logits

@@ -67,14 +67,15 @@ def broadcast_bytes(group: mx.distributed.Group, data: bytes | None) -> bytes:
     is_root = group.rank() == 0
     with mx.stream(generation_stream):
         size = mx.distributed.all_sum(mx.array([len(data) if is_root and data else 0], dtype=mx.int32), group=group)
-        length = int(size.item())
+        total: Any = size.item()
+        length = int(total)
         if length == 0:
             return b""
         # int32, not uint8: the ring backend's sums of small integer types came out as zeros.
         payload = mx.array(list(data), dtype=mx.int32) if is_root and data else mx.zeros((length,), dtype=mx.int32)
         received = mx.distributed.all_sum(payload, group=group)  # zeros elsewhere: the sum is rank 0's bytes
         mx.eval(received)  # on rank 0 too: a collective left unevaluated would leave the others waiting
-        return data if is_root and data else bytes(memoryview(received.astype(mx.uint8)))
+        return data if is_root and data else bytes(memoryview(received.astype(mx.uint8)))  # type: ignore[arg-type]
 
 
 class Announcement(msgspec.Struct, frozen=True, kw_only=True, tag="generate"):

@@ -131,4 +131,4 @@ def tokens_held(cache: list[Any]) -> int | None:
     if len(offsets) != 1 or None in offsets:
         return None
     (offset,) = offsets
-    return int(offset)
+    return int(offset or 0)

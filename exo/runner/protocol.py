@@ -21,29 +21,29 @@ class RankSetup(msgspec.Struct, frozen=True, kw_only=True):
     end_layer: int = 0
 
 
-class Load(Request, tag="load", kw_only=True):
+class Load(Request, frozen=True, tag="load", kw_only=True):
     model_path: str
     shard: RankSetup | None = None  # None: the whole model on this runner
     max_context: int = 0  # the instance's context (placement reserved its KV cache); 0: the model's
     kv_bits: int = 0  # the instance's KV cache quantized to this many bits; 0: not quantized
 
 
-class WarmUp(Request, tag="warm_up", kw_only=True):
+class WarmUp(Request, frozen=True, tag="warm_up", kw_only=True):
     pass
 
 
-class Generate(Request, tag="generate", kw_only=True):
+class Generate(Request, frozen=True, tag="generate", kw_only=True):
     task_id: str
     params: GenerationParams
     defaults: SamplingDefaults = SamplingDefaults()
     image_paths: dict[str, str] = {}  # sha256 -> file on this node, verified by the worker
 
 
-class Cancel(Request, tag="cancel", kw_only=True):
+class Cancel(Request, frozen=True, tag="cancel", kw_only=True):
     task_id: str
 
 
-class Shutdown(Request, tag="shutdown", kw_only=True):
+class Shutdown(Request, frozen=True, tag="shutdown", kw_only=True):
     pass
 
 
@@ -51,19 +51,19 @@ class Report(msgspec.Struct, frozen=True, kw_only=True, tag_field="op"):
     pass
 
 
-class Loaded(Report, tag="loaded", kw_only=True):
+class Loaded(Report, frozen=True, tag="loaded", kw_only=True):
     pass
 
 
-class WarmedUp(Report, tag="warmed_up", kw_only=True):
+class WarmedUp(Report, frozen=True, tag="warmed_up", kw_only=True):
     pass
 
 
-class Started(Report, tag="started", kw_only=True):
+class Started(Report, frozen=True, tag="started", kw_only=True):
     task_id: str
 
 
-class Done(Report, tag="done", kw_only=True):
+class Done(Report, frozen=True, tag="done", kw_only=True):
     task_id: str
     finish_reason: str
     prompt_tokens: int = 0
@@ -73,11 +73,11 @@ class Done(Report, tag="done", kw_only=True):
     prompt_cache: PromptCacheStats | None = None  # the runner's cache after this request
 
 
-class Failed(Report, tag="failed", kw_only=True):
+class Failed(Report, frozen=True, tag="failed", kw_only=True):
     error: str
 
 
-class Alive(Report, tag="alive", kw_only=True):
+class Alive(Report, frozen=True, tag="alive", kw_only=True):
     """Every second while the runner is idle or its model thread makes progress: a runner that
     has work and stops sending this is hung (exo/worker/plan.py)."""
 

@@ -87,6 +87,7 @@ class OutputSplitter:
 
     def _calls_from(self, tool_text: str) -> list[ToolCall]:
         try:
+            assert self._parse is not None  # a tool state exists only with a parser
             parsed = self._parse(tool_text, self._tools)
         except (ValueError, KeyError, TypeError) as error:  # json errors are ValueErrors
             log.warning("cannot parse a tool call (%s: %s): %r", type(error).__name__, error, tool_text[:200])

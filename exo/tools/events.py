@@ -68,7 +68,7 @@ async def _export(args: argparse.Namespace) -> int:
             print(f"exo events: the log now starts at sequence {bounds.first_seq}", file=sys.stderr)
         sink = open(args.output, "wb") if args.output else sys.stdout.buffer
         try:
-            count = await read_log(nc, lambda record: sink.write(encode_line(record)), first, args.until)
+            count = await read_log(nc, lambda record: None if sink.write(encode_line(record)) else None, first, args.until)
         finally:
             sink.flush()
             if args.output:

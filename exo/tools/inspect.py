@@ -93,10 +93,11 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
 
 
 def _size(count: int) -> str:
+    value = float(count)
     for unit in ("B", "KiB", "MiB", "GiB"):
-        if count < 1024 or unit == "GiB":
-            return f"{count} {unit}" if unit == "B" else f"{count:.1f} {unit}"
-        count /= 1024
+        if value < 1024 or unit == "GiB":
+            return f"{count} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
     return f"{count} B"
 
 

@@ -72,8 +72,9 @@ async def _replay(args: argparse.Namespace) -> int:
     out = Output()
     started = time.perf_counter()
     if args.file:
-        replayer = _new_replayer(args, out, State())
-        _fold_file(args.file, replayer, args.until)
+        from_file = _new_replayer(args, out, State())
+        _fold_file(args.file, from_file, args.until)
+        replayer: Replayer = from_file
         unreadable: list[str] = []
     else:
         replayer, unreadable = await _fold_stream(args, out)

@@ -94,6 +94,8 @@ class Replayer:
             self._check(record.seq)
 
     def _show(self, record: LogRecord, before: State, event, reason: str) -> None:
+        if self._on_step is None:
+            return
         kind = kind_of(record.subject, event)
         if not matches(self._filter, kind, event, before):
             return

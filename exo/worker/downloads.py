@@ -100,7 +100,7 @@ class DownloadCoordinator:
         async with self._locks[card.model_id]:
             running = self._jobs.get(card.model_id)
             if running is not None:
-                await asyncio.wait([running.task])
+                await asyncio.wait([running.task])  # type: ignore[type-var]  # launched: set
                 if running.cancelled_on_request:
                     raise DownloadCancelled(f"the download of {card.model_id} was cancelled")
             copy = await asyncio.to_thread(find_complete, self.settings.dirs, card, start, end)
@@ -108,6 +108,7 @@ class DownloadCoordinator:
                 await self._report_local(card, copy)
                 return copy.path
             job = self._launch(card, start, end)
+        assert job.task is not None
         return await asyncio.shield(job.task)
 
     async def handle(self, action: Action, model_id: str) -> DownloadReply:
@@ -171,7 +172,7 @@ class DownloadCoordinator:
         if job is not None:
             job.cancelled_on_request = True
             job.fetch.cancelled.set()
-            await asyncio.wait([job.task])
+            await asyncio.wait([job.task])  # type: ignore[type-var]  # launched: set
         async with self._locks[model_id]:
             removed = await asyncio.to_thread(delete_copies, self.settings.dirs, model_id)
             self._share_cache.clear()

@@ -155,7 +155,7 @@ class ModelFetch:
         if not tasks:
             return
         await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-        failed = [t.exception() for t in tasks if t.done() and t.exception() is not None]
+        failed = [error for t in tasks if t.done() and (error := t.exception()) is not None]
         if failed:
             # One failure ends the download. The others stop at their next chunk (threads cannot
             # be interrupted) and leave their partial files for the next attempt to resume.

@@ -12,7 +12,7 @@ from typing import Literal
 import msgspec
 
 from exo.core.state import State
-from exo.core.types import Instance, ShardAssignment, Task, TaskStatus
+from exo.core.types import Instance, RunnerInfo, ShardAssignment, Task, TaskStatus
 
 LocalPhase = Literal[
     "spawning", "spawned", "downloading", "downloaded", "loading", "loaded", "warming_up", "ready", "failed", "stopping"
@@ -48,37 +48,37 @@ class Step(msgspec.Struct, frozen=True, kw_only=True, tag_field="step"):
     pass
 
 
-class StopRunner(Step, tag="stop_runner", kw_only=True):
+class StopRunner(Step, frozen=True, tag="stop_runner", kw_only=True):
     runner_id: str
 
 
-class CreateRunner(Step, tag="create_runner", kw_only=True):
+class CreateRunner(Step, frozen=True, tag="create_runner", kw_only=True):
     runner_id: str
     instance_id: str
 
 
-class DownloadModel(Step, tag="download_model", kw_only=True):
+class DownloadModel(Step, frozen=True, tag="download_model", kw_only=True):
     runner_id: str
     model_id: str
 
 
-class LoadModel(Step, tag="load_model", kw_only=True):
+class LoadModel(Step, frozen=True, tag="load_model", kw_only=True):
     runner_id: str
     model_id: str
 
 
-class WarmUp(Step, tag="warm_up", kw_only=True):
+class WarmUp(Step, frozen=True, tag="warm_up", kw_only=True):
     runner_id: str
 
 
-class RestartRunner(Step, tag="restart_runner", kw_only=True):
+class RestartRunner(Step, frozen=True, tag="restart_runner", kw_only=True):
     """Start a failed runner again, after its back-off."""
 
     runner_id: str
     instance_id: str
 
 
-class KillHungRunner(Step, tag="kill_hung_runner", kw_only=True):
+class KillHungRunner(Step, frozen=True, tag="kill_hung_runner", kw_only=True):
     """It has work and has not shown progress for `stall_after`: fail it (its requests get the
     reason), kill it, and let the restart rules bring it back."""
 
@@ -86,28 +86,28 @@ class KillHungRunner(Step, tag="kill_hung_runner", kw_only=True):
     reason: str
 
 
-class AbandonRunner(Step, tag="abandon_runner", kw_only=True):
+class AbandonRunner(Step, frozen=True, tag="abandon_runner", kw_only=True):
     """Stop this rank because a peer rank failed: the group must form again from scratch."""
 
     runner_id: str
     reason: str
 
 
-class ForwardTask(Step, tag="forward_task", kw_only=True):
+class ForwardTask(Step, frozen=True, tag="forward_task", kw_only=True):
     runner_id: str
     task_id: str
 
 
-class CancelForwardedTask(Step, tag="cancel_task", kw_only=True):
+class CancelForwardedTask(Step, frozen=True, tag="cancel_task", kw_only=True):
     runner_id: str
     task_id: str
 
 
-class FetchImages(Step, tag="fetch_images", kw_only=True):
+class FetchImages(Step, frozen=True, tag="fetch_images", kw_only=True):
     digests: list[str]
 
 
-class EndTask(Step, tag="end_task", kw_only=True):
+class EndTask(Step, frozen=True, tag="end_task", kw_only=True):
     """End a task that no runner will finish: cancelled before it ran, or its runner failed."""
 
     task_id: str
@@ -174,7 +174,7 @@ def busy(view: WorkerView, local: LocalRunner) -> bool:
     return bool(local.forwarded - view.ended_tasks)
 
 
-def _can_form_group(view: WorkerView, peers: list) -> bool:
+def _can_form_group(view: WorkerView, peers: list[RunnerInfo | None]) -> bool:
     """Every rank can join, and no runner of this node is still leaving: a deleted instance's
     runner may still hold the ring port the new group was given."""
     stopping = any(r.phase == "stopping" for r in view.runners.values())

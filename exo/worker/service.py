@@ -26,7 +26,16 @@ from exo.bus.tokens import publish_chunk
 from exo.core.catalogue import find_card
 from exo.core.events import AnyEvent, CustomCardAdded, CustomCardDeleted, Event, RunnerStatusChanged, TaskFinished, TaskStarted
 from exo.core.state import State
-from exo.core.types import Instance, ModelCard, PromptCacheStats, RunnerStatus, ShardAssignment, TokenChunk
+from exo.core.types import (
+    FinishReason,
+    Instance,
+    ModelCard,
+    PromptCacheStats,
+    RunnerStatus,
+    ShardAssignment,
+    TaskStatus,
+    TokenChunk,
+)
 from exo.models.cards import reconcile_custom_card, reconcile_custom_cards
 from exo.models.dirs import DownloadSettings
 from exo.models.transfer import DownloadCancelled, DownloadError
@@ -302,7 +311,8 @@ class Worker:
             case rp.Done():
                 self._ended.add(report.task_id)
                 self._note_prompt_cache(runner_id, report.prompt_cache)
-                status = {"error": "failed", "cancelled": "cancelled"}.get(report.finish_reason, "completed")
+                statuses: dict[str, TaskStatus] = {"error": "failed", "cancelled": "cancelled"}
+                status = statuses.get(report.finish_reason, "completed")
                 await self._publish(TaskFinished(
                     task_id=report.task_id, status=status, finish_reason=report.finish_reason, error=report.error,
                     prompt_tokens=report.prompt_tokens, completion_tokens=report.completion_tokens,
@@ -370,9 +380,9 @@ class Worker:
         return rp.RankSetup(rank=mine.rank, ring_hosts=[s.ring_address for s in shards], sharding=instance.sharding,
                             start_layer=mine.start_layer, end_layer=mine.end_layer)
 
-    async def _end_task(self, task_id: str, status: str, reason: str) -> None:
+    async def _end_task(self, task_id: str, status: TaskStatus, reason: str) -> None:
         self._ended.add(task_id)
-        finish = "cancelled" if status == "cancelled" else "error"
+        finish: FinishReason = "cancelled" if status == "cancelled" else "error"
         await publish_chunk(self._nc, TokenChunk(command_id=task_id, index=0, finish_reason=finish, error=reason))
         await self._publish(TaskFinished(task_id=task_id, status=status, finish_reason=finish, error=reason))
 

@@ -16,6 +16,7 @@ import logging
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from nats.js import api
 
 from exo.bus.connection import connect
@@ -218,7 +219,7 @@ class LogFollower:
     def __init__(self, nc: Client, on_record: OnRecord) -> None:
         self._js = nc.jetstream()
         self._on_record = on_record
-        self._subscription = None
+        self._subscription: Subscription | None = None
         self._next = 0  # the lowest sequence still to deliver (0: whatever comes first)
 
     async def start(self, start_seq: int | None = None) -> None:

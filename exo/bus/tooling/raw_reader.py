@@ -10,6 +10,7 @@ from collections.abc import Awaitable, Callable
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from nats.errors import ProtocolError
 from nats.js import api
 from nats.protocol.parser import AWAITING_CONTROL_LINE, ERR_RE, INFO_RE, OK_RE, PING_RE, PONG_RE, Parser
@@ -50,7 +51,7 @@ class RawParser(Parser):
         super().__init__(nc)
         self.raw_sid = b""
         self.on_raw: OnRaw | None = None
-        self._stored = None  # the protocol line of a stored message for raw_sid (a compiled regex)
+        self._stored: re.Pattern[bytes] | None = None  # the protocol line of a stored message for raw_sid (a compiled regex)
 
     @classmethod
     def install(cls, nc: Client) -> bool:
@@ -76,7 +77,8 @@ class RawParser(Parser):
         buf = self.buf
         buf.extend(data)
         view = bytes(buf)
-        size, pos, batch = len(view), 0, []
+        size, pos = len(view), 0
+        batch: list[RawMessage] = []
         while pos < size:
             stored = self._stored.match(view, pos) if self._stored is not None else None
             if stored is not None:  # the common case, in as few steps as possible
@@ -173,7 +175,7 @@ class RawRangeReader:
     def __init__(self, nc: Client, reader_nc: Client, on_batch: OnBatch, first: int, end: int, headers: bool) -> None:
         self._js = nc.jetstream()  # consumers are created and deleted over the caller's connection
         self._nc = reader_nc
-        self._parser: RawParser = reader_nc._ps
+        self._parser: RawParser = reader_nc._ps  # type: ignore[assignment]  # installed by RawParser.install
         self._on_batch = on_batch
         self._first = first
         self._next = first  # the lowest stream sequence still to deliver
@@ -183,7 +185,7 @@ class RawRangeReader:
         self._restart = asyncio.Event()  # this consumer lost a message or went away: make a new one
         self._wake = asyncio.Event()  # either of them happened
         self._consumer = ""
-        self._subscription = None
+        self._subscription: Subscription | None = None
         self._next_cseq = 1  # the consumer sequence the next data message must have
         self._subjects: dict[bytes, str] = {}
         self.delivered = 0
@@ -223,8 +225,8 @@ class RawRangeReader:
         self._restart.clear()
         self._next_cseq = 1
         inbox = self._nc.new_inbox()
-        self._subscription = await self._nc.subscribe(inbox, cb=self._not_raw)
-        self._parser.set_raw_sid(self._subscription._id)
+        subscription = self._subscription = await self._nc.subscribe(inbox, cb=self._not_raw)
+        self._parser.set_raw_sid(subscription._id)
         await self._nc.flush()  # the server knows the inbox before the consumer sends to it
         config = api.ConsumerConfig(
             deliver_subject=inbox, deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=self._next,
@@ -341,8 +343,9 @@ def headers_of(raw: bytes) -> dict[str, str] | None:
         name, colon, value = line.partition(b":")
         if not colon:
             continue
-        key = _header_names.get(name, _UNSEEN)
-        if key is _UNSEEN:
+        if name in _header_names:
+            key = _header_names[name]
+        else:
             key = _header_name(name)
             if len(_header_names) < 1000:
                 _header_names[name] = key
@@ -361,5 +364,4 @@ def _header_name(name: bytes) -> str | None:
 
 
 _HEADER_LINE_SIZE = len(b"NATS/1.0\r\n")
-_UNSEEN = object()
 _header_names: dict[bytes, str | None] = {}
