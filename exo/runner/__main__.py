@@ -23,6 +23,7 @@ from exo.core.types import TokenChunk
 from exo.runner.batch import Batcher, BatchFailed, batchable, max_batch
 from exo.runner.coalesce import Coalescer, Piece
 from exo.runner.engine import Engine, GenerationResult, Output, RequestRefused
+from exo.runner.engine_api import TextEngine
 from exo.runner.follower import follow
 from exo.runner.protocol import (
     Alive,
@@ -50,7 +51,7 @@ class Runner:
     def __init__(self, nc, reports) -> None:
         self._nc = nc
         self._reports = reports
-        self._engine = Engine()
+        self._engine: TextEngine = Engine()
         self._mlx_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlx")
         self._cancelled: set[str] = set()  # written by the loop, read by the model thread between decode steps
         self._requests: asyncio.Queue = asyncio.Queue()

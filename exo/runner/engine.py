@@ -17,6 +17,7 @@ from exo.core.types import GenerationParams, SamplingDefaults, TokenLogprob, Too
 from exo.memory import memory
 from exo.runner.constraint import GrammarConstraint
 from exo.runner.distributed import Announcement, Lockstep, join_ring, load_shard
+from exo.runner.engine_api import TextEngine
 from exo.runner.prompt_cache import FOLLOWER_BUDGET, PromptCache, Reuse, budget_bytes, entry_limit
 from exo.runner.protocol import RankSetup
 from exo.runner.splitter import OutputSplitter, starts_in_reasoning
@@ -238,7 +239,7 @@ class Decoding:
     The single path (Engine.generate) feeds it stream_generate's responses, the batch
     (batch.py) BatchGenerator's, detokenized the same way, so both send the same chunks."""
 
-    def __init__(self, engine: Engine, params: GenerationParams, on_output: OnOutput, task_id: str,
+    def __init__(self, engine: TextEngine, params: GenerationParams, on_output: OnOutput, task_id: str,
                  prompt: list[int], cached: int = 0) -> None:
         self._engine = engine
         self.cached = cached
