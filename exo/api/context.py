@@ -9,6 +9,7 @@ from pathlib import Path
 
 from aiohttp import web
 
+from exo.api.cluster_metrics import ClusterCollector
 from exo.api.errors import ApiError
 from exo.api.metrics import Metrics
 from exo.api.outcomes import CommandOutcomes
@@ -33,6 +34,11 @@ class ApiContext:
     # Cancels waiting out the resume grace of a dropped stream, by command id (this node only).
     pending_cancels: dict[str, asyncio.TimerHandle] = field(default_factory=dict)
     _background: Background = field(default_factory=lambda: Background("api"))
+    cluster_metrics: ClusterCollector = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.cluster_metrics = ClusterCollector(lambda: self.view.state)
+        self.metrics.registry.register(self.cluster_metrics)
 
     def card(self, model_id: str) -> ModelCard | None:
         return find_card(self.view.state, self.builtin_cards, model_id)

@@ -1,0 +1,59 @@
+"""The cluster's metrics that State holds (queue depth, runners, events applied, prompt caches),
+read from State at each scrape of /metrics, and this node's follower lag."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterator
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from exo.core.state import State
+
+_PROMPT_CACHE_METRICS = (  # (field of PromptCacheStats, metric, counter or not, help)
+    ("hits", "exo_prompt_cache_hits", True, "requests that reused a cached prompt prefix"),
+    ("misses", "exo_prompt_cache_misses", True, "requests that found no cached prefix"),
+    ("tokens_reused", "exo_prompt_cache_tokens_reused", True, "prompt tokens not processed again"),
+    ("evictions", "exo_prompt_cache_evictions", True, "entries dropped to stay within the cache's limits"),
+    ("bytes", "exo_prompt_cache_bytes", False, "KV cache bytes held"),
+    ("entries", "exo_prompt_cache_entries", False, "cached prompts held"),
+)
+
+
+class ClusterCollector(Collector):
+    """What State says, read at each scrape; `lag` is set by the handler just before."""
+
+    def __init__(self, state: Callable[[], State]) -> None:
+        self._state = state
+        self.lag = -1
+
+    def collect(self) -> Iterator[Metric]:
+        state = self._state()
+        yield from _prompt_cache_metrics(state)
+        queue = Counter(t.instance_id for t in state.tasks.values() if t.status in ("pending", "running"))
+        depth = GaugeMetricFamily("exo_instance_queue_depth", "open (pending or running) tasks per instance",
+                                  labels=["instance_id", "model_id"])
+        for instance_id, instance in sorted(state.instances.items()):
+            depth.add_metric([instance_id, instance.model_id], queue.get(instance_id, 0))
+        yield depth
+        runners = GaugeMetricFamily("exo_runners", "runners by status", labels=["status"])
+        for status, count in sorted(Counter(r.status for r in state.runners.values()).items()):
+            runners.add_metric([status], count)
+        yield runners
+        yield GaugeMetricFamily("exo_events_applied", "sequence of the last event folded into this node's State",
+                                value=state.last_seq)
+        yield GaugeMetricFamily("exo_follower_lag_events",
+                                "event stream's last sequence minus the applied one (-1: unknown)", value=self.lag)
+
+
+def _prompt_cache_metrics(state: State) -> Iterator[Metric]:
+    """Each runner's prompt cache, as its node's latest heartbeat reported it."""
+    caches = [(node_id, instance_id, stats) for node_id, node in sorted(state.nodes.items())
+              for instance_id, stats in sorted(node.prompt_caches.items())]
+    for field, name, counter, help_text in _PROMPT_CACHE_METRICS:
+        family = (CounterMetricFamily if counter else GaugeMetricFamily)(
+            name, f"{help_text} (per runner, from heartbeats)", labels=["node_id", "instance_id"])
+        for node_id, instance_id, stats in caches:
+            family.add_metric([node_id, instance_id], getattr(stats, field))
+        yield family
