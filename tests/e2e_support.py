@@ -3,13 +3,15 @@ models, and what mlx-lm itself generates, to compare with exactly."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 import mlx.core as mx
 import mlx_lm
+import pytest
 from mlx_lm.sample_utils import make_sampler
 
 from tests.exo_process import ExoProcess
@@ -74,3 +76,20 @@ class Reference:
 
     def steps(self, prompt: str, max_tokens: int, **kwargs) -> list:
         return list(mlx_lm.stream_generate(self.model, self.tokenizer, prompt, max_tokens=max_tokens, **kwargs))
+
+
+def one_model_node(model_id: str, make: Callable[[Path], Path]) -> tuple[Any, Any]:
+    """The module fixtures `model_dir` (the model `make` writes) and `node` (an exo process whose
+    fake Hub serves it as `model_id`), for a module that tests one generated model:
+    `model_dir, node = one_model_node(TINY_MODEL_ID, make_tiny_model)`."""
+
+    @pytest.fixture(scope="module")
+    def model_dir(tmp_path_factory) -> Path:
+        return make(tmp_path_factory.mktemp("model") / "model")
+
+    @pytest.fixture(scope="module")
+    def node(tmp_path_factory, model_dir) -> Iterator[ExoProcess]:
+        with exo_serving(tmp_path_factory.mktemp("node"), {model_id: model_dir}) as exo:
+            yield exo
+
+    return model_dir, node

@@ -7,7 +7,7 @@ from __future__ import annotations
 import mlx_lm
 import pytest
 
-from tests.e2e_support import Reference, exo_serving, place
+from tests.e2e_support import Reference, one_model_node, place
 from tests.support.tiny_model import TINY_MODEL_ID, Dims, make_tiny_model
 
 pytestmark = pytest.mark.slow
@@ -17,15 +17,7 @@ SHORT = "local/short"
 PER_TOKEN = 2 * 2 * 16 * 2 * 4
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("model") / "tiny")
-
-
-@pytest.fixture(scope="module")
-def node(tmp_path_factory, model_dir):
-    with exo_serving(tmp_path_factory.mktemp("node"), {TINY_MODEL_ID: model_dir}) as exo:
-        yield exo
+model_dir, node = one_model_node(TINY_MODEL_ID, make_tiny_model)
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from tests.e2e_support import Reference, exo_serving, place
+from tests.e2e_support import Reference, one_model_node, place
 from tests.support.thinking_model import THINK_END, THINKING_MODEL_ID, THOUGHT, make_thinking_model
 
 pytestmark = pytest.mark.slow
@@ -20,15 +20,7 @@ MESSAGES = [{"role": "user", "content": ASK}]
 TOKENS = 16
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_thinking_model(tmp_path_factory.mktemp("model") / "thinking")
-
-
-@pytest.fixture(scope="module")
-def node(tmp_path_factory, model_dir):
-    with exo_serving(tmp_path_factory.mktemp("node"), {THINKING_MODEL_ID: model_dir}) as exo:
-        yield exo
+model_dir, node = one_model_node(THINKING_MODEL_ID, make_thinking_model)
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ import pytest
 from exo.core.grammar import grammar_of
 from exo.core.types import ResponseFormat
 from exo.runner.constraint import GrammarConstraint
-from tests.e2e_support import Reference, exo_serving, place
+from tests.e2e_support import Reference, one_model_node, place
 from tests.support.tiny_model import TINY_MODEL_ID, make_tiny_model
 
 pytestmark = pytest.mark.slow
@@ -51,15 +51,7 @@ def random_schema(rng: random.Random, depth: int = 0) -> dict:
 SCHEMAS = [random_schema(random.Random(n)) for n in range(50)]
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("model") / "tiny")
-
-
-@pytest.fixture(scope="module")
-def node(tmp_path_factory, model_dir):
-    with exo_serving(tmp_path_factory.mktemp("node"), {TINY_MODEL_ID: model_dir}) as exo:
-        yield exo
+model_dir, node = one_model_node(TINY_MODEL_ID, make_tiny_model)
 
 
 @pytest.fixture(scope="module")

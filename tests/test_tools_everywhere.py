@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from tests.e2e_support import Reference, exo_serving, place
+from tests.e2e_support import Reference, one_model_node, place
 from tests.support.tool_model import CALL_ARGUMENTS, CALL_NAME, TOOL_MODEL_ID, WEATHER_TOOL, make_tool_model
 
 pytestmark = pytest.mark.slow
@@ -27,15 +27,7 @@ OLLAMA_TOOL = {"type": "function", "function": {**FUNCTION, "parameters": {
     "type": "object", "required": ["city"], "properties": {"city": {"type": "string"}}}}}
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_tool_model(tmp_path_factory.mktemp("model") / "tools")
-
-
-@pytest.fixture(scope="module")
-def node(tmp_path_factory, model_dir):
-    with exo_serving(tmp_path_factory.mktemp("node"), {TOOL_MODEL_ID: model_dir}) as exo:
-        yield exo
+model_dir, node = one_model_node(TOOL_MODEL_ID, make_tool_model)
 
 
 @pytest.fixture(scope="module")
