@@ -195,32 +195,10 @@ def _plan(card: ModelCard, sharding: Sharding, nodes: list[NodeInfo], state: Sta
           kv_bits: int = 0) -> _Plan | Unplaceable:
     """The ranks on exactly these nodes (rank order = this order), or why they cannot hold the model."""
     k = len(nodes)
-    if sharding == "tensor":
-        if k > 1:
-            known = [(count, what) for count, what in ((card.num_attention_heads, "attention heads"),
-                                                        (card.num_key_value_heads, "key/value heads")) if count > 0]
-            if any(count % k for count, _ in known):
-                heads = " and ".join(f"{count} {what}" for count, what in known)
-                return Unplaceable("conflict", f"tensor sharding over {k} nodes needs {k} to divide the head "
-                                               f"counts, but {card.model_id} has {heads}")
-        blocks = [(0, card.n_layers)] * k
-        needs = [-(-card.storage_bytes // k)] * k
-    else:
-        if k > 1 and card.n_layers <= 0:
-            return Unplaceable("conflict", f"pipeline sharding over {k} nodes needs the layer count of "
-                                           f"{card.model_id}, which its card does not give")
-        if k > card.n_layers > 0:
-            return Unplaceable("conflict", f"pipeline sharding over {k} nodes needs at least {k} layers, "
-                                           f"but {card.model_id} has {card.n_layers}")
-        if k == 1:
-            blocks = [(0, card.n_layers)]
-            needs = [card.storage_bytes]
-        else:
-            blocks, start = [], 0
-            for count in split_layers(card.n_layers, [n.memory_available for n in nodes]):
-                blocks.append((start, start + count))
-                start += count
-            needs = [-(-card.storage_bytes * (end - begin) // card.n_layers) for begin, end in blocks]
+    split = _split(card, sharding, nodes)
+    if isinstance(split, Unplaceable):
+        return split
+    blocks, needs = split
     if card.storage_bytes > 0:
         for rank, (node, need) in enumerate(zip(nodes, needs)):
             if node.memory_available and need > node.memory_available:
@@ -252,6 +230,34 @@ def _plan(card: ModelCard, sharding: Sharding, nodes: list[NodeInfo], state: Sta
         ranks.append(_Rank(node_id=node.node_id, start_layer=start, end_layer=end, ring_address=f"{ip}:{port}",
                            memory_bytes=need, kv_bytes=reserve))
     return _Plan(ranks=ranks, max_context=context, kv_bits=kv_bits)
+
+
+def _split(card: ModelCard, sharding: Sharding, nodes: list[NodeInfo]) -> tuple[list[tuple[int, int]], list[int]] | Unplaceable:
+    """Each rank's layers [start, end) and its share of the weights in bytes, or why the model
+    cannot be split over these nodes this way."""
+    k = len(nodes)
+    if sharding == "tensor":
+        if k > 1:
+            known = [(count, what) for count, what in ((card.num_attention_heads, "attention heads"),
+                                                        (card.num_key_value_heads, "key/value heads")) if count > 0]
+            if any(count % k for count, _ in known):
+                heads = " and ".join(f"{count} {what}" for count, what in known)
+                return Unplaceable("conflict", f"tensor sharding over {k} nodes needs {k} to divide the head "
+                                               f"counts, but {card.model_id} has {heads}")
+        return [(0, card.n_layers)] * k, [-(-card.storage_bytes // k)] * k
+    if k > 1 and card.n_layers <= 0:
+        return Unplaceable("conflict", f"pipeline sharding over {k} nodes needs the layer count of "
+                                       f"{card.model_id}, which its card does not give")
+    if k > card.n_layers > 0:
+        return Unplaceable("conflict", f"pipeline sharding over {k} nodes needs at least {k} layers, "
+                                       f"but {card.model_id} has {card.n_layers}")
+    if k == 1:
+        return [(0, card.n_layers)], [card.storage_bytes]
+    blocks, start = [], 0
+    for count in split_layers(card.n_layers, [n.memory_available for n in nodes]):
+        blocks.append((start, start + count))
+        start += count
+    return blocks, [-(-card.storage_bytes * (end - begin) // card.n_layers) for begin, end in blocks]
 
 
 def _context(card: ModelCard, sharding: Sharding, nodes: list[NodeInfo], blocks: list[tuple[int, int]],
