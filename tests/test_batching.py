@@ -16,7 +16,8 @@ from mlx_lm.sample_utils import make_sampler
 
 from exo.core.types import ChatMessage, GenerationParams, SamplingDefaults
 from exo.runner.batch import Batcher, BatchFailed, batchable, max_batch
-from exo.runner.engine import Engine, GenerationResult, Output
+from exo.runner.decoding import GenerationResult, Output
+from exo.runner.engine import Engine
 from tests.support.tiny_model import make_tiny_model
 from tests.support.tool_model import WEATHER_TOOL, make_tool_model
 

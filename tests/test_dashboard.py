@@ -1,10 +1,12 @@
 """The dashboard at GET /: its files are served (and public under API keys) in process, then the
 whole page drives a real `exo` node in headless Chromium: key prompt, add a card, place an
 instance from a preview, watch its runner become ready, chat (the streamed text equals the API's
-answer to the same request), stop a long generation, delete the instance and the card."""
+answer to the same request), stop a long generation, delete the instance and the card; attach
+images for a vision model (picked and pasted) and find them in the task State holds."""
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import os
@@ -24,6 +26,7 @@ from exo.api.settings import ApiSettings
 from tests.e2e_support import start_exo
 from tests.support.fake_hub import FakeHub
 from tests.support.tiny_model import TINY_MODEL_ID, make_tiny_model
+from tests.support.vision_model import make_vision_model, png
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -31,6 +34,7 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic"
 KEY = "dashboard-test-key"
 PROMPT = "Tell me about the sea."
 MAX_TOKENS = 24
+VISION_ID = "local/vision-dash"
 LONG = 30_000  # never reached: the tiny model does not stop on its own (its context: 32768)
 # EXO_SCREENSHOT_DIR=folder keeps the two screenshots for review (nothing is left in /tmp otherwise).
 REVIEW_DIR = os.environ.get("EXO_SCREENSHOT_DIR")
@@ -227,8 +231,9 @@ def _the_feed_shows_sequences(page, http, instance_id: str) -> None:
     # The runner's way to ready is in the feed, in order.
     statuses = [re.search(r"→ (\w+)", t).group(1) for t in page.locator('.event[data-kind="runner.status"] .summary').all_inner_texts()]
     assert statuses[0] == "ready" and "loading" in statuses  # newest first
+    created = page.locator('.event[data-kind="instance.created"]').count()  # 1, unless another test placed before
     page.select_option("#events-kind", "instance.created")
-    assert page.locator(".event").count() == 1
+    assert page.locator(".event").count() == created >= 1
     page.select_option("#events-kind", "")
     page.fill("#events-filter", f"#{created_seq}")
     assert [int(s) for s in page.locator(".event").evaluate_all("rows => rows.map(r => r.dataset.seq)")] == [created_seq]
@@ -312,3 +317,92 @@ def _delete_instance_and_card(page, http, instance_id: str) -> None:
     delete_card.click()
     page.locator(f'.model-row[data-model-id="{TINY_MODEL_ID}"]').wait_for(state="detached")
     assert http.get("/state").json()["custom_model_cards"] == {}
+
+
+@pytest.mark.slow
+def test_the_chat_sends_images_to_a_vision_model(page, node, http, tmp_path):
+    vision_dir = make_vision_model(tmp_path / "vision")
+    picked, pasted = tmp_path / "picked.png", png(2)
+    picked.write_bytes(png(1))
+    added = http.post("/models/add", json={"model_id": VISION_ID, "path": str(vision_dir), "supports_images": True})
+    assert added.status_code == 200, added.text
+    assert http.post("/models/add", json={"model_id": TINY_MODEL_ID}).status_code == 200
+    instances = []
+    try:
+        for model_id in (TINY_MODEL_ID, VISION_ID):
+            placed = http.post("/place_instance", json={"model_id": model_id, "wait": True})
+            assert placed.status_code == 200, placed.text
+            instances.append(placed.json()["instance_id"])
+        page.goto(node.url)
+        page.fill("#key-input", KEY)
+        page.press("#key-input", "Enter")
+        page.wait_for_selector('#conn[data-state="live"]')
+        page.select_option("#chat-model", TINY_MODEL_ID)
+        assert not page.is_visible("#chat-attach") and page.is_disabled("#chat-files")  # a text model takes none
+
+        page.select_option("#chat-model", VISION_ID)
+        page.wait_for_selector("#chat-attach:visible")
+        page.set_input_files("#chat-files", str(picked))
+        page.evaluate("""(b64) => {  // a pasted image, as the clipboard hands it over
+            const data = new DataTransfer();
+            data.items.add(new File([Uint8Array.from(atob(b64), (c) => c.charCodeAt(0))], "paste.png", {type: "image/png"}));
+            document.getElementById("chat-input").dispatchEvent(new ClipboardEvent("paste", {clipboardData: data}));
+        }""", base64.b64encode(pasted).decode())
+        page.wait_for_function("() => document.querySelectorAll('#chat-images img').length === 2")
+        page.click('#chat-images [aria-label="remove image 2"]')
+        assert page.locator("#chat-images img").count() == 1
+        page.fill("#chat-max-tokens", "8")
+        page.fill("#chat-temperature", "0")
+        url = "data:image/png;base64," + base64.b64encode(picked.read_bytes()).decode()
+        digest = hashlib.sha256(picked.read_bytes()).hexdigest()
+        since = http.get("/state").json()["last_seq"]
+        first = _send_and_wait(page, PROMPT)
+        assert first["messages"] == [{"role": "user", "content": [
+            {"type": "text", "text": PROMPT}, {"type": "image_url", "image_url": {"url": url}}]}]
+        shown = page.locator(".msg.user .thumbs img")
+        assert shown.count() == 1 and shown.get_attribute("src") == url
+        assert page.locator("#chat-images img").count() == 0  # sent: nothing waits for the next message
+
+        second = _send_and_wait(page, "And now?")  # the earlier turn's image goes again with the history
+        assert second["messages"][0] == first["messages"][0] and second["messages"][2]["content"] == "And now?"
+        command_ids = [reply.get_attribute("data-command-id") for reply in page.locator(".msg.assistant").all()]
+        for task in _created_tasks(http, since, command_ids):
+            assert [m.get("images") for m in task["params"]["messages"] if m.get("images")] == [[digest]]
+        assert page.errors == [], page.errors
+    finally:
+        for instance_id in instances:
+            http.delete(f"/instance/{instance_id}")
+        for model_id in (VISION_ID, TINY_MODEL_ID):
+            http.delete(f"/models/custom/{model_id}")
+        _wait_for(lambda: not http.get("/state").json()["instances"])  # the other test starts from none
+
+
+def _send_and_wait(page, prompt: str) -> dict:
+    page.fill("#chat-input", prompt)
+    done = page.locator('.msg.assistant[data-streaming="false"]').count()
+    with page.expect_request(lambda r: r.url.endswith("/v1/chat/completions")) as sent:
+        page.click("#chat-send")
+    reply = page.locator('.msg.assistant[data-streaming="false"]').nth(done)
+    reply.wait_for(timeout=60_000)
+    assert reply.get_attribute("data-finish") == "length", reply.inner_text()
+    return json.loads(sent.value.post_data)
+
+
+def _created_tasks(http, since: int, task_ids: list[str]) -> list[dict]:
+    """The tasks as task.created put them into State (a finished task keeps no messages there)."""
+    found: dict[str, dict] = {}
+    with http.stream("GET", "/events", params={"since": since}) as response:
+        for line in response.iter_lines():
+            data = json.loads(line[6:]) if line.startswith("data: {") else {}
+            if data.get("kind") == "task.created" and data["task"]["task_id"] in task_ids:
+                found[data["task"]["task_id"]] = data["task"]
+                if len(found) == len(task_ids):
+                    break
+    return [found[task_id] for task_id in task_ids]
+
+
+def _wait_for(condition, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.2)

@@ -11,7 +11,6 @@ import threading
 from pathlib import Path
 
 import httpx
-import mlx_lm
 import pytest
 
 from exo.bus.connection import connect
@@ -20,7 +19,7 @@ from exo.bus.snapshots import read_latest_snapshot
 from exo.core.events import NodeRegistered, TaskCreated, TaskFinished
 from exo.core.types import GenerationParams, NodeInfo, Task
 from tests.cluster import NatsServer, log_line, replay, start_node, state_of, wait_until
-from tests.support.tiny_model import make_tiny_model
+from tests.support.vision_model import VisionReference, make_vision_model, png
 
 pytestmark = pytest.mark.slow
 
@@ -89,7 +88,7 @@ def test_a_late_node_catches_up_from_the_snapshot_to_exactly_a_full_replay(tmp_p
 
 
 def test_a_worker_that_was_down_reconciles_cards_and_fetches_images_before_it_plans(tmp_path, nats):
-    model_dir = make_tiny_model(tmp_path / "model")
+    model_dir = make_vision_model(tmp_path / "model")
     head = start_node(tmp_path, "head", nats.url, "--no-worker", env={"EXO_MAX_IMAGE_BYTES": "1000000"})
     worker = start_node(tmp_path, "worker", nats.url, "--no-master", "--no-api")
     http = httpx.Client(base_url=head.url, timeout=120)
@@ -105,7 +104,7 @@ def test_a_worker_that_was_down_reconciles_cards_and_fetches_images_before_it_pl
 
         assert http.delete("/models/custom/org/deleted-while-down").status_code == 200
         assert http.post("/models/add", json={"model_id": "org/added-while-down", "n_layers": 2}).status_code == 200
-        image = os.urandom(300_000)
+        image = png(7, size=320)  # ~300 kB: more than one object-store chunk
         digest = hashlib.sha256(image).hexdigest()
         messages = [{"role": "user", "content": [
             {"type": "text", "text": "What is in this picture?"},
@@ -133,10 +132,8 @@ def test_a_worker_that_was_down_reconciles_cards_and_fetches_images_before_it_pl
         assert (worker.data_dir / "images" / digest).read_bytes() == image
         assert sorted(p.name for p in cards.iterdir()) == ["local--vision.toml", "org--added-while-down.toml"]
 
-        model, tokenizer = mlx_lm.load(str(model_dir))
-        prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is in this picture?"}],
-                                               add_generation_prompt=True, tokenize=False)
-        assert answer["choices"][0]["message"]["content"] == mlx_lm.generate(model, tokenizer, prompt, max_tokens=12)
+        seen, _ = VisionReference(model_dir, tmp_path).chat("What is in this picture?", [image], 12)
+        assert answer["choices"][0]["message"]["content"] == seen  # mlx-vlm's answer, the image seen
         assert http.delete(f"/instance/{instance}").status_code == 200
     finally:
         http.close()

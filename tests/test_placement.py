@@ -359,3 +359,36 @@ def test_a_quantized_kv_cache_reserves_its_bits_and_group_scales():
     room = 5000 * PER_TOKEN  # what held 4864 tokens unquantized holds more
     assert place_instance(SIZED, "pipeline", 1, cluster_of(node("n1", 4 * GB + room)), ids(), kv_bits=4).max_context == 17664
     assert place_instance(SIZED, "pipeline", 1, cluster_of(node("n1", 10 * GB)), ids(), kv_bits=7).code == "invalid"
+
+
+# Vision models (mlx-vlm has no sharding): one node, whatever is asked.
+
+VISION = msgspec.structs.replace(CARD, model_id="org/vl", supports_images=True)
+
+
+def test_a_vision_model_is_placed_on_one_node_and_never_spills():
+    state = cluster_of(node("n1", 10 * GB), node("n2", 20 * GB))
+    for sharding in ("pipeline", "tensor"):
+        assert layout(place(card=VISION, sharding=sharding, state=state)) == [("n2", 0, 1, 0, 8, "")]
+    small = cluster_of(node("n1", 6 * GB), node("n2", 2 * GB))  # a text model would spill onto n2 here
+    assert isinstance(place(state=small), Instance)
+    assert place(card=VISION, state=small) == Unplaceable(
+        "conflict", "org/vl needs 8000000000 bytes but the node with the most free memory (n1) has 6000000000")
+
+
+def test_a_vision_model_on_more_nodes_or_with_a_quantized_cache_is_refused_with_the_reason():
+    state = cluster_of(node("n1", 10 * GB), node("n2", 20 * GB))
+    refused = place(card=VISION, min_nodes=2, state=state)
+    assert refused == Unplaceable("conflict", "a vision model runs on one node (mlx-vlm cannot split a model "
+                                              "across nodes): min_nodes must be 1")
+    assert STATUS_FOR_REJECTION[refused.code] == 409
+    quantized = place_instance(VISION, "pipeline", 1, state, ids(), kv_bits=8)
+    assert quantized == Unplaceable("invalid", "a quantized KV cache (kv_bits) is not served for vision models")
+
+
+def test_previews_of_a_vision_model_say_that_it_runs_on_one_node():
+    previews = placement_previews(VISION, cluster_of(node("n1", 10 * GB), node("n2", 20 * GB)))
+    assert [(p.sharding, p.node_count, p.instance is not None) for p in previews] == [
+        ("pipeline", 1, True), ("pipeline", 2, False), ("tensor", 1, True), ("tensor", 2, False)]
+    assert {p.rejection.reason for p in previews if p.rejection} == {
+        "a vision model runs on one node (mlx-vlm cannot split a model across nodes): min_nodes must be 1"}

@@ -18,7 +18,8 @@ import pytest
 
 from exo.core.types import ChatMessage, GenerationParams, SamplingDefaults
 from exo.runner.batch import Batcher
-from exo.runner.engine import Engine, GenerationResult, Output
+from exo.runner.decoding import GenerationResult, Output
+from exo.runner.engine import Engine
 from exo.runner.prompt_cache import OutOfStep, PromptCache
 from tests.e2e_support import exo_serving, place
 from tests.support.tiny_model import TINY_MODEL_ID, Dims, make_tiny_model
@@ -189,7 +190,7 @@ def test_sliding_window_caches_that_cannot_be_trimmed_are_reused_only_where_corr
 def test_generation_stops_at_the_models_context_and_a_prompt_that_fills_it_is_refused(model_dir):
     # Not a cache property, but these helpers run both paths: max_tokens is capped by what the
     # context leaves after the prompt, and a prompt as long as the context is an error, not a run.
-    from exo.runner.engine import PromptTooLong
+    from exo.runner.decoding import PromptTooLong
 
     engine = loaded(model_dir, cache_bytes=0)
     params = chat(("user", "Hello"), max_tokens=500)

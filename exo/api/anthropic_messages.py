@@ -1,6 +1,6 @@
 """POST /v1/messages in Anthropic's shapes: system prompt, stop sequences, client tools
-(`tool_use` / `tool_result` blocks), usage, and the message_start ... message_stop event stream
-(anthropic_stream.py)."""
+(`tool_use` / `tool_result` blocks), base64 `image` blocks in user messages, usage, and the
+message_start ... message_stop event stream (anthropic_stream.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from exo.api.anthropic_stream import content_blocks, stop_fields, stream_message
 from exo.api.context import context_of
 from exo.api.errors import ApiError
 from exo.api.generation import Generation, collect, generating
+from exo.api.images import NO_FETCHING, USER_ONLY, ImageUploads
 from exo.api.openai_tools import FUNCTION_NAME, NamedFunction, ToolChoice, offered_tools, required_call
 from exo.api.request_body import decode_body
 from exo.api.tool_conversation import Conversation, arguments_text, function_tool
@@ -22,9 +23,17 @@ from exo.core.types import GenerationParams, ToolCall
 _DROPPED_BLOCKS = {"thinking", "redacted_thinking"}
 
 
+class ImageSource(msgspec.Struct, kw_only=True):
+    type: str
+    media_type: str = ""  # not checked: the image's bytes say what they are
+    data: str = ""  # base64
+    url: str = ""
+
+
 class ContentBlock(msgspec.Struct, kw_only=True):
     type: str
     text: str = ""
+    source: ImageSource | None = None  # image
     id: str = ""  # tool_use
     name: str = ""
     input: dict | None = None
@@ -76,24 +85,40 @@ def _text_of(content: str | list[ContentBlock], param: str) -> str:
     if isinstance(content, str):
         return content
     for n, block in enumerate(content):
+        if block.type == "image":
+            raise ApiError(400, f"{USER_ONLY}, not in a system prompt or a tool_result", param=f"{param}[{n}].type")
         if block.type != "text":
             raise ApiError(400, f"content block type {block.type!r} is not supported here", param=f"{param}[{n}].type")
     return "".join(block.text for block in content)
 
 
-def _add_message(conversation: Conversation, n: int, message: Message) -> None:
+def _image(block: ContentBlock, param: str, uploads: ImageUploads) -> str:
+    source = block.source
+    if source is None:
+        raise ApiError(400, f"{param}.source is required", param=f"{param}.source")
+    if source.type == "url":
+        raise ApiError(400, f"image source type 'url' is not supported: {NO_FETCHING}", param=f"{param}.source.type")
+    if source.type != "base64":
+        raise ApiError(400, f"image source type {source.type!r} is not supported; use 'base64'", param=f"{param}.source.type")
+    return uploads.add_base64(source.data, f"{param}.source.data")
+
+
+def _add_message(conversation: Conversation, n: int, message: Message, uploads: ImageUploads) -> None:
     """One Anthropic message: tool results become `tool` messages before the user's text; an
-    assistant's tool_use blocks become its tool calls."""
+    assistant's tool_use blocks become its tool calls. Images come only from the user."""
     param = f"messages[{n}].content"
     if isinstance(message.content, str):
         conversation.say(message.role, message.content)
         return
     texts: list[str] = []
+    images: list[str] = []
     calls: list[ToolCall] = []
     for k, block in enumerate(message.content):
         where = f"{param}[{k}]"
         if block.type == "text":
             texts.append(block.text)
+        elif block.type == "image" and message.role == "user":
+            images.append(_image(block, where, uploads))
         elif block.type == "tool_use" and message.role == "assistant":
             calls.append(ToolCall(id=_required(block.id, f"{where}.id"), name=_required(block.name, f"{where}.name"),
                                   arguments=arguments_text(block.input if block.input is not None else {}, f"{where}.input")))
@@ -104,8 +129,8 @@ def _add_message(conversation: Conversation, n: int, message: Message) -> None:
                            param=f"{where}.type")
     if calls:
         conversation.call("".join(texts), calls)
-    elif texts or message.role == "assistant":
-        conversation.say(message.role, "".join(texts))
+    elif texts or images or message.role == "assistant":
+        conversation.say(message.role, "".join(texts), images)
 
 
 def _required(value: str, param: str) -> str:
@@ -139,7 +164,7 @@ def _tools(body: MessagesRequest) -> list[dict]:
     return offered_tools(tools, openai_choice if tools else None)
 
 
-def to_params(body: MessagesRequest) -> GenerationParams:
+def to_params(body: MessagesRequest, uploads: ImageUploads) -> GenerationParams:
     if not body.messages:
         raise ApiError(400, "messages: at least one message is required", param="messages")
     conversation = Conversation()
@@ -148,7 +173,7 @@ def to_params(body: MessagesRequest) -> GenerationParams:
     for n, message in enumerate(body.messages):
         if message.role not in ("user", "assistant"):
             raise ApiError(400, f"messages[{n}].role must be 'user' or 'assistant'", param=f"messages[{n}].role")
-        _add_message(conversation, n, message)
+        _add_message(conversation, n, message, uploads)
     tools = _tools(body)
     choice = body.tool_choice.type if body.tool_choice else "auto"
     return GenerationParams(
@@ -163,9 +188,11 @@ def to_params(body: MessagesRequest) -> GenerationParams:
 
 async def messages(request: web.Request) -> web.StreamResponse:
     body = await decode_body(request, MessagesRequest)
-    params = to_params(body)
+    uploads = ImageUploads()
+    params = to_params(body, uploads)
+    ctx = context_of(request)
     missing = ApiError(404, f"model: {body.model!r} does not exist", param="model")
-    async with generating(context_of(request), body.model, params, missing) as generation:
+    async with generating(ctx, body.model, params, missing, storing=uploads.stored(ctx, body.model)) as generation:
         if body.stream:
             return await stream_message(request, generation, body.model)
         return await _complete(generation, body.model)

@@ -10,6 +10,7 @@ from huggingface_hub import hf_hub_download
 from huggingface_hub.errors import EntryNotFoundError, GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
 
 from exo.api.errors import ApiError
+from exo.core.catalogue import is_vision_config
 from exo.core.types import ModelCard
 
 # The KV cache is kept in the activations' type, which follows the model's (quantized ones included).
@@ -32,6 +33,7 @@ async def complete_card(card: ModelCard) -> ModelCard:
             "context_length": int(text.get("max_position_embeddings", 0)),
             "head_dim": int(text.get("head_dim") or 0),
             "kv_dtype_bytes": _DTYPE_BYTES.get(str(text.get("torch_dtype") or text.get("dtype") or ""), 0),
+            "supports_images": card.supports_images or is_vision_config(config),
         })
     except (AttributeError, TypeError, ValueError) as error:  # a config.json that is not a model's
         raise ApiError(400, f"{card.source_repo!r} has a config.json exo cannot read: {error}", param="model_id") from None

@@ -1,5 +1,6 @@
-"""Ollama's API: /api/chat and /api/generate (NDJSON streams, the default, and not), /api/tags,
-/api/show, /api/ps, /api/version. Errors are Ollama's {"error": "..."} (see errors.py)."""
+"""Ollama's API: /api/chat and /api/generate (NDJSON streams, the default, and not; `images` as
+bare base64), /api/tags, /api/show, /api/ps, /api/version. Errors are Ollama's {"error": "..."}
+(see errors.py)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from aiohttp import web
 from exo.api.context import context_of
 from exo.api.errors import ApiError
 from exo.api.generation import Generation, collect, generating
+from exo.api.images import USER_ONLY, ImageUploads
 from exo.api.openai_tools import offered_tools
 from exo.api.request_body import decode_body
 from exo.api.structured import ollama_format
@@ -102,25 +104,27 @@ def _unsupported(**given: object) -> None:
 
 async def chat(request: web.Request) -> web.StreamResponse:
     body = await decode_body(request, ChatRequest)
-    _unsupported(images=any(m.images for m in body.messages))
     if not body.messages:
         raise ApiError(400, "messages must contain at least one message")
     roles = {"system", "user", "assistant", "tool"}
     if bad := [m.role for m in body.messages if m.role not in roles]:
         raise ApiError(400, f"invalid role {bad[0]!r}: use one of {sorted(roles)}")
-    conversation = _conversation(body.messages)
+    uploads = ImageUploads()
+    conversation = _conversation(body.messages, uploads)
     params = _params(body.options, messages=conversation.messages, tool_turns=conversation.tool_turns,
                      tools=offered_tools(body.tools, None), enable_thinking=from_ollama(body.think),
                      response_format=ollama_format(body.format))
-    return await _run(request, body.model, params, body.stream, _chat_piece)
+    return await _run(request, body.model, params, body.stream, _chat_piece, uploads)
 
 
-def _conversation(messages: list[OllamaMessage]) -> Conversation:
+def _conversation(messages: list[OllamaMessage], uploads: ImageUploads) -> Conversation:
     """Ollama's calls carry no ids: each gets one, and a tool message answers the first call
     still unanswered (of its tool_name, when it says)."""
     conversation = Conversation()
     unanswered: list[ToolCall] = []
     for n, message in enumerate(messages):
+        if message.images and message.role != "user":
+            raise ApiError(400, f"messages[{n}]: {USER_ONLY}, not in a {message.role} one")
         if message.role == "assistant" and message.tool_calls:
             unanswered = [ToolCall(id=f"call_{n}_{k}", name=c.function.name,
                                    arguments=arguments_text(c.function.arguments, f"messages[{n}].tool_calls[{k}].arguments"))
@@ -133,20 +137,28 @@ def _conversation(messages: list[OllamaMessage]) -> Conversation:
             conversation.answer(match.id if match else f"call_{n}", message.content,
                                 message.tool_name or (match.name if match else ""))
         else:
-            conversation.say(message.role, message.content)
+            conversation.say(message.role, message.content, _images(message.images, f"messages[{n}].images", uploads))
     return conversation
+
+
+def _images(images: list[str] | None, param: str, uploads: ImageUploads) -> list[str]:
+    return [uploads.add_base64(image, f"{param}[{k}]") for k, image in enumerate(images or [])]
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
     body = await decode_body(request, GenerateRequest)
-    _unsupported(images=body.images, suffix=body.suffix)
+    _unsupported(suffix=body.suffix)
+    uploads = ImageUploads()
     if body.raw:
+        if body.images:  # a raw prompt is the model's text as it is: nothing in it can stand for an image
+            raise ApiError(400, "images cannot be sent with raw: true; send them with a templated prompt")
         params = _params(body.options, prompt=body.prompt, response_format=ollama_format(body.format))
     else:
         system = [ChatMessage(role="system", content=body.system)] if body.system else []
-        params = _params(body.options, messages=[*system, ChatMessage(role="user", content=body.prompt)],
+        user = ChatMessage(role="user", content=body.prompt, images=_images(body.images, "images", uploads))
+        params = _params(body.options, messages=[*system, user],
                          enable_thinking=from_ollama(body.think), response_format=ollama_format(body.format))
-    return await _run(request, body.model, params, body.stream, _generate_piece)
+    return await _run(request, body.model, params, body.stream, _generate_piece, uploads)
 
 
 def _generate_piece(text: str, reasoning: str = "", calls: list[ToolCall] | None = None) -> dict:
@@ -162,9 +174,12 @@ def _chat_piece(text: str, reasoning: str = "", calls: list[ToolCall] | None = N
     return {"message": message}
 
 
-async def _run(request: web.Request, model: str, params: GenerationParams, stream: bool, piece) -> web.StreamResponse:
+async def _run(request: web.Request, model: str, params: GenerationParams, stream: bool, piece,
+               uploads: ImageUploads) -> web.StreamResponse:
     started = time.perf_counter_ns()
-    async with generating(context_of(request), model, params, ApiError(404, f"model '{model}' not found")) as generation:
+    ctx = context_of(request)
+    async with generating(ctx, model, params, ApiError(404, f"model '{model}' not found"),
+                          storing=uploads.stored(ctx, model, "images")) as generation:
         if stream:
             return await _stream(request, generation, model, piece, started)
         done = await collect(generation)

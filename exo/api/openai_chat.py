@@ -9,7 +9,7 @@ from exo.api import thinking
 from exo.api.context import context_of
 from exo.api.errors import ApiError
 from exo.api.generation import generating
-from exo.api.images import ImageUploads
+from exo.api.images import USER_ONLY, ImageUploads
 from exo.api.openai_chat_stream import complete_chat, parse_event_id, resume_chat, stream_chat
 from exo.api.openai_tools import (
     RequestToolCall,
@@ -131,6 +131,8 @@ def _to_message(index: int, message: ChatRequestMessage, uploads: ImageUploads) 
         if part.type == "text":
             texts.append(part.text)
         elif part.type == "image_url" and part.image_url is not None:
+            if message.role != "user":
+                raise ApiError(400, f"{USER_ONLY}, not in a {message.role!r} one", param=param)
             images.append(uploads.add_data_url(part.image_url.url, param))
         else:
             raise ApiError(400, f"content part type {part.type!r} is not supported", param=param)
@@ -145,12 +147,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     uploads = ImageUploads()
     params = to_params(body, uploads)
     ctx = context_of(request)
-    card = ctx.require_card(body.model)
-    if uploads.by_digest and not card.supports_images:
-        raise ApiError(400, f"the model {body.model!r} does not take image inputs", param="messages")
     grace = ctx.settings.resume_grace_s if body.stream else 0.0
     async with generating(ctx, body.model, params, resume_grace_s=grace,
-                          storing=uploads.stored(ctx.nc, ctx.view, body.model)) as generation:
+                          storing=uploads.stored(ctx, body.model)) as generation:
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return await stream_chat(request, generation, body.model, include_usage, body.logprobs)

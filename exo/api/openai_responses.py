@@ -1,5 +1,6 @@
-"""POST /v1/responses in OpenAI's shapes: message and function-call items in, message and
-function_call items out, and its typed event stream (openai_responses_stream.py)."""
+"""POST /v1/responses in OpenAI's shapes: message and function-call items in (`input_image`
+parts with base64 data: URLs among them), message and function_call items out, and its typed
+event stream (openai_responses_stream.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from aiohttp import web
 from exo.api.context import context_of
 from exo.api.errors import ApiError
 from exo.api.generation import collect, generating
+from exo.api.images import USER_ONLY, ImageUploads
 from exo.api.openai_responses_stream import Answer, response_body, stream_response
 from exo.api.openai_tools import NamedFunction, ToolChoice, offered_tools, required_call
 from exo.api.request_body import decode_body
@@ -26,6 +28,9 @@ _DROPPED_ITEMS = {"reasoning"}  # the model's own notes from an earlier turn: no
 class ContentPart(msgspec.Struct, kw_only=True):
     type: str
     text: str = ""
+    image_url: str | None = None  # input_image: a data: URL
+    file_id: str | None = None
+    detail: str | None = None  # accepted; the model sees the image as its processor sizes it
 
 
 class InputItem(msgspec.Struct, kw_only=True):
@@ -79,20 +84,37 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     metadata: dict | None = None
 
 
-def _text(content: str | list[ContentPart], param: str) -> str:
+def _content(content: str | list[ContentPart], param: str, uploads: ImageUploads | None) -> tuple[str, list[str]]:
+    """The text of a message's (or a function output's) parts, and the digests of its images
+    (where `uploads` takes them: a user message)."""
     if isinstance(content, str):
-        return content
-    if bad := [p.type for p in content if p.type not in _TEXT_PARTS]:
-        raise ApiError(400, f"content part type {bad[0]!r} is not supported", param=param)
-    return "".join(p.text for p in content)
+        return content, []
+    images = []
+    for k, part in enumerate(content):
+        if part.type == "input_image":
+            if uploads is None:
+                raise ApiError(400, f"{USER_ONLY}: input_image parts belong in user messages", param=f"{param}[{k}].type")
+            images.append(_image(part, f"{param}[{k}]", uploads))
+        elif part.type not in _TEXT_PARTS:
+            raise ApiError(400, f"content part type {part.type!r} is not supported", param=f"{param}[{k}].type")
+    return "".join(p.text for p in content if p.type in _TEXT_PARTS), images
 
 
-def _add_item(conversation: Conversation, n: int, item: InputItem) -> None:
+def _image(part: ContentPart, param: str, uploads: ImageUploads) -> str:
+    if part.file_id is not None:
+        raise ApiError(400, "input_image file_id is not supported: this server keeps no files; send image_url as a "
+                            "base64 data: URL", param=f"{param}.file_id")
+    if part.image_url is None:
+        raise ApiError(400, "input_image needs image_url (a base64 data: URL)", param=f"{param}.image_url")
+    return uploads.add_data_url(part.image_url, f"{param}.image_url")
+
+
+def _add_item(conversation: Conversation, n: int, item: InputItem, uploads: ImageUploads) -> None:
     param = f"input[{n}]"
     if item.type == "message":
         if item.role not in _ROLES:
             raise ApiError(400, f"{param} must be a message with role one of {sorted(_ROLES)}", param=param)
-        conversation.say(item.role, _text(item.content, f"{param}.content"))
+        conversation.say(item.role, *_content(item.content, f"{param}.content", uploads if item.role == "user" else None))
     elif item.type == "function_call":
         if not (item.call_id and item.name):
             raise ApiError(400, f"{param}: a function_call needs call_id and name", param=param)
@@ -100,7 +122,7 @@ def _add_item(conversation: Conversation, n: int, item: InputItem) -> None:
     elif item.type == "function_call_output":
         if not item.call_id:
             raise ApiError(400, f"{param}: a function_call_output needs call_id", param=f"{param}.call_id")
-        conversation.answer(item.call_id, _text(item.output, f"{param}.output"))
+        conversation.answer(item.call_id, _content(item.output, f"{param}.output", None)[0])
     elif item.type not in _DROPPED_ITEMS:
         raise ApiError(400, f"{param}: item type {item.type!r} is not supported", param=f"{param}.type")
 
@@ -120,7 +142,7 @@ def _tools(body: ResponsesRequest) -> list[dict]:
     return offered_tools(tools, choice if tools or choice not in ("auto", "none") else None)
 
 
-def to_params(body: ResponsesRequest) -> GenerationParams:
+def to_params(body: ResponsesRequest, uploads: ImageUploads) -> GenerationParams:
     if body.previous_response_id:
         raise ApiError(400, "previous_response_id is not supported: responses are not stored", param="previous_response_id")
     items = [InputItem(role="user", content=body.input)] if isinstance(body.input, str) else body.input
@@ -130,7 +152,7 @@ def to_params(body: ResponsesRequest) -> GenerationParams:
     if body.instructions:
         conversation.say("system", body.instructions)
     for n, item in enumerate(items):
-        _add_item(conversation, n, item)
+        _add_item(conversation, n, item, uploads)
     tools = _tools(body)
     required = required_call(tools, body.tool_choice == "required" or isinstance(body.tool_choice, NamedTool))
     response_format = responses_format(body.text.format if body.text else None)
@@ -147,9 +169,11 @@ def to_params(body: ResponsesRequest) -> GenerationParams:
 
 async def responses(request: web.Request) -> web.StreamResponse:
     body = await decode_body(request, ResponsesRequest)
-    params = to_params(body)
+    uploads = ImageUploads()
+    params = to_params(body, uploads)
     echo = _echo(body)
-    async with generating(context_of(request), body.model, params) as generation:
+    ctx = context_of(request)
+    async with generating(ctx, body.model, params, storing=uploads.stored(ctx, body.model, "input")) as generation:
         if body.stream:
             return await stream_response(request, generation, echo)
         done = await collect(generation)

@@ -13,6 +13,7 @@ import hashlib
 from nats.aio.client import Client
 from nats.js import api
 from nats.js.errors import APIError, ObjectNotFoundError
+from nats.js.object_store import ObjectStore
 
 from exo.bus.errors import BusError
 from exo.bus.subjects import IMAGES_BUCKET, IMAGES_STREAM, image_chunks_subject
@@ -34,10 +35,17 @@ def image_digest(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-async def store_image(nc: Client, data: bytes) -> tuple[str, bool]:
-    """(sha256 hex, whether it was uploaded now rather than already there)."""
-    digest = image_digest(data)
-    store = await nc.jetstream().object_store(IMAGES_BUCKET)
+def _store(nc: Client) -> ObjectStore:
+    """The bucket's handle, made directly: nats-py's `js.object_store()` asks for the stream's info
+    first, one round trip more on every image's path (provision() made the bucket)."""
+    return ObjectStore(name=IMAGES_BUCKET, stream=IMAGES_STREAM, js=nc.jetstream())
+
+
+async def store_image(nc: Client, data: bytes, digest: str = "") -> tuple[str, bool]:
+    """(sha256 hex, whether it was uploaded now rather than already there). `digest`: the bytes'
+    sha256 where the caller has it already."""
+    digest = digest or image_digest(data)
+    store = _store(nc)
     try:
         info = await store.get_info(digest)
         if info.size == len(data):
@@ -55,7 +63,7 @@ async def store_image(nc: Client, data: bytes) -> tuple[str, bool]:
 
 async def delete_image(nc: Client, digest: str) -> None:
     """Remove an image stored for a request that was then refused (nothing else refers to it)."""
-    store = await nc.jetstream().object_store(IMAGES_BUCKET)
+    store = _store(nc)
     try:
         await store.delete(digest)
     except ObjectNotFoundError:
@@ -64,7 +72,7 @@ async def delete_image(nc: Client, digest: str) -> None:
 
 async def fetch_image(nc: Client, digest: str, timeout: float = 60.0) -> bytes:
     js = nc.jetstream()
-    store = await js.object_store(IMAGES_BUCKET)
+    store = _store(nc)
     try:
         info = await store.get_info(digest)
     except ObjectNotFoundError:

@@ -105,28 +105,42 @@ def place_instance(
         return Unplaceable("invalid", "min_nodes must be at least 1")
     if (invalid := _invalid_request(card, max_context, kv_bits)) is not None:
         return invalid
+    if min_nodes > 1 and card.supports_images:
+        return _ONE_NODE_ONLY
     nodes = _nodes_by_free_memory(state)
     if not nodes:
         return Unplaceable("unavailable", "no worker node has joined the cluster yet")
     if min_nodes > len(nodes):
         return Unplaceable("conflict", f"min_nodes={min_nodes} but the cluster has {len(nodes)} node(s)")
     first_failure: Unplaceable | None = None
-    for k in range(min_nodes, len(nodes) + 1):
+    for k in range(min_nodes, _most_nodes(card, nodes) + 1):
         planned = _plan(card, sharding, nodes[:k], state, max_context, kv_bits)
         if not isinstance(planned, Unplaceable):
             return _instance(card, sharding, planned, ids)
         first_failure = first_failure or planned
     assert first_failure is not None
-    if len(nodes) == min_nodes:
+    most = _most_nodes(card, nodes)
+    if most == min_nodes:
         return first_failure
-    tried = f"{len(nodes)} nodes" if len(nodes) == min_nodes + 1 else f"{min_nodes + 1} to {len(nodes)} nodes"
+    tried = f"{most} nodes" if most == min_nodes + 1 else f"{min_nodes + 1} to {most} nodes"
     return Unplaceable(first_failure.code, f"{first_failure.reason}; {tried} did not work either")
+
+
+# mlx-vlm has no sharding: a vision-language model is served whole, by one runner.
+_ONE_NODE_ONLY = Unplaceable("conflict", "a vision model runs on one node (mlx-vlm cannot split a model "
+                                         "across nodes): min_nodes must be 1")
+
+
+def _most_nodes(card: ModelCard, nodes: list[NodeInfo]) -> int:
+    return 1 if card.supports_images else len(nodes)
 
 
 def _invalid_request(card: ModelCard, max_context: int, kv_bits: int) -> Unplaceable | None:
     if not 0 <= max_context <= context_cap(card):
         return Unplaceable("invalid", f"max_context must be between 0 (the most that fits) and {card.model_id}'s "
                                       f"context length, {context_cap(card)}; got {max_context}")
+    if kv_bits and card.supports_images:
+        return Unplaceable("invalid", "a quantized KV cache (kv_bits) is not served for vision models")
     if kv_bits and kv_bits not in KV_BITS:
         return Unplaceable("invalid", f"kv_bits must be 0 (not quantized) or one of {list(KV_BITS)}; got {kv_bits}")
     if kv_bits and not kv_group_size(head_dim_of(card)):
@@ -151,7 +165,8 @@ def placement_previews(card: ModelCard, state: State, max_context: int = 0, kv_b
                 "unavailable", "no worker node has joined the cluster yet")))
             continue
         for k in range(1, len(nodes) + 1):
-            planned = _plan(card, sharding, nodes[:k], state, max_context, kv_bits)
+            planned = _plan(card, sharding, nodes[:k], state, max_context, kv_bits) if k <= _most_nodes(card, nodes) \
+                else _ONE_NODE_ONLY
             if isinstance(planned, Unplaceable):
                 previews.append(PlacementPreview(sharding=sharding, node_count=k, rejection=planned))
             else:

@@ -8,6 +8,7 @@ sent to stderr so it cannot corrupt the protocol.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import sys
@@ -15,15 +16,18 @@ import time
 import traceback
 from collections.abc import Awaitable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 from exo import event_loop
 from exo.bus.chunk_publisher import ChunkPublisher
 from exo.bus.connection import connect, split_urls
+from exo.core.catalogue import is_vision_config
 from exo.core.types import TokenChunk
 from exo.runner.batch import Batcher, BatchFailed, batchable, max_batch
 from exo.runner.coalesce import Coalescer, Piece
-from exo.runner.engine import Engine, GenerationResult, Output, RequestRefused
-from exo.runner.engine_api import TextEngine
+from exo.runner.decoding import GenerationResult, Output, RequestRefused
+from exo.runner.engine import Engine
+from exo.runner.engine_api import ModelEngine
 from exo.runner.follower import follow
 from exo.runner.protocol import (
     Alive,
@@ -51,7 +55,7 @@ class Runner:
     def __init__(self, nc, reports) -> None:
         self._nc = nc
         self._reports = reports
-        self._engine: TextEngine = Engine()
+        self._engine: ModelEngine = Engine()
         self._mlx_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlx")
         self._cancelled: set[str] = set()  # written by the loop, read by the model thread between decode steps
         self._requests: asyncio.Queue = asyncio.Queue()
@@ -124,6 +128,13 @@ class Runner:
         self._reports.flush()
         os._exit(0)  # the model thread may be blocked in a collective that will never finish
 
+    def _choose_engine(self, model_path: str) -> None:
+        """mlx-vlm for a vision-language checkpoint (one request at a time), else mlx-lm."""
+        if is_vision_model(model_path):
+            from exo.runner.vision_engine import VisionEngine  # mlx-vlm: imported only where it serves
+
+            self._engine, self._batcher = VisionEngine(), None
+
     def _batched(self, request) -> bool:
         # A quantized KV cache takes the single path, as in mlx_lm.server (the batch keeps full caches).
         return (self._batcher is not None and isinstance(request, Generate) and not self._engine.kv_bits
@@ -132,6 +143,7 @@ class Runner:
     async def _serve(self, loop, request) -> None:
         try:
             if isinstance(request, Load):
+                self._choose_engine(request.model_path)
                 await loop.run_in_executor(self._mlx_thread, self._engine.load, request.model_path, request.shard,
                                            request.max_context, request.kv_bits)
                 self.report(Loaded())
@@ -214,8 +226,9 @@ class Runner:
 
         if self._batcher is not None and self._batched(request):
             return self._batcher.run(loop, request.params, request.defaults, on_output, is_cancelled, task_id)
+        images = [request.image_paths[digest] for message in request.params.messages for digest in message.images]
         return loop.run_in_executor(self._mlx_thread, self._engine.generate, request.params, request.defaults,
-                                    on_output, is_cancelled, task_id)
+                                    on_output, is_cancelled, task_id, None, images)
 
     async def _finish(self, task_id, index, reason, prompt, completion, error: str = "", stop_sequence: str = "",
                       cached: int = 0, error_code: str = "") -> None:
@@ -256,6 +269,13 @@ class Runner:
             else:
                 self._requests.put_nowait(request)
         self._requests.put_nowait(None)  # the worker went away
+
+
+def is_vision_model(model_path: str) -> bool:
+    try:
+        return is_vision_config(json.loads((Path(model_path) / "config.json").read_text()))
+    except (OSError, ValueError):
+        return False
 
 
 async def _main() -> None:

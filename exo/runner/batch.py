@@ -32,9 +32,10 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.sample_utils import make_sampler
 
 from exo.core.types import GenerationParams, SamplingDefaults
+from exo.runner.decoding import Decoding, GenerationResult, OnOutput
 from exo.runner.distributed import AgreedSamplers, BatchJoin, BatchStep, Lockstep, Sampling
-from exo.runner.engine import Decoding, GenerationResult, OnOutput, penalties, sampling_of, seeded_sampler
-from exo.runner.engine_api import TextEngine
+from exo.runner.engine import penalties, sampling_of, seeded_sampler
+from exo.runner.engine_api import ModelEngine
 from exo.runner.prompt_cache import PromptCache, Reuse
 
 log = logging.getLogger(__name__)
@@ -107,7 +108,7 @@ class Job:
         self.detokenizer: Any = None
         self.prompt_tokens = self.generated = 0
 
-    def start(self, engine: TextEngine) -> list[int]:
+    def start(self, engine: ModelEngine) -> list[int]:
         """The prompt's tokens; from here on the job can take steps."""
         tokens = engine.encode(engine.prompt_for(self.params))
         self.decoding = Decoding(engine, self.params, self.on_output, self.task_id, tokens)
@@ -136,7 +137,7 @@ class Job:
 class Batcher:
     """Owns the BatchGenerator. `submit` is called on the event loop, everything else on the model thread."""
 
-    def __init__(self, engine: TextEngine, limit: int, model_thread: Executor) -> None:
+    def __init__(self, engine: ModelEngine, limit: int, model_thread: Executor) -> None:
         self._engine = engine
         self._limit = limit
         self._model_thread = model_thread

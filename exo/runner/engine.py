@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import mlx.core as mx
@@ -13,59 +13,17 @@ from mlx_lm.sample_utils import apply_top_k, apply_top_p, make_logits_processors
 
 from exo.core.grammar import grammar_of, tool_call_grammar
 from exo.core.kv_budget import kv_group_size
-from exo.core.types import GenerationParams, SamplingDefaults, TokenLogprob, ToolCall, TopLogprob
+from exo.core.types import GenerationParams, SamplingDefaults, TokenLogprob, TopLogprob
 from exo.memory import memory
 from exo.runner.constraint import GrammarConstraint
+from exo.runner.decoding import Decoding, GenerationResult, OnOutput, PromptTooLong, RequestRefused
 from exo.runner.distributed import Announcement, Lockstep, join_ring, load_shard
-from exo.runner.engine_api import TextEngine
 from exo.runner.prompt_cache import FOLLOWER_BUDGET, PromptCache, Reuse, budget_bytes, entry_limit
 from exo.runner.protocol import RankSetup
-from exo.runner.splitter import OutputSplitter, starts_in_reasoning
-from exo.runner.stops import StopMatcher
+from exo.runner.splitter import starts_in_reasoning
 
 DEFAULT_MAX_TOKENS = 2048
 PENALTY_CONTEXT = 256  # more than mlx-lm's penalties look back at (20 tokens by default)
-
-
-class Output:
-    """What one decode step produced for the caller: text (content and reasoning), and tool calls /
-    logprobs if asked for."""
-
-    def __init__(self, text: str, completion_tokens: int, prompt_tokens: int,
-                 logprobs: list[TokenLogprob], tool_calls: list[ToolCall], cached_tokens: int = 0,
-                 reasoning: str = "") -> None:
-        self.text = text
-        self.reasoning = reasoning
-        self.cached_tokens = cached_tokens  # of prompt_tokens, reused from the prompt cache
-        self.completion_tokens = completion_tokens
-        self.prompt_tokens = prompt_tokens
-        self.logprobs = logprobs
-        self.tool_calls = tool_calls
-
-
-OnOutput = Callable[[Output], None]
-
-
-class GenerationResult:
-    def __init__(self, finish_reason: str, prompt_tokens: int, completion_tokens: int, stop_sequence: str = "",
-                 cached_tokens: int = 0) -> None:
-        self.finish_reason = finish_reason
-        self.prompt_tokens = prompt_tokens
-        self.completion_tokens = completion_tokens
-        self.stop_sequence = stop_sequence
-        self.cached_tokens = cached_tokens  # prompt tokens reused from the prompt cache
-
-
-class RequestRefused(ValueError):
-    """The client's mistake, found before any work (and before any collective): a 400, with `code`."""
-
-    code = "invalid_request_error"
-
-
-class PromptTooLong(RequestRefused):
-    """The prompt alone fills the model's context: nothing could be generated."""
-
-    code = "context_length_exceeded"
 
 
 class Engine:
@@ -77,6 +35,7 @@ class Engine:
         self.pulse = time.monotonic()  # when the model thread last made progress (see Runner._pulse)
         self.context_length = 0  # the model's (max_position_embeddings), 0 if it does not say
         self.kv_bits = 0  # > 0: the KV cache is quantized to this many bits from the first token
+        self.batches = True
 
     def load(self, model_path: str, shard: RankSetup | None = None, max_context: int = 0, kv_bits: int = 0) -> None:
         self.kv_bits = kv_bits
@@ -109,7 +68,7 @@ class Engine:
     def prompt_for(self, params: GenerationParams, text: str | None = None) -> str:
         if params.prompt is not None and text is None:
             return params.prompt  # completions: the caller's text is the whole prompt
-        messages = _template_messages(params) if text is None else [{"role": "user", "content": text}]
+        messages = template_messages(params) if text is None else [{"role": "user", "content": text}]
         if getattr(self.tokenizer, "chat_template", None):
             # enable_thinking left out: mlx-lm's wrapper passes its default (on when the model thinks).
             switch = {} if params.enable_thinking is None else {"enable_thinking": params.enable_thinking}
@@ -126,13 +85,16 @@ class Engine:
         is_cancelled: Callable[[], bool],
         task_id: str = "",
         told: Announcement | None = None,
+        images: Sequence[str] = (),
     ) -> GenerationResult:
         """One request alone. `told`: rank 0's announcement of it, on the other ranks of an instance."""
+        if images:  # a card that says supports_images over a text-only model: say so, not answer blind
+            raise RequestRefused("this model has no vision tower: it cannot take images (its card says it can)")
         tokens = self.encode(self.prompt_for(params))
         max_tokens = self.max_tokens_for(params, len(tokens))
         reuse = self._reuse(tokens, told)
         decoding = Decoding(self, params, on_output, task_id, tokens, cached=reuse.cached)
-        sampler = _sampler(params, defaults)
+        sampler = sampler_of(params, defaults)
         processors = [*logits_processors_of(params), *self.constraint_for(params, tokens)]
         if self.lockstep is not None:  # every rank takes rank 0's tokens and stops when rank 0 does
             if self.lockstep.leads:
@@ -233,56 +195,6 @@ class Engine:
         return self.tokenizer.decode([token])
 
 
-class Decoding:
-    """One request's output, one mlx-lm step at a time: tool calls, stop strings, logprobs.
-
-    The single path (Engine.generate) feeds it stream_generate's responses, the batch
-    (batch.py) BatchGenerator's, detokenized the same way, so both send the same chunks."""
-
-    def __init__(self, engine: TextEngine, params: GenerationParams, on_output: OnOutput, task_id: str,
-                 prompt: list[int], cached: int = 0) -> None:
-        self._engine = engine
-        self.cached = cached
-        self._top_logprobs = params.top_logprobs if params.logprobs else -1
-        self._on_output = on_output
-        self._stops = StopMatcher(params.stop)
-        # A raw prompt (completions) gets its text whole: only a chat's answer has reasoning apart.
-        self._splitter = OutputSplitter(engine.tokenizer, params.tools, task_id[:12], prompt,
-                                        reasoning=params.prompt is None)
-        self.prompt_tokens = self.completion_tokens = 0
-        self.finish_reason = "length"
-
-    def step(self, text: str, token: int, logprobs: Any, prompt_tokens: int, completion_tokens: int,
-             finish_reason: str | None) -> GenerationResult | None:
-        """Sends what this step produced; returns the result once a stop string ends the request."""
-        self._engine.beat()
-        self.prompt_tokens, self.completion_tokens = prompt_tokens, completion_tokens
-        self.finish_reason = finish_reason or self.finish_reason
-        entries = [self._engine.logprob(token, logprobs, self._top_logprobs)] if self._top_logprobs >= 0 else []
-        split = self._splitter.feed(text)
-        text = self._stops.feed(split.text)  # stop strings end the answer, not the reasoning
-        if text or split.reasoning or split.calls or entries:
-            self._on_output(Output(text, completion_tokens, prompt_tokens, entries, split.calls, self.cached, split.reasoning))
-        return self._stopped() if self._stops.stopped else None
-
-    def cancelled(self) -> GenerationResult:
-        return GenerationResult("cancelled", self.prompt_tokens, self.completion_tokens, cached_tokens=self.cached)
-
-    def finish(self) -> GenerationResult:
-        """mlx-lm ended the request (EOS or max_tokens): what the tool parser and stop strings held back."""
-        split = self._splitter.finish(self.finish_reason)
-        text = self._stops.feed(split.text)
-        text += "" if self._stops.stopped else self._stops.flush()
-        if text or split.reasoning or split.calls:
-            self._on_output(Output(text, self.completion_tokens, self.prompt_tokens, [], split.calls, self.cached,
-                                   split.reasoning))
-        return self._stopped() if self._stops.stopped else GenerationResult(
-            self.finish_reason, self.prompt_tokens, self.completion_tokens, cached_tokens=self.cached)
-
-    def _stopped(self) -> GenerationResult:
-        return GenerationResult("stop", self.prompt_tokens, self.completion_tokens, self._stops.matched, self.cached)
-
-
 def max_tokens_of(params: GenerationParams) -> int:
     return params.max_tokens or DEFAULT_MAX_TOKENS
 
@@ -315,7 +227,7 @@ def sampling_of(params: GenerationParams, defaults: SamplingDefaults) -> tuple[f
     return temperature, top_p if top_p < 1.0 else 0.0, params.top_k or 0
 
 
-def _sampler(params: GenerationParams, defaults: SamplingDefaults) -> Callable:
+def sampler_of(params: GenerationParams, defaults: SamplingDefaults) -> Callable:
     temperature, top_p, top_k = sampling_of(params, defaults)
     if params.seed is not None:
         return seeded_sampler(temperature, top_p, top_k, params.seed)
@@ -342,7 +254,7 @@ def seeded_sampler(temperature: float, top_p: float, top_k: int, seed: int) -> C
     return sample
 
 
-def _template_messages(params: GenerationParams) -> list[dict]:
+def template_messages(params: GenerationParams) -> list[dict]:
     """Messages as chat templates expect them, with earlier turns' tool calls and results."""
     turns = {turn.index: turn for turn in params.tool_turns}
     messages = []

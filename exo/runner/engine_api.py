@@ -1,31 +1,33 @@
 """What the runner needs of an engine: the interface its process loop (__main__.py), its batch
 (batch.py) and a follower rank (follower.py) use, and nothing else.
 
-exo/runner/engine.py (mlx-lm) is the first implementation; a second one (a vision-language
-engine on mlx-vlm) implements the same members and the runner, the batch and lockstep serve it
-unchanged. mypy checks that `Engine` satisfies this Protocol where the runner builds one.
+Two implementations: exo/runner/engine.py (mlx-lm: text models, batches, lockstep ranks) and
+exo/runner/vision_engine.py (mlx-vlm: vision-language models, one request at a time on one node;
+`batches` says which paths an engine serves). mypy checks both satisfy this Protocol where the
+runner builds them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from exo.core.types import GenerationParams, SamplingDefaults, TokenLogprob
+    from exo.runner.decoding import GenerationResult, OnOutput
     from exo.runner.distributed import Announcement, Lockstep
-    from exo.runner.engine import GenerationResult, OnOutput
     from exo.runner.prompt_cache import PromptCache
     from exo.runner.protocol import RankSetup
 
 
-class TextEngine(Protocol):
+class ModelEngine(Protocol):
     model: Any  # the loaded model (this rank's part of it on a multi-node instance)
     tokenizer: Any  # mlx-lm's TokenizerWrapper: chat template, detokenizer, markers, parsers
     lockstep: Lockstep | None  # set on a rank of a multi-node instance
     prompt_cache: PromptCache
     pulse: float  # when the model thread last made progress (time.monotonic())
     kv_bits: int  # > 0: a quantized KV cache, served on the single path only
+    batches: bool  # False: every request takes the single path (generate), one at a time
 
     # Lifecycle.
     def load(self, model_path: str, shard: RankSetup | None = None, max_context: int = 0, kv_bits: int = 0) -> None: ...
@@ -36,6 +38,7 @@ class TextEngine(Protocol):
     # The single path: one request alone, start to end (on a follower rank, as rank 0 announced it).
     def generate(self, params: GenerationParams, defaults: SamplingDefaults, on_output: OnOutput,
                  is_cancelled: Callable[[], bool], task_id: str = "", told: Announcement | None = None,
+                 images: Sequence[str] = (),  # files of the request's images, in the order its messages give them
                  ) -> GenerationResult: ...
 
     # Batch hooks: a request's prompt tokens, its token budget, its constraint, its logprobs.

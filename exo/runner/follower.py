@@ -14,12 +14,12 @@ from mlx_lm.generate import BatchGenerator
 
 from exo.runner.batch import insert, keep_caches, new_generator
 from exo.runner.distributed import AgreedSamplers, Announcement, BatchStep, Lockstep
-from exo.runner.engine_api import TextEngine
+from exo.runner.engine_api import ModelEngine
 
 log = logging.getLogger(__name__)
 
 
-def follow(engine: TextEngine) -> None:
+def follow(engine: ModelEngine) -> None:
     """Until rank 0 says it is leaving (or the group breaks: then this raises)."""
     lockstep = engine.lockstep
     assert lockstep is not None and not lockstep.leads
@@ -36,7 +36,7 @@ class BatchFollower:
     same order, so its request ids, its grouping and its collectives match rank 0's. Its prompt
     cache stores and reuses the same entries as rank 0's, and drops what rank 0 dropped."""
 
-    def __init__(self, engine: TextEngine, lockstep: Lockstep) -> None:
+    def __init__(self, engine: ModelEngine, lockstep: Lockstep) -> None:
         self._model, self._tokenizer, self._cache = engine.model, engine.tokenizer, engine.prompt_cache
         self._samplers = AgreedSamplers(lockstep)
         self._generator: BatchGenerator | None = None

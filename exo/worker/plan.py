@@ -226,6 +226,18 @@ def missing_images(view: WorkerView, task: Task) -> list[str]:
     return [d for d in images_of(task) if d not in view.local_images]
 
 
+def tasks_needing(view: WorkerView, digest: str) -> list[str]:
+    """This node's pending tasks, not yet ended, that need the image: those a failed fetch fails."""
+    return [task.task_id for instance, _ in _my_shards(view) for task in view.state.open_tasks_of(instance.instance_id)
+            if task.status == "pending" and task.task_id not in view.ended_tasks and digest in images_of(task)]
+
+
+def images_needed(view: WorkerView) -> set[str]:
+    """Images of this node's pending and running tasks: the image cache must not evict them."""
+    return {d for instance, _ in _my_shards(view) for task in view.state.open_tasks_of(instance.instance_id)
+            for d in images_of(task)}
+
+
 def images_to_fetch(view: WorkerView) -> list[str]:
     """Images of this node's open tasks that it lacks and is not already fetching, in order."""
     wanted: dict[str, None] = {}

@@ -18,9 +18,9 @@ from msgspec.structs import replace
 
 from exo.background import Background
 from exo.bus.connection import Connection
-from exo.bus.errors import BusError
+from exo.bus.errors import BROKER_ERRORS
 from exo.bus.event_log import EventLog
-from exo.bus.images import fetch_image
+from exo.bus.images import ImageCorrupt, ImageMissing, fetch_image
 from exo.bus.state_view import StateView
 from exo.bus.tokens import publish_chunk
 from exo.core.catalogue import find_card
@@ -42,6 +42,7 @@ from exo.models.transfer import DownloadCancelled, DownloadError
 from exo.runner import protocol as rp
 from exo.worker import plan as p
 from exo.worker.downloads import DownloadCoordinator
+from exo.worker.image_cache import ImageCache, limit_from_env
 from exo.worker.runner_host import RunnerHost
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,9 @@ log = logging.getLogger(__name__)
 # A runner that has work and shows no progress this long (no Alive report: its model thread is
 # stuck, or the process is stopped) is hung. Longer than any one step: a prefill chunk of a big model.
 RUNNER_STALL_S = float(os.environ.get("EXO_RUNNER_STALL_S", "30"))
+# What fetching an image can raise: fetch_image's ImageMissing / ImageCorrupt, the broker's errors,
+# a chunk read that timed out.
+_FETCH_ERRORS: tuple[type[Exception], ...] = (*BROKER_ERRORS, asyncio.TimeoutError)
 
 
 class Worker:
@@ -68,7 +72,7 @@ class Worker:
         self._hosts: dict[str, RunnerHost] = {}
         self._model_paths: dict[str, Path] = {}
         self._ended: set[str] = set()
-        self._local_images: set[str] = {p.name for p in self.images_dir.glob("[0-9a-f]*")} if self.images_dir.is_dir() else set()
+        self._images = ImageCache(self.images_dir, limit_from_env())  # what is on disk: plan's local_images
         self._images_in_flight: set[str] = set()
         self._wake = asyncio.Event()
         self._background = Background("worker")
@@ -92,6 +96,7 @@ class Worker:
         reconcile_custom_cards(self.custom_cards_dir, self._view.state.custom_model_cards)
         await self.downloads.start()
         await self._fetch_images(p.images_to_fetch(self._worker_view()))
+        self._trim_images()
         log.info("worker: disk reconciled with State at sequence %d; planning starts", self._view.state.last_seq)
         self._in_background(self._watch_busy_runners())
         self._wake.set()
@@ -99,6 +104,7 @@ class Worker:
             await self._wake.wait()
             self._wake.clear()
             self._forget_settled()
+            self._trim_images()
             for step in p.plan(self._worker_view()):
                 try:
                     await self._execute(step)
@@ -132,7 +138,7 @@ class Worker:
     def _worker_view(self) -> p.WorkerView:
         return p.WorkerView(
             node_id=self.node_id, state=self._view.state, runners=dict(self._runners), ended_tasks=frozenset(self._ended),
-            local_images=frozenset(self._local_images), images_in_flight=frozenset(self._images_in_flight),
+            local_images=self._images.digests(), images_in_flight=frozenset(self._images_in_flight),
             now=time.monotonic(), stall_after=RUNNER_STALL_S,
         )
 
@@ -217,9 +223,10 @@ class Worker:
         for digest in digests:
             try:
                 data = await fetch_image(self._nc, digest)  # verified against its hash
-            except BusError as error:
-                log.error("cannot fetch image %s: %s", digest, error)
-                self._fail_tasks_needing(digest, str(error))
+            except _FETCH_ERRORS as error:  # missing, corrupt or unreadable: its tasks fail (a retry would loop)
+                reason = str(error) if isinstance(error, (ImageMissing, ImageCorrupt)) else f"cannot fetch image {digest}: {error!r}"
+                log.error("worker: %s", reason)
+                self._fail_tasks_needing(digest, reason)
                 continue
             finally:
                 self._images_in_flight.discard(digest)
@@ -232,14 +239,19 @@ class Worker:
                 log.error("cannot store image %s: %s", digest, error)
                 self._fail_tasks_needing(digest, f"cannot store the image: {error}")
                 continue
-            self._local_images.add(digest)
+            self._images.add(digest, len(data))
             log.info("worker: image %s fetched and verified (%d bytes)", digest, len(data))
+            self._trim_images()
         self._wake.set()
 
     def _fail_tasks_needing(self, digest: str, reason: str) -> None:
-        for task in self._view.state.tasks.values():
-            if task.status == "pending" and digest in p.images_of(task) and task.task_id not in self._ended:
-                self._in_background(self._end_task(task.task_id, "failed", reason))
+        for task_id in p.tasks_needing(self._worker_view(), digest):
+            self._ended.add(task_id)  # now, not when _end_task runs: the next plan must not fetch it again
+            self._in_background(self._end_task(task_id, "failed", reason))
+
+    def _trim_images(self) -> None:
+        """Keep the image folder within EXO_IMAGE_CACHE_BYTES; what the open tasks need stays."""
+        self._images.trim(p.images_needed(self._worker_view()))
 
     async def _create_runner(self, step: p.CreateRunner | p.RestartRunner, failures: int = 0) -> None:
         self._runners[step.runner_id] = p.LocalRunner(
@@ -291,7 +303,8 @@ class Worker:
         task = self._view.state.tasks[step.task_id]
         card = find_card(self._view.state, self._builtin_cards, task.model_id)
         defaults = card.sampling_for(task.params.enable_thinking) if card else rp.SamplingDefaults()
-        images = {d: str(self.images_dir / d) for d in p.images_of(task)}
+        images = {d: str(self._images.path(d)) for d in p.images_of(task)}
+        self._images.touch(images)
         log.info("worker: task %s forwarded to runner %s", task.task_id, step.runner_id)
         await self._hosts[step.runner_id].send(
             rp.Generate(task_id=task.task_id, params=task.params, defaults=defaults, image_paths=images)

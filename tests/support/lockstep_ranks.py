@@ -21,7 +21,8 @@ from mlx_lm.generate import BatchGenerator
 
 from exo.core.types import ChatMessage, GenerationParams, ResponseFormat, SamplingDefaults
 from exo.runner.batch import Batcher, batchable
-from exo.runner.engine import Engine, Output
+from exo.runner.decoding import Output
+from exo.runner.engine import Engine
 from exo.runner.follower import follow
 from exo.runner.protocol import RankSetup
 

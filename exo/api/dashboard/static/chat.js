@@ -1,5 +1,6 @@
 // The chat panel: streams a reply from any model with an instance through
 // /v1/chat/completions, shows time to first token and tokens per second, and can stop it.
+// Models whose card says supports_images take images too (picked or pasted), sent as data: URLs.
 
 import {errorMessage, json, readSse, request} from "./api.js";
 import {h, replaceChildren} from "./util.js";
@@ -14,14 +15,49 @@ export class Chat {
     this.current = null; // the generation streaming now
     this.last = null; // the latest generation, for stats that arrive after it ended
     this.signature = null; // the model choices the select shows
+    this.images = []; // data: URLs attached to the next message
     this.el = Object.fromEntries(["chat-form", "chat-model", "chat-max-tokens", "chat-temperature", "chat-system",
-      "chat-log", "chat-input", "chat-send", "chat-stop", "chat-clear", "chat-stats"].map((id) => [id, document.getElementById(id)]));
+      "chat-log", "chat-input", "chat-send", "chat-stop", "chat-clear", "chat-stats", "chat-attach", "chat-files",
+      "chat-images"].map((id) => [id, document.getElementById(id)]));
     this.el["chat-form"].addEventListener("submit", (event) => { event.preventDefault(); this.send(); });
     this.el["chat-input"].addEventListener("keydown", (event) => {
       if (event.key === "Enter" && !event.shiftKey && !event.isComposing) { event.preventDefault(); this.send(); }
     });
     this.el["chat-stop"].addEventListener("click", () => this.stop());
     this.el["chat-clear"].addEventListener("click", () => this.clear());
+    this.el["chat-model"].addEventListener("change", () => this.showAttach());
+    this.el["chat-attach"].addEventListener("click", () => this.el["chat-files"].click());
+    this.el["chat-files"].addEventListener("change", (event) => { this.attach(event.target.files); event.target.value = ""; });
+    this.el["chat-input"].addEventListener("paste", (event) => this.attach(event.clipboardData.files));
+  }
+
+  // Images only for a model whose card takes them; choosing another model drops those attached.
+  showAttach() {
+    const card = this.ctx.card(this.el["chat-model"].value);
+    const takes = Boolean(card && card.supports_images);
+    this.el["chat-attach"].hidden = this.el["chat-attach"].disabled = this.el["chat-files"].disabled = !takes;
+    if (!takes && this.images.length) this.setImages([]);
+    return takes;
+  }
+
+  async attach(files) {
+    const images = [...files].filter((file) => file.type.startsWith("image/"));
+    if (!images.length || !this.showAttach()) return;
+    const urls = await Promise.all(images.map((file) => new Promise((resolve, reject) => {
+      const reader = new FileReader();
+      reader.onload = () => resolve(reader.result); // data:<mime>;base64,...
+      reader.onerror = () => reject(reader.error);
+      reader.readAsDataURL(file);
+    }))).catch((error) => { this.ctx.toast(`Could not read the image: ${error.message}`); return []; });
+    this.setImages([...this.images, ...urls]);
+  }
+
+  setImages(urls) {
+    this.images = urls;
+    replaceChildren(this.el["chat-images"], urls.map((url, i) => h("div", {class: "thumb"},
+      h("img", {src: url, alt: `image ${i + 1}`}),
+      h("button", {type: "button", title: "Remove", "aria-label": `remove image ${i + 1}`,
+                   onclick: () => this.setImages(urls.filter((_, j) => j !== i))}, "×"))));
   }
 
   // The models that have an instance, the ready ones first.
@@ -46,6 +82,7 @@ export class Chat {
         best.get(id) === "ready" ? id : `${id} (${best.get(id).replace("_", " ")})`)));
       select.value = ids.includes(chosen) ? chosen : ids[0];
     }
+    this.showAttach();
   }
 
   clear() {
@@ -67,18 +104,24 @@ export class Chat {
   }
 
   async send() {
-    const content = this.el["chat-input"].value;
-    if (this.current || !content.trim() || !this.el["chat-model"].value) return;
+    const text = this.el["chat-input"].value;
+    const images = this.images;
+    if (this.current || (!text.trim() && !images.length) || !this.el["chat-model"].value) return;
+    // Images go as content parts after the text; earlier turns' images are sent again with the history.
+    const content = !images.length ? text : [...(text.trim() ? [{type: "text", text}] : []),
+      ...images.map((url) => ({type: "image_url", image_url: {url}}))];
     const body = this.body(content);
     this.el["chat-input"].value = "";
+    this.setImages([]);
     this.history.push({role: "user", content});
-    const text = document.createTextNode("");
+    const reply = document.createTextNode("");
     const meta = h("div", {class: "meta small muted"}, "waiting for the first token…");
     const message = h("div", {class: "msg assistant", "data-streaming": "true"},
-      h("div", {class: "role small"}, body.model), h("div", {class: "text"}, text), meta);
-    this.el["chat-log"].append(h("div", {class: "msg user"}, h("div", {class: "text"}, content)), message);
+      h("div", {class: "role small"}, body.model), h("div", {class: "text"}, reply), meta);
+    const thumbs = images.length ? h("div", {class: "thumbs"}, images.map((url, i) => h("img", {src: url, alt: `image ${i + 1}`}))) : null;
+    this.el["chat-log"].append(h("div", {class: "msg user"}, text.trim() ? h("div", {class: "text"}, text) : null, thumbs), message);
     const g = {controller: new AbortController(), started: performance.now(), firstAt: null, lastAt: null, pieces: 0,
-               tokens: null, commandId: null, finish: null, error: null, stopped: false, text, message, meta};
+               tokens: null, commandId: null, finish: null, error: null, stopped: false, text: reply, message, meta};
     this.current = this.last = g;
     this.setBusy(true);
     try {
@@ -88,7 +131,7 @@ export class Chat {
     } finally {
       clearTimeout(g.abortTimer);
       if (g.stopped && !g.finish) g.finish = "cancelled";
-      this.history.push({role: "assistant", content: text.data});
+      this.history.push({role: "assistant", content: reply.data});
       message.dataset.streaming = "false";
       message.dataset.finish = g.finish || "error";
       if (g.error) message.append(h("div", {class: "error small"}, g.error));

@@ -16,6 +16,7 @@ const ctx = {
   nodeId: null,
   connected: false,
   state: () => live.state,
+  card: (id) => (live.state && live.state.custom_model_cards[id]) || models.cards.get(id), // built-in: once fetched
   toast,
 };
 const feed = new EventFeed();
@@ -27,7 +28,7 @@ function render(state) {
   renderNodes(document.getElementById("nodes"), state, ctx);
   renderInstances(document.getElementById("instances"), state, ctx);
   renderDownloads(document.getElementById("downloads"), state);
-  models.update(state);
+  models.update(state).then(() => chat.showAttach()); // a built-in card may arrive after the chat drew
   chat.update(state);
   document.getElementById("seq").textContent = `seq ${state.last_seq}`;
   document.getElementById("seq").title = "the last event folded into this State (exo replay --until takes it)";

@@ -1,0 +1,113 @@
+"""The worker's images on disk (`<data dir>/images/<sha256>`), bounded in bytes.
+
+Least recently used first out ("used" = fetched, or handed to a runner with a task), but never
+a file that a task of this node still needs: the caller passes that set in (plan.images_needed).
+If the needed files alone are over the limit they all stay, and that is logged. The order
+survives a restart through the files' mtimes (a use touches the file).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from collections import OrderedDict
+from collections.abc import Iterable
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+DEFAULT_LIMIT_BYTES = 1 << 30  # 1 GiB: fifty of the largest images the API admits (EXO_MAX_IMAGE_BYTES, 20 MB)
+
+_DIGEST = re.compile(r"[0-9a-f]{64}")
+
+
+def limit_from_env() -> int:
+    return int(os.environ.get("EXO_IMAGE_CACHE_BYTES", str(DEFAULT_LIMIT_BYTES)))
+
+
+class ImageCache:
+    def __init__(self, directory: Path, limit_bytes: int) -> None:
+        self.directory = directory
+        self.limit_bytes = limit_bytes
+        self._sizes: OrderedDict[str, int] = OrderedDict()  # least recently used first
+        self._total = 0
+        self._over_logged = False
+        self._scan()
+
+    def _scan(self) -> None:
+        """What an earlier run left: its images, oldest use first; half-written files go."""
+        if not self.directory.is_dir():
+            return
+        found: list[tuple[float, str, int]] = []
+        for path in self.directory.iterdir():
+            try:
+                if path.name.startswith(".") and path.name.endswith(".tmp"):
+                    path.unlink(missing_ok=True)  # an interrupted write
+                elif _DIGEST.fullmatch(path.name) and path.is_file():
+                    stat = path.stat()
+                    found.append((stat.st_mtime, path.name, stat.st_size))
+            except OSError as error:
+                log.warning("image cache: cannot read %s: %s", path, error)
+        for _, digest, size in sorted(found):
+            self.add(digest, size)
+
+    def __contains__(self, digest: object) -> bool:
+        return digest in self._sizes
+
+    def digests(self) -> frozenset[str]:
+        return frozenset(self._sizes)
+
+    def order(self) -> list[str]:
+        """Least recently used first."""
+        return list(self._sizes)
+
+    @property
+    def total_bytes(self) -> int:
+        return self._total
+
+    def path(self, digest: str) -> Path:
+        return self.directory / digest
+
+    def add(self, digest: str, size: int) -> None:
+        """A file just written to `path(digest)`: the most recently used."""
+        self._total += size - self._sizes.get(digest, 0)
+        self._sizes[digest] = size
+        self._sizes.move_to_end(digest)
+
+    def touch(self, digests: Iterable[str]) -> None:
+        """Used now (handed to a runner): the last to go."""
+        for digest in digests:
+            if digest in self._sizes:
+                self._sizes.move_to_end(digest)
+                try:
+                    os.utime(self.path(digest))
+                except OSError:
+                    pass
+
+    def trim(self, needed: Iterable[str]) -> list[str]:
+        """Evict least recently used files, except `needed`, until within the limit; the evicted."""
+        if self._total <= self.limit_bytes:
+            self._over_logged = False
+            return []
+        keep = set(needed)
+        evicted: list[str] = []
+        for digest in list(self._sizes):
+            if self._total <= self.limit_bytes:
+                break
+            if digest in keep:
+                continue
+            self._total -= self._sizes.pop(digest)
+            evicted.append(digest)
+            try:
+                self.path(digest).unlink(missing_ok=True)
+            except OSError as error:
+                log.warning("image cache: cannot remove %s: %s", digest, error)
+        if evicted:
+            log.info("image cache: evicted %d images (%d bytes kept, limit %d)", len(evicted), self._total, self.limit_bytes)
+        over = self._total > self.limit_bytes
+        if over and not self._over_logged:
+            log.warning("image cache: the images pending and running tasks need take %d bytes, over the limit of %d "
+                        "(EXO_IMAGE_CACHE_BYTES); keeping them until their tasks end", self._total, self.limit_bytes)
+        self._over_logged = over
+        return evicted
