@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-import uuid
+from typing import Any
 
 import msgspec
 from aiohttp import web
@@ -11,10 +11,12 @@ from aiohttp import web
 from exo.api.card_source import complete_card
 from exo.api.context import context_of
 from exo.api.errors import ApiError, error_body
+from exo.api.outcomes import new_command_id
 from exo.api.request_body import decode_body
 from exo.api.validate import check_kv_bits, check_max_context
 from exo.core.commands import AddCustomCard, DeleteCustomCard, DeleteInstance, PlaceInstance
 from exo.core.events import InstanceCreated
+from exo.core.ids import InstanceId, ModelId, NodeId, RunnerId
 from exo.core.state import State, encode_state
 from exo.core.types import Instance, ModelCard, Sharding, is_valid_model_id
 
@@ -27,7 +29,7 @@ _DOWNLOAD_FAILED = "download failed:"  # how the worker starts the error of a ru
 
 
 class PlaceInstanceRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    model_id: str
+    model_id: ModelId
     sharding: Sharding = "pipeline"
     min_nodes: int = 1
     max_queue: int = 0  # open tasks admitted before 429s; 0: the master's default
@@ -50,8 +52,8 @@ class DownloadReport(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class RunnerReport(msgspec.Struct, frozen=True, kw_only=True):
-    runner_id: str
-    node_id: str
+    runner_id: RunnerId
+    node_id: NodeId
     rank: int
     status: str
     error: str
@@ -94,7 +96,7 @@ def report_of(state: State, instance: Instance) -> InstanceReport:
     return InstanceReport(status=status, runners=runners)
 
 
-def _runner_report(state: State, instance: Instance, runner_id: str, node_id: str, rank: int) -> RunnerReport:
+def _runner_report(state: State, instance: Instance, runner_id: RunnerId, node_id: NodeId, rank: int) -> RunnerReport:
     runner = state.runners.get(runner_id)
     record = state.download_of(node_id, instance.model_id)
     download = None if record is None else DownloadReport(
@@ -137,7 +139,7 @@ async def place_instance(request: web.Request) -> web.Response:
     check_max_context(body.max_context, ctx.require_card(body.model_id))
     check_kv_bits(body.kv_bits)
     wait_s = _wait_seconds(request, body)
-    command = PlaceInstance(command_id=uuid.uuid4().hex, model_id=body.model_id, sharding=body.sharding,
+    command = PlaceInstance(command_id=new_command_id(), model_id=body.model_id, sharding=body.sharding,
                             min_nodes=body.min_nodes, max_queue=body.max_queue, max_context=body.max_context,
                             kv_bits=body.kv_bits)
     event = await ctx.outcomes.call(command)
@@ -165,11 +167,12 @@ async def place_instance(request: web.Request) -> web.Response:
                               **_report_fields(report)}, status=202)
 
 
-def _report_fields(report: InstanceReport) -> dict:
-    return msgspec.to_builtins(report)
+def _report_fields(report: InstanceReport) -> dict[str, Any]:
+    fields: dict[str, Any] = msgspec.to_builtins(report)
+    return fields
 
 
-def _instance_failed(state: State, instance_id: str, model_id: str, report: InstanceReport | None,
+def _instance_failed(state: State, instance_id: InstanceId, model_id: ModelId, report: InstanceReport | None,
                      path: str) -> web.Response:
     """424 (the placement depended on a download or a runner that failed), OpenAI's error shape,
     with the download's error code (`not_found`, `gated`, ...) as the code when a download failed."""
@@ -192,15 +195,15 @@ def _instance_failed(state: State, instance_id: str, model_id: str, report: Inst
 
 async def get_instance(request: web.Request) -> web.Response:
     state = context_of(request).view.state
-    instance = state.instances.get(request.match_info["instance_id"])
+    instance = state.instances.get(InstanceId(request.match_info["instance_id"]))
     if instance is None:
         raise ApiError(404, f"unknown instance {request.match_info['instance_id']!r}")
     return web.json_response({**msgspec.to_builtins(instance), **_report_fields(report_of(state, instance))})
 
 
 async def delete_instance(request: web.Request) -> web.Response:
-    instance_id = request.match_info["instance_id"]
-    command = DeleteInstance(command_id=uuid.uuid4().hex, instance_id=instance_id)
+    instance_id = InstanceId(request.match_info["instance_id"])
+    command = DeleteInstance(command_id=new_command_id(), instance_id=instance_id)
     await context_of(request).outcomes.call(command)
     return web.json_response({"message": "instance deleted", "command_id": command.command_id, "instance_id": instance_id})
 
@@ -220,7 +223,7 @@ async def add_model(request: web.Request) -> web.Response:
     _refuse_bad_card(card)
     card = await complete_card(card)
     _refuse_bad_card(card)
-    await ctx.outcomes.call(AddCustomCard(command_id=uuid.uuid4().hex, card=card))
+    await ctx.outcomes.call(AddCustomCard(command_id=new_command_id(), card=card))
     return web.json_response({"message": "model card added", "card": msgspec.to_builtins(card)})
 
 
@@ -231,10 +234,10 @@ def _refuse_bad_card(card: ModelCard) -> None:
 
 
 async def delete_custom_model(request: web.Request) -> web.Response:
-    model_id = request.match_info["model_id"]
+    model_id = ModelId(request.match_info["model_id"])
     if not is_valid_model_id(model_id):
         raise ApiError(400, f"invalid model id {model_id!r}", param="model_id")
-    await context_of(request).outcomes.call(DeleteCustomCard(command_id=uuid.uuid4().hex, model_id=model_id))
+    await context_of(request).outcomes.call(DeleteCustomCard(command_id=new_command_id(), model_id=model_id))
     return web.json_response({"message": "model card deleted", "model_id": model_id})
 
 

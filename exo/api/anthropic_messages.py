@@ -4,6 +4,8 @@ message_start ... message_stop event stream (anthropic_stream.py)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 from aiohttp import web
 
@@ -17,6 +19,7 @@ from exo.api.openai_tools import FUNCTION_NAME, NamedFunction, ToolChoice, offer
 from exo.api.request_body import decode_body
 from exo.api.tool_conversation import Conversation, arguments_text, function_tool
 from exo.api.validate import at_least_one, in_range
+from exo.core.ids import ModelId
 from exo.core.types import GenerationParams, ToolCall
 
 # Blocks a client sends back that only mattered to the model that wrote them: dropped.
@@ -36,7 +39,7 @@ class ContentBlock(msgspec.Struct, kw_only=True):
     source: ImageSource | None = None  # image
     id: str = ""  # tool_use
     name: str = ""
-    input: dict | None = None
+    input: dict[str, Any] | None = None
     tool_use_id: str = ""  # tool_result
     content: str | list[ContentBlock] = ""
     is_error: bool = False
@@ -49,7 +52,7 @@ class Message(msgspec.Struct, kw_only=True):
 
 class Tool(msgspec.Struct, kw_only=True):
     name: str
-    input_schema: dict | None = None
+    input_schema: dict[str, Any] | None = None
     description: str | None = None
     type: str | None = None  # "custom", or one of Anthropic's own server tools
 
@@ -66,7 +69,7 @@ class ThinkingConfig(msgspec.Struct, kw_only=True):
 
 
 class MessagesRequest(msgspec.Struct, kw_only=True):
-    model: str
+    model: ModelId
     messages: list[Message]
     max_tokens: int
     system: str | list[ContentBlock] | None = None
@@ -75,7 +78,7 @@ class MessagesRequest(msgspec.Struct, kw_only=True):
     top_p: float | None = None
     top_k: int | None = None
     stream: bool = False
-    metadata: dict | None = None
+    metadata: dict[str, Any] | None = None
     tools: list[Tool] | None = None
     tool_choice: AnthropicToolChoice | None = None
     thinking: ThinkingConfig | None = None
@@ -139,7 +142,7 @@ def _required(value: str, param: str) -> str:
     return value
 
 
-def _tools(body: MessagesRequest) -> list[dict]:
+def _tools(body: MessagesRequest) -> list[dict[str, Any]]:
     """Anthropic's client tools as the function tools the chat template sees, `tool_choice` applied."""
     tools = []
     for n, tool in enumerate(body.tools or []):

@@ -6,6 +6,7 @@ text_delta, each tool call as a tool_use block whose input comes as one input_js
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from aiohttp import web
 
@@ -16,7 +17,7 @@ from exo.api.tool_conversation import arguments_object
 from exo.core.types import TokenChunk, ToolCall
 
 
-def stop_fields(chunk: TokenChunk, called_tools: bool) -> dict:
+def stop_fields(chunk: TokenChunk, called_tools: bool) -> dict[str, Any]:
     if chunk.finish_reason == "length":
         return {"stop_reason": "max_tokens", "stop_sequence": None}
     if chunk.stop_sequence:
@@ -24,24 +25,24 @@ def stop_fields(chunk: TokenChunk, called_tools: bool) -> dict:
     return {"stop_reason": "tool_use" if called_tools else "end_turn", "stop_sequence": None}
 
 
-def usage(chunk: TokenChunk) -> dict:
+def usage(chunk: TokenChunk) -> dict[str, Any]:
     """Anthropic counts prompt tokens read from a cache apart from input_tokens, as we do ours."""
     return {"input_tokens": chunk.prompt_tokens - chunk.cached_tokens, "cache_creation_input_tokens": 0,
             "cache_read_input_tokens": chunk.cached_tokens}
 
 
-def tool_use_block(call: ToolCall) -> dict:
+def tool_use_block(call: ToolCall) -> dict[str, Any]:
     return {"type": "tool_use", "id": call.id, "name": call.name, "input": arguments_object(call.arguments)}
 
 
-def content_blocks(text: str, calls: list[ToolCall], reasoning: str = "") -> list[dict]:
+def content_blocks(text: str, calls: list[ToolCall], reasoning: str = "") -> list[dict[str, Any]]:
     """A whole answer: its thinking, its text (omitted when empty and tools were called), then its tool calls."""
     thinking = [_thinking_block(reasoning)] if reasoning else []
     text_blocks = [{"type": "text", "text": text}] if text or not calls else []
     return [*thinking, *text_blocks, *(tool_use_block(call) for call in calls)]
 
 
-def _thinking_block(reasoning: str) -> dict:
+def _thinking_block(reasoning: str) -> dict[str, Any]:
     # No signature: nothing here is signed, and thinking blocks sent back are dropped (anthropic_messages.py).
     return {"type": "thinking", "thinking": reasoning, "signature": ""}
 
@@ -55,7 +56,7 @@ class _Blocks:
         self._open: str | None = None
         self.called_tools = False
 
-    async def send(self, kind: str, data: dict) -> None:
+    async def send(self, kind: str, data: dict[str, Any]) -> None:
         await self._sse.send({"type": kind, **data}, event=kind)
 
     async def thinking(self, piece: str) -> None:
@@ -81,7 +82,7 @@ class _Blocks:
             await self._start({"type": "text", "text": ""})
         await self._stop()
 
-    async def _start(self, block: dict) -> None:
+    async def _start(self, block: dict[str, Any]) -> None:
         await self._stop()
         self._index += 1
         self._open = block["type"]

@@ -9,6 +9,7 @@ import ipaddress
 import logging
 
 from aiohttp import web
+from aiohttp.typedefs import Handler
 
 from exo.api.context import context_of
 from exo.api.errors import ApiError
@@ -27,7 +28,7 @@ def is_open_path(path: str) -> bool:
 
 
 @web.middleware
-async def auth_middleware(request: web.Request, handler):
+async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     keys = context_of(request).settings.api_keys
     if keys and not is_open_path(request.path) and not _key_matches(_presented_key(request), keys):
         raise ApiError(401, "a valid API key is required: send 'Authorization: Bearer <key>'",

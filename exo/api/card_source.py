@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 from pathlib import Path
+from typing import Any
 
 from huggingface_hub import hf_hub_download
 from huggingface_hub.errors import EntryNotFoundError, GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
@@ -39,7 +40,7 @@ async def complete_card(card: ModelCard) -> ModelCard:
         raise ApiError(400, f"{card.source_repo!r} has a config.json exo cannot read: {error}", param="model_id") from None
 
 
-def _read_config(card: ModelCard) -> dict:
+def _read_config(card: ModelCard) -> dict[str, Any]:
     if card.path:
         path = Path(card.path)
         if not path.is_absolute() or not (path / "config.json").is_file():
@@ -56,7 +57,7 @@ def _read_config(card: ModelCard) -> dict:
     return _parse_config(Path(downloaded).read_text(), card.source_repo)
 
 
-def _parse_config(text: str, source: str) -> dict:
+def _parse_config(text: str, source: str) -> dict[str, Any]:
     try:
         config = json.loads(text)
     except ValueError as error:

@@ -11,6 +11,7 @@ from exo.api.context import context_of
 from exo.api.errors import ApiError
 from exo.api.generation import cancel_generation
 from exo.api.validate import check_kv_bits, check_max_context
+from exo.core.ids import CommandId, ModelId
 from exo.core.placement import placement_previews
 
 CANCEL_WAIT_S = 10.0  # how long the cancel route waits to report how the task ended
@@ -20,9 +21,10 @@ _ID_PREFIXES = ("chatcmpl-", "cmpl-", "resp_", "msg_")
 async def cancel(request: web.Request) -> web.Response:
     """POST /v1/cancel/{command_id}: stop a generation; answers with how its task ended."""
     ctx = context_of(request)
-    command_id = request.match_info["command_id"]
+    shown = request.match_info["command_id"]
     for prefix in _ID_PREFIXES:  # the ids the surfaces show, as well as the bare command id
-        command_id = command_id.removeprefix(prefix)
+        shown = shown.removeprefix(prefix)
+    command_id = CommandId(shown)
     task = ctx.view.state.tasks.get(command_id)
     if task is None:
         raise ApiError(404, f"no generation {command_id!r}", param="command_id")
@@ -43,7 +45,7 @@ async def cancel(request: web.Request) -> web.Response:
 async def instance_previews(request: web.Request) -> web.Response:
     """GET /instance/previews?model_id=X: each sharding on each node count 1..N, or why not; places nothing."""
     ctx = context_of(request)
-    model_id = request.query.get("model_id", "")
+    model_id = ModelId(request.query.get("model_id", ""))
     card = ctx.card(model_id)
     if card is None:
         raise ApiError(404, f"unknown model {model_id!r}", param="model_id", code="model_not_found")
@@ -52,7 +54,7 @@ async def instance_previews(request: web.Request) -> web.Response:
     previews = []
     for preview in placement_previews(card, ctx.view.state, max_context, kv_bits):
         # min_nodes: what to send to POST /place_instance to get this placement.
-        shown = {"model_id": model_id, "sharding": preview.sharding, "min_nodes": preview.node_count,
+        shown: dict[str, object] = {"model_id": model_id, "sharding": preview.sharding, "min_nodes": preview.node_count,
                  "node_count": preview.node_count, "max_context": preview.instance.max_context if preview.instance else None}
         if preview.rejection is not None:
             previews.append(shown | {"instance": None, "error": preview.rejection.reason,
@@ -72,7 +74,7 @@ def _query_int(request: web.Request, name: str) -> int:
 async def get_model(request: web.Request) -> web.Response:
     """GET /v1/models/{model_id}: OpenAI's model object, with the card beside it."""
     ctx = context_of(request)
-    model_id = request.match_info["model_id"]
+    model_id = ModelId(request.match_info["model_id"])
     card = ctx.require_card(model_id)
     return web.json_response({"id": card.model_id, "object": "model", "created": 0, "owned_by": "exo",
                               "name": card.name or card.model_id, "context_length": card.context_length,

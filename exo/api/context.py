@@ -6,6 +6,7 @@ import asyncio
 from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from aiohttp import web
 
@@ -18,6 +19,7 @@ from exo.background import Background
 from exo.bus.connection import Connection
 from exo.bus.state_view import StateView
 from exo.core.catalogue import find_card
+from exo.core.ids import ModelId, NodeId
 from exo.core.types import ModelCard
 
 
@@ -26,8 +28,8 @@ class ApiContext:
     nc: Connection
     view: StateView
     outcomes: CommandOutcomes
-    builtin_cards: Mapping[str, ModelCard]
-    node_id: str
+    builtin_cards: Mapping[ModelId, ModelCard]
+    node_id: NodeId
     data_dir: Path
     settings: ApiSettings = field(default_factory=ApiSettings.from_env)
     metrics: Metrics = field(default_factory=Metrics)
@@ -40,24 +42,24 @@ class ApiContext:
         self.cluster_metrics = ClusterCollector(lambda: self.view.state)
         self.metrics.registry.register(self.cluster_metrics)
 
-    def card(self, model_id: str) -> ModelCard | None:
+    def card(self, model_id: ModelId) -> ModelCard | None:
         return find_card(self.view.state, self.builtin_cards, model_id)
 
-    def require_card(self, model_id: str) -> ModelCard:
+    def require_card(self, model_id: ModelId) -> ModelCard:
         """The card, or the OpenAI-style 404 every surface answers for an unknown model."""
         card = self.card(model_id)
         if card is None:
             raise ApiError(404, f"The model {model_id!r} does not exist", param="model", code="model_not_found")
         return card
 
-    def in_background(self, coroutine: Coroutine) -> None:
+    def in_background(self, coroutine: Coroutine[Any, Any, object]) -> None:
         self._background.start(coroutine)
 
-    def max_context(self, model_id: str) -> int:
+    def max_context(self, model_id: ModelId) -> int:
         """The most context any instance of the model has room for (0: none placed, or unknown)."""
         return max((i.max_context for i in self.view.state.instances.values() if i.model_id == model_id), default=0)
 
-    def all_cards(self) -> dict[str, ModelCard]:
+    def all_cards(self) -> dict[ModelId, ModelCard]:
         return {**self.builtin_cards, **self.view.state.custom_model_cards}
 
 

@@ -12,14 +12,15 @@ from exo.api.context import ApiContext, context_of
 from exo.api.errors import ApiError
 from exo.api.request_body import decode_body
 from exo.bus.download_control import Action, NodeUnreachable, request_download_action
+from exo.core.ids import ModelId, NodeId
 from exo.core.types import is_valid_model_id
 
 _STATUS = {"not_found": 404, "invalid": 400, "conflict": 409}
 
 
 class DownloadBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    model_id: str
-    node_id: str = ""  # empty: the node serving this API
+    model_id: ModelId
+    node_id: NodeId = NodeId("")  # empty: the node serving this API
 
 
 async def start(request: web.Request) -> web.Response:
@@ -38,14 +39,14 @@ async def cancel(request: web.Request) -> web.Response:
 
 async def delete(request: web.Request) -> web.Response:
     ctx = context_of(request)
-    return await _ask(ctx, "delete", request.match_info["node_id"], request.match_info["model_id"])
+    return await _ask(ctx, "delete", NodeId(request.match_info["node_id"]), ModelId(request.match_info["model_id"]))
 
 
 async def list_downloads(request: web.Request) -> web.Response:
     return web.json_response(msgspec.to_builtins(context_of(request).view.state.downloads))
 
 
-async def _ask(ctx: ApiContext, action: Action, node_id: str, model_id: str) -> web.Response:
+async def _ask(ctx: ApiContext, action: Action, node_id: NodeId, model_id: ModelId) -> web.Response:
     if not is_valid_model_id(model_id):
         raise ApiError(400, f"invalid model id {model_id!r}", param="model_id")
     if node_id not in ctx.view.state.nodes:

@@ -8,8 +8,10 @@ Ollama (/api/*): {"error": "message"}.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from aiohttp import web
+from aiohttp.typedefs import Handler
 
 from exo.core.types import RejectionCode
 
@@ -48,7 +50,7 @@ def surface_of(path: str) -> str:
     return "openai"
 
 
-def error_body(status: int, message: str, param: str | None = None, code: str | None = None, path: str = "") -> dict:
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None, path: str = "") -> dict[str, Any]:
     surface = surface_of(path)
     if surface == "anthropic":
         return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(status, "api_error"), "message": message}}
@@ -63,7 +65,7 @@ def error_response(status: int, message: str, param: str | None = None, code: st
 
 
 @web.middleware
-async def error_middleware(request: web.Request, handler):
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         return await handler(request)
     except ApiError as error:

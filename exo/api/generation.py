@@ -10,19 +10,19 @@ import asyncio
 import itertools
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, nullcontext
 from dataclasses import dataclass, field
 
 from exo.api.context import ApiContext
 from exo.api.errors import ApiError
-from exo.api.outcomes import COMMAND_TIMEOUT_S, raise_if_rejected
+from exo.api.outcomes import COMMAND_TIMEOUT_S, new_command_id, raise_if_rejected
 from exo.api.validate import check_limits
 from exo.bus.command_queue import send_command
 from exo.bus.tokens import TokenListener, stored_chunks
 from exo.core.commands import CancelTask, GenerateText
 from exo.core.events import TaskFinished
+from exo.core.ids import CommandId, ModelId
 from exo.core.types import FinishReason, GenerationParams, TokenChunk, TokenLogprob, ToolCall
 
 log = logging.getLogger(__name__)
@@ -36,7 +36,7 @@ TASK_END_GRACE_S = 1.0
 class Generation:
     """A running generation: iterate its chunks; `close()` cancels it if it has not finished."""
 
-    def __init__(self, ctx: ApiContext, command_id: str, listener: TokenListener,
+    def __init__(self, ctx: ApiContext, command_id: CommandId, listener: TokenListener,
                  ended: asyncio.Future[TaskFinished], after: int = -1) -> None:
         self.command_id = command_id
         self._ctx = ctx
@@ -148,18 +148,18 @@ class Generation:
         await asyncio.shield(cancel_generation(self._ctx, self.command_id))
 
 
-async def cancel_generation(ctx: ApiContext, command_id: str) -> None:
+async def cancel_generation(ctx: ApiContext, command_id: CommandId) -> None:
     """Ask the master to stop a generation; the runner stops within one decode step."""
     ctx.pending_cancels.pop(command_id, None)
-    await send_command(ctx.nc, CancelTask(command_id=uuid.uuid4().hex, task_id=command_id))
+    await send_command(ctx.nc, CancelTask(command_id=new_command_id(), task_id=command_id))
 
 
-async def start_generation(ctx: ApiContext, model_id: str, params: GenerationParams) -> Generation:
+async def start_generation(ctx: ApiContext, model_id: ModelId, params: GenerationParams) -> Generation:
     """Queue the request and return once the master accepted it (or raise why it did not)."""
     card = ctx.card(model_id)
     # The context placed instances have room for, else the model's own (none placed: a 503 follows).
     check_limits(params, ctx.max_context(model_id) or (card.context_length if card is not None else 0))
-    command_id = uuid.uuid4().hex
+    command_id = new_command_id()
     listener = await TokenListener.live(ctx.nc, command_id)  # before sending: no chunk can be missed
     answer = ctx.outcomes.expect(command_id)
     ended = ctx.outcomes.expect_task_end(command_id)
@@ -180,8 +180,8 @@ async def start_generation(ctx: ApiContext, model_id: str, params: GenerationPar
 
 
 @asynccontextmanager
-async def generating(ctx: ApiContext, model_id: str, params: GenerationParams, missing: ApiError | None = None,
-                     resume_grace_s: float = 0.0, storing: AbstractAsyncContextManager | None = None,
+async def generating(ctx: ApiContext, model_id: ModelId, params: GenerationParams, missing: ApiError | None = None,
+                     resume_grace_s: float = 0.0, storing: AbstractAsyncContextManager[None] | None = None,
                      ) -> AsyncIterator[Generation]:
     """The one way a surface runs a generation: the model must have a card (else `missing`, the
     surface's own 404, or OpenAI's), the request is queued (inside `storing`: what must be stored
@@ -197,7 +197,7 @@ async def generating(ctx: ApiContext, model_id: str, params: GenerationParams, m
         await generation.close(resume_grace_s)
 
 
-async def resume_generation(ctx: ApiContext, command_id: str, after: int) -> Generation:
+async def resume_generation(ctx: ApiContext, command_id: CommandId, after: int) -> Generation:
     """The rest of a generation after chunk `after`, replayed from JetStream, then live."""
     task = ctx.view.state.tasks.get(command_id)
     if task is None:

@@ -17,6 +17,7 @@ from contextlib import asynccontextmanager
 from exo.api.context import ApiContext
 from exo.api.errors import ApiError
 from exo.bus.images import ImageStoreFull, delete_image, image_digest, store_image
+from exo.core.ids import ModelId
 from exo.core.state import State
 
 MAX_IMAGE_BYTES = int(os.environ.get("EXO_MAX_IMAGE_BYTES", str(20 * 1024 * 1024)))
@@ -67,7 +68,7 @@ class ImageUploads:
         return digest
 
     @asynccontextmanager
-    async def stored(self, ctx: ApiContext, model_id: str, param: str = "messages") -> AsyncIterator[None]:
+    async def stored(self, ctx: ApiContext, model_id: ModelId, param: str = "messages") -> AsyncIterator[None]:
         """Stores the images for the block, which queues the request. If the model takes no
         images or has no instance to serve it, nothing is stored; if the block raises (the master
         refused it), the images uploaded here are deleted again, unless a task in State took

@@ -7,7 +7,9 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from collections.abc import Callable
 from datetime import datetime, timezone
+from typing import Any
 
 import msgspec
 from aiohttp import web
@@ -22,7 +24,8 @@ from exo.api.structured import ollama_format
 from exo.api.thinking import from_ollama
 from exo.api.tool_conversation import Conversation, arguments_object, arguments_text
 from exo.api.validate import at_least_one, in_range, stop_list
-from exo.core.types import ChatMessage, GenerationParams, ModelCard, ToolCall
+from exo.core.ids import ModelId
+from exo.core.types import ChatMessage, GenerationParams, ModelCard, TokenChunk, ToolCall
 
 OLLAMA_VERSION = "0.9.0"  # the Ollama API level these routes follow
 
@@ -40,7 +43,7 @@ class Options(msgspec.Struct, kw_only=True):
 
 class CalledFunction(msgspec.Struct, kw_only=True):
     name: str
-    arguments: dict = {}
+    arguments: dict[str, Any] = {}
 
 
 class OllamaToolCall(msgspec.Struct, kw_only=True):
@@ -56,24 +59,24 @@ class OllamaMessage(msgspec.Struct, kw_only=True):
 
 
 class ChatRequest(msgspec.Struct, kw_only=True):
-    model: str
+    model: ModelId
     messages: list[OllamaMessage] = []
     stream: bool = True
     options: Options | None = None
-    format: str | dict | None = None
-    tools: list[dict] | None = None
+    format: str | dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
     keep_alive: str | int | float | None = None
     think: bool | str | None = None
 
 
 class GenerateRequest(msgspec.Struct, kw_only=True):
-    model: str
+    model: ModelId
     prompt: str = ""
     system: str | None = None
     raw: bool = False
     stream: bool = True
     options: Options | None = None
-    format: str | dict | None = None
+    format: str | dict[str, Any] | None = None
     images: list[str] | None = None
     suffix: str | None = None
     think: bool | str | None = None
@@ -81,11 +84,11 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
 
 
 class ModelRequest(msgspec.Struct, kw_only=True):
-    model: str = ""
+    model: ModelId = ModelId("")
     name: str = ""  # older clients send "name"
 
 
-def _params(options: Options | None, **fields) -> GenerationParams:
+def _params(options: Options | None, **fields: Any) -> GenerationParams:
     o = options or Options()
     num_predict = None if o.num_predict is None or o.num_predict < 0 else at_least_one(o.num_predict, "num_predict")
     return GenerationParams(
@@ -161,12 +164,16 @@ async def generate(request: web.Request) -> web.StreamResponse:
     return await _run(request, body.model, params, body.stream, _generate_piece, uploads)
 
 
-def _generate_piece(text: str, reasoning: str = "", calls: list[ToolCall] | None = None) -> dict:
+# A surface's message for a piece of the answer: /api/generate's and /api/chat's differ.
+Piece = Callable[[str, str, list[ToolCall] | None], dict[str, Any]]
+
+
+def _generate_piece(text: str, reasoning: str = "", calls: list[ToolCall] | None = None) -> dict[str, Any]:
     return {"response": text, "thinking": reasoning} if reasoning else {"response": text}
 
 
-def _chat_piece(text: str, reasoning: str = "", calls: list[ToolCall] | None = None) -> dict:
-    message: dict = {"role": "assistant", "content": text}
+def _chat_piece(text: str, reasoning: str = "", calls: list[ToolCall] | None = None) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": text}
     if reasoning:
         message["thinking"] = reasoning
     if calls:
@@ -174,7 +181,7 @@ def _chat_piece(text: str, reasoning: str = "", calls: list[ToolCall] | None = N
     return {"message": message}
 
 
-async def _run(request: web.Request, model: str, params: GenerationParams, stream: bool, piece,
+async def _run(request: web.Request, model: ModelId, params: GenerationParams, stream: bool, piece: Piece,
                uploads: ImageUploads) -> web.StreamResponse:
     started = time.perf_counter_ns()
     ctx = context_of(request)
@@ -187,22 +194,22 @@ async def _run(request: web.Request, model: str, params: GenerationParams, strea
         return web.json_response(_head(model) | piece(done.text, done.reasoning, done.tool_calls) | _done(done.final, started))
 
 
-def _head(model: str) -> dict:
+def _head(model: str) -> dict[str, Any]:
     return {"model": model, "created_at": datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")}
 
 
-def _done(final, started_ns: int) -> dict:
+def _done(final: TokenChunk, started_ns: int) -> dict[str, Any]:
     total = time.perf_counter_ns() - started_ns
     return {"done": True, "done_reason": "length" if final.finish_reason == "length" else "stop",
             "total_duration": total, "load_duration": 0, "prompt_eval_count": final.prompt_tokens,
             "prompt_eval_duration": 0, "eval_count": final.token_count, "eval_duration": total}
 
 
-async def _stream(request: web.Request, generation: Generation, model: str, piece, started: int) -> web.StreamResponse:
+async def _stream(request: web.Request, generation: Generation, model: str, piece: Piece, started: int) -> web.StreamResponse:
     response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
     await response.prepare(request)
 
-    async def send(obj: dict) -> None:
+    async def send(obj: dict[str, Any]) -> None:
         await response.write(json.dumps(obj, ensure_ascii=False).encode() + b"\n")
 
     async for chunk in generation.chunks():
@@ -211,18 +218,18 @@ async def _stream(request: web.Request, generation: Generation, model: str, piec
         if chunk.finish_reason in ("error", "cancelled"):
             await send({"error": chunk.error or "generation was cancelled"})
         elif chunk.finish_reason:
-            await send(_head(model) | piece("") | _done(chunk, started))
+            await send(_head(model) | piece("", "", None) | _done(chunk, started))
     await response.write_eof()
     return response
 
 
-def _model_entry(card: ModelCard) -> dict:
+def _model_entry(card: ModelCard) -> dict[str, Any]:
     digest = hashlib.sha256(f"{card.model_id}@{card.revision}".encode()).hexdigest()
     return {"name": card.model_id, "model": card.model_id, "modified_at": "1970-01-01T00:00:00Z",
             "size": card.storage_bytes, "digest": digest, "details": _details(card)}
 
 
-def _details(card: ModelCard) -> dict:
+def _details(card: ModelCard) -> dict[str, Any]:
     return {"parent_model": "", "format": "mlx", "family": "", "families": None, "parameter_size": "",
             "quantization_level": ""}
 
@@ -234,7 +241,7 @@ async def tags(request: web.Request) -> web.Response:
 
 async def show(request: web.Request) -> web.Response:
     body = await decode_body(request, ModelRequest)
-    model_id = body.model or body.name
+    model_id = body.model or ModelId(body.name)
     card = context_of(request).card(model_id)
     if card is None:
         raise ApiError(404, f"model '{model_id}' not found")

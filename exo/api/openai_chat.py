@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 from aiohttp import web
 
@@ -22,6 +24,7 @@ from exo.api.openai_tools import (
 )
 from exo.api.request_body import decode_body
 from exo.api.structured import openai_chat_format
+from exo.core.ids import ModelId
 from exo.core.types import ChatMessage, GenerationParams
 
 
@@ -49,7 +52,7 @@ class StreamOptions(msgspec.Struct, kw_only=True):
 
 
 class ChatRequest(msgspec.Struct, kw_only=True):
-    model: str
+    model: ModelId
     messages: list[ChatRequestMessage]
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -64,13 +67,13 @@ class ChatRequest(msgspec.Struct, kw_only=True):
     frequency_penalty: float | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[dict] | None = None
+    tools: list[dict[str, Any]] | None = None
     tool_choice: str | ToolChoice | None = None
     parallel_tool_calls: bool | None = None
     reasoning_effort: str | None = None
-    chat_template_kwargs: dict | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     enable_thinking: bool | None = None
-    response_format: dict | None = None
+    response_format: dict[str, Any] | None = None
 
 
 _ROLES = {"system", "developer", "user", "assistant", "tool"}
@@ -96,7 +99,7 @@ def to_params(body: ChatRequest, uploads: ImageUploads) -> GenerationParams:
     )
 
 
-def _openai_extras(body: ChatRequest) -> dict:
+def _openai_extras(body: ChatRequest) -> dict[str, Any]:
     """Penalties, logprobs, tools, the answer's format and the thinking switch, validated, as GenerationParams fields."""
     turns = [tool_turn(i, m.role, m.tool_calls, m.tool_call_id, m.name) for i, m in enumerate(body.messages)]
     tools = offered_tools(body.tools, body.tool_choice)

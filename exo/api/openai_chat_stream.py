@@ -9,6 +9,7 @@ generation: the text is in JetStream, so nothing is generated twice.
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from aiohttp import web
 
@@ -17,17 +18,18 @@ from exo.api.errors import ApiError
 from exo.api.generation import Generation, collect, resume_generation
 from exo.api.openai_tools import logprobs_json, tool_calls_json
 from exo.api.sse import SseStream
+from exo.core.ids import CommandId
 from exo.core.types import TokenChunk
 
 ID_PREFIX = "chatcmpl-"
 
 
-def envelope(command_id: str, model: str, kind: str) -> dict:
+def envelope(command_id: CommandId, model: str, kind: str) -> dict[str, Any]:
     return {"id": f"{ID_PREFIX}{command_id}", "object": kind, "created": int(time.time()), "model": model,
             "system_fingerprint": None}
 
 
-def usage(final: TokenChunk) -> dict:
+def usage(final: TokenChunk) -> dict[str, Any]:
     """OpenAI's usage; cached_tokens: prompt tokens the runner's prompt cache already held."""
     prompt, completion = final.prompt_tokens, final.token_count
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
@@ -37,7 +39,7 @@ def usage(final: TokenChunk) -> dict:
 async def complete_chat(generation: Generation, model: str, with_logprobs: bool) -> web.Response:
     done = await collect(generation)
     assert done.final is not None
-    message: dict = {"role": "assistant", "content": done.text if done.text or not done.tool_calls else None,
+    message: dict[str, Any] = {"role": "assistant", "content": done.text if done.text or not done.tool_calls else None,
                      "refusal": None}
     if done.reasoning:
         message["reasoning_content"] = done.reasoning
@@ -55,7 +57,7 @@ async def stream_chat(request: web.Request, generation: Generation, model: str, 
     sse = await SseStream.open(request)
     base = envelope(generation.command_id, model, "chat.completion.chunk")
 
-    def choice(delta: dict, finish_reason: str | None = None, logprobs: dict | None = None) -> dict:
+    def choice(delta: dict[str, Any], finish_reason: str | None = None, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
         return base | {"choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}]}
 
     if not resumed:
@@ -82,8 +84,8 @@ async def stream_chat(request: web.Request, generation: Generation, model: str, 
     return await sse.close()
 
 
-def _delta(chunk: TokenChunk, calls_sent: int) -> dict:
-    delta: dict = {}
+def _delta(chunk: TokenChunk, calls_sent: int) -> dict[str, Any]:
+    delta: dict[str, Any] = {}
     if chunk.reasoning:  # first: a chunk's reasoning came before its text
         delta["reasoning_content"] = chunk.reasoning
     if chunk.text:
@@ -93,7 +95,7 @@ def _delta(chunk: TokenChunk, calls_sent: int) -> dict:
     return delta
 
 
-def parse_event_id(value: str, command_id: str | None = None) -> tuple[str, int]:
+def parse_event_id(value: str, command_id: CommandId | None = None) -> tuple[CommandId, int]:
     """`<command_id>:<index>` (or a bare index when the command is known) -> (command_id, index)."""
     named, _, index = value.strip().rpartition(":")
     named = named.removeprefix(ID_PREFIX)
@@ -103,10 +105,10 @@ def parse_event_id(value: str, command_id: str | None = None) -> tuple[str, int]
         raise ApiError(400, f"bad event id {value!r}: expected '<id>:<chunk index>'", param="Last-Event-ID") from None
     if (named and command_id and named != command_id) or not (named or command_id):
         raise ApiError(400, f"event id {value!r} names another generation", param="Last-Event-ID")
-    return named or command_id or "", after
+    return CommandId(named) if named else command_id or CommandId(""), after
 
 
-async def resume_chat(request: web.Request, command_id: str, after: int, include_usage: bool) -> web.StreamResponse:
+async def resume_chat(request: web.Request, command_id: CommandId, after: int, include_usage: bool) -> web.StreamResponse:
     ctx = context_of(request)
     generation = await resume_generation(ctx, command_id, after)
     task = ctx.view.state.tasks[command_id]
@@ -118,7 +120,7 @@ async def resume_chat(request: web.Request, command_id: str, after: int, include
 
 async def resume_chat_route(request: web.Request) -> web.StreamResponse:
     """GET /v1/chat/completions/{id}/stream?after=N (or with Last-Event-ID)."""
-    command_id = request.match_info["id"].removeprefix(ID_PREFIX)
+    command_id = CommandId(request.match_info["id"].removeprefix(ID_PREFIX))
     if "Last-Event-ID" in request.headers:
         command_id, after = parse_event_id(request.headers["Last-Event-ID"], command_id)
     else:

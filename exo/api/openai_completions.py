@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import msgspec
 from aiohttp import web
@@ -14,6 +15,7 @@ from exo.api.openai_chat_stream import usage
 from exo.api.openai_tools import check_penalty
 from exo.api.request_body import decode_body
 from exo.api.sse import SseStream
+from exo.core.ids import ModelId
 from exo.core.types import GenerationParams, TokenLogprob
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for this endpoint
@@ -25,7 +27,7 @@ class StreamOptions(msgspec.Struct, kw_only=True):
 
 
 class CompletionRequest(msgspec.Struct, kw_only=True):
-    model: str
+    model: ModelId
     prompt: str | list[str]
     max_tokens: int | None = DEFAULT_MAX_TOKENS
     temperature: float | None = None
@@ -83,11 +85,11 @@ async def completions(request: web.Request) -> web.StreamResponse:
         return await _complete(generation, body)
 
 
-def _envelope(generation: Generation, model: str) -> dict:
+def _envelope(generation: Generation, model: str) -> dict[str, Any]:
     return {"id": f"cmpl-{generation.command_id}", "object": "text_completion", "created": int(time.time()), "model": model}
 
 
-def _logprobs(entries: list[TokenLogprob], offset: int) -> dict:
+def _logprobs(entries: list[TokenLogprob], offset: int) -> dict[str, Any]:
     """The completions API's older logprobs shape: parallel lists, top alternatives as maps."""
     offsets, at = [], offset
     for entry in entries:

@@ -4,6 +4,8 @@ event stream (openai_responses_stream.py)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 from aiohttp import web
 
@@ -18,6 +20,7 @@ from exo.api.structured import responses_format
 from exo.api.thinking import from_effort
 from exo.api.tool_conversation import Conversation, function_tool
 from exo.api.validate import at_least_one, in_range
+from exo.core.ids import ModelId
 from exo.core.types import GenerationParams, ToolCall
 
 _ROLES = {"user", "assistant", "system", "developer"}
@@ -47,7 +50,7 @@ class FunctionTool(msgspec.Struct, kw_only=True):
     type: str
     name: str = ""
     description: str | None = None
-    parameters: dict | None = None
+    parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
 
@@ -62,12 +65,12 @@ class Reasoning(msgspec.Struct, kw_only=True):
 
 
 class TextOptions(msgspec.Struct, kw_only=True):
-    format: dict | None = None
+    format: dict[str, Any] | None = None
     verbosity: str | None = None
 
 
 class ResponsesRequest(msgspec.Struct, kw_only=True):
-    model: str
+    model: ModelId
     input: str | list[InputItem]
     instructions: str | None = None
     max_output_tokens: int | None = None
@@ -81,7 +84,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     parallel_tool_calls: bool | None = None
     reasoning: Reasoning | None = None
     text: TextOptions | None = None
-    metadata: dict | None = None
+    metadata: dict[str, Any] | None = None
 
 
 def _content(content: str | list[ContentPart], param: str, uploads: ImageUploads | None) -> tuple[str, list[str]]:
@@ -127,7 +130,7 @@ def _add_item(conversation: Conversation, n: int, item: InputItem, uploads: Imag
         raise ApiError(400, f"{param}: item type {item.type!r} is not supported", param=f"{param}.type")
 
 
-def _tools(body: ResponsesRequest) -> list[dict]:
+def _tools(body: ResponsesRequest) -> list[dict[str, Any]]:
     tools = []
     for n, tool in enumerate(body.tools or []):
         if tool.type != "function":
@@ -183,7 +186,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
         return web.json_response(response_body(generation.command_id, echo, "completed", answer.items(), done.final))
 
 
-def _echo(body: ResponsesRequest) -> dict:
+def _echo(body: ResponsesRequest) -> dict[str, Any]:
     """What a response repeats of its request."""
     choice = body.tool_choice
     return {"model": body.model, "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,

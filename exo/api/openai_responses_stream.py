@@ -8,17 +8,19 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from aiohttp import web
 
 from exo.api.generation import Generation
 from exo.api.sse import SseStream
+from exo.core.ids import CommandId
 from exo.core.types import TokenChunk, ToolCall
 
-Send = Callable[[str, dict], Awaitable[None]]
+Send = Callable[[str, dict[str, Any]], Awaitable[None]]
 
 
-def response_body(command_id: str, echo: dict, status: str, output: list[dict], final: TokenChunk | None = None) -> dict:
+def response_body(command_id: CommandId, echo: dict[str, Any], status: str, output: list[dict[str, Any]], final: TokenChunk | None = None) -> dict[str, Any]:
     incomplete = final is not None and final.finish_reason == "length"
     usage = None
     if final is not None:
@@ -33,17 +35,17 @@ def response_body(command_id: str, echo: dict, status: str, output: list[dict], 
     }
 
 
-def _message_item(item_id: str, text: str, status: str) -> dict:
+def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
     content = [{"type": "output_text", "text": text, "annotations": []}] if status == "completed" else []
     return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
 
 
-def _reasoning_item(item_id: str, text: str, status: str) -> dict:
+def _reasoning_item(item_id: str, text: str, status: str) -> dict[str, Any]:
     content = [{"type": "reasoning_text", "text": text}] if status == "completed" else []
     return {"type": "reasoning", "id": item_id, "summary": [], "content": content, "status": status}
 
 
-def _call_item(item_id: str, call: ToolCall, status: str) -> dict:
+def _call_item(item_id: str, call: ToolCall, status: str) -> dict[str, Any]:
     return {"type": "function_call", "id": item_id, "call_id": call.id, "name": call.name,
             "arguments": call.arguments if status == "completed" else "", "status": status}
 
@@ -54,14 +56,14 @@ _ITEMS = {"message": _message_item, "reasoning": _reasoning_item}
 class Answer:
     """The output items of one response, in order; with `send`, as the events that build them."""
 
-    def __init__(self, command_id: str, send: Send | None = None) -> None:
+    def __init__(self, command_id: CommandId, send: Send | None = None) -> None:
         self._command_id = command_id
         self._send = send
-        self._items: list[dict] = []
+        self._items: list[dict[str, Any]] = []
         self._open: str | None = None  # the kind of the text item still open ("message", "reasoning")
         self._text: list[str] = []  # its text so far
 
-    def items(self) -> list[dict]:
+    def items(self) -> list[dict[str, Any]]:
         return list(self._items)
 
     def add_whole(self, reasoning: str, text: str, calls: list[ToolCall]) -> None:
@@ -102,7 +104,7 @@ class Answer:
         prefix = {"message": "msg", "reasoning": "rs", "call": "fc"}[kind]
         return f"{prefix}_{self._command_id}" + (f"_{len(self._items)}" if self._items else "")
 
-    def _where(self) -> dict:
+    def _where(self) -> dict[str, Any]:
         return {"item_id": self._items[-1]["id"], "output_index": len(self._items) - 1, "content_index": 0}
 
     async def _into(self, kind: str) -> None:
@@ -128,20 +130,20 @@ class Answer:
             await self._emit("response.reasoning_text.done", self._where() | {"text": whole})
         await self._emit("response.output_item.done", {"output_index": len(self._items) - 1, "item": self._items[-1]})
 
-    async def _emit(self, kind: str, data: dict) -> None:
+    async def _emit(self, kind: str, data: dict[str, Any]) -> None:
         if self._send is not None:
             await self._send(kind, data)
 
 
-def _part(text: str) -> dict:
+def _part(text: str) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": []}
 
 
-async def stream_response(request: web.Request, generation: Generation, echo: dict) -> web.StreamResponse:
+async def stream_response(request: web.Request, generation: Generation, echo: dict[str, Any]) -> web.StreamResponse:
     sse = await SseStream.open(request)
     sequence = 0
 
-    async def send(kind: str, data: dict) -> None:
+    async def send(kind: str, data: dict[str, Any]) -> None:
         nonlocal sequence
         await sse.send({"type": kind, "sequence_number": sequence, **data}, event=kind)
         sequence += 1

@@ -8,6 +8,7 @@ runner's parsed ToolCalls and TokenLogprobs in OpenAI's JSON.
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import msgspec
 
@@ -22,7 +23,7 @@ MAX_TOP_LOGPROBS = 20
 class FunctionDef(msgspec.Struct, kw_only=True):
     name: str
     description: str | None = None
-    parameters: dict | None = None
+    parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
 
@@ -51,7 +52,7 @@ class RequestToolCall(msgspec.Struct, kw_only=True):
     function: CalledFunction
 
 
-def offered_tools(tools: list[dict] | None, choice: str | ToolChoice | None) -> list[dict]:
+def offered_tools(tools: list[dict[str, Any]] | None, choice: str | ToolChoice | None) -> list[dict[str, Any]]:
     """The tools the template is given, as the client sent them: none for tool_choice "none",
     only the named one for a named choice (which `required_call` then enforces)."""
     for n, raw in enumerate(tools or []):
@@ -75,7 +76,7 @@ def offered_tools(tools: list[dict] | None, choice: str | ToolChoice | None) -> 
     return named
 
 
-def required_call(tools: list[dict], required: bool) -> bool:
+def required_call(tools: list[dict[str, Any]], required: bool) -> bool:
     """Whether the answer must call one of `tools` ("required", or a named tool): decoding is then
     constrained to a call (exo/core/grammar.py); a 400 when the tools' parameters cannot be enforced."""
     if not (required and tools):
@@ -86,7 +87,7 @@ def required_call(tools: list[dict], required: bool) -> bool:
     return True
 
 
-def _checked_tool(n: int, raw: dict) -> FunctionTool:
+def _checked_tool(n: int, raw: dict[str, Any]) -> FunctionTool:
     try:
         return msgspec.convert(raw, FunctionTool)
     except msgspec.ValidationError as error:
@@ -129,7 +130,7 @@ def check_penalty(value: float | None, name: str) -> float | None:
     return value
 
 
-def tool_calls_json(calls: list[ToolCall], first_index: int | None = None) -> list[dict]:
+def tool_calls_json(calls: list[ToolCall], first_index: int | None = None) -> list[dict[str, Any]]:
     """OpenAI's tool_calls; streamed deltas also carry each call's index."""
     out = []
     for n, call in enumerate(calls):
@@ -138,7 +139,7 @@ def tool_calls_json(calls: list[ToolCall], first_index: int | None = None) -> li
     return out
 
 
-def logprobs_json(entries: list[TokenLogprob]) -> dict:
+def logprobs_json(entries: list[TokenLogprob]) -> dict[str, Any]:
     return {"content": [
         {"token": e.token, "logprob": e.logprob, "bytes": list(e.token.encode()),
          "top_logprobs": [{"token": t.token, "logprob": t.logprob, "bytes": list(t.token.encode())} for t in e.top_logprobs]}

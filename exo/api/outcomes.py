@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -13,6 +14,7 @@ from exo.bus.state_view import StateView
 from exo.core.apply import was_skipped
 from exo.core.commands import Command
 from exo.core.events import AnyEvent, CommandRejected, TaskFinished, command_id_of
+from exo.core.ids import CommandId, TaskId
 from exo.core.state import State
 
 COMMAND_TIMEOUT_S = 30.0
@@ -20,32 +22,37 @@ COMMAND_TIMEOUT_S = 30.0
 T = TypeVar("T")
 
 
+def new_command_id() -> CommandId:
+    """A fresh id for a command this API sends (the pure core takes ids in, never makes them)."""
+    return CommandId(uuid.uuid4().hex)
+
+
 class CommandOutcomes:
     def __init__(self, nc: Connection, view: StateView) -> None:
         self._nc = nc
         self._waiters: dict[str, asyncio.Future[AnyEvent]] = {}
         self._task_ends: dict[str, list[asyncio.Future[TaskFinished]]] = {}
-        self._watches: list[tuple[Callable[[State], object], asyncio.Future]] = []
+        self._watches: list[tuple[Callable[[State], object], asyncio.Future[object]]] = []
         self._view = view
         view.add_listener(self._on_event)
 
-    def expect(self, command_id: str) -> asyncio.Future[AnyEvent]:
+    def expect(self, command_id: CommandId) -> asyncio.Future[AnyEvent]:
         """Register before sending, so an answer that comes fast is not missed."""
         future = asyncio.get_running_loop().create_future()
         self._waiters[command_id] = future
         return future
 
-    def forget(self, command_id: str) -> None:
+    def forget(self, command_id: CommandId) -> None:
         self._waiters.pop(command_id, None)
 
-    def expect_task_end(self, task_id: str) -> asyncio.Future[TaskFinished]:
+    def expect_task_end(self, task_id: TaskId) -> asyncio.Future[TaskFinished]:
         """Resolves when State says the task ended, whoever ended it (runner, master, worker).
         Several callers may wait on one task (a stream and its resumption)."""
         future = asyncio.get_running_loop().create_future()
         self._task_ends.setdefault(task_id, []).append(future)
         return future
 
-    def forget_task_end(self, task_id: str, future: asyncio.Future | None = None) -> None:
+    def forget_task_end(self, task_id: TaskId, future: asyncio.Future[TaskFinished] | None = None) -> None:
         waiting = [f for f in self._task_ends.pop(task_id, []) if future is not None and f is not future]
         if waiting:
             self._task_ends[task_id] = waiting

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from aiohttp import web
+from aiohttp.typedefs import Handler
 
 from exo.api.context import context_of
 
@@ -12,7 +13,7 @@ CLIENT_CLOSED = 499  # nginx's code for a client that went away before the answe
 
 
 @web.middleware
-async def metrics_middleware(request: web.Request, handler):
+async def metrics_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     status = 500
     try:
         response = await handler(request)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from aiohttp import web
 
@@ -18,7 +19,7 @@ class SseStream:
         await response.prepare(request)
         return cls(response)
 
-    async def send(self, data: dict | str, *, event: str | None = None, event_id: str | None = None) -> None:
+    async def send(self, data: dict[str, Any] | str, *, event: str | None = None, event_id: str | None = None) -> None:
         lines = []
         if event_id is not None:
             lines.append(f"id: {event_id}")

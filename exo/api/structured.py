@@ -33,7 +33,7 @@ def response_format_of(kind: Any, schema: Any, name: Any, param: str, schema_par
     return response_format
 
 
-def openai_chat_format(raw: dict | None) -> ResponseFormat | None:
+def openai_chat_format(raw: dict[str, Any] | None) -> ResponseFormat | None:
     if raw is None:
         return None
     spec = raw.get("json_schema")
@@ -45,13 +45,13 @@ def openai_chat_format(raw: dict | None) -> ResponseFormat | None:
                               "response_format.json_schema.schema")
 
 
-def responses_format(raw: dict | None) -> ResponseFormat | None:
+def responses_format(raw: dict[str, Any] | None) -> ResponseFormat | None:
     if raw is None:
         return None
     return response_format_of(raw.get("type"), raw.get("schema"), raw.get("name"), "text.format", "text.format.schema")
 
 
-def ollama_format(raw: str | dict | None) -> ResponseFormat | None:
+def ollama_format(raw: str | dict[str, Any] | None) -> ResponseFormat | None:
     if raw is None or raw == "":
         return None
     if raw == "json":

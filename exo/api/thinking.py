@@ -7,6 +7,8 @@ OpenAI chat: `reasoning_effort` ("none" turns thinking off), `chat_template_kwar
 
 from __future__ import annotations
 
+from typing import Any
+
 from exo.api.errors import ApiError
 
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
@@ -21,7 +23,7 @@ def from_effort(effort: str | None, param: str) -> bool | None:
     return effort != "none"
 
 
-def from_template_kwargs(kwargs: dict | None) -> bool | None:
+def from_template_kwargs(kwargs: dict[str, Any] | None) -> bool | None:
     """chat_template_kwargs: only the thinking switch reaches the template (nothing else is passed)."""
     if not kwargs:
         return None

@@ -63,7 +63,7 @@ def arguments_text(arguments: Any, param: str) -> str:
     return json.dumps(arguments, ensure_ascii=False)
 
 
-def function_tool(name: str, description: str | None, parameters: dict | None) -> dict:
+def function_tool(name: str, description: str | None, parameters: dict[str, Any] | None) -> dict[str, Any]:
     """The OpenAI chat shape every surface's tool definitions become."""
     function: dict[str, Any] = {"name": name}
     if description is not None:

@@ -20,13 +20,14 @@ from nats.errors import NoRespondersError
 from exo.bus.errors import BusError
 from exo.bus.responders import OnRequest, Responders
 from exo.bus.subjects import download_control_subject
+from exo.core.ids import ModelId, NodeId
 
 Action = Literal["start", "cancel", "delete"]
 ACTIONS: tuple[Action, ...] = ("start", "cancel", "delete")
 
 
 class DownloadRequest(msgspec.Struct, frozen=True, kw_only=True):
-    model_id: str
+    model_id: ModelId
 
 
 class DownloadReply(msgspec.Struct, frozen=True, kw_only=True):
@@ -39,11 +40,11 @@ class NodeUnreachable(BusError):
     pass
 
 
-Handler = Callable[[Action, str], Awaitable[DownloadReply]]
+Handler = Callable[[Action, ModelId], Awaitable[DownloadReply]]
 
 
 class DownloadControlServer:
-    def __init__(self, nc: Client, node_id: str, handler: Handler) -> None:
+    def __init__(self, nc: Client, node_id: NodeId, handler: Handler) -> None:
         self._nc = nc
         self._node_id = node_id
         self._handler = handler
@@ -69,7 +70,7 @@ class DownloadControlServer:
         await msg.respond(msgspec.json.encode(reply))
 
 
-async def request_download_action(nc: Client, node_id: str, action: Action, model_id: str,
+async def request_download_action(nc: Client, node_id: NodeId, action: Action, model_id: ModelId,
                                   timeout: float = 30.0) -> DownloadReply:
     try:
         msg = await nc.request(download_control_subject(node_id, action),

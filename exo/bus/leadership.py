@@ -20,6 +20,7 @@ from nats.aio.client import Client
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
 from exo.bus.subjects import LEADER_BUCKET, LEADER_KEY
+from exo.core.ids import NodeId
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +28,7 @@ VALID_FRACTION = 0.6
 
 
 class Lease:
-    def __init__(self, nc: Client, node_id: str, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, nc: Client, node_id: NodeId, clock: Callable[[], float] = time.monotonic) -> None:
         self._js = nc.jetstream()
         self._node_id = node_id
         self._clock = clock

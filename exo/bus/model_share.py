@@ -25,6 +25,7 @@ from nats.errors import Error as NatsError
 from exo.bus.errors import BusError
 from exo.bus.responders import Responders
 from exo.bus.subjects import model_share_subject
+from exo.core.ids import ModelId, NodeId
 from exo.core.manifest import Manifest, decode_manifest, encode_manifest
 
 log = logging.getLogger(__name__)
@@ -35,11 +36,11 @@ IN_FLIGHT = 8  # ...and per fetching node (see fetch_from_peer): 16 MB at most
 _ERROR_HEADER = "Exo-Error"
 
 # model id -> (model directory, manifest) of a model this node can serve, or None.
-Lookup = Callable[[str], Awaitable[tuple[Path, Manifest] | None]]
+Lookup = Callable[[ModelId], Awaitable[tuple[Path, Manifest] | None]]
 
 
 class ShareRequest(msgspec.Struct, frozen=True, kw_only=True):
-    model_id: str
+    model_id: ModelId
     path: str = ""
     offset: int = 0
     length: int = 0
@@ -63,7 +64,7 @@ def _read(path: Path, offset: int, length: int) -> bytes:
 
 
 class ModelShareServer:
-    def __init__(self, nc: Client, node_id: str, lookup: Lookup) -> None:
+    def __init__(self, nc: Client, node_id: NodeId, lookup: Lookup) -> None:
         self._nc = nc
         self._node_id = node_id
         self._lookup = lookup
@@ -121,7 +122,7 @@ async def _request(nc: Client, subject: str, request: ShareRequest, timeout: flo
     return reply.data
 
 
-async def peer_manifest(nc: Client, peer: str, model_id: str, timeout: float = 5.0) -> Manifest:
+async def peer_manifest(nc: Client, peer: NodeId, model_id: ModelId, timeout: float = 5.0) -> Manifest:
     data = await _request(nc, model_share_subject(peer, "manifest"), ShareRequest(model_id=model_id), timeout)
     try:
         return decode_manifest(data)
@@ -130,7 +131,7 @@ async def peer_manifest(nc: Client, peer: str, model_id: str, timeout: float = 5
 
 
 async def fetch_from_peer(
-    nc: Client, peer: str, model_id: str, path: str, start: int, size: int,
+    nc: Client, peer: NodeId, model_id: ModelId, path: str, start: int, size: int,
     write: Callable[[bytes], Awaitable[None]], slots: asyncio.Semaphore, window: int = WINDOW, timeout: float = 30.0,
 ) -> None:
     """Bytes [start, size) of one file, handed to `write` in order.

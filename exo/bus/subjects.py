@@ -1,5 +1,7 @@
 """The one table of subjects, stream and bucket names. Nothing else builds these strings."""
 
+from exo.core.ids import CommandId, NodeId
+
 EVENTS_STREAM = "EXO_EVENTS"
 COMMANDS_STREAM = "EXO_COMMANDS"
 TOKENS_STREAM = "EXO_TOKENS"
@@ -19,7 +21,7 @@ def command_subject(tag: str) -> str:
     return f"exo.commands.{tag}"
 
 
-def token_subject(command_id: str) -> str:
+def token_subject(command_id: CommandId) -> str:
     return f"exo.tokens.{command_id}"
 
 SNAPSHOT_KEY = "snapshot"
@@ -34,11 +36,11 @@ def image_chunks_subject(nuid: str) -> str:
 
 # Core NATS request/reply between nodes (no stream keeps these): see exo/bus/model_share.py and
 # exo/bus/download_control.py.
-def model_share_subject(node_id: str, what: str) -> str:
+def model_share_subject(node_id: NodeId, what: str) -> str:
     """A node serving its models to peers: `what` is "manifest" or "chunk"."""
     return f"exo.models.{node_id}.{what}"
 
 
-def download_control_subject(node_id: str, action: str) -> str:
+def download_control_subject(node_id: NodeId, action: str) -> str:
     """A node's download coordinator: `action` is "start", "cancel" or "delete"."""
     return f"exo.downloads.{node_id}.{action}"

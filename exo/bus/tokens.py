@@ -15,6 +15,7 @@ from nats.js import api
 
 from exo.bus.publish import publish_durably
 from exo.bus.subjects import TOKENS_STREAM, token_subject
+from exo.core.ids import CommandId
 from exo.core.types import TokenChunk
 
 _encoder = msgspec.json.Encoder()
@@ -30,7 +31,7 @@ async def publish_chunk(nc: Client, chunk: TokenChunk) -> None:
         await publish_durably(nc, subject, _encoder.encode(chunk), TOKENS_STREAM, msg_id)
 
 
-async def stored_chunks(nc: Client, command_id: str, first: int, stop: int | None,
+async def stored_chunks(nc: Client, command_id: CommandId, first: int, stop: int | None,
                         timeout: float = 5.0) -> dict[int, TokenChunk]:
     """The chunks of one generation that EXO_TOKENS holds, by index: `first` to `stop` (excluded),
     or with `stop` None everything from `first` through the last chunk. For a listener that
@@ -68,13 +69,13 @@ class TokenListener:
         self._subscription: Subscription | None = None
 
     @classmethod
-    async def live(cls, nc: Client, command_id: str) -> "TokenListener":
+    async def live(cls, nc: Client, command_id: CommandId) -> "TokenListener":
         listener = cls()
         listener._subscription = await nc.subscribe(token_subject(command_id), cb=listener._on_msg)
         return listener
 
     @classmethod
-    async def from_stream(cls, nc: Client, command_id: str) -> "TokenListener":
+    async def from_stream(cls, nc: Client, command_id: CommandId) -> "TokenListener":
         listener = cls()
         listener._subscription = await nc.jetstream().subscribe(
             token_subject(command_id),

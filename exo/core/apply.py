@@ -42,6 +42,7 @@ from exo.core.events import (
     TaskStarted,
     command_id_of,
 )
+from exo.core.ids import NodeId, TaskId
 from exo.core.state import MAX_ANSWERED_COMMANDS, MAX_FINISHED_TASKS, MAX_SKIPPED_KEPT, SkippedEvent, State
 from exo.core.types import DownloadProgress, RunnerInfo, Task
 
@@ -128,7 +129,7 @@ class Draft:
             setattr(self, field, value)
         return value
 
-    def own_downloads_of(self, node_id: str) -> dict[str, DownloadProgress]:
+    def own_downloads_of(self, node_id: NodeId) -> dict[str, DownloadProgress]:
         downloads: dict[str, dict[str, DownloadProgress]] = self.own("downloads")
         if node_id not in self._own_downloads_of:
             downloads[node_id] = dict(downloads.get(node_id, {}))
@@ -226,7 +227,7 @@ def _on_task_created(draft: Draft, event: TaskCreated, seq: int) -> None:
     draft.own("tasks")[task.task_id] = replace(task, conversation=digest_conversation(task.params))
 
 
-def _open_task(draft: Draft, task_id: str) -> Task:
+def _open_task(draft: Draft, task_id: TaskId) -> Task:
     task = draft.tasks.get(task_id)
     if task is None:
         raise _Skip(f"unknown task {task_id}")

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from exo.core.ids import ModelId
 from exo.core.state import State
 from exo.core.types import ModelCard
 
 
-def find_card(state: State, builtin_cards: Mapping[str, ModelCard], model_id: str) -> ModelCard | None:
+def find_card(state: State, builtin_cards: Mapping[ModelId, ModelCard], model_id: ModelId) -> ModelCard | None:
     """A custom card of that id wins over a built-in one."""
     return state.custom_model_cards.get(model_id) or builtin_cards.get(model_id)
 

@@ -5,15 +5,16 @@ from __future__ import annotations
 
 import msgspec
 
+from exo.core.ids import CommandId, InstanceId, ModelId, TaskId
 from exo.core.types import GenerationParams, ModelCard, Sharding
 
 
 class Command(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind"):
-    command_id: str
+    command_id: CommandId
 
 
 class PlaceInstance(Command, frozen=True, tag="place_instance", kw_only=True):
-    model_id: str
+    model_id: ModelId
     sharding: Sharding = "pipeline"
     min_nodes: int = 1
     max_queue: int = 0  # open tasks the instance admits before it refuses more; 0: the default
@@ -22,17 +23,17 @@ class PlaceInstance(Command, frozen=True, tag="place_instance", kw_only=True):
 
 
 class DeleteInstance(Command, frozen=True, tag="delete_instance", kw_only=True):
-    instance_id: str
+    instance_id: InstanceId
 
 
 class GenerateText(Command, frozen=True, tag="generate_text", kw_only=True):
-    model_id: str
+    model_id: ModelId
     params: GenerationParams = GenerationParams()
     at: float = 0.0
 
 
 class CancelTask(Command, frozen=True, tag="cancel_task", kw_only=True):
-    task_id: str
+    task_id: TaskId
 
 
 class AddCustomCard(Command, frozen=True, tag="add_card", kw_only=True):
@@ -40,7 +41,7 @@ class AddCustomCard(Command, frozen=True, tag="add_card", kw_only=True):
 
 
 class DeleteCustomCard(Command, frozen=True, tag="delete_card", kw_only=True):
-    model_id: str
+    model_id: ModelId
 
 
 AnyCommand = PlaceInstance | DeleteInstance | GenerateText | CancelTask | AddCustomCard | DeleteCustomCard

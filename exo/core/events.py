@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import msgspec
 
+from exo.core.ids import CommandId, InstanceId, ModelId, NodeId, RunnerId, TaskId
 from exo.core.types import DownloadProgress, Instance, ModelCard, NodeInfo, RejectionCode, RunnerStatus, Task, TaskStatus
 
 
@@ -24,7 +25,7 @@ class LeaderElected(Event, frozen=True, tag="leader.elected", kw_only=True):
     writes into an event can raise it, so a forged election lasts only until the lease holder
     elects itself again (it does at once: exo/master/service.py)."""
 
-    node_id: str
+    node_id: NodeId
     lease_revision: int = 0  # the lease's KV revision the master won; 0: an election of the old scheme
 
 
@@ -41,46 +42,46 @@ class NodeHeartbeat(Event, frozen=True, tag="node.heartbeat", kw_only=True):
 class NodeTimedOut(Event, frozen=True, tag="node.timed_out", kw_only=True):
     """The master has not heard from the node for its timeout: it is out of State until it speaks again."""
 
-    node_id: str
+    node_id: NodeId
     reason: str = ""
 
 
 class InstanceCreated(Event, frozen=True, tag="instance.created", kw_only=True):
-    command_id: str = ""
+    command_id: CommandId = CommandId("")
     instance: Instance
 
 
 class InstanceDeleted(Event, frozen=True, tag="instance.deleted", kw_only=True):
-    command_id: str = ""
-    instance_id: str
+    command_id: CommandId = CommandId("")
+    instance_id: InstanceId
     reason: str = ""
 
 
 class RunnerStatusChanged(Event, frozen=True, tag="runner.status", kw_only=True):
-    runner_id: str
-    instance_id: str
-    node_id: str
+    runner_id: RunnerId
+    instance_id: InstanceId
+    node_id: NodeId
     status: RunnerStatus
     error: str = ""
     failures: int = 0  # consecutive failures of this runner (restarts since it was last ready)
 
 
 class TaskCreated(Event, frozen=True, tag="task.created", kw_only=True):
-    command_id: str = ""
+    command_id: CommandId = CommandId("")
     task: Task
 
 
 class TaskCancelRequested(Event, frozen=True, tag="task.cancel_requested", kw_only=True):
-    command_id: str = ""
-    task_id: str
+    command_id: CommandId = CommandId("")
+    task_id: TaskId
 
 
 class TaskStarted(Event, frozen=True, tag="task.started", kw_only=True):
-    task_id: str
+    task_id: TaskId
 
 
 class TaskFinished(Event, frozen=True, tag="task.finished", kw_only=True):
-    task_id: str
+    task_id: TaskId
     status: TaskStatus
     finish_reason: str = ""
     error: str = ""
@@ -90,19 +91,19 @@ class TaskFinished(Event, frozen=True, tag="task.finished", kw_only=True):
 
 
 class CustomCardAdded(Event, frozen=True, tag="card.added", kw_only=True):
-    command_id: str = ""
+    command_id: CommandId = CommandId("")
     card: ModelCard
 
 
 class CustomCardDeleted(Event, frozen=True, tag="card.deleted", kw_only=True):
-    command_id: str = ""
-    model_id: str
+    command_id: CommandId = CommandId("")
+    model_id: ModelId
 
 
 class CommandRejected(Event, frozen=True, tag="command.rejected", kw_only=True):
     """A command the master could not carry out, with why: the API answers the caller from it."""
 
-    command_id: str
+    command_id: CommandId
     command_kind: str = ""
     code: RejectionCode = "invalid"
     reason: str = ""
@@ -116,8 +117,8 @@ class DownloadProgressed(Event, frozen=True, tag="download.progress", kw_only=Tr
 
 
 class DownloadFailed(Event, frozen=True, tag="download.failed", kw_only=True):
-    node_id: str
-    model_id: str
+    node_id: NodeId
+    model_id: ModelId
     # A DownloadErrorCode; a plain string so that older nodes still read codes added later.
     code: str = "unknown"
     reason: str = ""
@@ -127,8 +128,8 @@ class DownloadFailed(Event, frozen=True, tag="download.failed", kw_only=True):
 class DownloadDeleted(Event, frozen=True, tag="download.deleted", kw_only=True):
     """The node removed the model's files (never from a read-only directory) and its status."""
 
-    node_id: str
-    model_id: str
+    node_id: NodeId
+    model_id: ModelId
 
 
 AnyEvent = (

@@ -44,6 +44,7 @@ from collections.abc import Iterator
 
 import msgspec
 
+from exo.core.ids import InstanceId, NodeId, RunnerId
 from exo.core.kv_budget import (
     KV_BITS,
     MIN_AUTO_CONTEXT,
@@ -75,7 +76,7 @@ class PlacementPreview(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class _Rank(msgspec.Struct, frozen=True, kw_only=True):
-    node_id: str
+    node_id: NodeId
     start_layer: int
     end_layer: int
     ring_address: str = ""
@@ -323,12 +324,12 @@ def _used_ring_ports(state: State) -> set[tuple[str, int]]:
 
 def _instance(card: ModelCard, sharding: Sharding, plan: _Plan, ids: Iterator[str]) -> Instance:
     shards = [
-        ShardAssignment(runner_id=next(ids), node_id=r.node_id, rank=rank, world_size=len(plan.ranks),
+        ShardAssignment(runner_id=RunnerId(next(ids)), node_id=r.node_id, rank=rank, world_size=len(plan.ranks),
                         start_layer=r.start_layer, end_layer=r.end_layer, ring_address=r.ring_address,
                         memory_bytes=r.memory_bytes, kv_bytes=r.kv_bytes)
         for rank, r in enumerate(plan.ranks)
     ]
-    return Instance(instance_id=next(ids), model_id=card.model_id, sharding=sharding, shards=shards,
+    return Instance(instance_id=InstanceId(next(ids)), model_id=card.model_id, sharding=sharding, shards=shards,
                     max_context=plan.max_context, kv_bits=plan.kv_bits)
 
 

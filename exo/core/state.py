@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
+from exo.core.ids import CommandId, InstanceId, ModelId, NodeId, RunnerId, TaskId
 from exo.core.types import DownloadProgress, Instance, ModelCard, NodeInfo, RunnerInfo, Task
 
 MAX_SKIPPED_KEPT = 100
@@ -21,30 +22,30 @@ class State(msgspec.Struct, frozen=True, kw_only=True):
     leader_term: int = 0
     leader_node: str = ""
     leader_by_sequence: bool = False  # the leader's term is its election's sequence (see LeaderElected)
-    nodes: dict[str, NodeInfo] = {}
-    instances: dict[str, Instance] = {}
-    runners: dict[str, RunnerInfo] = {}
-    tasks: dict[str, Task] = {}
-    custom_model_cards: dict[str, ModelCard] = {}
+    nodes: dict[NodeId, NodeInfo] = {}
+    instances: dict[InstanceId, Instance] = {}
+    runners: dict[RunnerId, RunnerInfo] = {}
+    tasks: dict[TaskId, Task] = {}
+    custom_model_cards: dict[ModelId, ModelCard] = {}
     skipped_events: list[SkippedEvent] = []  # the most recent events the reducer could not use
-    finished_task_ids: list[str] = []  # oldest first; bounds how many finished tasks State keeps
+    finished_task_ids: list[TaskId] = []  # oldest first; bounds how many finished tasks State keeps
     # The most recent commands the log already answers (command id -> sequence): a command
     # redelivered to a new master after its first master died is not decided twice.
-    answered_commands: dict[str, int] = {}
-    downloads: dict[str, dict[str, DownloadProgress]] = {}  # node id -> model id -> latest progress
+    answered_commands: dict[CommandId, int] = {}
+    downloads: dict[NodeId, dict[ModelId, DownloadProgress]] = {}  # node id -> model id -> latest progress
     # model id -> why its most recently deleted instance went away: a 503 says it to callers.
-    instance_end_reasons: dict[str, str] = {}
+    instance_end_reasons: dict[ModelId, str] = {}
 
-    def instances_of(self, model_id: str) -> list[Instance]:
+    def instances_of(self, model_id: ModelId) -> list[Instance]:
         return sorted(
             (i for i in self.instances.values() if i.model_id == model_id),
             key=lambda i: (i.created_seq, i.instance_id),
         )
 
-    def download_of(self, node_id: str, model_id: str) -> DownloadProgress | None:
+    def download_of(self, node_id: NodeId, model_id: ModelId) -> DownloadProgress | None:
         return self.downloads.get(node_id, {}).get(model_id)
 
-    def open_tasks_of(self, instance_id: str) -> list[Task]:
+    def open_tasks_of(self, instance_id: InstanceId) -> list[Task]:
         return [
             t for t in self.tasks.values() if t.instance_id == instance_id and t.status in ("pending", "running")
         ]

@@ -11,6 +11,8 @@ from typing import Any, Literal
 
 import msgspec
 
+from exo.core.ids import CommandId, InstanceId, ModelId, NodeId, RunnerId, TaskId
+
 Sharding = Literal["pipeline", "tensor"]
 RunnerStatus = Literal[
     "created", "downloading", "downloaded", "loading", "warming_up", "ready", "failed", "stopped"
@@ -41,7 +43,7 @@ class SamplingDefaults(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
 class ModelCard(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """What exo needs to know about a model before it downloads a single byte."""
 
-    model_id: str
+    model_id: ModelId
     name: str = ""
     repo_id: str = ""  # Hugging Face repo; empty means the same as model_id
     revision: str = "main"
@@ -88,8 +90,8 @@ class ModelCard(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
 class ShardAssignment(msgspec.Struct, frozen=True, kw_only=True):
     """One rank of an instance: which node runs it and which layers it holds."""
 
-    runner_id: str
-    node_id: str
+    runner_id: RunnerId
+    node_id: NodeId
     rank: int = 0
     world_size: int = 1
     start_layer: int = 0
@@ -101,8 +103,8 @@ class ShardAssignment(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class Instance(msgspec.Struct, frozen=True, kw_only=True):
-    instance_id: str
-    model_id: str
+    instance_id: InstanceId
+    model_id: ModelId
     sharding: Sharding = "pipeline"
     shards: list[ShardAssignment] = []
     created_seq: int = 0  # stream sequence of its creation: a stable order for routing
@@ -112,9 +114,9 @@ class Instance(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class RunnerInfo(msgspec.Struct, frozen=True, kw_only=True):
-    runner_id: str
-    instance_id: str
-    node_id: str
+    runner_id: RunnerId
+    instance_id: InstanceId
+    node_id: NodeId
     status: RunnerStatus = "created"
     error: str = ""
     failures: int = 0  # failures since the runner was last ready; the master deletes the instance past a bound
@@ -132,7 +134,7 @@ class PromptCacheStats(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class NodeInfo(msgspec.Struct, frozen=True, kw_only=True):
-    node_id: str
+    node_id: NodeId
     hostname: str = ""
     memory_total: int = 0
     memory_available: int = 0
@@ -143,7 +145,7 @@ class NodeInfo(msgspec.Struct, frozen=True, kw_only=True):
     ring_port_first: int = 0  # ports it lets MLX ring groups listen on: [first, first + count)
     ring_port_count: int = 0
     incarnation: str = ""  # random per process start: two live processes with one node id show up as two
-    prompt_caches: dict[str, PromptCacheStats] = {}  # instance id -> its runner's prompt cache on this node
+    prompt_caches: dict[InstanceId, PromptCacheStats] = {}  # instance id -> its runner's prompt cache on this node
 
 
 class FileProgress(msgspec.Struct, frozen=True, kw_only=True):
@@ -155,8 +157,8 @@ class FileProgress(msgspec.Struct, frozen=True, kw_only=True):
 class DownloadProgress(msgspec.Struct, frozen=True, kw_only=True):
     """One model on one node: what State.downloads[node_id][model_id] holds."""
 
-    node_id: str
-    model_id: str
+    node_id: NodeId
+    model_id: ModelId
     status: DownloadStatus = "pending"
     done_bytes: int = 0  # of the files this node needs (its shard's weights, config, tokenizer)
     total_bytes: int = 0
@@ -218,9 +220,9 @@ class ConversationDigest(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class Task(msgspec.Struct, frozen=True, kw_only=True):
-    task_id: str  # equals the command id that asked for it, so the caller can find it
-    instance_id: str
-    model_id: str
+    task_id: TaskId  # equals the command id that asked for it, so the caller can find it
+    instance_id: InstanceId
+    model_id: ModelId
     params: GenerationParams = GenerationParams()
     status: TaskStatus = "pending"
     cancel_requested: bool = False
@@ -238,7 +240,7 @@ class Task(msgspec.Struct, frozen=True, kw_only=True):
 class TokenChunk(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """One piece of generated text on exo.tokens.<command_id> (data plane, not the event log)."""
 
-    command_id: str
+    command_id: CommandId
     index: int
     text: str = ""  # the answer's text (content)
     reasoning: str = ""  # the model's thinking, split from the content at its thinking markers

@@ -28,6 +28,7 @@ from exo.core.events import (
     TaskCreated,
     TaskFinished,
 )
+from exo.core.ids import ModelId, TaskId
 from exo.core.placement import Unplaceable, place_instance
 from exo.core.state import State
 from exo.core.types import ModelCard, RejectionCode, Task
@@ -41,7 +42,7 @@ def decide(
     state: State,
     command: AnyCommand,
     *,
-    builtin_cards: Mapping[str, ModelCard],
+    builtin_cards: Mapping[ModelId, ModelCard],
     ids: Iterator[str],
     default_max_queue: int = DEFAULT_MAX_QUEUE,
     cache_routing: bool = True,
@@ -67,7 +68,7 @@ def _reject(command: AnyCommand, code: RejectionCode, reason: str) -> list[Event
     return [CommandRejected(command_id=command.command_id, command_kind=command_tag(command), code=code, reason=reason)]
 
 
-def _place(state: State, command: PlaceInstance, builtin: Mapping[str, ModelCard], ids: Iterator[str]) -> list[Event]:
+def _place(state: State, command: PlaceInstance, builtin: Mapping[ModelId, ModelCard], ids: Iterator[str]) -> list[Event]:
     card = find_card(state, builtin, command.model_id)
     if card is None:
         return _reject(command, "not_found", f"unknown model {command.model_id!r}")
@@ -88,7 +89,7 @@ def _delete_instance(state: State, command: DeleteInstance) -> list[Event]:
     return [*ended, InstanceDeleted(command_id=command.command_id, instance_id=command.instance_id, reason="deleted on request")]
 
 
-def _generate(state: State, command: GenerateText, builtin: Mapping[str, ModelCard], default_max_queue: int,
+def _generate(state: State, command: GenerateText, builtin: Mapping[ModelId, ModelCard], default_max_queue: int,
               cache_routing: bool) -> list[Event]:
     if find_card(state, builtin, command.model_id) is None:
         return _reject(command, "not_found", f"unknown model {command.model_id!r}")
@@ -106,7 +107,7 @@ def _generate(state: State, command: GenerateText, builtin: Mapping[str, ModelCa
                        f"every instance of {command.model_id!r} has a full queue; try again shortly")
     chosen = choose_instance(state, with_room, command.params, open_tasks, by_conversation=cache_routing)
     task = Task(
-        task_id=command.command_id,
+        task_id=TaskId(command.command_id),  # a task is named after the command that asked for it
         instance_id=chosen.instance_id,
         model_id=command.model_id,
         params=command.params,
@@ -124,7 +125,7 @@ def _cancel(state: State, command: CancelTask) -> list[Event]:
     return [TaskCancelRequested(command_id=command.command_id, task_id=command.task_id)]
 
 
-def _add_card(state: State, command: AddCustomCard, builtin: Mapping[str, ModelCard]) -> list[Event]:
+def _add_card(state: State, command: AddCustomCard, builtin: Mapping[ModelId, ModelCard]) -> list[Event]:
     model_id = command.card.model_id
     problem = command.card.problem()
     if problem:
@@ -134,7 +135,7 @@ def _add_card(state: State, command: AddCustomCard, builtin: Mapping[str, ModelC
     return [CustomCardAdded(command_id=command.command_id, card=command.card)]
 
 
-def _delete_card(state: State, command: DeleteCustomCard, builtin: Mapping[str, ModelCard]) -> list[Event]:
+def _delete_card(state: State, command: DeleteCustomCard, builtin: Mapping[ModelId, ModelCard]) -> list[Event]:
     if command.model_id in builtin:
         return _reject(command, "conflict", f"{command.model_id!r} is a built-in model card and cannot be deleted")
     if command.model_id not in state.custom_model_cards:

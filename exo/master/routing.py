@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from exo.core.conversation import digest_conversation, prompt_starts_with
+from exo.core.ids import InstanceId
 from exo.core.state import State
 from exo.core.types import ConversationDigest, GenerationParams, Instance
 
@@ -25,7 +26,7 @@ MIN_SHARED_PROMPT_CHARS = 32  # completions: a raw prompt that continues an earl
 
 
 def choose_instance(state: State, candidates: list[Instance], params: GenerationParams,
-                    open_tasks: Mapping[str, int], by_conversation: bool = True) -> Instance:
+                    open_tasks: Mapping[InstanceId, int], by_conversation: bool = True) -> Instance:
     """The candidate that served the longest shared conversation; ties (and none): the least busy."""
     shared = {i.instance_id: 0 for i in candidates}
     if by_conversation and len(candidates) > 1:

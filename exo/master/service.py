@@ -22,6 +22,7 @@ from exo.bus.snapshots import write_snapshot
 from exo.bus.state_view import StateView
 from exo.core.commands import AnyCommand, command_tag
 from exo.core.events import AnyEvent, CommandRejected, Event, LeaderElected, NodeHeartbeat, NodeRegistered, NodeTimedOut
+from exo.core.ids import CommandId, ModelId, NodeId
 from exo.core.state import State
 from exo.core.types import ModelCard
 from exo.master.decide import decide
@@ -32,14 +33,14 @@ log = logging.getLogger(__name__)
 _ID_NAMESPACE = uuid.UUID("6f1c4a52-3c1e-4e43-9d55-0b6f8f0f2a10")
 
 
-def ids_for(command_id: str) -> Iterator[str]:
+def ids_for(command_id: CommandId) -> Iterator[str]:
     """Ids derived from the command, so a redelivered command decides the very same events."""
     return (uuid.uuid5(_ID_NAMESPACE, f"{command_id}/{n}").hex for n in itertools.count())
 
 
 class Master:
     def __init__(
-        self, nc: Connection, view: StateView, builtin_cards: Mapping[str, ModelCard], node_id: str,
+        self, nc: Connection, view: StateView, builtin_cards: Mapping[ModelId, ModelCard], node_id: NodeId,
         snapshot_every: int = 1000, snapshot_interval: float = 30.0, max_queue: int | None = None,
         node_timeout: float = DEFAULT_NODE_TIMEOUT_S,
     ) -> None:
@@ -52,7 +53,7 @@ class Master:
         self._node_id = node_id
         self._snapshotter = Snapshotter(nc, view, snapshot_every, snapshot_interval)
         self._node_timeout = node_timeout
-        self._heard_at: dict[str, float] = {}  # node id -> time.monotonic() of its latest heartbeat seen
+        self._heard_at: dict[NodeId, float] = {}  # node id -> time.monotonic() of its latest heartbeat seen
         view.add_listener(self._on_event)
         self.term = 0
 

@@ -8,13 +8,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from exo.core.events import Event, InstanceDeleted, NodeTimedOut, TaskFinished
+from exo.core.ids import InstanceId, NodeId
 from exo.core.state import State
 
 DEFAULT_NODE_TIMEOUT_S = 30.0
 DEFAULT_MAX_RUNNER_FAILURES = 3
 
 
-def end_instance(state: State, instance_id: str, reason: str) -> list[Event]:
+def end_instance(state: State, instance_id: InstanceId, reason: str) -> list[Event]:
     """Delete an instance; its open tasks fail first, so no caller waits for an answer that cannot come."""
     ended: list[Event] = [
         TaskFinished(task_id=t.task_id, status="failed", finish_reason="error", error=f"instance deleted: {reason}")
@@ -23,12 +24,12 @@ def end_instance(state: State, instance_id: str, reason: str) -> list[Event]:
     return [*ended, InstanceDeleted(instance_id=instance_id, reason=reason)]
 
 
-def silent_nodes(state: State, heard_at: Mapping[str, float], now: float, timeout: float) -> list[str]:
+def silent_nodes(state: State, heard_at: Mapping[NodeId, float], now: float, timeout: float) -> list[NodeId]:
     """Nodes in State not heard from for `timeout` seconds (a node never heard counts as heard now)."""
     return sorted(n for n in state.nodes if now - heard_at.get(n, now) >= timeout)
 
 
-def time_out_node(state: State, node_id: str, timeout: float, skip: frozenset[str] = frozenset()) -> list[Event]:
+def time_out_node(state: State, node_id: NodeId, timeout: float, skip: frozenset[InstanceId] = frozenset()) -> list[Event]:
     """The node leaves State; instances using it (but those in `skip`, deleted already) go first."""
     reason = f"node {node_id} timed out: no heartbeat for {timeout:g} s"
     events: list[Event] = []
@@ -38,7 +39,7 @@ def time_out_node(state: State, node_id: str, timeout: float, skip: frozenset[st
     return [*events, NodeTimedOut(node_id=node_id, reason=reason)]
 
 
-def _instances_on_missing_nodes(state: State, live: set[str]) -> list[Event]:
+def _instances_on_missing_nodes(state: State, live: set[NodeId]) -> list[Event]:
     """An instance placed on a node that timed out at the same moment: nothing else would delete it."""
     events: list[Event] = []
     for instance in sorted(state.instances.values(), key=lambda i: i.instance_id):
@@ -48,7 +49,7 @@ def _instances_on_missing_nodes(state: State, live: set[str]) -> list[Event]:
     return events
 
 
-def failing_instances(state: State, max_failures: int, skip: frozenset[str] = frozenset()) -> list[Event]:
+def failing_instances(state: State, max_failures: int, skip: frozenset[InstanceId] = frozenset()) -> list[Event]:
     """Instances with a runner that failed `max_failures` times in a row: the worker gave up restarting it."""
     events: list[Event] = []
     for instance in sorted(state.instances.values(), key=lambda i: i.instance_id):
@@ -64,7 +65,7 @@ def failing_instances(state: State, max_failures: int, skip: frozenset[str] = fr
 
 
 def supervise(
-    state: State, heard_at: Mapping[str, float], now: float, *,
+    state: State, heard_at: Mapping[NodeId, float], now: float, *,
     node_timeout: float = DEFAULT_NODE_TIMEOUT_S, max_runner_failures: int = DEFAULT_MAX_RUNNER_FAILURES,
 ) -> list[Event]:
     events: list[Event] = []
@@ -74,5 +75,5 @@ def supervise(
     return [*events, *failing_instances(state, max_runner_failures, _deleted_by(events))]
 
 
-def _deleted_by(events: list[Event]) -> frozenset[str]:
+def _deleted_by(events: list[Event]) -> frozenset[InstanceId]:
     return frozenset(e.instance_id for e in events if isinstance(e, InstanceDeleted))

@@ -13,6 +13,7 @@ from pathlib import Path
 import msgspec
 import tomlkit
 
+from exo.core.ids import ModelId
 from exo.core.types import ModelCard, is_valid_model_id
 
 log = logging.getLogger(__name__)
@@ -22,7 +23,7 @@ class CardError(ValueError):
     pass
 
 
-def card_file_name(model_id: str) -> str:
+def card_file_name(model_id: ModelId) -> str:
     if not is_valid_model_id(model_id):
         raise CardError(f"invalid model id {model_id!r}")
     return model_id.replace("/", "--") + ".toml"
@@ -38,7 +39,7 @@ def read_card(path: Path) -> ModelCard:
     return card
 
 
-def load_builtin_cards(folder: Path) -> dict[str, ModelCard]:
+def load_builtin_cards(folder: Path) -> dict[ModelId, ModelCard]:
     cards = [read_card(p) for p in sorted(folder.glob("*.toml"))]
     return {c.model_id: c for c in cards}
 
@@ -55,7 +56,7 @@ def card_to_toml(card: ModelCard) -> str:
     return tomlkit.dumps(document)
 
 
-def reconcile_custom_cards(folder: Path, cards: Mapping[str, ModelCard]) -> None:
+def reconcile_custom_cards(folder: Path, cards: Mapping[ModelId, ModelCard]) -> None:
     """Make `folder` hold exactly `cards`: write missing or changed ones, delete the rest.
     O(cards): for a node starting up; a live node follows one card at a time with `reconcile_custom_card`."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -70,7 +71,7 @@ def reconcile_custom_cards(folder: Path, cards: Mapping[str, ModelCard]) -> None
         _write_if_changed(folder / name, card_to_toml(card))
 
 
-def reconcile_custom_card(folder: Path, model_id: str, card: ModelCard | None) -> None:
+def reconcile_custom_card(folder: Path, model_id: ModelId, card: ModelCard | None) -> None:
     """Make `folder` agree with State about one card: write it if missing or changed, delete
     its file if State no longer has it. Touches one file, whatever the number of cards.
     An invalid id (an event the reducer skipped) names no file: nothing to do."""

@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from exo.core.ids import ModelId
 from exo.core.types import ModelCard, is_valid_model_id
 from exo.models.files import (
     INDEX_FILE,
@@ -35,7 +36,7 @@ PARTIAL_DIR = ".exo-partial"
 LEGACY_MARKER = ".exo-download-complete"  # earlier exo versions: the revision of a full download
 
 
-def dir_name(model_id: str) -> str:
+def dir_name(model_id: str) -> str:  # a model id or a repo id
     if not is_valid_model_id(model_id):
         raise ValueError(f"invalid model id {model_id!r}")
     return model_id.replace("/", "--")
@@ -67,7 +68,7 @@ class ModelDirs:
         writable = _split(env.get("EXO_MODELS_DIRS")) or [data_dir / "models"]
         return cls(writable=tuple(writable), read_only=tuple(_split(env.get("EXO_MODELS_READ_ONLY_DIRS"))))
 
-    def writable_copies(self, model_id: str) -> list[Path]:
+    def writable_copies(self, model_id: ModelId) -> list[Path]:
         return [d / dir_name(model_id) for d in self.writable if (d / dir_name(model_id)).is_dir()]
 
     def read_only_copies(self, card: ModelCard) -> list[Path]:
@@ -170,7 +171,7 @@ def _size(path: Path) -> int:
 
 
 def choose_target(
-    dirs: ModelDirs, model_id: str, needed_bytes: int, free_bytes: Callable[[Path], int], reserve: int = 0
+    dirs: ModelDirs, model_id: ModelId, needed_bytes: int, free_bytes: Callable[[Path], int], reserve: int = 0
 ) -> Path | None:
     """Where to download: a writable directory that already holds part of the model (so the
     download resumes), else the first with room for it; None when none has room."""
@@ -188,7 +189,7 @@ def free_bytes(root: Path) -> int:
     return shutil.disk_usage(probe).free
 
 
-def delete_copies(dirs: ModelDirs, model_id: str) -> list[Path]:
+def delete_copies(dirs: ModelDirs, model_id: ModelId) -> list[Path]:
     """Remove the model from every writable directory (never a read-only one); the removed paths."""
     removed = []
     for path in dirs.writable_copies(model_id):

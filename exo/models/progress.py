@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from exo.core.ids import ModelId, NodeId
 from exo.core.types import DownloadProgress, DownloadStatus, FileProgress
 
 SPEED_WINDOW_S = 5.0  # speed is measured over the last few seconds, so it follows changes
@@ -20,7 +21,7 @@ def speed(samples: list[tuple[float, int]], now: float, window: float = SPEED_WI
 
 
 def summarize(
-    node_id: str, model_id: str, status: DownloadStatus, files: dict[str, tuple[int, int]],
+    node_id: NodeId, model_id: ModelId, status: DownloadStatus, files: dict[str, tuple[int, int]],
     samples: list[tuple[float, int]], now: float, source: str = "", path: str = "",
 ) -> DownloadProgress:
     """One progress record from per-file (done, total) bytes and recent samples."""

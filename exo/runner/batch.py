@@ -31,6 +31,7 @@ from typing import Any
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.sample_utils import make_sampler
 
+from exo.core.ids import TaskId
 from exo.core.types import GenerationParams, SamplingDefaults
 from exo.runner.decoding import Decoding, GenerationResult, OnOutput
 from exo.runner.distributed import AgreedSamplers, BatchJoin, BatchStep, Lockstep, Sampling
@@ -101,7 +102,7 @@ class Job:
     """One request in the batch: its settings, and where its output and its end go."""
 
     def __init__(self, params: GenerationParams, defaults: SamplingDefaults, on_output: OnOutput,
-                 is_cancelled: Callable[[], bool], task_id: str, on_done: Callable[[Outcome], None]) -> None:
+                 is_cancelled: Callable[[], bool], task_id: TaskId, on_done: Callable[[Outcome], None]) -> None:
         self.params, self.defaults, self.task_id = params, defaults, task_id
         self.on_output, self.is_cancelled, self.on_done = on_output, is_cancelled, on_done
         self.decoding: Decoding | None = None
@@ -153,7 +154,7 @@ class Batcher:
         self._leaves: list[int] = []
 
     def run(self, loop: asyncio.AbstractEventLoop, params: GenerationParams, defaults: SamplingDefaults,
-            on_output: OnOutput, is_cancelled: Callable[[], bool], task_id: str) -> asyncio.Future:
+            on_output: OnOutput, is_cancelled: Callable[[], bool], task_id: TaskId) -> asyncio.Future:
         """Generates in the batch; the future resolves after every output of the job was scheduled on `loop`."""
         future = loop.create_future()
         self.submit(Job(params, defaults, on_output, is_cancelled, task_id,

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from exo.core.ids import TaskId
 from exo.core.types import GenerationParams, TokenLogprob, ToolCall
 from exo.runner.splitter import OutputSplitter
 from exo.runner.stops import StopMatcher
@@ -62,7 +63,7 @@ class Decoding:
     The single path (Engine.generate) feeds it stream_generate's responses, the batch
     (batch.py) BatchGenerator's, detokenized the same way, so both send the same chunks."""
 
-    def __init__(self, engine: ModelEngine, params: GenerationParams, on_output: OnOutput, task_id: str,
+    def __init__(self, engine: ModelEngine, params: GenerationParams, on_output: OnOutput, task_id: TaskId,
                  prompt: list[int], cached: int = 0) -> None:
         self._engine = engine
         self.cached = cached

@@ -26,6 +26,7 @@ from mlx_lm.generate import generation_stream
 from mlx_lm.sample_utils import make_sampler
 from mlx_lm.utils import load_model, load_tokenizer, sharded_load
 
+from exo.core.ids import TaskId
 from exo.core.types import GenerationParams, SamplingDefaults
 from exo.runner.pipeline import split_layers
 
@@ -81,7 +82,7 @@ def broadcast_bytes(group: mx.distributed.Group, data: bytes | None) -> bytes:
 class Announcement(msgspec.Struct, frozen=True, kw_only=True, tag="generate"):
     """Rank 0 runs this request on the single path: run it too."""
 
-    task_id: str
+    task_id: TaskId
     params: GenerationParams
     defaults: SamplingDefaults = SamplingDefaults()
     cached: int = 0  # prompt tokens rank 0 reuses from its prompt cache: every rank reuses as many

@@ -12,6 +12,7 @@ from mlx_lm import load, stream_generate
 from mlx_lm.sample_utils import apply_top_k, apply_top_p, make_logits_processors, make_sampler
 
 from exo.core.grammar import grammar_of, tool_call_grammar
+from exo.core.ids import TaskId
 from exo.core.kv_budget import kv_group_size
 from exo.core.types import GenerationParams, SamplingDefaults, TokenLogprob, TopLogprob
 from exo.memory import memory
@@ -83,7 +84,7 @@ class Engine:
         defaults: SamplingDefaults,
         on_output: OnOutput,
         is_cancelled: Callable[[], bool],
-        task_id: str = "",
+        task_id: TaskId = TaskId(""),
         told: Announcement | None = None,
         images: Sequence[str] = (),
     ) -> GenerationResult:

@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
+from exo.core.ids import TaskId
+
 if TYPE_CHECKING:
     from exo.core.types import GenerationParams, SamplingDefaults, TokenLogprob
     from exo.runner.decoding import GenerationResult, OnOutput
@@ -37,7 +39,7 @@ class ModelEngine(Protocol):
 
     # The single path: one request alone, start to end (on a follower rank, as rank 0 announced it).
     def generate(self, params: GenerationParams, defaults: SamplingDefaults, on_output: OnOutput,
-                 is_cancelled: Callable[[], bool], task_id: str = "", told: Announcement | None = None,
+                 is_cancelled: Callable[[], bool], task_id: TaskId = TaskId(""), told: Announcement | None = None,
                  images: Sequence[str] = (),  # files of the request's images, in the order its messages give them
                  ) -> GenerationResult: ...
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
+from exo.core.ids import TaskId
 from exo.core.types import GenerationParams, PromptCacheStats, SamplingDefaults
 
 
@@ -33,14 +34,14 @@ class WarmUp(Request, frozen=True, tag="warm_up", kw_only=True):
 
 
 class Generate(Request, frozen=True, tag="generate", kw_only=True):
-    task_id: str
+    task_id: TaskId
     params: GenerationParams
     defaults: SamplingDefaults = SamplingDefaults()
     image_paths: dict[str, str] = {}  # sha256 -> file on this node, verified by the worker
 
 
 class Cancel(Request, frozen=True, tag="cancel", kw_only=True):
-    task_id: str
+    task_id: TaskId
 
 
 class Shutdown(Request, frozen=True, tag="shutdown", kw_only=True):
@@ -60,11 +61,11 @@ class WarmedUp(Report, frozen=True, tag="warmed_up", kw_only=True):
 
 
 class Started(Report, frozen=True, tag="started", kw_only=True):
-    task_id: str
+    task_id: TaskId
 
 
 class Done(Report, frozen=True, tag="done", kw_only=True):
-    task_id: str
+    task_id: TaskId
     finish_reason: str
     prompt_tokens: int = 0
     completion_tokens: int = 0

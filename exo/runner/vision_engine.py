@@ -23,6 +23,7 @@ import PIL.Image
 from mlx_vlm.prompt_utils import get_chat_template, get_message_json
 from mlx_vlm.vision_cache import VisionFeatureCache
 
+from exo.core.ids import TaskId
 from exo.core.types import GenerationParams, SamplingDefaults
 from exo.runner.decoding import Decoding, GenerationResult, OnOutput, RequestRefused
 from exo.runner.distributed import Announcement
@@ -87,7 +88,7 @@ class VisionEngine(Engine):
         defaults: SamplingDefaults,
         on_output: OnOutput,
         is_cancelled: Callable[[], bool],
-        task_id: str = "",
+        task_id: TaskId = TaskId(""),
         told: Announcement | None = None,
         images: Sequence[str] = (),
     ) -> GenerationResult:

@@ -13,6 +13,7 @@ import msgspec
 
 from exo.bus.subjects import event_subject
 from exo.core.events import AnyEvent
+from exo.core.ids import CommandId
 from exo.core.state import State
 
 FILTER_KEYS = ("kind", "node", "instance", "command")
@@ -62,9 +63,9 @@ def event_refs(event: AnyEvent, state: State | None) -> dict[str, set[str]]:
     instances = set(found["instance_id"])
     nodes = set(found["node_id"])
     if state is not None:
-        instances |= {state.tasks[t].instance_id for t in commands if t in state.tasks}
-        for instance_id in instances & state.instances.keys():
-            nodes |= {shard.node_id for shard in state.instances[instance_id].shards}
+        instances |= {task.instance_id for t in commands if (task := state.tasks.get(CommandId(t))) is not None}
+        for instance in state.instances.values():
+            nodes |= {shard.node_id for shard in instance.shards} if instance.instance_id in instances else set()
     return {"node": nodes - {""}, "instance": instances - {""}, "command": commands}
 
 

@@ -20,6 +20,7 @@ from exo.bus.connection import Connection
 from exo.bus.download_control import Action, DownloadControlServer, DownloadReply
 from exo.bus.model_share import IN_FLIGHT, ModelShareServer
 from exo.core.events import DownloadDeleted, DownloadFailed, DownloadProgressed, Event
+from exo.core.ids import ModelId, NodeId
 from exo.core.state import State
 from exo.core.types import DownloadProgress, DownloadStatus, FileProgress, ModelCard
 from exo.models.dirs import MANIFEST_FILE, DownloadSettings, LocalCopy, delete_copies, find_complete, read_manifest
@@ -34,7 +35,7 @@ _POLL_S = 0.25  # how often the reporter looks; it publishes at most once per pr
 _SAMPLES_KEPT_S = 10.0
 
 
-def peers_with(state: State, model_id: str, me: str) -> list[str]:
+def peers_with(state: State, model_id: ModelId, me: NodeId) -> list[NodeId]:
     """Other nodes whose copy of the model is complete, in a stable order."""
     return sorted(n for n, models in state.downloads.items()
                   if n != me and (d := models.get(model_id)) is not None and d.status == "completed")
@@ -52,8 +53,8 @@ class _Job:
 
 class DownloadCoordinator:
     def __init__(
-        self, nc: Connection, node_id: str, settings: DownloadSettings, publish: Callable[[Event], Awaitable[None]],
-        state: Callable[[], State], card_of: Callable[[str], ModelCard | None], clock: Callable[[], float] = time.time,
+        self, nc: Connection, node_id: NodeId, settings: DownloadSettings, publish: Callable[[Event], Awaitable[None]],
+        state: Callable[[], State], card_of: Callable[[ModelId], ModelCard | None], clock: Callable[[], float] = time.time,
     ) -> None:
         self.node_id = node_id
         self.settings = settings
@@ -62,8 +63,8 @@ class DownloadCoordinator:
         self._state = state
         self._card_of = card_of
         self._clock = clock
-        self._jobs: dict[str, _Job] = {}
-        self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+        self._jobs: dict[ModelId, _Job] = {}
+        self._locks: defaultdict[ModelId, asyncio.Lock] = defaultdict(asyncio.Lock)
         self._share_cache: dict[Path, tuple[int, Manifest]] = {}
         self._peer_slots = asyncio.Semaphore(IN_FLIGHT)
         self._servers: list = [DownloadControlServer(nc, node_id, self.handle)]
@@ -111,7 +112,7 @@ class DownloadCoordinator:
         assert job.task is not None
         return await asyncio.shield(job.task)
 
-    async def handle(self, action: Action, model_id: str) -> DownloadReply:
+    async def handle(self, action: Action, model_id: ModelId) -> DownloadReply:
         """A request from the API (exo/bus/download_control)."""
         if action == "delete":
             return await self._delete(model_id)
@@ -167,7 +168,7 @@ class DownloadCoordinator:
             self._jobs.pop(model_id, None)
             self._share_cache.clear()
 
-    async def _delete(self, model_id: str) -> DownloadReply:
+    async def _delete(self, model_id: ModelId) -> DownloadReply:
         job = self._jobs.get(model_id)
         if job is not None:
             job.cancelled_on_request = True
@@ -228,7 +229,7 @@ class DownloadCoordinator:
             if self._terminal:
                 _draw(progress)
 
-    async def _shareable(self, model_id: str) -> tuple[Path, Manifest] | None:
+    async def _shareable(self, model_id: ModelId) -> tuple[Path, Manifest] | None:
         """A directory of this node holding verified files of the model, and its manifest."""
         for path in self.settings.dirs.writable_copies(model_id):
             try:

@@ -10,6 +10,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Mapping
 
 from exo.core.events import AnyEvent, Event, NodeHeartbeat
+from exo.core.ids import InstanceId, NodeId
 from exo.core.state import State
 from exo.core.types import PromptCacheStats
 from exo.worker.node_info import describe_this_node
@@ -24,8 +25,8 @@ def heartbeat_interval() -> float:
 
 
 class Heartbeat:
-    def __init__(self, node_id: str, publish: Callable[[Event], Awaitable[None]], interval: float | None = None,
-                 prompt_caches: Callable[[], Mapping[str, PromptCacheStats]] = dict) -> None:
+    def __init__(self, node_id: NodeId, publish: Callable[[Event], Awaitable[None]], interval: float | None = None,
+                 prompt_caches: Callable[[], Mapping[InstanceId, PromptCacheStats]] = dict) -> None:
         self.node_id = node_id
         self._prompt_caches = prompt_caches  # this node's runners' prompt caches, by instance
         self.incarnation = uuid.uuid4().hex[:12]

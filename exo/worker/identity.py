@@ -17,6 +17,8 @@ import uuid
 from pathlib import Path
 from typing import IO
 
+from exo.core.ids import NodeId
+
 log = logging.getLogger(__name__)
 
 
@@ -48,7 +50,7 @@ def lock_data_dir(data_dir: Path) -> IO[bytes]:
     return handle
 
 
-def load_node_id(data_dir: Path, new_id: str | None = None) -> str:
+def load_node_id(data_dir: Path, new_id: str | None = None) -> NodeId:
     """This node's id: the one in data_dir/node_id if it was made here, else a fresh one (saved).
 
     data_dir/node_id holds just the id (operators and scripts read it); node_id.origin holds
@@ -61,8 +63,8 @@ def load_node_id(data_dir: Path, new_id: str | None = None) -> str:
     if saved and origin in (None, here):
         if origin is None:  # written by an older exo: adopt it for this machine and path
             _write(origin_path, here)
-        return saved
-    node_id = new_id or uuid.uuid4().hex
+        return NodeId(saved)
+    node_id = NodeId(new_id or uuid.uuid4().hex)
     if saved:
         log.warning(
             "the data dir %s holds node id %s made on another machine or path (a copy?): this node takes "

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from exo.bus.connection import Connection
 from exo.bus.model_share import PeerError, fetch_from_peer, peer_manifest
+from exo.core.ids import NodeId
 from exo.core.types import ModelCard
 from exo.models.dirs import DownloadSettings, choose_target, free_bytes, read_manifest, write_manifest
 from exo.models.files import (
@@ -40,7 +41,7 @@ class ModelFetch:
     """Progress (`totals`, `done_of`) is read by the coordinator's reporter while this runs."""
 
     def __init__(self, nc: Connection, card: ModelCard, start: int, end: int, settings: DownloadSettings,
-                 peers: Callable[[], list[str]], slots: asyncio.Semaphore) -> None:
+                 peers: Callable[[], list[NodeId]], slots: asyncio.Semaphore) -> None:
         self._nc = nc
         self._slots = slots  # chunk requests to peers in flight, shared by this node's downloads
         self.card = card
@@ -55,7 +56,7 @@ class ModelFetch:
         self.target: Path | None = None
         self.started = False  # true once the files and their sizes are known
         self._manifest: Manifest | None = None
-        self._peer: str | None = None
+        self._peer: NodeId | None = None
         self._peer_files: set[str] = set()  # what that peer has verified
 
     def done_of(self) -> dict[str, tuple[int, int]]:

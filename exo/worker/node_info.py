@@ -6,14 +6,15 @@ import os
 import platform
 import socket
 
+from exo.core.ids import InstanceId, NodeId
 from exo.core.types import NodeInfo, PromptCacheStats
 from exo.memory import memory
 
 DEFAULT_RING_PORTS = (52600, 100)  # first port, how many: MLX ring groups of multi-node instances
 
 
-def describe_this_node(node_id: str, incarnation: str, now: float,
-                       prompt_caches: dict[str, PromptCacheStats] | None = None) -> NodeInfo:
+def describe_this_node(node_id: NodeId, incarnation: str, now: float,
+                       prompt_caches: dict[InstanceId, PromptCacheStats] | None = None) -> NodeInfo:
     total, available = memory()
     first, count = ring_ports()
     return NodeInfo(

@@ -11,6 +11,7 @@ from typing import Literal
 
 import msgspec
 
+from exo.core.ids import InstanceId, ModelId, NodeId, RunnerId, TaskId
 from exo.core.state import State
 from exo.core.types import Instance, RunnerInfo, ShardAssignment, Task, TaskStatus
 
@@ -20,11 +21,11 @@ LocalPhase = Literal[
 
 
 class LocalRunner(msgspec.Struct, frozen=True, kw_only=True):
-    runner_id: str
-    instance_id: str
+    runner_id: RunnerId
+    instance_id: InstanceId
     phase: LocalPhase = "spawning"
-    forwarded: frozenset[str] = frozenset()  # task ids handed to the runner process
-    cancels_sent: frozenset[str] = frozenset()
+    forwarded: frozenset[TaskId] = frozenset()  # task ids handed to the runner process
+    cancels_sent: frozenset[TaskId] = frozenset()
     error: str = ""  # why it failed, told to the callers of the tasks it cannot serve
     failures: int = 0  # its own failures since it was last ready (a peer's failure does not count)
     failed_at: float = 0.0  # the worker's clock when it failed: restarts back off from here
@@ -33,10 +34,10 @@ class LocalRunner(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class WorkerView(msgspec.Struct, frozen=True, kw_only=True):
-    node_id: str
+    node_id: NodeId
     state: State
-    runners: dict[str, LocalRunner] = {}
-    ended_tasks: frozenset[str] = frozenset()  # tasks whose end this node already reported
+    runners: dict[RunnerId, LocalRunner] = {}
+    ended_tasks: frozenset[TaskId] = frozenset()  # tasks whose end this node already reported
     local_images: frozenset[str] = frozenset()  # sha256 of images on this node's disk
     images_in_flight: frozenset[str] = frozenset()  # being fetched right now
     now: float = 0.0  # the worker's clock (time.monotonic()), for restart back-off
@@ -49,58 +50,58 @@ class Step(msgspec.Struct, frozen=True, kw_only=True, tag_field="step"):
 
 
 class StopRunner(Step, frozen=True, tag="stop_runner", kw_only=True):
-    runner_id: str
+    runner_id: RunnerId
 
 
 class CreateRunner(Step, frozen=True, tag="create_runner", kw_only=True):
-    runner_id: str
-    instance_id: str
+    runner_id: RunnerId
+    instance_id: InstanceId
 
 
 class DownloadModel(Step, frozen=True, tag="download_model", kw_only=True):
-    runner_id: str
-    model_id: str
+    runner_id: RunnerId
+    model_id: ModelId
 
 
 class LoadModel(Step, frozen=True, tag="load_model", kw_only=True):
-    runner_id: str
-    model_id: str
+    runner_id: RunnerId
+    model_id: ModelId
 
 
 class WarmUp(Step, frozen=True, tag="warm_up", kw_only=True):
-    runner_id: str
+    runner_id: RunnerId
 
 
 class RestartRunner(Step, frozen=True, tag="restart_runner", kw_only=True):
     """Start a failed runner again, after its back-off."""
 
-    runner_id: str
-    instance_id: str
+    runner_id: RunnerId
+    instance_id: InstanceId
 
 
 class KillHungRunner(Step, frozen=True, tag="kill_hung_runner", kw_only=True):
     """It has work and has not shown progress for `stall_after`: fail it (its requests get the
     reason), kill it, and let the restart rules bring it back."""
 
-    runner_id: str
+    runner_id: RunnerId
     reason: str
 
 
 class AbandonRunner(Step, frozen=True, tag="abandon_runner", kw_only=True):
     """Stop this rank because a peer rank failed: the group must form again from scratch."""
 
-    runner_id: str
+    runner_id: RunnerId
     reason: str
 
 
 class ForwardTask(Step, frozen=True, tag="forward_task", kw_only=True):
-    runner_id: str
-    task_id: str
+    runner_id: RunnerId
+    task_id: TaskId
 
 
 class CancelForwardedTask(Step, frozen=True, tag="cancel_task", kw_only=True):
-    runner_id: str
-    task_id: str
+    runner_id: RunnerId
+    task_id: TaskId
 
 
 class FetchImages(Step, frozen=True, tag="fetch_images", kw_only=True):
@@ -110,7 +111,7 @@ class FetchImages(Step, frozen=True, tag="fetch_images", kw_only=True):
 class EndTask(Step, frozen=True, tag="end_task", kw_only=True):
     """End a task that no runner will finish: cancelled before it ran, or its runner failed."""
 
-    task_id: str
+    task_id: TaskId
     status: TaskStatus
     reason: str
 
@@ -162,7 +163,7 @@ def _lifecycle_steps(view: WorkerView, instance: Instance, local: LocalRunner) -
     return []
 
 
-def settled(state: State, ended: set[str] | frozenset[str]) -> set[str]:
+def settled(state: State, ended: set[TaskId] | frozenset[TaskId]) -> set[TaskId]:
     """Ended tasks whose end State already has (or that State no longer keeps): neither the
     ended set nor a runner's forwarded set needs them any more, so both stay bounded on a
     long-lived node. A task whose end State has not folded yet stays: it is still open there."""
@@ -226,7 +227,7 @@ def missing_images(view: WorkerView, task: Task) -> list[str]:
     return [d for d in images_of(task) if d not in view.local_images]
 
 
-def tasks_needing(view: WorkerView, digest: str) -> list[str]:
+def tasks_needing(view: WorkerView, digest: str) -> list[TaskId]:
     """This node's pending tasks, not yet ended, that need the image: those a failed fetch fails."""
     return [task.task_id for instance, _ in _my_shards(view) for task in view.state.open_tasks_of(instance.instance_id)
             if task.status == "pending" and task.task_id not in view.ended_tasks and digest in images_of(task)]

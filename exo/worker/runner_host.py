@@ -9,6 +9,7 @@ import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+from exo.core.ids import RunnerId
 from exo.runner.protocol import AnyReport, Request, Shutdown, encode_line, report_decoder
 
 log = logging.getLogger(__name__)
@@ -18,7 +19,7 @@ OnExit = Callable[[int, str], Awaitable[None]]
 
 
 class RunnerHost:
-    def __init__(self, runner_id: str, nats_urls: list[str], log_dir: Path) -> None:
+    def __init__(self, runner_id: RunnerId, nats_urls: list[str], log_dir: Path) -> None:
         self.runner_id = runner_id
         self._nats_urls = nats_urls
         self._log_path = log_dir / f"runner-{runner_id}.log"

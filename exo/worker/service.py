@@ -25,6 +25,7 @@ from exo.bus.state_view import StateView
 from exo.bus.tokens import publish_chunk
 from exo.core.catalogue import find_card
 from exo.core.events import AnyEvent, CustomCardAdded, CustomCardDeleted, Event, RunnerStatusChanged, TaskFinished, TaskStarted
+from exo.core.ids import InstanceId, ModelId, NodeId, RunnerId, TaskId
 from exo.core.state import State
 from exo.core.types import (
     FinishReason,
@@ -57,8 +58,8 @@ _FETCH_ERRORS: tuple[type[Exception], ...] = (*BROKER_ERRORS, asyncio.TimeoutErr
 
 class Worker:
     def __init__(
-        self, nc: Connection, view: StateView, node_id: str, data_dir: Path,
-        nats_urls: list[str], builtin_cards: Mapping[str, ModelCard], download_settings: DownloadSettings | None = None,
+        self, nc: Connection, view: StateView, node_id: NodeId, data_dir: Path,
+        nats_urls: list[str], builtin_cards: Mapping[ModelId, ModelCard], download_settings: DownloadSettings | None = None,
     ) -> None:
         self.node_id = node_id
         self._nc = nc
@@ -67,11 +68,11 @@ class Worker:
         self._data_dir = data_dir
         self._nats_urls = nats_urls
         self._builtin_cards = builtin_cards
-        self._runners: dict[str, p.LocalRunner] = {}
-        self._prompt_cache_stats: dict[str, PromptCacheStats] = {}  # by instance id, from runners' Done reports
-        self._hosts: dict[str, RunnerHost] = {}
-        self._model_paths: dict[str, Path] = {}
-        self._ended: set[str] = set()
+        self._runners: dict[RunnerId, p.LocalRunner] = {}
+        self._prompt_cache_stats: dict[InstanceId, PromptCacheStats] = {}  # by instance id, from runners' Done reports
+        self._hosts: dict[RunnerId, RunnerHost] = {}
+        self._model_paths: dict[RunnerId, Path] = {}
+        self._ended: set[TaskId] = set()
         self._images = ImageCache(self.images_dir, limit_from_env())  # what is on disk: plan's local_images
         self._images_in_flight: set[str] = set()
         self._wake = asyncio.Event()
@@ -152,7 +153,7 @@ class Worker:
             reconcile_custom_card(self.custom_cards_dir, model_id, state.custom_model_cards.get(model_id))
         self._wake.set()
 
-    def _set_phase(self, runner_id: str, phase: p.LocalPhase, **changes) -> bool:
+    def _set_phase(self, runner_id: RunnerId, phase: p.LocalPhase, **changes) -> bool:
         """False when the runner failed meanwhile: a step planned before it died (a download that
         finished, a load) must not hide the failure, or nothing would ever restart it."""
         runner = self._runners.get(runner_id)
@@ -167,7 +168,7 @@ class Worker:
     async def _publish(self, event: Event) -> None:
         await self._log.append(event, event_id=uuid.uuid4().hex)
 
-    async def _publish_status(self, runner_id: str, status: RunnerStatus, error: str = "") -> None:
+    async def _publish_status(self, runner_id: RunnerId, status: RunnerStatus, error: str = "") -> None:
         runner = self._runners[runner_id]
         if runner.phase == "failed" and status not in ("failed", "stopped"):
             return  # it failed since this step began: State must keep saying so (the master counts failures there)
@@ -284,13 +285,13 @@ class Worker:
         if self._set_phase(step.runner_id, "downloaded"):
             await self._publish_status(step.runner_id, "downloaded")  # peers wait for it to form a group
 
-    def _shard_of(self, runner_id: str) -> ShardAssignment:
+    def _shard_of(self, runner_id: RunnerId) -> ShardAssignment:
         runner = self._view.state.runners.get(runner_id)
         instance = self._view.state.instances.get(runner.instance_id) if runner else None
         shards = [s for s in instance.shards if s.runner_id == runner_id] if instance else []
         return shards[0] if shards else ShardAssignment(runner_id=runner_id, node_id=self.node_id)  # all layers
 
-    async def _send_lifecycle(self, runner_id: str, phase: p.LocalPhase, request: rp.Request) -> None:
+    async def _send_lifecycle(self, runner_id: RunnerId, phase: p.LocalPhase, request: rp.Request) -> None:
         runner = self._runners.get(runner_id)
         if runner is None or runner.phase == "stopping" or not self._set_phase(runner_id, phase):
             return  # it failed or is being stopped since this step was planned: the next plan decides
@@ -310,7 +311,7 @@ class Worker:
             rp.Generate(task_id=task.task_id, params=task.params, defaults=defaults, image_paths=images)
         )
 
-    async def _on_report(self, runner_id: str, report: rp.AnyReport) -> None:
+    async def _on_report(self, runner_id: RunnerId, report: rp.AnyReport) -> None:
         if runner_id in self._runners:
             self._runners[runner_id] = replace(self._runners[runner_id], heard_at=time.monotonic())
         match report:
@@ -334,20 +335,20 @@ class Worker:
             case rp.Failed():
                 await self._fail_runner(runner_id, report.error)
 
-    def _note_prompt_cache(self, runner_id: str, stats: PromptCacheStats | None) -> None:
+    def _note_prompt_cache(self, runner_id: RunnerId, stats: PromptCacheStats | None) -> None:
         runner = self._runners.get(runner_id)
         if stats is not None and runner is not None:
             self._prompt_cache_stats[runner.instance_id] = stats
 
-    def prompt_caches(self) -> dict[str, PromptCacheStats]:
+    def prompt_caches(self) -> dict[InstanceId, PromptCacheStats]:
         """The latest prompt-cache figures of each runner this node has (for its heartbeat)."""
         live = {runner.instance_id for runner in self._runners.values()}
         return {i: stats for i, stats in self._prompt_cache_stats.items() if i in live}
 
-    async def _on_runner_exit(self, runner_id: str, code: int, log_tail: str) -> None:
+    async def _on_runner_exit(self, runner_id: RunnerId, code: int, log_tail: str) -> None:
         await self._fail_runner(runner_id, f"runner exited with code {code}: {log_tail}")
 
-    async def _fail_runner(self, runner_id: str, error: str, restartable: bool = True) -> None:
+    async def _fail_runner(self, runner_id: RunnerId, error: str, restartable: bool = True) -> None:
         runner = self._runners.get(runner_id)
         if runner is None or runner.phase in ("failed", "stopping"):
             return
@@ -378,11 +379,11 @@ class Worker:
         self._model_paths.pop(step.runner_id, None)
         await self._create_runner(step, failures)
 
-    def _instance_of(self, runner_id: str) -> Instance | None:
+    def _instance_of(self, runner_id: RunnerId) -> Instance | None:
         runner = self._view.state.runners.get(runner_id)
         return self._view.state.instances.get(runner.instance_id) if runner else None
 
-    def _rank_setup(self, runner_id: str) -> rp.RankSetup | None:
+    def _rank_setup(self, runner_id: RunnerId) -> rp.RankSetup | None:
         """Where this runner sits in its instance's ring group; None for a one-node instance."""
         runner = self._view.state.runners.get(runner_id)
         instance = self._view.state.instances.get(runner.instance_id) if runner else None
@@ -393,13 +394,13 @@ class Worker:
         return rp.RankSetup(rank=mine.rank, ring_hosts=[s.ring_address for s in shards], sharding=instance.sharding,
                             start_layer=mine.start_layer, end_layer=mine.end_layer)
 
-    async def _end_task(self, task_id: str, status: TaskStatus, reason: str) -> None:
+    async def _end_task(self, task_id: TaskId, status: TaskStatus, reason: str) -> None:
         self._ended.add(task_id)
         finish: FinishReason = "cancelled" if status == "cancelled" else "error"
         await publish_chunk(self._nc, TokenChunk(command_id=task_id, index=0, finish_reason=finish, error=reason))
         await self._publish(TaskFinished(task_id=task_id, status=status, finish_reason=finish, error=reason))
 
-    async def _stop_runner(self, runner_id: str) -> None:
+    async def _stop_runner(self, runner_id: RunnerId) -> None:
         host = self._hosts.pop(runner_id, None)
         runner = self._runners.get(runner_id)
         if host is not None and runner is not None:
