@@ -14,11 +14,12 @@ from exo.api.errors import ApiError, error_body
 from exo.api.outcomes import new_command_id
 from exo.api.request_body import decode_body
 from exo.api.validate import check_kv_bits, check_max_context
+from exo.api.wire.cluster import DownloadReport, InstanceReport, PlaceInstanceRequest, RunnerReport
 from exo.core.commands import AddCustomCard, DeleteCustomCard, DeleteInstance, PlaceInstance
 from exo.core.events import InstanceCreated
 from exo.core.ids import InstanceId, ModelId, NodeId, RunnerId
 from exo.core.state import State, encode_state
-from exo.core.types import Instance, ModelCard, Sharding, is_valid_model_id
+from exo.core.types import Instance, ModelCard, is_valid_model_id
 
 # `wait` on POST /place_instance: true waits this long; a number of seconds, at most the bound.
 PLACE_WAIT_DEFAULT_S = 600.0
@@ -26,53 +27,6 @@ PLACE_WAIT_MAX_S = 3600.0
 # How far a runner has come, least first: an instance is as far as its least advanced runner.
 _PROGRESS = ("created", "downloading", "downloaded", "loading", "warming_up", "ready")
 _DOWNLOAD_FAILED = "download failed:"  # how the worker starts the error of a runner whose download failed
-
-
-class PlaceInstanceRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    model_id: ModelId
-    sharding: Sharding = "pipeline"
-    min_nodes: int = 1
-    max_queue: int = 0  # open tasks admitted before 429s; 0: the master's default
-    max_context: int = 0  # tokens of context to reserve KV cache for; 0: the most that fits, up to a default
-    kv_bits: int = 0  # quantize the instance's KV cache (2-8 bits); 0: not quantized
-    wait: bool | float | None = None  # answer once the instance is ready or failed (seconds, or true)
-
-
-class DownloadReport(msgspec.Struct, frozen=True, kw_only=True):
-    """The runner's node's download of the instance's model, from State.downloads."""
-
-    status: str
-    done_bytes: int
-    total_bytes: int
-    speed_bps: float
-    eta_s: float | None
-    source: str
-    error_code: str
-    error: str
-
-
-class RunnerReport(msgspec.Struct, frozen=True, kw_only=True):
-    runner_id: RunnerId
-    node_id: NodeId
-    rank: int
-    status: str
-    error: str
-    download: DownloadReport | None
-
-
-class InstanceReport(msgspec.Struct, frozen=True, kw_only=True):
-    """How far an instance is: "failed" if a runner failed, "stopped" if one stopped, "ready" when
-    every runner is, else its least advanced runner's status. `error_code` is the download's
-    code (a DownloadErrorCode) when a download failed the runner, else "runner_failed"."""
-
-    status: str
-    error: str = ""
-    error_code: str = ""
-    runners: list[RunnerReport] = []
-
-    @property
-    def failed_runner(self) -> RunnerReport | None:
-        return next((r for r in self.runners if r.status == "failed"), None)
 
 
 def report_of(state: State, instance: Instance) -> InstanceReport:

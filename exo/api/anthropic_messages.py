@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import msgspec
 from aiohttp import web
 
 from exo.api import thinking
@@ -15,73 +14,16 @@ from exo.api.context import context_of
 from exo.api.errors import ApiError
 from exo.api.generation import Generation, collect, generating
 from exo.api.images import NO_FETCHING, USER_ONLY, ImageUploads
-from exo.api.openai_tools import FUNCTION_NAME, NamedFunction, ToolChoice, offered_tools, required_call
+from exo.api.openai_tools import FUNCTION_NAME, offered_tools, required_call
 from exo.api.request_body import decode_body
 from exo.api.tool_conversation import Conversation, arguments_text, function_tool
 from exo.api.validate import at_least_one, in_range
-from exo.core.ids import ModelId
+from exo.api.wire.anthropic import ContentBlock, Message, MessagesRequest
+from exo.api.wire.openai_chat import NamedFunction, ToolChoice
 from exo.core.types import GenerationParams, ToolCall
 
 # Blocks a client sends back that only mattered to the model that wrote them: dropped.
 _DROPPED_BLOCKS = {"thinking", "redacted_thinking"}
-
-
-class ImageSource(msgspec.Struct, kw_only=True):
-    type: str
-    media_type: str = ""  # not checked: the image's bytes say what they are
-    data: str = ""  # base64
-    url: str = ""
-
-
-class ContentBlock(msgspec.Struct, kw_only=True):
-    type: str
-    text: str = ""
-    source: ImageSource | None = None  # image
-    id: str = ""  # tool_use
-    name: str = ""
-    input: dict[str, Any] | None = None
-    tool_use_id: str = ""  # tool_result
-    content: str | list[ContentBlock] = ""
-    is_error: bool = False
-
-
-class Message(msgspec.Struct, kw_only=True):
-    role: str
-    content: str | list[ContentBlock]
-
-
-class Tool(msgspec.Struct, kw_only=True):
-    name: str
-    input_schema: dict[str, Any] | None = None
-    description: str | None = None
-    type: str | None = None  # "custom", or one of Anthropic's own server tools
-
-
-class AnthropicToolChoice(msgspec.Struct, kw_only=True):
-    type: str
-    name: str | None = None
-    disable_parallel_tool_use: bool | None = None
-
-
-class ThinkingConfig(msgspec.Struct, kw_only=True):
-    type: str
-    budget_tokens: int | None = None  # not enforced: the model thinks until it closes its thinking
-
-
-class MessagesRequest(msgspec.Struct, kw_only=True):
-    model: ModelId
-    messages: list[Message]
-    max_tokens: int
-    system: str | list[ContentBlock] | None = None
-    stop_sequences: list[str] | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    stream: bool = False
-    metadata: dict[str, Any] | None = None
-    tools: list[Tool] | None = None
-    tool_choice: AnthropicToolChoice | None = None
-    thinking: ThinkingConfig | None = None
 
 
 def _text_of(content: str | list[ContentBlock], param: str) -> str:

@@ -11,16 +11,12 @@ from aiohttp import web
 from exo.api.context import ApiContext, context_of
 from exo.api.errors import ApiError
 from exo.api.request_body import decode_body
+from exo.api.wire.cluster import DownloadBody
 from exo.bus.download_control import Action, NodeUnreachable, request_download_action
 from exo.core.ids import ModelId, NodeId
 from exo.core.types import is_valid_model_id
 
 _STATUS = {"not_found": 404, "invalid": 400, "conflict": 409}
-
-
-class DownloadBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    model_id: ModelId
-    node_id: NodeId = NodeId("")  # empty: the node serving this API
 
 
 async def start(request: web.Request) -> web.Response:

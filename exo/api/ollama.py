@@ -11,7 +11,6 @@ from collections.abc import Callable
 from datetime import datetime, timezone
 from typing import Any
 
-import msgspec
 from aiohttp import web
 
 from exo.api.context import context_of
@@ -24,68 +23,11 @@ from exo.api.structured import ollama_format
 from exo.api.thinking import from_ollama
 from exo.api.tool_conversation import Conversation, arguments_object, arguments_text
 from exo.api.validate import at_least_one, in_range, stop_list
+from exo.api.wire.ollama import ChatRequest, GenerateRequest, ModelRequest, OllamaMessage, Options
 from exo.core.ids import ModelId
 from exo.core.types import ChatMessage, GenerationParams, ModelCard, TokenChunk, ToolCall
 
 OLLAMA_VERSION = "0.9.0"  # the Ollama API level these routes follow
-
-
-class Options(msgspec.Struct, kw_only=True):
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    seed: int | None = None
-    num_predict: int | None = None
-    stop: str | list[str] | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-
-
-class CalledFunction(msgspec.Struct, kw_only=True):
-    name: str
-    arguments: dict[str, Any] = {}
-
-
-class OllamaToolCall(msgspec.Struct, kw_only=True):
-    function: CalledFunction
-
-
-class OllamaMessage(msgspec.Struct, kw_only=True):
-    role: str
-    content: str = ""
-    images: list[str] | None = None
-    tool_calls: list[OllamaToolCall] | None = None
-    tool_name: str | None = None  # which tool a `tool` message answers
-
-
-class ChatRequest(msgspec.Struct, kw_only=True):
-    model: ModelId
-    messages: list[OllamaMessage] = []
-    stream: bool = True
-    options: Options | None = None
-    format: str | dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
-    keep_alive: str | int | float | None = None
-    think: bool | str | None = None
-
-
-class GenerateRequest(msgspec.Struct, kw_only=True):
-    model: ModelId
-    prompt: str = ""
-    system: str | None = None
-    raw: bool = False
-    stream: bool = True
-    options: Options | None = None
-    format: str | dict[str, Any] | None = None
-    images: list[str] | None = None
-    suffix: str | None = None
-    think: bool | str | None = None
-    keep_alive: str | int | float | None = None
-
-
-class ModelRequest(msgspec.Struct, kw_only=True):
-    model: ModelId = ModelId("")
-    name: str = ""  # older clients send "name"
 
 
 def _params(options: Options | None, **fields: Any) -> GenerationParams:

@@ -13,68 +13,11 @@ from exo.api.errors import ApiError
 from exo.api.generation import generating
 from exo.api.images import USER_ONLY, ImageUploads
 from exo.api.openai_chat_stream import complete_chat, parse_event_id, resume_chat, stream_chat
-from exo.api.openai_tools import (
-    RequestToolCall,
-    ToolChoice,
-    check_logprobs,
-    check_penalty,
-    offered_tools,
-    required_call,
-    tool_turn,
-)
+from exo.api.openai_tools import check_logprobs, check_penalty, offered_tools, required_call, tool_turn
 from exo.api.request_body import decode_body
 from exo.api.structured import openai_chat_format
-from exo.core.ids import ModelId
+from exo.api.wire.openai_chat import ChatRequest, ChatRequestMessage, ToolChoice
 from exo.core.types import ChatMessage, GenerationParams
-
-
-class ImageUrl(msgspec.Struct, kw_only=True):
-    url: str
-    detail: str = "auto"
-
-
-class ContentPart(msgspec.Struct, kw_only=True):
-    type: str
-    text: str = ""
-    image_url: ImageUrl | None = None
-
-
-class ChatRequestMessage(msgspec.Struct, kw_only=True):
-    role: str
-    content: str | list[ContentPart] | None = None
-    tool_calls: list[RequestToolCall] | None = None
-    tool_call_id: str | None = None
-    name: str | None = None
-
-
-class StreamOptions(msgspec.Struct, kw_only=True):
-    include_usage: bool = False
-
-
-class ChatRequest(msgspec.Struct, kw_only=True):
-    model: ModelId
-    messages: list[ChatRequestMessage]
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    n: int = 1
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | ToolChoice | None = None
-    parallel_tool_calls: bool | None = None
-    reasoning_effort: str | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
-    enable_thinking: bool | None = None
-    response_format: dict[str, Any] | None = None
-
 
 _ROLES = {"system", "developer", "user", "assistant", "tool"}
 

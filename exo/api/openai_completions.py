@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import msgspec
 from aiohttp import web
 
 from exo.api.context import context_of
@@ -15,35 +14,10 @@ from exo.api.openai_chat_stream import usage
 from exo.api.openai_tools import check_penalty
 from exo.api.request_body import decode_body
 from exo.api.sse import SseStream
-from exo.core.ids import ModelId
+from exo.api.wire.openai_chat import CompletionRequest
 from exo.core.types import GenerationParams, TokenLogprob
 
-DEFAULT_MAX_TOKENS = 16  # OpenAI's default for this endpoint
 MAX_LOGPROBS = 5  # the completions API's own limit
-
-
-class StreamOptions(msgspec.Struct, kw_only=True):
-    include_usage: bool = False
-
-
-class CompletionRequest(msgspec.Struct, kw_only=True):
-    model: ModelId
-    prompt: str | list[str]
-    max_tokens: int | None = DEFAULT_MAX_TOKENS
-    temperature: float | None = None
-    top_p: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    n: int = 1
-    best_of: int | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    logprobs: int | None = None
-    echo: bool = False
-    suffix: str | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    user: str | None = None
 
 
 def to_params(body: CompletionRequest) -> GenerationParams:

@@ -14,77 +14,19 @@ from exo.api.errors import ApiError
 from exo.api.generation import collect, generating
 from exo.api.images import USER_ONLY, ImageUploads
 from exo.api.openai_responses_stream import Answer, response_body, stream_response
-from exo.api.openai_tools import NamedFunction, ToolChoice, offered_tools, required_call
+from exo.api.openai_tools import offered_tools, required_call
 from exo.api.request_body import decode_body
 from exo.api.structured import responses_format
 from exo.api.thinking import from_effort
 from exo.api.tool_conversation import Conversation, function_tool
 from exo.api.validate import at_least_one, in_range
-from exo.core.ids import ModelId
+from exo.api.wire.openai_chat import NamedFunction, ToolChoice
+from exo.api.wire.openai_responses import ContentPart, InputItem, NamedTool, ResponsesRequest
 from exo.core.types import GenerationParams, ToolCall
 
 _ROLES = {"user", "assistant", "system", "developer"}
 _TEXT_PARTS = {"input_text", "output_text", "text"}
 _DROPPED_ITEMS = {"reasoning"}  # the model's own notes from an earlier turn: not part of the prompt
-
-
-class ContentPart(msgspec.Struct, kw_only=True):
-    type: str
-    text: str = ""
-    image_url: str | None = None  # input_image: a data: URL
-    file_id: str | None = None
-    detail: str | None = None  # accepted; the model sees the image as its processor sizes it
-
-
-class InputItem(msgspec.Struct, kw_only=True):
-    type: str = "message"
-    role: str = ""
-    content: str | list[ContentPart] = ""
-    call_id: str = ""  # function_call, function_call_output
-    name: str = ""
-    arguments: str = ""
-    output: str | list[ContentPart] = ""
-
-
-class FunctionTool(msgspec.Struct, kw_only=True):
-    type: str
-    name: str = ""
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
-
-
-class NamedTool(msgspec.Struct, kw_only=True):
-    type: str
-    name: str = ""
-
-
-class Reasoning(msgspec.Struct, kw_only=True):
-    effort: str | None = None
-    summary: str | None = None  # no summaries: the reasoning itself comes back as reasoning_text
-
-
-class TextOptions(msgspec.Struct, kw_only=True):
-    format: dict[str, Any] | None = None
-    verbosity: str | None = None
-
-
-class ResponsesRequest(msgspec.Struct, kw_only=True):
-    model: ModelId
-    input: str | list[InputItem]
-    instructions: str | None = None
-    max_output_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    stream: bool = False
-    store: bool | None = None
-    previous_response_id: str | None = None
-    tools: list[FunctionTool] | None = None
-    tool_choice: str | NamedTool | None = None
-    parallel_tool_calls: bool | None = None
-    reasoning: Reasoning | None = None
-    text: TextOptions | None = None
-    metadata: dict[str, Any] | None = None
 
 
 def _content(content: str | list[ContentPart], param: str, uploads: ImageUploads | None) -> tuple[str, list[str]]:

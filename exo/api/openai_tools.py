@@ -13,43 +13,12 @@ from typing import Any
 import msgspec
 
 from exo.api.errors import ApiError
+from exo.api.wire.openai_chat import FunctionTool, RequestToolCall, ToolChoice
 from exo.core.grammar import tool_call_problem
 from exo.core.types import TokenLogprob, ToolCall, ToolTurn
 
 FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 MAX_TOP_LOGPROBS = 20
-
-
-class FunctionDef(msgspec.Struct, kw_only=True):
-    name: str
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
-
-
-class FunctionTool(msgspec.Struct, kw_only=True):
-    type: str
-    function: FunctionDef
-
-
-class NamedFunction(msgspec.Struct, kw_only=True):
-    name: str
-
-
-class ToolChoice(msgspec.Struct, kw_only=True):
-    type: str
-    function: NamedFunction
-
-
-class CalledFunction(msgspec.Struct, kw_only=True):
-    name: str
-    arguments: str = "{}"
-
-
-class RequestToolCall(msgspec.Struct, kw_only=True):
-    id: str
-    type: str = "function"
-    function: CalledFunction
 
 
 def offered_tools(tools: list[dict[str, Any]] | None, choice: str | ToolChoice | None) -> list[dict[str, Any]]:

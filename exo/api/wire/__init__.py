@@ -1,0 +1,1 @@
+"""Request and response bodies of the API surfaces, one module per surface family."""

@@ -1,0 +1,114 @@
+"""Wire types of OpenAI chat completions and completions, and the tool types they share.
+
+Bodies as msgspec decodes them: unknown fields are ignored on the surfaces (as their own servers
+do) and forbidden on the cluster's routes; the handler modules validate the values."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from exo.core.ids import ModelId
+
+COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+class FunctionDef(msgspec.Struct, kw_only=True):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class FunctionTool(msgspec.Struct, kw_only=True):
+    type: str
+    function: FunctionDef
+
+
+class NamedFunction(msgspec.Struct, kw_only=True):
+    name: str
+
+
+class ToolChoice(msgspec.Struct, kw_only=True):
+    type: str
+    function: NamedFunction
+
+
+class CalledFunction(msgspec.Struct, kw_only=True):
+    name: str
+    arguments: str = "{}"
+
+
+class RequestToolCall(msgspec.Struct, kw_only=True):
+    id: str
+    type: str = "function"
+    function: CalledFunction
+
+
+class ImageUrl(msgspec.Struct, kw_only=True):
+    url: str
+    detail: str = "auto"
+
+
+class ContentPart(msgspec.Struct, kw_only=True):
+    type: str
+    text: str = ""
+    image_url: ImageUrl | None = None
+
+
+class ChatRequestMessage(msgspec.Struct, kw_only=True):
+    role: str
+    content: str | list[ContentPart] | None = None
+    tool_calls: list[RequestToolCall] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+
+
+class StreamOptions(msgspec.Struct, kw_only=True):
+    include_usage: bool = False
+
+
+class ChatRequest(msgspec.Struct, kw_only=True):
+    model: ModelId
+    messages: list[ChatRequestMessage]
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = 1
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    reasoning_effort: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    enable_thinking: bool | None = None
+    response_format: dict[str, Any] | None = None
+
+
+class CompletionRequest(msgspec.Struct, kw_only=True):
+    model: ModelId
+    prompt: str | list[str]
+    max_tokens: int | None = COMPLETIONS_MAX_TOKENS
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = 1
+    best_of: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    user: str | None = None
