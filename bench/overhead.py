@@ -32,16 +32,22 @@ MESSAGES = [{"role": "user", "content": "Write a short story about a lighthouse 
 def direct_run(model, tokenizer, prompt: str, max_tokens: int) -> tuple[float, float, int]:
     start = time.perf_counter()
     stamps = [time.perf_counter() for _ in mlx_lm.stream_generate(model, tokenizer, prompt, max_tokens=max_tokens)]
-    return stamps[0] - start, _decode_rate(stamps), len(stamps)
+    return stamps[0] - start, decode_rate(stamps), len(stamps)
 
 
 def cluster_run(http: httpx.Client, max_tokens: int) -> tuple[float, float, int]:
     body = {"model": TINY_MODEL_ID, "messages": MESSAGES, "temperature": 0, "max_tokens": max_tokens,
             "stream": True, "stream_options": {"include_usage": True}}
+    return timed_chat_stream(http, json.dumps(body).encode())
+
+
+def timed_chat_stream(http: httpx.Client, body: bytes) -> tuple[float, float, int]:
+    """(time to first token, decode tokens/s, completion tokens) of one streamed chat whose JSON
+    body is ready to send."""
     start = time.perf_counter()
     stamps: list[float] = []
     tokens = 0
-    with http.stream("POST", "/v1/chat/completions", json=body) as response:
+    with http.stream("POST", "/v1/chat/completions", content=body, headers={"Content-Type": "application/json"}) as response:
         for line in response.iter_lines():
             if not line.startswith("data: {"):
                 continue
@@ -51,10 +57,10 @@ def cluster_run(http: httpx.Client, max_tokens: int) -> tuple[float, float, int]
             elif chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
                 stamps.append(time.perf_counter())
     # A chunk may carry several tokens (exo coalesces fast streams), so count tokens from usage.
-    return stamps[0] - start, _decode_rate(stamps, tokens), tokens
+    return stamps[0] - start, decode_rate(stamps, tokens), tokens
 
 
-def _decode_rate(stamps: list[float], tokens: int | None = None) -> float:
+def decode_rate(stamps: list[float], tokens: int | None = None) -> float:
     """Tokens after the first, per second from the first token to the last."""
     return ((tokens or len(stamps)) - 1) / (stamps[-1] - stamps[0])
 

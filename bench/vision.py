@@ -30,6 +30,7 @@ import httpx  # noqa: E402
 import mlx_vlm  # noqa: E402
 from mlx_vlm.prompt_utils import apply_chat_template  # noqa: E402
 
+from bench.overhead import decode_rate, timed_chat_stream  # noqa: E402
 from exo.bus.connection import connect  # noqa: E402
 from exo.bus.subjects import IMAGES_STREAM  # noqa: E402
 from tests.exo_process import ExoProcess  # noqa: E402
@@ -44,7 +45,7 @@ def direct_run(model, processor, prompt: str, image: str, max_tokens: int) -> tu
     start = time.perf_counter()
     stamps = [time.perf_counter() for _ in mlx_vlm.stream_generate(model, processor, prompt, image=[image],
                                                                    max_tokens=max_tokens, temperature=0.0)]
-    return stamps[0] - start, _decode_rate(stamps[:-1]), len(stamps) - 1  # the last record repeats the last token
+    return stamps[0] - start, decode_rate(stamps[:-1]), len(stamps) - 1  # the last record repeats the last token
 
 
 def chat_body(data_url: str, max_tokens: int) -> bytes:
@@ -53,27 +54,6 @@ def chat_body(data_url: str, max_tokens: int) -> bytes:
     content = [{"type": "text", "text": ASK}, {"type": "image_url", "image_url": {"url": data_url}}]
     return json.dumps({"model": VISION_MODEL_ID, "messages": [{"role": "user", "content": content}], "temperature": 0,
                        "max_tokens": max_tokens, "stream": True, "stream_options": {"include_usage": True}}).encode()
-
-
-def cluster_run(http: httpx.Client, body: bytes) -> tuple[float, float, int]:
-    start = time.perf_counter()
-    stamps: list[float] = []
-    tokens = 0
-    headers = {"Content-Type": "application/json"}
-    with http.stream("POST", "/v1/chat/completions", content=body, headers=headers) as response:
-        for line in response.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
-            elif chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
-                stamps.append(time.perf_counter())
-    return stamps[0] - start, _decode_rate(stamps, tokens), tokens
-
-
-def _decode_rate(stamps: list[float], tokens: int | None = None) -> float:
-    return ((tokens or len(stamps)) - 1) / (stamps[-1] - stamps[0])
 
 
 def start_cluster(model_dir: Path, root: Path) -> tuple[FakeHub, ExoProcess]:
@@ -130,17 +110,17 @@ def measure(args, model_dir: Path, root: Path, exo: ExoProcess) -> tuple:
             warm = image_of(args.image_kb, 100 + seed)
             (root / "warm.png").write_bytes(warm)
             direct_run(model, processor, prompt, str(root / "warm.png"), args.max_tokens)
-            cluster_run(http, chat_body("data:image/png;base64," + base64.b64encode(warm).decode(), args.max_tokens))
+            timed_chat_stream(http, chat_body("data:image/png;base64," + base64.b64encode(warm).decode(), args.max_tokens))
         image = image_of(args.image_kb, 1)
         path, body = root / "image.png", chat_body("data:image/png;base64," + base64.b64encode(image).decode(),
                                                    args.max_tokens)
         path.write_bytes(image)
-        first = cluster_run(http, body)  # a new image: uploaded, then fetched by the worker
+        first = timed_chat_stream(http, body)  # a new image: uploaded, then fetched by the worker
         before, fetches = asyncio.run(stored_bytes(exo)), exo.output().count("fetched and verified")
         direct, cluster = [], []
         for _ in range(args.requests):
             direct.append(direct_run(model, processor, prompt, str(path), args.max_tokens))
-            cluster.append(cluster_run(http, body))
+            cluster.append(timed_chat_stream(http, body))
         transfers = (asyncio.run(stored_bytes(exo)) - before, exo.output().count("fetched and verified") - fetches)
     return len(image), first, direct, cluster, transfers
 
