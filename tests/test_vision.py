@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import json
+import time
 
 import pytest
 
@@ -113,3 +114,14 @@ def test_seeded_sampling_equals_mlx_vlm_after_that_seed(http, ref, answers):
     assert sampled != answers["A"][0]  # sampling really changes the answer: the test can fail
     reply = http.post("/v1/chat/completions", json=chat_body(A, seed=42, temperature=1.5)).json()
     assert reply["choices"][0]["message"]["content"] == sampled
+
+
+def test_a_stream_whose_client_leaves_is_cancelled_within_a_few_tokens(http, answers):
+    with http.stream("POST", "/v1/chat/completions", json=chat_body(A, stream=True, max_tokens=20_000)) as reply:
+        first = next(json.loads(line[6:]) for line in reply.iter_lines() if line.startswith("data: {"))
+    command_id = first["id"].removeprefix("chatcmpl-")
+    deadline = time.monotonic() + 30
+    while (task := http.get("/state").json()["tasks"][command_id])["status"] == "running" and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert task["status"] == "cancelled"
+    assert 0 < task["completion_tokens"] < 20_000
