@@ -137,3 +137,19 @@ def test_needed_means_the_images_of_this_nodes_pending_and_running_tasks():
     assert tasks_needing(view, A) == ["pending"]
     assert tasks_needing(view, C) == []
     assert tasks_needing(WorkerView(node_id="me", state=state, ended_tasks=frozenset({"pending"})), A) == []
+
+
+def test_a_write_is_whole_or_leaves_nothing(tmp_path):
+    cache = ImageCache(tmp_path / "images", 1_000)
+    cache.write("a" * 64, b"x" * 10)
+    assert (tmp_path / "images" / ("a" * 64)).read_bytes() == b"x" * 10 and cache.total_bytes == 10
+    (tmp_path / "images" / ("b" * 64)).mkdir()  # the name is taken by a folder: the rename fails
+    (tmp_path / "images" / ("b" * 64) / "x").write_bytes(b"")
+    try:
+        cache.write("b" * 64, b"y" * 20)
+    except OSError:
+        pass
+    else:
+        raise AssertionError("the write should have failed")
+    assert sorted(p.name for p in (tmp_path / "images").iterdir()) == ["a" * 64, "b" * 64]  # no .tmp left
+    assert "b" * 64 not in cache and cache.total_bytes == 10

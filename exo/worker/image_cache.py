@@ -75,6 +75,19 @@ class ImageCache:
         self._sizes[digest] = size
         self._sizes.move_to_end(digest)
 
+    def write(self, digest: str, data: bytes) -> None:
+        """Store verified bytes under their digest, whole or not at all (raises OSError, e.g. a full
+        disk, with no half-written file left behind); then they are the most recently used."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        temporary = self.directory / f".{digest}.tmp"
+        try:
+            temporary.write_bytes(data)
+            temporary.replace(self.path(digest))
+        except OSError:
+            temporary.unlink(missing_ok=True)
+            raise
+        self.add(digest, len(data))
+
     def touch(self, digests: Iterable[str]) -> None:
         """Used now (handed to a runner): the last to go."""
         for digest in digests:

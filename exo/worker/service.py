@@ -220,7 +220,6 @@ class Worker:
                 self._in_background(self._stop_runner(step.runner_id))
 
     async def _fetch_images(self, digests: list[str]) -> None:
-        self.images_dir.mkdir(parents=True, exist_ok=True)
         for digest in digests:
             try:
                 data = await fetch_image(self._nc, digest)  # verified against its hash
@@ -231,16 +230,12 @@ class Worker:
                 continue
             finally:
                 self._images_in_flight.discard(digest)
-            temporary = self.images_dir / f".{digest}.tmp"
             try:
-                await asyncio.to_thread(temporary.write_bytes, data)
-                temporary.replace(self.images_dir / digest)
-            except OSError as error:  # a full disk: no half-written file stays behind
-                temporary.unlink(missing_ok=True)
+                await asyncio.to_thread(self._images.write, digest, data)
+            except OSError as error:  # a full disk: its tasks fail
                 log.error("cannot store image %s: %s", digest, error)
                 self._fail_tasks_needing(digest, f"cannot store the image: {error}")
                 continue
-            self._images.add(digest, len(data))
             log.info("worker: image %s fetched and verified (%d bytes)", digest, len(data))
             self._trim_images()
         self._wake.set()
