@@ -23,6 +23,7 @@ from exo.bus.connection import Connection, connect, redact
 from exo.bus.embedded import EmbeddedNats
 from exo.bus.errors import LogGap
 from exo.bus.event_log import EventLog
+from exo.bus.liveness import Pulse, send_pulse
 from exo.bus.provision import event_retention, provision
 from exo.bus.state_view import StateView
 from exo.core.events import Event, NodeRegistered
@@ -120,8 +121,10 @@ class Node:
             async def append(event: Event) -> None:
                 await events.append(event, uuid.uuid4().hex)
 
-            heartbeat = Heartbeat(node_id, append,
-                                  prompt_caches=self.worker.prompt_caches)
+            async def pulse(incarnation: str) -> None:
+                await send_pulse(nc, Pulse(node_id=node_id, incarnation=incarnation))
+
+            heartbeat = Heartbeat(node_id, append, pulse, prompt_caches=self.worker.prompt_caches)
             view.add_listener(heartbeat.on_event)
             info = describe_this_node(node_id, heartbeat.incarnation, time.time())
             await events.append(NodeRegistered(node=info), uuid.uuid4().hex)

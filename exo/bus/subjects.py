@@ -44,3 +44,11 @@ def model_share_subject(node_id: NodeId, what: str) -> str:
 def download_control_subject(node_id: NodeId, action: str) -> str:
     """A node's download coordinator: `action` is "start", "cancel" or "delete"."""
     return f"exo.downloads.{node_id}.{action}"
+
+
+# Core NATS, no stream: each node's pulse, every heartbeat interval (see exo/bus/liveness.py).
+ALL_PULSES = "exo.liveness.>"
+
+
+def pulse_subject(node_id: NodeId) -> str:
+    return f"exo.liveness.{node_id}"

@@ -18,6 +18,7 @@ from exo.bus.connection import Connection
 from exo.bus.errors import BROKER_ERRORS
 from exo.bus.event_log import EventLog
 from exo.bus.leadership import Lease
+from exo.bus.liveness import Pulse, listen_for_pulses
 from exo.bus.snapshots import write_snapshot
 from exo.bus.state_view import StateView
 from exo.core.commands import AnyCommand, command_tag
@@ -61,8 +62,13 @@ class Master:
         if isinstance(event, (NodeRegistered, NodeHeartbeat)):
             self._heard_at[event.node.node_id] = time.monotonic()
 
+    def _on_pulse(self, pulse: Pulse) -> None:
+        self._heard_at[pulse.node_id] = time.monotonic()
+
     async def run(self) -> None:
-        """Campaign for the lease until this node wins it, lead until it is lost, repeat."""
+        """Campaign for the lease until this node wins it, lead until it is lost, repeat. Pulses
+        are heard all along, so a node that takes over knows who is alive."""
+        pulses = await listen_for_pulses(self._nc, self._on_pulse)
         try:
             while True:
                 try:
@@ -75,6 +81,7 @@ class Master:
                     log.warning("master: %r; campaigning again", error)
                     await asyncio.sleep(1)
         finally:
+            await pulses.unsubscribe()
             await self._lease.release()
 
     async def _lead(self) -> None:

@@ -4,9 +4,9 @@
 import {json} from "./api.js";
 import {bar, bytes, confirmButton, duration, h, percent, replaceChildren, short} from "./util.js";
 
-// The master times out a node it has not heard from for 30 s (its default); past that a node
-// still in State has simply not sent anything new, which older nodes never do after registering.
-const QUIET_AFTER_S = 30;
+// Nodes pulse on core NATS and the master removes one it has not heard from (30 s by default):
+// a node in State is live. Its NodeInfo is updated only when it changes, so `last_seen` is when
+// it last described itself, shown as such.
 const STATUS_ORDER = ["failed", "created", "downloading", "loading", "warming_up", "ready", "stopped"];
 
 export function renderNodes(container, state, ctx) {
@@ -40,9 +40,7 @@ function liveness(node, ctx) {
     return {kind: node.status === "alive" || node.status === "live" ? "live" : "down", text: node.status};
   }
   const age = Date.now() / 1000 - (node.last_seen || 0);
-  if (node.node_id === ctx.nodeId && ctx.connected) return {kind: "live", text: "live"};
-  if (age < QUIET_AFTER_S) return {kind: "live", text: `heard ${duration(age)} ago`};
-  return {kind: "quiet", text: `last heard ${duration(age)} ago`};
+  return {kind: "live", text: `live; described ${duration(age)} ago`};
 }
 
 function shardsOn(nodeId, state) {
