@@ -117,3 +117,25 @@ def test_compose_topology_serves_chat_and_survives_killing_the_event_stream_lead
     finally:
         topology.stop()
         hub.stop()
+
+
+def test_exo_started_before_the_jetstream_cluster_has_formed_waits_for_it(tmp_path: Path):
+    """compose.yaml waits for healthy servers, but a server can be healthy before the JetStream
+    meta group has the peers an R3 stream needs ("no suitable peers for placement"): exo waits
+    for the cluster instead of exiting (one full-suite run saw exo-head exit so)."""
+    topology = LocalTopology(tmp_path / "compose", {"EXO_CLUSTER_FORMING_WAIT_S": "60"})
+    try:
+        for name in topology.nats_names[:2]:
+            topology.services[name] = topology.nats_service(name).start()
+        head = topology.services["exo-head"] = topology.exo_service("exo-head").start()
+        deadline = time.monotonic() + 60
+        while "waiting for the JetStream cluster's servers" not in head.output():
+            assert head.process.poll() is None, head.output()
+            assert time.monotonic() < deadline, head.output()
+            time.sleep(0.2)
+        last = topology.nats_names[2]
+        topology.services[last] = topology.nats_service(last).start()
+        topology.wait_ready(head)
+        assert "no suitable peers for placement" in head.output()
+    finally:
+        topology.stop()

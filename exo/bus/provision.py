@@ -9,8 +9,11 @@ stream is brought up to the file's limits, and the log says so.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +27,14 @@ log = logging.getLogger(__name__)
 
 _STREAM_IN_USE = 10058  # "stream name already in use with a different configuration"
 _CONSUMER_EXISTS = 10148  # "consumer already exists" (with another config)
+# A JetStream cluster still forming (a server not yet up or not yet a meta-group member) has no
+# peers for a replicated stream: exo started with the cluster waits for it instead of exiting.
+_NO_PEERS = 10005  # "no suitable peers for placement"
+FORMING_WAIT_S = float(os.environ.get("EXO_CLUSTER_FORMING_WAIT_S", "60"))
+
+
+class ClusterForming(BusError):
+    pass
 
 
 Overrides = dict[str, dict[str, Any]]  # stream name -> fields that replace the file's
@@ -64,6 +75,18 @@ def consumer_configs(folder: Path | None = None) -> list[tuple[str, dict[str, An
 
 
 async def provision(nc: Client, replicas: int | None = None, overrides: Overrides | None = None) -> None:
+    deadline = time.monotonic() + FORMING_WAIT_S
+    while True:
+        try:
+            return await _provision_once(nc, replicas, overrides)
+        except ClusterForming as forming:
+            if time.monotonic() > deadline:
+                raise BusError(f"{forming}; the JetStream cluster did not form within {FORMING_WAIT_S:g} s") from None
+            log.warning("%s: waiting for the JetStream cluster's servers", forming)
+            await asyncio.sleep(1.0)
+
+
+async def _provision_once(nc: Client, replicas: int | None, overrides: Overrides | None) -> None:
     for config in stream_configs(replicas=replicas, overrides=overrides):
         await _create_stream(nc, config)
     for stream, config in consumer_configs():
@@ -81,6 +104,8 @@ async def _create_stream(nc: Client, config: dict[str, Any]) -> None:
             f"stream {name} already exists with a configuration different from streams/{name}.json; "
             f"compare with `nats stream info {name}` and update or remove it deliberately"
         )
+    if error and error.get("err_code") == _NO_PEERS:
+        raise ClusterForming(f"cannot create stream {name} yet: {error.get('description')}")
     if error:
         raise BusError(f"cannot create stream {name}: {error.get('description', error)}")
 
