@@ -15,15 +15,23 @@ from nats.js import api
 from nats.js.errors import APIError, ObjectNotFoundError
 from nats.js.object_store import ObjectStore
 
-from exo.bus.errors import BusError
+from exo.bus.errors import BROKER_ERRORS, BusError
 from exo.bus.subjects import IMAGES_BUCKET, IMAGES_STREAM, image_chunks_subject
 
+# What reading an image can raise besides our own: the broker's errors, a chunk read that timed out.
+_READ_ERRORS: tuple[type[Exception], ...] = (*BROKER_ERRORS, asyncio.TimeoutError)
 
-class ImageMissing(BusError):
+
+class ImageUnavailable(BusError):
+    """An image that cannot be had: missing, corrupt, or the broker failed reading it. Its message
+    says which, for the client whose request needed it."""
+
+
+class ImageMissing(ImageUnavailable):
     pass
 
 
-class ImageCorrupt(BusError):
+class ImageCorrupt(ImageUnavailable):
     pass
 
 
@@ -71,6 +79,16 @@ async def delete_image(nc: Client, digest: str) -> None:
 
 
 async def fetch_image(nc: Client, digest: str, timeout: float = 60.0) -> bytes:
+    """The image's bytes, verified against its name; ImageUnavailable, saying why, if that fails."""
+    try:
+        return await _fetch(nc, digest, timeout)
+    except ImageUnavailable:
+        raise
+    except _READ_ERRORS as error:  # a retry might loop: the caller gives up
+        raise ImageUnavailable(f"cannot fetch image {digest}: {error!r}") from None
+
+
+async def _fetch(nc: Client, digest: str, timeout: float) -> bytes:
     js = nc.jetstream()
     store = _store(nc)
     try:

@@ -18,9 +18,8 @@ from msgspec.structs import replace
 
 from exo.background import Background
 from exo.bus.connection import Connection
-from exo.bus.errors import BROKER_ERRORS
 from exo.bus.event_log import EventLog
-from exo.bus.images import ImageCorrupt, ImageMissing, fetch_image
+from exo.bus.images import ImageUnavailable, fetch_image
 from exo.bus.state_view import StateView
 from exo.bus.tokens import publish_chunk
 from exo.core.catalogue import find_card
@@ -51,9 +50,6 @@ log = logging.getLogger(__name__)
 # A runner that has work and shows no progress this long (no Alive report: its model thread is
 # stuck, or the process is stopped) is hung. Longer than any one step: a prefill chunk of a big model.
 RUNNER_STALL_S = float(os.environ.get("EXO_RUNNER_STALL_S", "30"))
-# What fetching an image can raise: fetch_image's ImageMissing / ImageCorrupt, the broker's errors,
-# a chunk read that timed out.
-_FETCH_ERRORS: tuple[type[Exception], ...] = (*BROKER_ERRORS, asyncio.TimeoutError)
 
 
 class Worker:
@@ -223,10 +219,9 @@ class Worker:
         for digest in digests:
             try:
                 data = await fetch_image(self._nc, digest)  # verified against its hash
-            except _FETCH_ERRORS as error:  # missing, corrupt or unreadable: its tasks fail (a retry would loop)
-                reason = str(error) if isinstance(error, (ImageMissing, ImageCorrupt)) else f"cannot fetch image {digest}: {error!r}"
-                log.error("worker: %s", reason)
-                self._fail_tasks_needing(digest, reason)
+            except ImageUnavailable as error:  # missing, corrupt or unreadable: its tasks fail
+                log.error("worker: %s", error)
+                self._fail_tasks_needing(digest, str(error))
                 continue
             finally:
                 self._images_in_flight.discard(digest)
