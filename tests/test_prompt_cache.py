@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -287,12 +288,15 @@ def test_with_two_instances_each_conversation_stays_where_its_cache_is(http, nod
     for conversation, turns in served.items():
         assert len({instance for instance, _ in turns}) == 1, (conversation, turns)  # every turn where the first went
         assert all(cached > len(SYSTEM) // 8 for _, cached in turns[1:]), turns  # and found its cache there
-    # Each runner's figures reach /metrics with its node's next heartbeat (every 5 s).
+    # Each runner's figures reach /metrics with its node's next heartbeat (every 5 s): at least the
+    # hits this test saw there (the split of the first turns is the router's to choose; earlier
+    # tests' hits may add to one instance's count).
+    seen_hits = Counter(instance for turns in served.values() for instance, cached in turns if cached > 0)
     hits: dict[str, float] = {}
     deadline = time.monotonic() + 15
     while len(hits) < 2 and time.monotonic() < deadline:
         time.sleep(0.5)
         hits = {line.split('instance_id="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
                 for line in http.get("/metrics").text.splitlines() if line.startswith("exo_prompt_cache_hits_total{")}
-        hits = {instance: n for instance, n in hits.items() if n >= 4}
-    assert sorted(hits) == sorted({turns[0][0] for turns in served.values()}), hits
+        hits = {instance: n for instance, n in hits.items() if instance in seen_hits and n >= seen_hits[instance]}
+    assert sorted(hits) == sorted(seen_hits), (hits, seen_hits)
