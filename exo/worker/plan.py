@@ -11,6 +11,20 @@ from typing import Literal
 
 import msgspec
 
+from exo.core.events import (
+    AnyEvent,
+    DownloadDeleted,
+    DownloadFailed,
+    DownloadProgressed,
+    NodeHeartbeat,
+    NodeRegistered,
+    NodeTimedOut,
+    RunnerStatusChanged,
+    TaskCancelRequested,
+    TaskCreated,
+    TaskFinished,
+    TaskStarted,
+)
 from exo.core.ids import InstanceId, ModelId, NodeId, RunnerId, TaskId
 from exo.core.state import State
 from exo.core.types import Instance, RunnerInfo, ShardAssignment, Task, TaskStatus
@@ -217,6 +231,34 @@ def _task_steps(view: WorkerView, local: LocalRunner, tasks: list[Task]) -> list
         elif local.phase == "ready" and not forwarded and not missing_images(view, task):
             steps.append(ForwardTask(runner_id=local.runner_id, task_id=task.task_id))
     return steps
+
+
+def nodes_concerned(state: State, event: AnyEvent) -> frozenset[NodeId] | None:
+    """The nodes whose plan `event` (already folded into `state`) can change; None: any node's.
+
+    A busy cluster's events are mostly one instance's task and runner events: only the nodes that
+    instance runs on need to plan again. (With every node planning on every event, a worker's
+    cost grew with the whole cluster's traffic; see docs/scaling.md.)"""
+    match event:
+        case TaskCreated():
+            return _nodes_of(state, event.task.instance_id)
+        case TaskStarted() | TaskFinished() | TaskCancelRequested():
+            task = state.tasks.get(event.task_id)
+            return None if task is None else _nodes_of(state, task.instance_id)
+        case RunnerStatusChanged():
+            return _nodes_of(state, event.instance_id)
+        case NodeRegistered() | NodeHeartbeat():
+            return frozenset({event.node.node_id})
+        case DownloadProgressed():
+            return frozenset({event.progress.node_id})
+        case NodeTimedOut() | DownloadFailed() | DownloadDeleted():
+            return frozenset({event.node_id})
+    return None
+
+
+def _nodes_of(state: State, instance_id: InstanceId) -> frozenset[NodeId] | None:
+    instance = state.instances.get(instance_id)
+    return None if instance is None else frozenset(shard.node_id for shard in instance.shards)
 
 
 def images_of(task: Task) -> list[str]:

@@ -8,6 +8,7 @@ import os
 import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Protocol
 
 from exo.core.ids import RunnerId
 from exo.runner.protocol import AnyReport, Request, Shutdown, encode_line, report_decoder
@@ -16,6 +17,24 @@ log = logging.getLogger(__name__)
 
 OnReport = Callable[[AnyReport], Awaitable[None]]
 OnExit = Callable[[int, str], Awaitable[None]]
+
+
+class RunnerLink(Protocol):
+    """What the worker needs of a runner: a subprocess here; the scale simulator's fake runner
+    (tests/support/fake_runner.py) is the other implementation."""
+
+    runner_id: RunnerId
+
+    async def start(self, on_report: OnReport, on_exit: OnExit) -> None: ...
+
+    async def send(self, request: Request) -> None: ...
+
+    async def stop(self, timeout: float = 5.0) -> None: ...
+
+    def kill(self) -> None: ...
+
+
+RunnerFactory = Callable[[RunnerId], RunnerLink]
 
 
 class RunnerHost:

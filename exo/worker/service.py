@@ -43,7 +43,7 @@ from exo.runner import protocol as rp
 from exo.worker import plan as p
 from exo.worker.downloads import DownloadCoordinator
 from exo.worker.image_cache import ImageCache, limit_from_env
-from exo.worker.runner_host import RunnerHost
+from exo.worker.runner_host import RunnerFactory, RunnerHost, RunnerLink
 
 log = logging.getLogger(__name__)
 
@@ -56,17 +56,18 @@ class Worker:
     def __init__(
         self, nc: Connection, view: StateView, node_id: NodeId, data_dir: Path,
         nats_urls: list[str], builtin_cards: Mapping[ModelId, ModelCard], download_settings: DownloadSettings | None = None,
+        runner_factory: RunnerFactory | None = None,
     ) -> None:
         self.node_id = node_id
         self._nc = nc
         self._view = view
         self._log = EventLog(nc)
         self._data_dir = data_dir
-        self._nats_urls = nats_urls
         self._builtin_cards = builtin_cards
         self._runners: dict[RunnerId, p.LocalRunner] = {}
         self._prompt_cache_stats: dict[InstanceId, PromptCacheStats] = {}  # by instance id, from runners' Done reports
-        self._hosts: dict[RunnerId, RunnerHost] = {}
+        self._hosts: dict[RunnerId, RunnerLink] = {}
+        self._new_runner = runner_factory or (lambda runner_id: RunnerHost(runner_id, nats_urls, data_dir / "logs"))
         self._model_paths: dict[RunnerId, Path] = {}
         self._ended: set[TaskId] = set()
         self._images = ImageCache(self.images_dir, limit_from_env())  # what is on disk: plan's local_images
@@ -147,7 +148,9 @@ class Worker:
         if isinstance(event, (CustomCardAdded, CustomCardDeleted)):
             model_id = event.card.model_id if isinstance(event, CustomCardAdded) else event.model_id
             reconcile_custom_card(self.custom_cards_dir, model_id, state.custom_model_cards.get(model_id))
-        self._wake.set()
+        concerned = p.nodes_concerned(state, event)
+        if concerned is None or self.node_id in concerned:
+            self._wake.set()
 
     def _set_phase(self, runner_id: RunnerId, phase: p.LocalPhase, **changes) -> bool:
         """False when the runner failed meanwhile: a step planned before it died (a download that
@@ -247,7 +250,7 @@ class Worker:
     async def _create_runner(self, step: p.CreateRunner | p.RestartRunner, failures: int = 0) -> None:
         self._runners[step.runner_id] = p.LocalRunner(
             runner_id=step.runner_id, instance_id=step.instance_id, failures=failures)
-        host = RunnerHost(step.runner_id, self._nats_urls, self._data_dir / "logs")
+        host = self._new_runner(step.runner_id)
         self._hosts[step.runner_id] = host
         await host.start(
             on_report=lambda report: self._on_report(step.runner_id, report),

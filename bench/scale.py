@@ -1,0 +1,270 @@
+"""The control plane at scale: a real nats-server, master and API (each its own process), and N
+simulated nodes that are the real worker code with a fake runner at its edge
+(tests/support/simulated_nodes.py: each request is answered with --chunks chunks after
+--delay-ms). An open-loop load generator drives requests/s through the API at rising rates.
+
+Per N, it prints: control-plane latency (client send -> first chunk, less the fake runner's delay)
+p50/p99 per rate and the highest rate sustained with p99 <= 100 ms, the CPU of every process, events/s
+in the log by kind under load and idle, State size and snapshot write time, a new node's
+catch-up time, the followers' lag, and the API node's memory.
+
+    uv run python bench/scale.py [--nodes 10 100 1000] [--instances 100] [--rates 50 100 200 400] [--seconds 6]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import statistics
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import aiohttp  # noqa: E402
+import httpx  # noqa: E402
+
+from exo.bus.catch_up import catch_up  # noqa: E402
+from exo.bus.connection import connect  # noqa: E402
+from exo.bus.event_log import EventLog  # noqa: E402
+from exo.bus.subjects import ALL_EVENTS  # noqa: E402
+from exo.core.state import encode_state  # noqa: E402
+from tests.cluster import NatsServer, start_node, state_of  # noqa: E402
+from tests.support.simulated_nodes import SEQ_PROBE  # noqa: E402
+from tests.test_scale import FAKE_MODEL, SimulatorProcess, fake_model_dir  # noqa: E402
+
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICK  # utime + stime
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+
+
+class Probe:
+    """Events by kind (a core subscription on the event subjects) and the followers' lag."""
+
+    def __init__(self, nats_url: str, api_url: str) -> None:
+        self.nats_url, self.api_url = nats_url, api_url
+        self.kinds: Counter[str] = Counter()
+        self.lag: dict[str, list[int]] = {"simulated nodes": [], "API": []}
+
+    async def start(self) -> None:
+        self.nc = await connect([self.nats_url], name="bench-probe")
+        self.log = EventLog(self.nc)
+
+        async def count(msg) -> None:
+            self.kinds[msg.subject.removeprefix("exo.events.")] += 1
+
+        await self.nc.subscribe(ALL_EVENTS, cb=count)
+
+    async def sample_lag(self, http: aiohttp.ClientSession) -> None:
+        last = await self.log.last_sequence()
+        simulated = int((await self.nc.request(SEQ_PROBE, b"", timeout=5)).data)
+        async with http.get(f"{self.api_url}/health") as response:
+            api = (await response.json())["last_seq"]
+        self.lag["simulated nodes"].append(max(0, last - simulated))
+        self.lag["API"].append(max(0, last - api))
+
+
+def _has_content(line: bytes) -> bool:
+    choices = json.loads(line[6:]).get("choices") or [{}]
+    return bool(choices[0].get("delta", {}).get("content"))
+
+
+async def one_request(http: aiohttp.ClientSession, url: str, n: int, delay_s: float) -> float | None:
+    """Control-plane latency of one streamed request (seconds), or None if it failed."""
+    body = {"model": FAKE_MODEL, "messages": [{"role": "user", "content": f"request {n}"}], "max_tokens": 8,
+            "stream": True}
+    sent = time.perf_counter()
+    first = None
+    try:
+        async with http.post(f"{url}/v1/chat/completions", json=body) as response:
+            if response.status != 200:
+                return None
+            async for line in response.content:
+                if first is None and line.startswith(b"data: {") and _has_content(line):
+                    first = time.perf_counter()
+    except (aiohttp.ClientError, asyncio.TimeoutError):
+        return None
+    return None if first is None else first - sent - delay_s
+
+
+async def drive(url: str, rate: float, seconds: float, delay_s: float, probe: Probe, pids: dict[str, int]) -> dict:
+    """Open loop: request i is sent at start + i/rate, whether or not earlier ones have answered."""
+    connector = aiohttp.TCPConnector(limit=2048)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=60)) as http:
+        cpu_before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+        kinds_before = Counter(probe.kinds)
+        started = time.perf_counter()
+        pending = []
+        total = int(rate * seconds)
+        next_lag = started
+        for n in range(total):
+            wait = started + n / rate - time.perf_counter()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            pending.append(asyncio.create_task(one_request(http, url, n, delay_s)))
+            if time.perf_counter() >= next_lag:
+                next_lag += 0.5
+                asyncio.create_task(probe.sample_lag(http))
+        sending = time.perf_counter() - started
+        results = await asyncio.gather(*pending)
+        wall = time.perf_counter() - started
+        cpu = {name: (cpu_seconds(pid) - cpu_before[name]) / wall * 100 for name, pid in pids.items()}
+    latencies = [r * 1000 for r in results if r is not None]
+    events = probe.kinds - kinds_before
+    return {"rate": rate, "sent": total, "answered": len(latencies), "achieved": len(latencies) / wall,
+            "send_rate": total / sending, "p50": pct(latencies, 0.5), "p99": pct(latencies, 0.99),
+            "cpu": cpu, "events_per_s": {k: v / wall for k, v in events.most_common()}}
+
+
+def place_instances(api_url: str, count: int, model_dir: Path, head) -> None:
+    http = httpx.Client(base_url=api_url, timeout=120)
+    added = http.post("/models/add", json={"model_id": FAKE_MODEL, "path": str(model_dir)})
+    assert added.status_code == 200, added.text
+    for _ in range(count):
+        placed = http.post("/place_instance", json={"model_id": FAKE_MODEL})
+        assert placed.status_code == 200, placed.text
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        runners = state_of(head).runners.values()
+        if len(runners) == count and all(r.status == "ready" for r in runners):
+            return
+        time.sleep(0.5)
+    raise RuntimeError("the instances did not become ready")
+
+
+async def measure_state(nats_url: str) -> dict:
+    """A new node's catch-up (latest snapshot + the log's tail), and the size of State."""
+    nc = await connect([nats_url], name="bench-late-joiner")
+    started = time.perf_counter()
+    view, from_seq = await catch_up(nc)
+    caught_up = time.perf_counter() - started
+    started = time.perf_counter()
+    payload = encode_state(view.state)
+    encoded = time.perf_counter() - started
+    await view.stop()
+    await nc.close()
+    return {"catch_up_ms": caught_up * 1000, "from_snapshot_at": from_seq, "last_seq": view.state.last_seq,
+            "state_bytes": len(payload), "encode_ms": encoded * 1000, "tasks": len(view.state.tasks)}
+
+
+def snapshot_times(master_log: str) -> list[float]:
+    return [float(ms) for ms in re.findall(r"snapshot at sequence \d+ \((\d+) ms\)", master_log)]
+
+
+def run_size(args, nodes: int, root: Path) -> dict:
+    nats = NatsServer(root / "nats")  # its own event loop: before ours
+    try:
+        return asyncio.run(measure_size(args, nodes, root, nats))
+    finally:
+        nats.stop()
+
+
+async def measure_size(args, nodes: int, root: Path, nats: NatsServer) -> dict:
+    instances = min(args.instances, nodes)
+    master = start_node(root, "master", nats.url, "--no-worker", "--no-api")
+    api = start_node(root, "api", nats.url, "--no-worker", "--no-master")
+    simulator = SimulatorProcess(nats.url, nodes, root / "sim", root / "sim.log", delay_ms=args.delay_ms)
+    try:
+        started = time.perf_counter()
+        simulator.wait_ready(900)
+        print(f"  {nodes} simulated nodes registered in {time.perf_counter() - started:.1f} s", flush=True)
+        await asyncio.to_thread(place_instances, api.url, instances, fake_model_dir(root / "fake"), api)
+        pids = {"master": master.process.pid, "API": api.process.pid, "simulated nodes": simulator.process.pid,
+                "nats-server": nats.server.process.pid}
+        probe = Probe(nats.url, api.url)
+        await probe.start()
+        steps = []
+        for rate in args.rates:
+            step = await drive(api.url, rate, args.seconds, args.delay_ms / 1000, probe, pids)
+            steps.append(step)
+            print(f"  {rate:>6.0f} req/s offered: {step['achieved']:.0f} answered/s, p50 {step['p50']:.1f} ms, "
+                  f"p99 {step['p99']:.1f} ms, CPU " + ", ".join(f"{k} {v:.0f}%" for k, v in step["cpu"].items()),
+                  flush=True)
+            if step["answered"] < step["sent"] * 0.99 or step["p99"] > 1000:
+                break  # saturated: higher rates only queue
+        idle_before, idle_cpu = Counter(probe.kinds), {name: cpu_seconds(pid) for name, pid in pids.items()}
+        await asyncio.sleep(args.idle)
+        idle = {k: v / args.idle for k, v in (probe.kinds - idle_before).items()}
+        idle_cpu_pct = {name: (cpu_seconds(pid) - idle_cpu[name]) / args.idle * 100 for name, pid in pids.items()}
+        state = await measure_state(nats.url)
+        await probe.nc.close()
+        return {"nodes": nodes, "instances": instances, "steps": steps, "idle_events_per_s": idle,
+                "idle_cpu": idle_cpu_pct, "state": state, "snapshots_ms": snapshot_times(master.output()),
+                "api_rss_mib": rss_mib(api.process.pid), "lag": probe.lag}
+    finally:
+        simulator.stop()
+        api.interrupt()
+        master.interrupt()
+
+
+def report(result: dict) -> None:
+    steps = result["steps"]
+    good = [s for s in steps if s["p99"] <= 100 and s["answered"] >= s["sent"] * 0.99]
+    sustained = max((s["achieved"] for s in good), default=0.0)
+    print(f"\nN = {result['nodes']} nodes, {result['instances']} instances")
+    print(f"  {'offered/s':>9} {'answered/s':>10} {'p50 ms':>7} {'p99 ms':>7}  events/s by kind")
+    for s in steps:
+        kinds = ", ".join(f"{k} {v:.0f}" for k, v in s["events_per_s"].items())
+        print(f"  {s['rate']:>9.0f} {s['achieved']:>10.0f} {s['p50']:>7.1f} {s['p99']:>7.1f}  {kinds}")
+    print(f"  sustained with p99 <= 100 ms: {sustained:.0f} req/s")
+    last = steps[-1]
+    print("  CPU at the highest rate: " + ", ".join(f"{k} {v:.0f}%" for k, v in last["cpu"].items()))
+    idle = result["idle_events_per_s"]
+    print(f"  idle: {sum(idle.values()):.2f} events/s ({', '.join(f'{k} {v:.2f}' for k, v in idle.items()) or 'none'}); "
+          "CPU " + ", ".join(f"{k} {v:.1f}%" for k, v in result["idle_cpu"].items()))
+    state = result["state"]
+    snaps = result["snapshots_ms"]
+    print(f"  State: {state['state_bytes'] / 1024:.0f} KiB ({state['tasks']} tasks kept), encoded in "
+          f"{state['encode_ms']:.1f} ms; snapshots written: {len(snaps)}, "
+          f"median {statistics.median(snaps) if snaps else float('nan'):.0f} ms, max {max(snaps, default=float('nan')):.0f} ms")
+    print(f"  new node catch-up: {state['catch_up_ms']:.0f} ms (snapshot at {state['from_snapshot_at']}, "
+          f"log at {state['last_seq']})")
+    for who, lags in result["lag"].items():
+        print(f"  follower lag, {who}: median {statistics.median(lags) if lags else 0:.0f}, max {max(lags, default=0)} events "
+              f"({len(lags)} samples)")
+    print(f"  API node memory: {result['api_rss_mib']:.0f} MiB")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nodes", type=int, nargs="+", default=[10, 100, 1000])
+    parser.add_argument("--instances", type=int, default=100, help="at most one per node")
+    parser.add_argument("--rates", type=float, nargs="+", default=[50, 100, 200, 400, 800, 1600])
+    parser.add_argument("--seconds", type=float, default=6.0, help="per rate")
+    parser.add_argument("--idle", type=float, default=20.0, help="seconds of idle measured after the load")
+    parser.add_argument("--delay-ms", type=float, default=5.0, help="the fake runner's time per request")
+    parser.add_argument("--json", help="also write the results here")
+    args = parser.parse_args()
+    results = []
+    with tempfile.TemporaryDirectory(prefix="exo-scale-") as tmp:
+        for nodes in args.nodes:
+            print(f"N = {nodes}: starting", flush=True)
+            results.append(run_size(args, nodes, Path(tmp) / f"n{nodes}"))
+            report(results[-1])
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

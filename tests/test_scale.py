@@ -1,0 +1,116 @@
+"""The control plane with 100 simulated nodes: the real master and API, and the real worker code
+on every node with a fake runner at its edge (tests/support/simulated_nodes.py)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from exo.core.events import TaskCreated, TaskFinished
+from exo.core.state import encode_state
+from tests.cluster import NatsServer, replay, start_node, state_of, wait_until
+
+pytestmark = pytest.mark.slow
+
+NODES = 100
+INSTANCES = 10
+REQUESTS = 500
+FAKE_MODEL = "sim/fake"
+
+
+def fake_model_dir(root: Path) -> Path:
+    """A model folder the simulated runners never read: only its config.json, for the card."""
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.json").write_text(json.dumps({
+        "model_type": "llama", "num_hidden_layers": 4, "hidden_size": 256, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "max_position_embeddings": 4096, "torch_dtype": "float16"}))
+    return root
+
+
+class SimulatorProcess:
+    def __init__(self, nats_url: str, nodes: int, data_dir: Path, log_path: Path, delay_ms: float = 5.0) -> None:
+        self.log_path = log_path
+        self._log = open(log_path, "wb")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "tests.support.simulated_nodes", "--nats", nats_url, "--nodes", str(nodes),
+             "--data-dir", str(data_dir), "--delay-ms", str(delay_ms)], stdout=self._log, stderr=subprocess.STDOUT)
+
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_ready(self, timeout: float) -> None:
+        wait_until(lambda: "simulated nodes ready" in self.output() or self.process.poll() is not None, timeout,
+                   what="simulated nodes ready")
+        assert self.process.poll() is None, self.output()
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+        self._log.close()
+
+
+@pytest.fixture
+def cluster(tmp_path: Path):
+    nats = NatsServer(tmp_path / "nats")
+    head = start_node(tmp_path, "head", nats.url, "--no-worker")
+    simulator = SimulatorProcess(nats.url, NODES, tmp_path / "sim", tmp_path / "sim.log")
+    try:
+        simulator.wait_ready(120)
+        yield nats, head, simulator
+    finally:
+        simulator.stop()
+        head.interrupt()
+        nats.stop()
+
+
+def test_a_hundred_simulated_nodes_serve_every_request_exactly_once_and_state_is_the_logs(cluster, tmp_path):
+    nats, head, simulator = cluster
+    http = httpx.Client(base_url=head.url, timeout=60)
+    wait_until(lambda: len(state_of(head).nodes) == NODES, 60, what="every simulated node in State")
+    added = http.post("/models/add", json={"model_id": FAKE_MODEL, "path": str(fake_model_dir(tmp_path / "fake"))})
+    assert added.status_code == 200, added.text
+    for _ in range(INSTANCES):
+        placed = http.post("/place_instance", json={"model_id": FAKE_MODEL})
+        assert placed.status_code == 200, placed.text
+
+    def all_ready() -> bool:
+        state = state_of(head)
+        return len(state.runners) == INSTANCES and all(r.status == "ready" for r in state.runners.values())
+
+    wait_until(all_ready, 60, what="every runner ready")
+    state = state_of(head)
+    assert len({shard.node_id for i in state.instances.values() for shard in i.shards}) == INSTANCES  # spread out
+
+    def ask(n: int) -> tuple[str, str, dict]:
+        with httpx.Client(base_url=head.url, timeout=60) as client:
+            answer = client.post("/v1/chat/completions", json={
+                "model": FAKE_MODEL, "messages": [{"role": "user", "content": f"request {n}"}], "max_tokens": 8})
+        assert answer.status_code == 200, answer.text
+        body = answer.json()
+        return body["id"].removeprefix("chatcmpl-"), body["choices"][0]["message"]["content"], body["usage"]
+
+    with ThreadPoolExecutor(16) as pool:
+        answers = list(pool.map(ask, range(REQUESTS)))
+    assert all(text == "t0 t1 t2 t3 " and usage["completion_tokens"] == 4 for _, text, usage in answers)
+    task_ids = [task_id for task_id, _, _ in answers]
+    assert len(set(task_ids)) == REQUESTS
+
+    final = state_of(head)
+    replayed, seen = replay(nats.url, final.last_seq)
+    assert encode_state(replayed) == encode_state(final)  # State is the log's, exactly
+    created = Counter(e.task.task_id for _, e, applied in seen if applied and isinstance(e, TaskCreated))
+    finished = Counter(e.task_id for _, e, applied in seen if applied and isinstance(e, TaskFinished))
+    assert all(created[t] == 1 and finished[t] == 1 for t in task_ids)  # each decided once, answered once
+    assert sum(created.values()) == REQUESTS and sum(finished.values()) == REQUESTS  # and nothing else ran
+    served_by = Counter(final.tasks[t].instance_id for t in task_ids if t in final.tasks)
+    assert len(served_by) == INSTANCES  # every instance took its share
