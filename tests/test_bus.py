@@ -13,10 +13,11 @@ from exo.bus.errors import BusError, ConfigMismatch
 from exo.bus.event_log import EventLog
 from exo.bus.provision import provision, stream_configs
 from exo.bus.state_view import StateView
-from exo.core.commands import PlaceInstance
+from exo.core.commands import GenerateText, PlaceInstance
 from exo.core.events import CommandRejected, InstanceCreated, NodeRegistered, TaskStarted
 from exo.core.types import ModelCard, NodeInfo
 from exo.master.service import Master
+from tests.conftest import eventually
 
 
 async def test_provisioning_is_idempotent_and_matches_the_files(nc):
@@ -104,6 +105,48 @@ async def test_master_answers_commands_with_events_and_a_redelivery_decides_the_
         running.cancel()
         await asyncio.wait({running}, timeout=10)  # teardown must not hang the suite
         await view.stop()
+
+
+async def test_waiting_commands_are_decided_in_one_batch_each_on_the_events_of_those_before(fresh_nats):
+    """Ten requests wait while no master runs; the next takes them in one batch (one confirm, one
+    ack round) and still admits exactly max_queue of them: each decision saw the ones before."""
+    nc = await connect([fresh_nats], name="batch-test")
+    await provision(nc)
+    view, answers = await view_with_a_node(nc, "batch-test")
+    builtin = {"org/m": ModelCard(model_id="org/m", n_layers=2)}
+    confirms: list[int] = []
+
+    class Counting(Master):
+        async def confirm(self) -> None:
+            confirms.append(len(answers))
+            await super().confirm()
+
+    first = asyncio.create_task(Master(nc, view, builtin, node_id="batch-test").run())
+    try:
+        await send_command(nc, PlaceInstance(command_id="batch-place", model_id="org/m"))
+        await eventually(lambda: "batch-place" in answers, 20)
+    finally:
+        first.cancel()
+        await asyncio.wait({first}, timeout=10)
+    for n in range(10):
+        await send_command(nc, GenerateText(command_id=f"batch-{n}", model_id="org/m"))
+
+    async def slow_fold(seq, event, state) -> None:
+        await asyncio.sleep(0.05)  # the view lags the log: decisions must not wait for it, nor miss their own events
+
+    view.add_listener(slow_fold)
+    running = asyncio.create_task(Counting(nc, view, builtin, node_id="batch-test", max_queue=3).run())
+    try:
+        await eventually(lambda: all(f"batch-{n}" in answers for n in range(10)), 20)
+        outcomes = [answers[f"batch-{n}"][0] for n in range(10)]
+        assert [type(e).__name__ for e in outcomes] == ["TaskCreated"] * 3 + ["CommandRejected"] * 7
+        assert all(e.code == "overloaded" for e in outcomes[3:])
+        assert len(confirms) == 1
+    finally:
+        running.cancel()
+        await asyncio.wait({running}, timeout=10)
+        await view.stop()
+        await nc.close()
 
 
 async def test_snapshots_never_go_backwards(fresh_nats):

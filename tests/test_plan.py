@@ -1,7 +1,17 @@
 """The worker's planner on plain data: lifecycle order, task forwarding, cancels, failures."""
 
 from exo.core.apply import apply
-from exo.core.events import InstanceCreated, TaskCancelRequested, TaskCreated, TaskFinished, TaskStarted
+from exo.core.events import (
+    InstanceCreated,
+    InstanceDeleted,
+    LeaderElected,
+    NodeTimedOut,
+    RunnerStatusChanged,
+    TaskCancelRequested,
+    TaskCreated,
+    TaskFinished,
+    TaskStarted,
+)
 from exo.core.state import State
 from exo.core.types import Instance, ShardAssignment, Task
 from exo.worker.plan import (
@@ -16,6 +26,7 @@ from exo.worker.plan import (
     WarmUp,
     WorkerView,
     busy,
+    nodes_concerned,
     plan,
     settled,
 )
@@ -131,3 +142,24 @@ def test_ended_tasks_are_forgotten_once_state_has_their_end_and_not_before():
     local = view(state, "ready", forwarded=frozenset({"t2", "t3"}))
     local = WorkerView(node_id="me", state=state, runners=local.runners, ended_tasks=frozenset({"t2"}))
     assert busy(local, local.runners["r1"]) and plan(local) == []
+
+
+def test_only_the_nodes_an_instance_runs_on_plan_again_for_its_task_and_runner_events():
+    """A worker wakes for its own instances' traffic, not the whole cluster's (exo/worker/service.py)."""
+    state = state_with(InstanceCreated(instance=MINE), InstanceCreated(instance=THEIRS))
+    created = TaskCreated(task=Task(task_id="t1", instance_id="i2", model_id="m/a"))
+    state = apply(state, created, state.last_seq + 1)
+    assert nodes_concerned(state, created) == {"other"}
+    for event in (TaskStarted(task_id="t1"), TaskCancelRequested(task_id="t1"), TaskFinished(task_id="t1", status="completed")):
+        state = apply(state, event, state.last_seq + 1)
+        assert nodes_concerned(state, event) == {"other"}
+    status = RunnerStatusChanged(runner_id="r1", instance_id="i1", node_id="me", status="ready")
+    assert nodes_concerned(state, status) == {"me"}
+    assert nodes_concerned(state, NodeTimedOut(node_id="other")) == {"other"}
+    # What cannot be pinned to nodes wakes every node: instances come and go, unknown tasks, elections.
+    deleted = InstanceDeleted(instance_id="i2")
+    after = apply(state, deleted, state.last_seq + 1)
+    assert nodes_concerned(after, deleted) is None
+    assert nodes_concerned(after, TaskFinished(task_id="t1", status="completed")) is None  # its instance is gone
+    assert nodes_concerned(state, TaskStarted(task_id="unknown")) is None
+    assert nodes_concerned(state, LeaderElected(node_id="x")) is None

@@ -19,6 +19,11 @@ log = logging.getLogger(__name__)
 
 OnCommand = Callable[[AnyCommand], Awaitable[None]]
 OnPoison = Callable[[AnyCommand, str], Awaitable[None]]
+Confirm = Callable[[], Awaitable[None]]  # raises NotLeader when the batch's events do not count
+
+# Commands taken per fetch: those already waiting, no more. Deciding a batch costs one wait for
+# State to fold its events and one ack round, not one per command (docs/scaling.md).
+BATCH = 64
 
 # A command whose handling failed this many times is answered with an error and dropped: a bug
 # must not loop one command forever (the consumer itself allows any number of deliveries).
@@ -37,24 +42,25 @@ async def send_command(nc: Client, command: Command) -> None:
 
 
 async def consume_commands(nc: Client, on_command: OnCommand, still_leader: Callable[[], bool],
-                           on_poison: OnPoison | None = None) -> None:
-    """Pull commands one at a time while `still_leader()`; a command is acked only after
-    `on_command` returned, so one that a dying master held is redelivered to the next. One whose
-    handling keeps failing goes to `on_poison` (which answers its caller) after MAX_COMMAND_ATTEMPTS."""
+                           on_poison: OnPoison | None = None, confirm: Confirm | None = None) -> None:
+    """Pull commands while `still_leader()`, as many as are waiting (up to BATCH) at a time, and
+    handle them in order. A command is acked only after `on_command` returned and then `confirm()`
+    did (once per batch: State holds the batch's events and this master still leads), so one that
+    a dying or deposed master held is redelivered to the next. One whose handling keeps failing
+    goes to `on_poison` (which answers its caller) after MAX_COMMAND_ATTEMPTS."""
     subscription = await nc.jetstream().pull_subscribe_bind(MASTER_CONSUMER, stream=COMMANDS_STREAM)
     try:
         while still_leader():
             try:
-                messages = await subscription.fetch(batch=1, timeout=1)
+                messages = await subscription.fetch(batch=BATCH, timeout=1)  # returns what is there: no wait for a full batch
             except NatsTimeout:
                 continue
             except NatsError as error:  # a reconnect or a stream leader change: ask again
                 log.info("fetching commands: %r", error)
                 await asyncio.sleep(0.5)
                 continue
-            for msg in messages:
-                if not await _handle(msg, on_command, still_leader, on_poison):
-                    return
+            if not await _handle_batch(messages, on_command, still_leader, on_poison, confirm):
+                return
     finally:
         try:  # bounded: a fetch cancelled mid-request must not hold up shutdown
             await asyncio.wait_for(subscription.unsubscribe(), 5)
@@ -62,34 +68,66 @@ async def consume_commands(nc: Client, on_command: OnCommand, still_leader: Call
             pass
 
 
-async def _handle(msg, on_command: OnCommand, still_leader: Callable[[], bool], on_poison: OnPoison | None) -> bool:
-    """False when this master must stop consuming."""
+async def _handle_batch(messages: list, on_command: OnCommand, still_leader: Callable[[], bool],
+                        on_poison: OnPoison | None, confirm: Confirm | None) -> bool:
+    """False when this master must stop consuming; what it did not settle goes back (nak)."""
+    handled: list = []
+    keep_going = True
+    for n, msg in enumerate(messages):
+        outcome = await _handle(msg, on_command, still_leader, on_poison)
+        if outcome == "handled":
+            handled.append(msg)
+        elif outcome == "stop":
+            keep_going = False
+            await _nak_all(messages[n + 1:])
+            break
+    if handled and confirm is not None:
+        try:
+            await confirm()
+        except NotLeader:
+            await _nak_all(handled)
+            return False
+    for msg in handled:
+        await msg.ack()
+    return keep_going
+
+
+async def _nak_all(messages: list) -> None:
+    for msg in messages:
+        try:
+            await msg.nak()
+        except NatsError:  # the connection is away: the server redelivers after its ack wait anyway
+            pass
+
+
+async def _handle(msg, on_command: OnCommand, still_leader: Callable[[], bool], on_poison: OnPoison | None) -> str:
+    """"handled" (ack it once the batch is confirmed), "settled" (acked, nak'ed or dropped here) or
+    "stop" (this master must stop consuming)."""
     if not still_leader():
         await msg.nak()
-        return False
+        return "stop"
     try:
         command = decode_command(msg.data)
     except (msgspec.DecodeError, msgspec.ValidationError) as error:
         log.error("dropping undecodable command on %s: %s", msg.subject, error)
         await msg.term()
-        return True
+        return "settled"
     try:
         await on_command(command)
     except asyncio.CancelledError:
         raise
     except NotLeader:
         await msg.nak()
-        return False
+        return "stop"
     except Exception as error:
         attempts = msg.metadata.num_delivered
         if on_poison is None or attempts < MAX_COMMAND_ATTEMPTS:
             log.exception("command %s failed (attempt %d); it will be redelivered", command.command_id, attempts)
             await msg.nak(delay=RETRY_DELAY_S)
-            return True
+            return "settled"
         log.exception("command %s failed %d times; answering it with the error", command.command_id, attempts)
-        return await _give_up(msg, command, f"{type(error).__name__}: {error}", on_poison)
-    await msg.ack()
-    return True
+        return "settled" if await _give_up(msg, command, f"{type(error).__name__}: {error}", on_poison) else "stop"
+    return "handled"
 
 
 async def _give_up(msg, command: AnyCommand, error: str, on_poison: OnPoison) -> bool:

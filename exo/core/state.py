@@ -46,9 +46,16 @@ class State(msgspec.Struct, frozen=True, kw_only=True):
         return self.downloads.get(node_id, {}).get(model_id)
 
     def open_tasks_of(self, instance_id: InstanceId) -> list[Task]:
-        return [
-            t for t in self.tasks.values() if t.instance_id == instance_id and t.status in ("pending", "running")
-        ]
+        return self.open_tasks_by_instance().get(instance_id, [])
+
+    def open_tasks_by_instance(self) -> dict[InstanceId, list[Task]]:
+        """Every pending or running task, by instance, oldest first: one pass over `tasks` (which
+        keeps the last 1,000 finished ones too), however many instances the caller asks about."""
+        found: dict[InstanceId, list[Task]] = {}
+        for task in self.tasks.values():
+            if task.status == "pending" or task.status == "running":
+                found.setdefault(task.instance_id, []).append(task)
+        return found
 
 
 _state_encoder = msgspec.json.Encoder()

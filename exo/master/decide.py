@@ -100,7 +100,8 @@ def _generate(state: State, command: GenerateText, builtin: Mapping[ModelId, Mod
         return _reject(command, "unavailable", f"no instance of {command.model_id!r} is running{why}; place one first")
     # Admission: an instance with room in its queue (the one holding the conversation's prompt
     # cache, else the least busy: routing.py); none with room: try later.
-    open_tasks = {i.instance_id: len(state.open_tasks_of(i.instance_id)) for i in instances}
+    open_by_instance = state.open_tasks_by_instance()
+    open_tasks = {i.instance_id: len(open_by_instance.get(i.instance_id, ())) for i in instances}
     with_room = [i for i in instances if open_tasks[i.instance_id] < (i.max_queue or default_max_queue)]
     if not with_room:
         return _reject(command, "overloaded",

@@ -31,10 +31,14 @@ def choose_instance(state: State, candidates: list[Instance], params: Generation
     shared = {i.instance_id: 0 for i in candidates}
     if by_conversation and len(candidates) > 1:
         later = digest_conversation(params)
+        opening = later.messages[0] if later.messages and params.prompt is None else None
         for task in state.tasks.values():
-            if task.instance_id in shared:
-                here = shared_conversation(task.conversation, later, params.prompt)
-                shared[task.instance_id] = max(shared[task.instance_id], here)
+            earlier = task.conversation
+            if task.instance_id not in shared or (opening is not None and earlier.prompt_chars < 0
+                                                  and earlier.messages[:1] != [opening]):
+                continue  # different first messages share nothing: skip the full comparison (the common case)
+            here = shared_conversation(earlier, later, params.prompt)
+            shared[task.instance_id] = max(shared[task.instance_id], here)
     return min(candidates, key=lambda i: (-shared[i.instance_id], open_tasks[i.instance_id]))
 
 

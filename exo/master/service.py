@@ -1,5 +1,9 @@
-"""The master: win the lease, then receive a command, decide, append its events, wait until
-State has them, ack. Snapshots of State go to the KV bucket while it leads."""
+"""The master: win the lease, then receive the waiting commands, decide each, append its events,
+wait until State has them, ack. Snapshots of State go to the KV bucket while it leads.
+
+Commands come in batches of those already waiting: each is decided on State plus the events this
+master appended for the batch so far (folded here, ahead of the view), and the batch is acked
+once State holds its events and still names this master's term."""
 
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ import os
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
+from typing import cast
 
 from msgspec.structs import replace
 
@@ -21,6 +26,7 @@ from exo.bus.leadership import Lease
 from exo.bus.liveness import Pulse, listen_for_pulses
 from exo.bus.snapshots import write_snapshot
 from exo.bus.state_view import StateView
+from exo.core.apply import apply
 from exo.core.commands import AnyCommand, command_tag
 from exo.core.events import AnyEvent, CommandRejected, Event, LeaderElected, NodeHeartbeat, NodeRegistered, NodeTimedOut
 from exo.core.ids import CommandId, ModelId, NodeId
@@ -57,6 +63,7 @@ class Master:
         self._heard_at: dict[NodeId, float] = {}  # node id -> time.monotonic() of its latest heartbeat seen
         view.add_listener(self._on_event)
         self.term = 0
+        self._ahead: State | None = None  # State plus this batch's own events, until the view has them
 
     def _on_event(self, seq: int, event: AnyEvent, state: State) -> None:
         if isinstance(event, (NodeRegistered, NodeHeartbeat)):
@@ -96,12 +103,13 @@ class Master:
         if self._view.state.leader_term != seq:
             return  # a newer election came meanwhile
         term = self.term = seq
+        self._ahead = None
         log.info("master: leading with term %d", term)
         renewing = asyncio.create_task(self._keep_lease())
         snapshots = asyncio.create_task(self._snapshotter.run(self._lease.valid))
         supervising = asyncio.create_task(self._supervise(term))
         try:
-            await consume_commands(self._nc, self.handle, lambda: self._still_leading(term), self.give_up)
+            await consume_commands(self._nc, self.handle, lambda: self._still_leading(term), self.give_up, self.confirm)
         finally:
             renewing.cancel()
             snapshots.cancel()
@@ -135,14 +143,20 @@ class Master:
                     self._heard_at.pop(event.node_id, None)
 
     async def _append_all(self, events: list[Event], term: int, id_prefix: str) -> None:
-        last_seq = 0
+        appended = await self._append(events, term, id_prefix)
+        if appended:
+            # The next decision must see these events, whoever else appended meanwhile.
+            await self._view.wait_for(appended[-1][0])
+
+    async def _append(self, events: list[Event], term: int, id_prefix: str) -> list[tuple[int, Event]]:
+        """Append in order; each event's sequence with the event as appended."""
+        appended: list[tuple[int, Event]] = []
         for n, event in enumerate(events):
             if not self._lease.valid():
                 raise NotLeader()
-            last_seq = await self._log.append(replace(event, term=term), event_id=f"{id_prefix}:{n}")
-        if last_seq:
-            # The next decision must see these events, whoever else appended meanwhile.
-            await self._view.wait_for(last_seq)
+            event = replace(event, term=term)
+            appended.append((await self._log.append(event, event_id=f"{id_prefix}:{n}"), event))
+        return appended
 
     async def give_up(self, command: AnyCommand, error: str) -> None:
         """A command whose handling kept failing: answer its caller with the error, once."""
@@ -154,15 +168,35 @@ class Master:
             raise NotLeader()
 
     async def handle(self, command: AnyCommand) -> None:
+        """Decide one command and append its events; `confirm` follows before it is acked."""
         term = self.term
         limits = {} if self._max_queue is None else {"default_max_queue": self._max_queue}
+        state = self._deciding_state()
         events = decide(
-            self._view.state, command, builtin_cards=self._builtin_cards, ids=ids_for(command.command_id),
+            state, command, builtin_cards=self._builtin_cards, ids=ids_for(command.command_id),
             cache_routing=CACHE_ROUTING, **limits,
         )
-        await self._append_all(events, term, f"{command.command_id}:{term}")
+        for seq, event in await self._append(events, term, f"{command.command_id}:{term}"):
+            if seq > state.last_seq:  # not a duplicate of an event State already has
+                state = apply(state, cast(AnyEvent, event), seq)
+        self._ahead = state
+
+    async def confirm(self) -> None:
+        """The commands handled since the last confirm may be acked: State holds their events
+        and still names this master's term (else they were fenced off: the new master decides them)."""
+        term, ahead = self.term, self._ahead
+        if ahead is not None:
+            await self._view.wait_for(ahead.last_seq)
+            self._ahead = None
         if self._view.state.leader_term != term:
-            raise NotLeader()  # our events were fenced off: the new master decides this command
+            raise NotLeader()
+
+    def _deciding_state(self) -> State:
+        """State as this master's own recent events left it: the view, unless it has yet to fold them."""
+        view = self._view.state
+        if self._ahead is not None and self._ahead.last_seq > view.last_seq:
+            return self._ahead
+        return view
 
 
 # EXO_CACHE_ROUTING=0: every request to the least busy instance (bench/prompt_cache.py compares).

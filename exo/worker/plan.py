@@ -137,14 +137,16 @@ def plan(view: WorkerView) -> list[Step]:
     steps: list[Step] = [*_stop_orphans(view)]
     if fetch := images_to_fetch(view):
         steps.append(FetchImages(digests=fetch))
-    for instance, shard in _my_shards(view):
+    shards = _my_shards(view)
+    open_tasks = view.state.open_tasks_by_instance() if shards else {}
+    for instance, shard in shards:
         local = view.runners.get(shard.runner_id)
         if local is None:
             steps.append(CreateRunner(runner_id=shard.runner_id, instance_id=instance.instance_id))
             continue
         steps.extend(_lifecycle_steps(view, instance, local))
         if shard.rank == 0:  # the other ranks follow rank 0; only it is given tasks
-            steps.extend(_task_steps(view, local, view.state.open_tasks_of(instance.instance_id)))
+            steps.extend(_task_steps(view, local, open_tasks.get(instance.instance_id, [])))
     return steps
 
 
@@ -271,21 +273,28 @@ def missing_images(view: WorkerView, task: Task) -> list[str]:
 
 def tasks_needing(view: WorkerView, digest: str) -> list[TaskId]:
     """This node's pending tasks, not yet ended, that need the image: those a failed fetch fails."""
-    return [task.task_id for instance, _ in _my_shards(view) for task in view.state.open_tasks_of(instance.instance_id)
+    return [task.task_id for task in _my_open_tasks(view)
             if task.status == "pending" and task.task_id not in view.ended_tasks and digest in images_of(task)]
 
 
 def images_needed(view: WorkerView) -> set[str]:
     """Images of this node's pending and running tasks: the image cache must not evict them."""
-    return {d for instance, _ in _my_shards(view) for task in view.state.open_tasks_of(instance.instance_id)
-            for d in images_of(task)}
+    return {d for task in _my_open_tasks(view) for d in images_of(task)}
 
 
 def images_to_fetch(view: WorkerView) -> list[str]:
     """Images of this node's open tasks that it lacks and is not already fetching, in order."""
     wanted: dict[str, None] = {}
-    for instance, _ in _my_shards(view):
-        for task in view.state.open_tasks_of(instance.instance_id):
-            if task.task_id not in view.ended_tasks:
-                wanted.update((d, None) for d in missing_images(view, task) if d not in view.images_in_flight)
+    for task in _my_open_tasks(view):
+        if task.task_id not in view.ended_tasks:
+            wanted.update((d, None) for d in missing_images(view, task) if d not in view.images_in_flight)
     return list(wanted)
+
+
+def _my_open_tasks(view: WorkerView) -> list[Task]:
+    """Open tasks of the instances this node has a shard of, instance by instance."""
+    shards = _my_shards(view)
+    if not shards:
+        return []
+    open_tasks = view.state.open_tasks_by_instance()
+    return [task for instance, _ in shards for task in open_tasks.get(instance.instance_id, [])]

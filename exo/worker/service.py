@@ -244,8 +244,10 @@ class Worker:
             self._in_background(self._end_task(task_id, "failed", reason))
 
     def _trim_images(self) -> None:
-        """Keep the image folder within EXO_IMAGE_CACHE_BYTES; what the open tasks need stays."""
-        self._images.trim(p.images_needed(self._worker_view()))
+        """Keep the image folder within EXO_IMAGE_CACHE_BYTES; what the open tasks need stays.
+        It runs on every wake: what the tasks need is listed only when something must go."""
+        over = self._images.total_bytes > self._images.limit_bytes
+        self._images.trim(p.images_needed(self._worker_view()) if over else ())
 
     async def _create_runner(self, step: p.CreateRunner | p.RestartRunner, failures: int = 0) -> None:
         self._runners[step.runner_id] = p.LocalRunner(
