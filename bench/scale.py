@@ -191,7 +191,7 @@ async def measure_size(args, nodes: int, root: Path, nats: NatsServer) -> dict:
         print(f"  {nodes} simulated nodes registered in {time.perf_counter() - started:.1f} s", flush=True)
         await asyncio.to_thread(place_instances, api.url, instances, fake_model_dir(root / "fake"), api)
         pids = {"master": master.process.pid, "API": api.process.pid, "simulated nodes": simulator.process.pid,
-                "nats-server": nats.server.process.pid}
+                "nats-server": nats.server.process.pid, "load generator": os.getpid()}
         probe = Probe(nats.url, api.url)
         await probe.start()
         steps = []
@@ -230,6 +230,17 @@ def report(result: dict) -> None:
     print(f"  sustained with p99 <= 100 ms: {sustained:.0f} req/s")
     last = steps[-1]
     print("  CPU at the highest rate: " + ", ".join(f"{k} {v:.0f}%" for k, v in last["cpu"].items()))
+    busiest = max(steps, key=lambda s: s["achieved"])
+    per_request = {k: v / 100 / busiest["achieved"] * 1000 for k, v in busiest["cpu"].items()}
+    print("  CPU per request (ms): " + ", ".join(f"{k} {v:.2f}" for k, v in per_request.items())
+          + f"; one core each would cap the master at {1000 / per_request['master']:.0f} req/s")
+    total = sum(busiest["cpu"].values())
+    cores = os.cpu_count() or 1
+    if total >= 85 * cores:
+        print(f"  first bottleneck: this machine's {cores} cores ({total:.0f}% CPU in all, every process busy)")
+    else:
+        name, share = max(busiest["cpu"].items(), key=lambda kv: kv[1])
+        print(f"  first bottleneck: the {name} process ({share:.0f}% of one core; {total:.0f}% in all)")
     idle = result["idle_events_per_s"]
     print(f"  idle: {sum(idle.values()):.2f} events/s ({', '.join(f'{k} {v:.2f}' for k, v in idle.items()) or 'none'}); "
           "CPU " + ", ".join(f"{k} {v:.1f}%" for k, v in result["idle_cpu"].items()))
