@@ -140,6 +140,7 @@ def test_a_killed_runner_fails_its_request_and_the_instance_comes_back(cluster, 
         lines = stream.iter_lines()
         for line in lines:
             if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["delta"].get("content"):
+                task_id = json.loads(line[6:])["id"].removeprefix("chatcmpl-")
                 break
         victim = _runner_pids(workers[1])
         assert victim, "the second worker runs a runner"
@@ -149,9 +150,13 @@ def test_a_killed_runner_fails_its_request_and_the_instance_comes_back(cluster, 
     ended_after = time.monotonic() - started
     assert ended_after < 5, f"the stream ended {ended_after:.1f} s after the kill"
     assert any('"error"' in line for line in rest), rest[-3:]
+    # The stream can end (the surviving rank's error chunk) before State has the failure; its task's
+    # end comes after the runners' failed/stopped statuses, so from then on "ready" means ready again.
+    wait_until(lambda: state_of(head).tasks[task_id].status == "failed", 30, what="the killed request failed in State")
     ready = lambda: http.get(f"/instance/{placed['instance_id']}").json().get("status") == "ready"  # noqa: E731
     wait_until(ready, 90, interval=0.5, what="instance ready again after the restart")
     answer = _chat(http)
+    assert answer.status_code == 200, answer.text
     assert answer.json()["choices"][0]["message"]["content"] == reference.chat(PROMPT, 24)
     _delete_all(http, head)
 
