@@ -53,10 +53,24 @@ def cluster(tmp_path_factory, model_dir):
     assert http.post("/models/add", json={"model_id": MODEL, "path": str(model_dir)}).status_code == 200
     yield head, workers, http
     http.close()
+    runners = [pid for worker in workers for pid in _runner_pids(worker)]
     for node in [*workers, head]:
         if node.process.poll() is None:
             node.interrupt()
     nats.stop()
+    # A stopped worker's runners go with it, even ranks blocked in a collective whose peer left
+    # (two such orphans once spun at 70% CPU each after this module, until killed by hand).
+    left = wait_until_gone(runners, 20)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"runner processes outlived their workers: {left}"
+
+
+def wait_until_gone(pids: list[int], timeout: float) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while (alive := [pid for pid in pids if Path(f"/proc/{pid}").exists()]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return alive
 
 
 @pytest.fixture(scope="module")
@@ -175,3 +189,38 @@ def test_a_stopped_worker_is_timed_out_and_its_model_answers_503(cluster):
     finally:
         workers[1].process.send_signal(signal.SIGCONT)
     wait_until(lambda: len(state_of(head).nodes) == 2, 20, what="the worker back after SIGCONT")
+
+
+def test_workers_killed_mid_generation_leave_no_runner_behind(tmp_path, model_dir):
+    """Both ranks of a pipeline instance are generating when their workers die: every runner
+    process ends too, though rank 0 cannot tell a follower that is gone that it leaves."""
+    nats = NatsServer(tmp_path / "nats")
+    beat = {"EXO_HEARTBEAT_S": "0.5", "EXO_ADVERTISE_ADDRESSES": "127.0.0.1"}
+    head = start_node(tmp_path, "head", nats.url, "--no-worker", env=beat)
+    workers = [start_node(tmp_path, f"worker{n}", nats.url, "--no-master", "--no-api",
+                          env=beat | {"EXO_RING_PORTS": _ring_ports()}) for n in (1, 2)]
+    try:
+        http = httpx.Client(base_url=head.url, timeout=120)
+        wait_until(lambda: len(state_of(head).nodes) == 2, 30, what="both workers registered")
+        assert http.post("/models/add", json={"model_id": MODEL, "path": str(model_dir)}).status_code == 200
+        _place(http, "pipeline")
+        runners = [pid for worker in workers for pid in _runner_pids(worker)]
+        assert len(runners) == 2
+        body = {"model": MODEL, "messages": PROMPT, "max_tokens": 5000, "temperature": 0, "stream": True,
+                "stop": ["never-in-this-output-xyz"]}
+        with http.stream("POST", "/v1/chat/completions", json=body) as stream:
+            for line in stream.iter_lines():
+                if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["delta"].get("content"):
+                    break
+            for worker in workers:  # killed: nothing tells the runners; their stdin ends, their reports pipe breaks
+                worker.process.kill()
+                worker.process.wait()
+        left = wait_until_gone(runners, 20)
+        for pid in left:
+            os.kill(pid, signal.SIGKILL)
+        assert not left, f"runner processes outlived their workers: {left}"
+    finally:
+        for node in [*workers, head]:
+            if node.process.poll() is None:
+                node.interrupt()
+        nats.stop()

@@ -49,6 +49,7 @@ from exo.runner.protocol import (
 # Text that comes faster than this is sent in one message per interval (see coalesce.py).
 STREAM_INTERVAL_S = float(os.environ.get("EXO_STREAM_INTERVAL_MS", "20")) / 1000
 PULSE_S = 1.0  # how often the runner tells the worker it is alive (protocol.Alive)
+WORKER_GONE_GRACE_S = 5.0  # stdin closed: how long running generations get to end before the runner exits
 
 
 class Runner:
@@ -84,7 +85,10 @@ class Runner:
                 self._start_batched(loop, request)
             else:  # in order: on the model thread it waits for the batch in progress to finish
                 await self._serve(loop, request)
-        await asyncio.gather(*self._generating.values())
+        if self._generating:
+            # Cancelled generations end at their next step; with the worker gone, one blocked in a
+            # collective whose peer went too never will: do not wait for it forever.
+            await asyncio.wait(list(self._generating.values()), timeout=None if request is not None else WORKER_GONE_GRACE_S)
         await self._leave_group(loop)
         await self._chunks.join()
         publisher.cancel()
@@ -119,14 +123,16 @@ class Runner:
         lockstep = self._engine.lockstep
         if lockstep is None:
             return
-        if lockstep.leads:
-            try:
-                await asyncio.wait_for(loop.run_in_executor(self._mlx_thread, self._engine.release_followers), 5)
-            except Exception:
-                logging.exception("could not tell the other ranks that rank 0 is leaving")
-        await self._chunks.join()
-        self._reports.flush()
-        os._exit(0)  # the model thread may be blocked in a collective that will never finish
+        try:
+            if lockstep.leads:
+                try:
+                    await asyncio.wait_for(loop.run_in_executor(self._mlx_thread, self._engine.release_followers), 5)
+                except Exception:
+                    logging.exception("could not tell the other ranks that rank 0 is leaving")
+            await self._chunks.join()
+            self._reports.flush()  # raises if the worker is gone (its pipe closed)
+        finally:
+            os._exit(0)  # whatever happened: the model thread may be blocked in a collective that never ends
 
     def _choose_engine(self, model_path: str) -> None:
         """mlx-vlm for a vision-language checkpoint (one request at a time), else mlx-lm."""
@@ -290,4 +296,13 @@ async def _main() -> None:
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-    event_loop.run(_main())
+    try:
+        event_loop.run(_main())
+    except BaseException:
+        traceback.print_exc()
+        sys.stderr.flush()
+        # Never wait for the model thread at interpreter exit: a rank whose peers are gone blocks
+        # in a collective forever (a runner orphaned so spun at 70% CPU until killed by hand).
+        os._exit(1)
+    sys.stderr.flush()
+    os._exit(0)
