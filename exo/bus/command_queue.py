@@ -72,21 +72,27 @@ async def _handle_batch(messages: list, on_command: OnCommand, still_leader: Cal
                         on_poison: OnPoison | None, confirm: Confirm | None) -> bool:
     """False when this master must stop consuming; what it did not settle goes back (nak)."""
     handled: list = []
+    done = 0  # messages handled or settled so far
     keep_going = True
-    for n, msg in enumerate(messages):
-        outcome = await _handle(msg, on_command, still_leader, on_poison)
-        if outcome == "handled":
-            handled.append(msg)
-        elif outcome == "stop":
-            keep_going = False
-            await _nak_all(messages[n + 1:])
-            break
-    if handled and confirm is not None:
-        try:
+    try:
+        for msg in messages:
+            outcome = await _handle(msg, on_command, still_leader, on_poison)
+            done += 1
+            if outcome == "handled":
+                handled.append(msg)
+            elif outcome == "stop":
+                keep_going = False
+                break
+        await _nak_all(messages[done:])
+        if handled and confirm is not None:
             await confirm()
-        except NotLeader:
-            await _nak_all(handled)
-            return False
+    except NotLeader:
+        await _nak_all(handled)
+        return False
+    except Exception:
+        # The broker failed under us (a nak, a wait for State): the rest goes back now, not after the ack wait.
+        await _nak_all(handled + messages[done:])
+        raise
     for msg in handled:
         await msg.ack()
     return keep_going

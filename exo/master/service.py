@@ -177,8 +177,10 @@ class Master:
             cache_routing=CACHE_ROUTING, **limits,
         )
         for seq, event in await self._append(events, term, f"{command.command_id}:{term}"):
-            if seq > state.last_seq:  # not a duplicate of an event State already has
+            if seq == state.last_seq + 1:  # nothing came between: fold it here, ahead of the view
                 state = apply(state, cast(AnyEvent, event), seq)
+            elif seq > state.last_seq:  # others' events came between (a task finished...): the view has them
+                state = await self._view.wait_for(seq)
         self._ahead = state
 
     async def confirm(self) -> None:

@@ -108,6 +108,7 @@ class Worker:
                     await self._execute(step)
                 except Exception:  # one failed step must not stop the worker; the next plan retries
                     log.exception("step %s failed", step)
+                    self._wake_after(1.0)  # soon, whether or not an event about this node comes
 
     async def _watch_busy_runners(self) -> None:
         """Plan again every second while a runner has work, so a hung one is found (plan.KillHungRunner)."""

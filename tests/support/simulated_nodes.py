@@ -66,9 +66,12 @@ class SharedView:
         concerned = nodes_concerned(state, event)
         for node_id in self.listeners if concerned is None else concerned:
             for listener in self.listeners.get(node_id, ()):
-                result = listener(seq, event, state)
-                if result is not None:
-                    await result
+                try:
+                    result = listener(seq, event, state)
+                    if result is not None:
+                        await result
+                except Exception:  # as StateView does: one node's failure must not keep the event from the rest
+                    logging.exception("simulated node %s: listener failed on event %d", node_id, seq)
 
 
 class SimulatedNodes:
