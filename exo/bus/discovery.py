@@ -34,6 +34,7 @@ def _service_info(announcement: Announcement) -> AsyncServiceInfo:
     return AsyncServiceInfo(
         SERVICE_TYPE, _instance_name(announcement), port=announcement.cluster_port or 1,
         addresses=[socket.inet_aton(announcement.host)] if announcement.host else [], properties=properties,
+        server=f"exo-{announcement.namespace}-{announcement.node_id}.local.",
     )
 
 
