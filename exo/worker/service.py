@@ -282,8 +282,7 @@ class Worker:
             await self._publish_status(step.runner_id, "downloaded")  # peers wait for it to form a group
 
     def _shard_of(self, runner_id: RunnerId) -> ShardAssignment:
-        runner = self._view.state.runners.get(runner_id)
-        instance = self._view.state.instances.get(runner.instance_id) if runner else None
+        instance = self._instance_of(runner_id)
         shards = [s for s in instance.shards if s.runner_id == runner_id] if instance else []
         return shards[0] if shards else ShardAssignment(runner_id=runner_id, node_id=self.node_id)  # all layers
 
@@ -381,8 +380,7 @@ class Worker:
 
     def _rank_setup(self, runner_id: RunnerId) -> rp.RankSetup | None:
         """Where this runner sits in its instance's ring group; None for a one-node instance."""
-        runner = self._view.state.runners.get(runner_id)
-        instance = self._view.state.instances.get(runner.instance_id) if runner else None
+        instance = self._instance_of(runner_id)
         if instance is None or len(instance.shards) < 2:
             return None
         shards = sorted(instance.shards, key=lambda s: s.rank)
