@@ -53,7 +53,7 @@ async def consume_commands(nc: Client, on_command: OnCommand, still_leader: Call
         while still_leader():
             try:
                 messages = await subscription.fetch(batch=BATCH, timeout=1)  # returns what is there: no wait for a full batch
-            except NatsTimeout:
+            except (NatsTimeout, asyncio.TimeoutError):  # nothing waiting; nats-py's batch fetch can raise the bare one
                 continue
             except NatsError as error:  # a reconnect or a stream leader change: ask again
                 log.info("fetching commands: %r", error)
