@@ -19,12 +19,14 @@ from exo.api.auth import warn_if_exposed
 from exo.api.context import ApiContext
 from exo.api.outcomes import CommandOutcomes
 from exo.bus.catch_up import catch_up
+from exo.bus.cluster_node import ClusterNode, DiscoverySettings
 from exo.bus.connection import Connection, connect, redact
 from exo.bus.embedded import EmbeddedNats
 from exo.bus.errors import LogGap
 from exo.bus.event_log import EventLog
 from exo.bus.liveness import Pulse, send_pulse
-from exo.bus.provision import event_retention, provision
+from exo.bus.provision import Overrides, event_retention, placed_on, provision
+from exo.bus.server_config import NODE_TAG
 from exo.bus.state_view import StateView
 from exo.core.events import Event, NodeRegistered
 from exo.master.service import Master
@@ -59,6 +61,11 @@ class NodeConfig:
     replicas: int | None = None  # None: as streams/*.json say (1)
     max_queue: int | None = None  # open tasks per instance before 429; None: decide's default
     node_timeout: float = 30.0  # seconds without a heartbeat before the master times a node out
+    discovery: DiscoverySettings | None = None  # None: a standalone embedded server (or the given NATS URLs)
+
+
+def merge_overrides(first: Overrides, second: Overrides) -> Overrides:
+    return {name: {**first.get(name, {}), **second.get(name, {})} for name in {*first, *second}}
 
 
 class StartupError(Exception):
@@ -78,6 +85,7 @@ class Node:
     def __init__(self, config: NodeConfig) -> None:
         self.config = config
         self.embedded: EmbeddedNats | None = None
+        self.cluster: ClusterNode | None = None
         self.worker: Worker | None = None
         self._tasks: list[asyncio.Task] = []
         self._nc: Connection | None = None
@@ -95,16 +103,17 @@ class Node:
             raise StartupError(str(error)) from None
         if config.run_api:
             check_port_free(config.api_host, config.api_port)
-        urls = config.nats_urls
-        if not urls:
-            self.embedded = EmbeddedNats(config.data_dir / "nats", port=config.nats_port)
-            urls = [await self.embedded.start()]
-            self._tasks.append(asyncio.create_task(self.embedded.supervise(), name="embedded nats-server"))
+        node_id = load_node_id(config.data_dir)
+        urls = config.nats_urls or [await self._start_embedded(node_id)]
         self.nats_urls = urls
         self.shown_nats_urls = [redact(url) for url in urls]
         self._nc = nc = await connect(urls, name="exo-node")
-        await provision(nc, replicas=config.replicas, overrides=event_retention(config.events_max_age_s, config.events_max_bytes))
-        node_id = load_node_id(config.data_dir)
+        overrides = event_retention(config.events_max_age_s, config.events_max_bytes)
+        if self.cluster is not None:  # on real nodes only; the cluster raises the replicas itself
+            overrides = merge_overrides(placed_on([NODE_TAG]), overrides)
+        await provision(nc, replicas=config.replicas, overrides=overrides, keep_replicas=self.cluster is not None)
+        if self.cluster is not None:
+            self._tasks.append(asyncio.create_task(self.cluster.keep(), name="cluster upkeep"))
         builtin = load_builtin_cards(builtin_cards_dir())
         self._view = view = await self._catch_up(nc)
         if config.run_master:
@@ -132,6 +141,17 @@ class Node:
             self._tasks.append(asyncio.create_task(heartbeat.run(), name="heartbeat"))
         if config.run_api:
             await self._start_api(ApiContext(nc, view, CommandOutcomes(nc, view), builtin, node_id, config.data_dir))
+
+    async def _start_embedded(self, node_id: str) -> str:
+        store = self.config.data_dir / "nats"
+        if self.config.discovery is None:
+            self.embedded = EmbeddedNats(store, port=self.config.nats_port)
+            await self.embedded.start()
+        else:
+            self.cluster = ClusterNode(store, node_id, self.config.nats_port, self.config.discovery)
+            self.embedded = await self.cluster.start()
+        self._tasks.append(asyncio.create_task(self.embedded.supervise(), name="embedded nats-server"))
+        return self.embedded.url
 
     async def _catch_up(self, nc) -> StateView:
         try:
@@ -178,7 +198,9 @@ class Node:
                 await asyncio.wait_for(self._nc.drain(), 5)
             except Exception:  # the server may be gone already; we are leaving anyway
                 pass
-        if self.embedded is not None:
+        if self.cluster is not None:
+            await self.cluster.stop()
+        elif self.embedded is not None:
             self.embedded.stop()
         if (lock := getattr(self, "_data_dir_lock", None)) is not None:
             lock.close()  # another Node in this process may use the dir now
@@ -188,5 +210,7 @@ class Node:
         """The second Ctrl-C: no more waiting."""
         if self.worker is not None:
             self.worker.kill_runners()
-        if self.embedded is not None:
+        if self.cluster is not None:
+            self.cluster.kill()
+        elif self.embedded is not None:
             self.embedded.kill()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from pathlib import Path
 
 import anthropic
@@ -16,6 +17,10 @@ from exo.bus.connection import connect
 from exo.bus.embedded import EmbeddedNats
 from exo.bus.provision import provision
 from tests.e2e_support import start_exo
+
+# Every exo the tests start is standalone unless a test asks for discovery (tests/test_cluster_*.py):
+# nodes of unrelated tests on one machine must not find each other and form a cluster.
+os.environ.setdefault("EXO_DISCOVERY", "0")
 
 
 @pytest_asyncio.fixture(scope="session")

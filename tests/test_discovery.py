@@ -19,18 +19,28 @@ def test_the_first_node_seeds_a_cluster_named_after_itself():
 
 
 def test_a_node_waits_for_a_smaller_id_that_is_starting_then_joins_it_once_ready():
-    assert choose_role("b", "default", [peer("a", "starting")]) == Wait(reason="node a is starting and seeds the cluster")
+    assert choose_role("b", "default", [peer("a", "starting")]) == Wait(reason="node a goes first")
     joined = choose_role("b", "default", [peer("a", "ready", "exo-a")])
     assert joined == Join(cluster="exo-a", routes=["nats-route://10.0.0.1:6222"])
 
 
 def test_a_node_joins_the_ready_members_of_the_biggest_cluster_and_ignores_other_namespaces():
     peers = [peer("a", cluster="exo-a", port=1), peer("c", cluster="exo-c", port=2), peer("d", cluster="exo-c", port=3),
-             peer("e", "starting"), peer("0", cluster="exo-0", namespace="lab", port=4)]
+             peer("zz", "starting"), peer("0", cluster="exo-0", namespace="lab", port=4)]
     assert choose_role("z", "default", peers) == Join(
         cluster="exo-c", routes=["nats-route://10.0.0.1:2", "nats-route://10.0.0.1:3"])
     assert choose_role("z", "lab", peers) == Join(cluster="exo-0", routes=["nats-route://10.0.0.1:4"])
     assert choose_role("a", "default", [peer("a", cluster="exo-a")]) == Seed(cluster="exo-a")  # itself is no peer
+
+
+def test_one_node_at_a_time_seeds_or_joins_smallest_id_first():
+    cluster = [peer("a", cluster="exo-a")]
+    assert choose_role("c", "default", [*cluster, peer("b", "starting")]) == Wait(reason="node b goes first")
+    assert choose_role("b", "default", [*cluster, peer("c", "starting")]) == Join(
+        cluster="exo-a", routes=["nats-route://10.0.0.1:6222"])
+    # whoever is joining (or seeding) now goes on alone, whatever its id
+    assert choose_role("a", "default", [peer("z", "joining")]) == Wait(reason="node z is joining")
+    assert choose_role("b", "default", [*cluster, peer("z", "joining")]) == Wait(reason="node z is joining")
 
 
 async def _until(predicate, timeout: float = 10.0) -> None:

@@ -3,8 +3,10 @@
 A node that finds a ready peer joins that peer's cluster (routes to its ready members). One that
 finds none seeds a cluster named after itself, unless a peer with a smaller node id is still
 starting: that one seeds, and this one joins it once it is ready. Joins happen one at a time,
-because a node announces "ready" only once it is a member of the JetStream meta group (four
-nodes joining at once once outvoted the seed, and its streams vanished: issue #21).
+smallest node id first: a node goes only when no peer is "joining" (seeding or joining now) and
+no smaller one is still "starting", and it announces "ready" only once it is a member of the
+JetStream meta group (four nodes joining at once once outvoted the seed, and its streams
+vanished: issue #21).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Literal
 
 import msgspec
 
-NodeState = Literal["starting", "ready"]
+NodeState = Literal["starting", "joining", "ready"]
 
 
 class Announcement(msgspec.Struct, frozen=True, kw_only=True):
@@ -21,6 +23,7 @@ class Announcement(msgspec.Struct, frozen=True, kw_only=True):
 
     node_id: str
     namespace: str = "default"  # two clusters on one LAN stay apart
+    secret_id: str = ""  # a digest of the cluster secret: nodes with different secrets never pair
     state: NodeState = "starting"
     cluster: str = ""  # the NATS cluster it belongs to; "" while starting
     host: str = ""  # where its NATS cluster port listens
@@ -54,12 +57,15 @@ def choose_role(me: str, namespace: str, peers: list[Announcement]) -> Role:
     for peer in mine:
         if peer.state == "ready" and peer.cluster:
             clusters.setdefault(peer.cluster, []).append(peer)
+    joining = sorted(p.node_id for p in mine if p.state == "joining")
+    if joining:  # seeding or joining now: one at a time
+        return Wait(reason=f"node {joining[0]} is joining")
+    ahead = sorted(p.node_id for p in mine if p.state == "starting" and p.node_id < me)
+    if ahead:
+        return Wait(reason=f"node {ahead[0]} goes first")
     if clusters:
         # Two clusters seen at once (formed apart): the bigger wins, then the smaller name; the
         # other keeps its own (joining both would merge them, and one side's streams vanish).
         name = min(clusters, key=lambda c: (-len(clusters[c]), c))
         return Join(cluster=name, routes=sorted(p.route for p in clusters[name]))
-    earlier = sorted(p.node_id for p in mine if p.state == "starting" and p.node_id < me)
-    if earlier:
-        return Wait(reason=f"node {earlier[0]} is starting and seeds the cluster")
     return Seed(cluster=f"exo-{me}")

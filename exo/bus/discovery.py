@@ -70,10 +70,10 @@ class Discovery:
         await self._zeroconf.async_update_service(_service_info(me))
 
     def peers(self) -> list[Announcement]:
-        """The other nodes heard in this node's namespace."""
+        """The other nodes heard in this node's namespace, with this node's cluster secret."""
         me = self._me
-        return [p for p in self._peers.values()
-                if me is None or (p.namespace == me.namespace and p.node_id != me.node_id)]
+        return [p for p in self._peers.values() if me is None
+                or (p.namespace == me.namespace and p.secret_id == me.secret_id and p.node_id != me.node_id)]
 
     async def stop(self) -> None:
         if self._browser is not None:

@@ -16,7 +16,8 @@ from pathlib import Path
 import msgspec
 
 from exo.bus.errors import BusError
-from exo.bus.permissions import EXO_USER, OPERATOR_USER, authorization_block
+from exo.bus.permissions import EXO_USER, OPERATOR_USER
+from exo.bus.server_config import SYSTEM_USER, ClusterLink, server_config
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,7 @@ class Credentials(msgspec.Struct, forbid_unknown_fields=True):
 
     exo_password: str
     operator_password: str
+    system_password: str = ""  # the system account's user, in a cluster only (files before #21 lack it)
 
 
 CREDENTIALS_FILE = "credentials.json"
@@ -57,17 +59,31 @@ def load_credentials(store_dir: Path) -> Credentials:
     """The store's credentials, created on first use. Readable by this user only."""
     path = store_dir / CREDENTIALS_FILE
     if not path.exists():
-        fresh = Credentials(exo_password=secrets.token_hex(24), operator_password=secrets.token_hex(24))
+        fresh = Credentials(exo_password=secrets.token_hex(24), operator_password=secrets.token_hex(24),
+                            system_password=secrets.token_hex(24))
         store_dir.mkdir(parents=True, exist_ok=True)
-        partial = path.with_suffix(".tmp")
-        partial.unlink(missing_ok=True)
-        with os.fdopen(os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as out:
-            out.write(msgspec.json.encode(fresh))
-        partial.replace(path)
+        _write_private(path, msgspec.json.encode(fresh))
     try:
-        return msgspec.json.decode(path.read_bytes(), type=Credentials)
+        credentials = msgspec.json.decode(path.read_bytes(), type=Credentials)
     except msgspec.DecodeError as error:
         raise BusError(f"{path} is not valid ({error}); remove it to generate new credentials") from None
+    if not credentials.system_password:
+        credentials = msgspec.structs.replace(credentials, system_password=secrets.token_hex(24))
+        _write_private(path, msgspec.json.encode(credentials))
+    return credentials
+
+
+def _write_private(path: Path, content: bytes) -> None:
+    """Write a file readable by this user only, atomically."""
+    partial = path.with_suffix(".tmp")
+    partial.unlink(missing_ok=True)
+    with os.fdopen(os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as out:
+        out.write(content)
+    partial.replace(path)
+
+
+def _port_of(url: str) -> int:
+    return int(url.rsplit(":", 1)[1])
 
 
 def with_user(url: str, user: str, password: str) -> str:
@@ -79,13 +95,18 @@ class EmbeddedNats:
     """A nats-server with JetStream and a file store under `store_dir`, refusing clients
     without credentials (see exo/bus/permissions.py).
 
-    port 0 lets the server pick a free port; we read it back from its ports file.
+    port 0 lets the server pick a free port; we read it back from its ports file. With a
+    `cluster` link it is one server of a JetStream cluster (exo/bus/server_config.py).
     """
 
-    def __init__(self, store_dir: Path, host: str = "127.0.0.1", port: int = 4222) -> None:
+    def __init__(self, store_dir: Path, host: str = "127.0.0.1", port: int = 4222,
+                 server_name: str = "exo-embedded", cluster: ClusterLink | None = None) -> None:
         self.store_dir = store_dir
         self.host = host
         self.port = port
+        self.server_name = server_name
+        self.cluster = cluster
+        self.monitor_url = ""  # its HTTP monitoring endpoint (/varz, /jsz), on loopback
         self.process: subprocess.Popen[bytes] | None = None
         self._stopping = False
 
@@ -104,6 +125,11 @@ class EmbeddedNats:
         """Read-only access, for `nats` commands and exo's tools."""
         return with_user(self.address, OPERATOR_USER, load_credentials(self.store_dir).operator_password)
 
+    @property
+    def system_url(self) -> str:
+        """The system account (clusters only): meta-group requests such as removing a peer."""
+        return with_user(self.address, SYSTEM_USER, load_credentials(self.store_dir).system_password)
+
     async def start(self, timeout: float = 10.0) -> str:
         self.store_dir.mkdir(parents=True, exist_ok=True)
         ports_dir = self.store_dir / "ports"
@@ -114,12 +140,12 @@ class EmbeddedNats:
         credentials = load_credentials(self.store_dir)
         config.touch(mode=0o600)
         config.chmod(0o600)  # it holds the passwords; set before writing them
-        config.write_text(f"max_payload: {MAX_PAYLOAD_BYTES}\n"
-                          + authorization_block(credentials.exo_password, credentials.operator_password))
+        config.write_text(server_config(credentials.exo_password, credentials.operator_password,
+                                        credentials.system_password, MAX_PAYLOAD_BYTES, self.cluster))
         args = [
             nats_server_binary(), "--config", str(config), "--jetstream", "--store_dir", str(self.store_dir / "jetstream"),
             "--addr", self.host, "--port", str(self.port if self.port else -1),
-            "--ports_file_dir", str(ports_dir), "--server_name", "exo-embedded",
+            "--ports_file_dir", str(ports_dir), "--server_name", self.server_name,
             "--http_port", "-1",  # monitoring (varz, jsz) on a free loopback port: see its ports file
         ]
         log = open(self.store_dir / "nats-server.log", "ab")
@@ -140,10 +166,14 @@ class EmbeddedNats:
                 )
             for ports_file in ports_dir.glob("*.ports"):
                 try:
-                    nats_urls = json.loads(ports_file.read_text())["nats"]
-                except (ValueError, KeyError):
+                    ports = json.loads(ports_file.read_text())
+                    client_port = _port_of(ports["nats"][0])
+                    self.monitor_url = ports["monitoring"][0]
+                    if self.cluster is not None:  # a restart must listen where the members dial
+                        self.cluster = msgspec.structs.replace(self.cluster, port=_port_of(ports["cluster"][0]))
+                except (ValueError, KeyError, IndexError):
                     continue  # written but not complete yet
-                return int(nats_urls[0].rsplit(":", 1)[1])
+                return client_port
             await asyncio.sleep(0.02)
         raise BusError(f"embedded nats-server did not start within {timeout} s")
 

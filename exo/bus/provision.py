@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from nats.aio.client import Client
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeoutError
 
 from exo.bus.errors import BusError, ConfigMismatch
 from exo.bus.subjects import EVENTS_STREAM, IMAGES_STREAM
@@ -30,6 +32,7 @@ _CONSUMER_EXISTS = 10148  # "consumer already exists" (with another config)
 # A JetStream cluster still forming (a server not yet up or not yet a meta-group member) has no
 # peers for a replicated stream: exo started with the cluster waits for it instead of exiting.
 _NO_PEERS = 10005  # "no suitable peers for placement"
+_CLUSTER_UNAVAILABLE = (10008, 10023, 10059)  # JetStream cluster not ready / no leader / stream not found yet
 FORMING_WAIT_S = float(os.environ.get("EXO_CLUSTER_FORMING_WAIT_S", "60"))
 
 
@@ -74,11 +77,19 @@ def consumer_configs(folder: Path | None = None) -> list[tuple[str, dict[str, An
     return [(p.name.split(".", 1)[0], json.loads(p.read_text())) for p in sorted(folder.glob("*.json"))]
 
 
-async def provision(nc: Client, replicas: int | None = None, overrides: Overrides | None = None) -> None:
+def placed_on(tags: list[str]) -> Overrides:
+    """Streams placed on servers with these tags only (a discovered cluster: real nodes, never its witness)."""
+    return {c["name"]: {"placement": {"tags": tags}} for c in stream_configs()}
+
+
+async def provision(nc: Client, replicas: int | None = None, overrides: Overrides | None = None,
+                    keep_replicas: bool = False) -> None:
+    """keep_replicas: an existing stream's replica count is the cluster's business (a discovered
+    cluster raises it to 3 by itself), not a difference from the file."""
     deadline = time.monotonic() + FORMING_WAIT_S
     while True:
         try:
-            return await _provision_once(nc, replicas, overrides)
+            return await _provision_once(nc, replicas, overrides, keep_replicas)
         except ClusterForming as forming:
             if time.monotonic() > deadline:
                 raise BusError(f"{forming}; the JetStream cluster did not form within {FORMING_WAIT_S:g} s") from None
@@ -86,17 +97,21 @@ async def provision(nc: Client, replicas: int | None = None, overrides: Override
             await asyncio.sleep(1.0)
 
 
-async def _provision_once(nc: Client, replicas: int | None, overrides: Overrides | None) -> None:
+async def _provision_once(nc: Client, replicas: int | None, overrides: Overrides | None, keep_replicas: bool) -> None:
     for config in stream_configs(replicas=replicas, overrides=overrides):
-        await _create_stream(nc, config)
+        await _create_stream(nc, config, keep_replicas)
     for stream, config in consumer_configs():
         await _create_consumer(nc, stream, config)
 
 
-async def _create_stream(nc: Client, config: dict[str, Any]) -> None:
+async def _create_stream(nc: Client, config: dict[str, Any], keep_replicas: bool = False) -> None:
     name = config["name"]
     reply = await _api(nc, f"$JS.API.STREAM.CREATE.{name}", config)
     error = reply.get("error")
+    if error and error.get("err_code") == _STREAM_IN_USE and keep_replicas:
+        existing = (await _api(nc, f"$JS.API.STREAM.INFO.{name}", {})).get("config", {})
+        if existing.get("num_replicas", 1) != config.get("num_replicas", 1):
+            return await _create_stream(nc, {**config, "num_replicas": existing.get("num_replicas", 1)})
     if error and error.get("err_code") == _STREAM_IN_USE and await _upgrade_stream(nc, config):
         return
     if error and error.get("err_code") == _STREAM_IN_USE:
@@ -104,7 +119,8 @@ async def _create_stream(nc: Client, config: dict[str, Any]) -> None:
             f"stream {name} already exists with a configuration different from streams/{name}.json; "
             f"compare with `nats stream info {name}` and update or remove it deliberately"
         )
-    if error and error.get("err_code") == _NO_PEERS:
+    if error and (error.get("err_code") == _NO_PEERS or error.get("err_code") in _CLUSTER_UNAVAILABLE
+                  or error.get("code") == 503):
         raise ClusterForming(f"cannot create stream {name} yet: {error.get('description')}")
     if error:
         raise BusError(f"cannot create stream {name}: {error.get('description', error)}")
@@ -142,5 +158,8 @@ async def _create_consumer(nc: Client, stream: str, config: dict[str, Any]) -> N
 
 
 async def _api(nc: Client, subject: str, body: dict[str, Any]) -> dict[str, Any]:
-    msg = await nc.request(subject, json.dumps(body).encode(), timeout=5)
+    try:
+        msg = await nc.request(subject, json.dumps(body).encode(), timeout=5)
+    except (NoRespondersError, NatsTimeoutError) as error:  # JetStream not answering: a cluster between leaders
+        raise ClusterForming(f"JetStream did not answer {subject}: {error!r}") from None
     return json.loads(msg.data)

@@ -1,0 +1,239 @@
+"""One node of a discovered cluster (issue #21): find the peers on the LAN, seed or join their
+JetStream cluster, and keep it healthy while the node runs.
+
+Start: announce "starting" over mDNS, listen `browse_s` (2 s), then follow
+exo/bus/cluster_formation.py's decision. A seed runs its embedded server with a witness (a lone
+server in cluster mode has no JetStream); a joiner routes to the ready members. The node says
+"ready" once its server is a working member of the meta group. What it chose is kept in
+`cluster.json` beside the server's store, so a restart rejoins the same cluster at once.
+
+Running: every few seconds, once three real nodes are members, raise exo's streams to three
+replicas; then the seed retires its witness (meta leadership moved away, witness stopped and
+removed from the meta group), so that the quorum is counted over real nodes only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from pathlib import Path
+
+import msgspec
+
+from exo.bus.cluster_formation import Announcement, Join, NodeState, Seed, Wait, choose_role
+from exo.bus.connection import Connection, connect
+from exo.bus.discovery import Discovery
+from exo.bus.embedded import EmbeddedNats
+from exo.bus.errors import BusError
+from exo.bus.jetstream_cluster import FULL_REPLICAS, meta_group, remove_peer, scale_streams, step_down_if_leader, stream_replicas
+from exo.bus.server_config import ClusterLink, route_url
+
+log = logging.getLogger(__name__)
+
+MEMBERSHIP_FILE = "cluster.json"
+KEEP_EVERY_S = 2.0
+
+
+class DiscoverySettings(msgspec.Struct, frozen=True, kw_only=True):
+    address: str  # where mDNS and the cluster port listen (127.0.0.1 keeps it on this machine)
+    secret: str  # the routes' password; the same on every node of the cluster
+    secret_id: str  # a digest of it, announced: nodes with another secret are not peers
+    namespace: str = "default"
+    cluster_port: int = 0  # 0: any free port, then kept for restarts
+    browse_s: float = 2.0  # how long a new node listens before it decides
+    wait_limit_s: float = 30.0  # a peer that went first and never got ready is not waited for longer
+
+
+class Membership(msgspec.Struct, kw_only=True):
+    """What this node chose, kept across restarts."""
+
+    cluster: str
+    port: int  # its cluster port
+    seeded: bool = False
+    witness_port: int = 0
+    witness_retired: bool = False
+    routes: list[str] = []  # the members last heard of: where a restart dials
+
+
+def load_membership(store_dir: Path) -> Membership | None:
+    path = store_dir / MEMBERSHIP_FILE
+    if not path.exists():
+        return None
+    return msgspec.json.decode(path.read_bytes(), type=Membership)
+
+
+def save_membership(store_dir: Path, membership: Membership) -> None:
+    partial = store_dir / (MEMBERSHIP_FILE + ".tmp")
+    partial.write_bytes(msgspec.json.encode(membership))
+    partial.replace(store_dir / MEMBERSHIP_FILE)
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]
+
+
+class ClusterNode:
+    def __init__(self, store_dir: Path, node_id: str, client_port: int, settings: DiscoverySettings) -> None:
+        self.store_dir = store_dir
+        self.node_id = node_id
+        self.client_port = client_port
+        self.settings = settings
+        self.server_name = f"exo-{node_id}"
+        self.discovery = Discovery([settings.address])
+        self.membership: Membership | None = None
+        self.server: EmbeddedNats | None = None
+        self.witness: EmbeddedNats | None = None
+        self._nc: Connection | None = None
+        self._witness_supervisor: asyncio.Task | None = None  # ends when the witness is retired
+
+    @property
+    def witness_name(self) -> str:
+        return f"{self.server_name}-witness"
+
+    def _me(self, state: NodeState) -> Announcement:
+        member = self.membership
+        return Announcement(
+            node_id=self.node_id, namespace=self.settings.namespace, secret_id=self.settings.secret_id, state=state,
+            cluster=member.cluster if member and state == "ready" else "", host=self.settings.address,
+            cluster_port=member.port if member else 0)
+
+    async def start(self) -> EmbeddedNats:
+        """Seed or join (or rejoin) the cluster; returns this node's server once it is a member."""
+        self.store_dir.mkdir(parents=True, exist_ok=True)
+        self.membership = load_membership(self.store_dir)
+        await self.discovery.start(self._me("starting"))
+        if self.membership is None:
+            await asyncio.sleep(self.settings.browse_s)
+            self.membership = self._choose(await self._role())
+            await self.discovery.announce(self._me("joining"))
+        else:
+            log.info("rejoining cluster %s", self.membership.cluster)
+        save_membership(self.store_dir, self.membership)
+        await self._start_servers(self.membership)
+        await self._until_member()
+        await self.discovery.announce(self._me("ready"))
+        log.info("member of cluster %s as %s", self.membership.cluster, self.server_name)
+        assert self.server is not None
+        return self.server
+
+    async def _role(self) -> Seed | Join:
+        waited = 0.0
+        while True:
+            role = choose_role(self.node_id, self.settings.namespace, self.discovery.peers())
+            if not isinstance(role, Wait):
+                return role
+            if waited >= self.settings.wait_limit_s:
+                log.warning("waited %.0f s (%s); seeding a cluster of my own", waited, role.reason)
+                return Seed(cluster=f"exo-{self.node_id}")
+            log.info("discovery: waiting: %s", role.reason)
+            self.discovery.changed.clear()
+            try:
+                await asyncio.wait_for(self.discovery.changed.wait(), 1.0)
+            except TimeoutError:
+                pass
+            waited += 1.0
+
+    def _choose(self, role: Seed | Join) -> Membership:
+        host = self.settings.address
+        port = self.settings.cluster_port or free_port(host)
+        if isinstance(role, Seed):
+            log.info("discovery: no cluster heard; seeding %s", role.cluster)
+            return Membership(cluster=role.cluster, port=port, seeded=True, witness_port=free_port(host))
+        log.info("discovery: joining %s through %s", role.cluster, ", ".join(role.routes))
+        return Membership(cluster=role.cluster, port=port, routes=role.routes)
+
+    def _routes(self, membership: Membership) -> list[str]:
+        heard = [p.route for p in self.discovery.peers() if p.state == "ready" and p.cluster == membership.cluster]
+        witness = [route_url(self.settings.address, membership.witness_port)] if self._runs_witness(membership) else []
+        return sorted({*membership.routes, *heard, *witness})
+
+    def _runs_witness(self, membership: Membership) -> bool:
+        return membership.seeded and not membership.witness_retired
+
+    async def _start_servers(self, membership: Membership) -> None:
+        host, secret = self.settings.address, self.settings.secret
+        self.server = EmbeddedNats(self.store_dir, port=self.client_port, server_name=self.server_name, cluster=ClusterLink(
+            name=membership.cluster, host=host, port=membership.port, secret=secret, routes=self._routes(membership)))
+        starting = [self.server.start()]
+        if self._runs_witness(membership):
+            self.witness = EmbeddedNats(self.store_dir.parent / "nats-witness", port=0, server_name=self.witness_name,
+                                        cluster=ClusterLink(name=membership.cluster, host=host, port=membership.witness_port,
+                                                            secret=secret, routes=[route_url(host, membership.port)],
+                                                            witness=True))
+            starting.append(self.witness.start())
+        await asyncio.gather(*starting)
+        if self.witness is not None:
+            self._witness_supervisor = asyncio.create_task(self.witness.supervise(), name="witness nats-server")
+
+    async def _until_member(self, timeout: float = 120.0) -> None:
+        """A working member: the meta group has a leader and JetStream answers through it."""
+        assert self.server is not None
+        deadline = asyncio.get_running_loop().time() + timeout
+        self._nc = await connect([self.server.url], name="exo-cluster-keeper")
+        while asyncio.get_running_loop().time() < deadline:
+            meta = await meta_group(self.server.monitor_url)
+            if meta is not None and meta.leader:
+                try:
+                    info = await self._nc.request("$JS.API.INFO", b"", timeout=2)
+                    if b'"error"' not in info.data:
+                        return
+                except Exception as error:  # no responders / timeout while the meta group settles
+                    log.debug("JetStream not answering yet: %r", error)
+            await asyncio.sleep(0.2)
+        raise BusError(f"this node's server did not become a member of cluster {self.membership and self.membership.cluster} "
+                       f"within {timeout:g} s; see {self.store_dir / 'nats-server.log'}")
+
+    async def keep(self) -> None:
+        """While the node runs: remember the members, go to three replicas, retire the witness."""
+        while True:
+            await asyncio.sleep(KEEP_EVERY_S)
+            try:
+                await self._keep_once()
+            except Exception as error:  # a cluster in motion: try again at the next turn
+                log.info("cluster upkeep: %r; trying again", error)
+
+    async def _keep_once(self) -> None:
+        membership, nc = self.membership, self._nc
+        assert membership is not None and nc is not None
+        members = sorted(p.route for p in self.discovery.peers() if p.state == "ready" and p.cluster == membership.cluster)
+        if members and members != membership.routes:
+            membership.routes = members
+            save_membership(self.store_dir, membership)
+        if len(members) + 1 < FULL_REPLICAS:
+            return
+        if not await scale_streams(nc):
+            return
+        if self.witness is not None and all(s.replicas >= FULL_REPLICAS and s.current for s in await stream_replicas(nc)):
+            await self._retire_witness()
+
+    async def _retire_witness(self) -> None:
+        assert self.server is not None and self.witness is not None and self.membership is not None
+        system = await connect([self.server.system_url], name="exo-cluster-system")
+        try:
+            await step_down_if_leader(system, self.server.monitor_url, self.witness_name)
+            self.witness.stop()
+            await remove_peer(system, self.witness_name)
+        finally:
+            await system.close()
+        self.witness = None
+        self.membership.witness_retired = True
+        save_membership(self.store_dir, self.membership)
+        log.info("three nodes hold every stream: the witness %s is retired", self.witness_name)
+
+    async def stop(self) -> None:
+        if self._witness_supervisor is not None:
+            self._witness_supervisor.cancel()
+        if self._nc is not None and not self._nc.is_closed:
+            await self._nc.close()
+        await self.discovery.stop()
+        for server in (self.witness, self.server):
+            if server is not None:
+                server.stop()
+
+    def kill(self) -> None:
+        for server in (self.witness, self.server):
+            if server is not None:
+                server.kill()

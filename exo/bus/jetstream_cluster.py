@@ -1,0 +1,126 @@
+"""The JetStream cluster under a discovered exo cluster: who is in the meta group, how many
+replicas exo's streams have, and the two changes exo makes to it by itself (issue #21):
+scaling every stream to three replicas once three real nodes are members, and retiring the
+seed's witness once it is no longer needed for a quorum.
+
+The meta group's view comes from the local server's monitoring endpoint (/jsz, on loopback);
+changes to the meta group need the system account (exo/bus/server_config.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Any
+
+import aiohttp
+import msgspec
+from nats.aio.client import Client
+
+from exo.bus.provision import stream_configs
+
+log = logging.getLogger(__name__)
+
+FULL_REPLICAS = 3
+_API_TIMEOUT_S = 5.0
+
+
+class MetaPeer(msgspec.Struct, frozen=True):
+    name: str
+    current: bool = False
+    offline: bool = False
+
+
+class MetaGroup(msgspec.Struct, frozen=True):
+    """The JetStream meta group as one server sees it."""
+
+    name: str = ""  # the cluster's name
+    leader: str = ""  # "" while no leader is known: not (yet) a working member
+    cluster_size: int = 0
+    replicas: list[MetaPeer] = []  # the other members, as this server sees them
+
+
+class StreamReplicas(msgspec.Struct, frozen=True):
+    name: str
+    replicas: int
+    leader: str = ""
+    servers: list[str] = []  # the leader first, then the followers
+    current: bool = True  # every follower caught up
+
+
+async def meta_group(monitor_url: str) -> MetaGroup | None:
+    """The local server's view of the meta group; None when it cannot say (yet)."""
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=_API_TIMEOUT_S)) as session:
+            async with session.get(f"{monitor_url}/jsz") as response:
+                body = await response.json(content_type=None)
+    except (aiohttp.ClientError, TimeoutError, ValueError):
+        return None
+    meta = body.get("meta_cluster")
+    return msgspec.convert(meta, MetaGroup, strict=False) if meta else None
+
+
+async def _api(nc: Client, subject: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+    msg = await nc.request(subject, json.dumps(body or {}).encode(), timeout=_API_TIMEOUT_S)
+    return json.loads(msg.data)
+
+
+async def stream_replicas(nc: Client) -> list[StreamReplicas]:
+    """exo's streams (events, commands, tokens, KV buckets, images) and where their replicas are."""
+    found = []
+    for config in stream_configs():
+        info = await _api(nc, f"$JS.API.STREAM.INFO.{config['name']}")
+        if info.get("error"):
+            continue
+        cluster = info.get("cluster") or {}
+        followers = cluster.get("replicas") or []
+        found.append(StreamReplicas(
+            name=config["name"], replicas=info["config"].get("num_replicas", 1), leader=cluster.get("leader", ""),
+            servers=[cluster.get("leader", ""), *(f["name"] for f in followers)],
+            current=all(f.get("current") for f in followers)))
+    return found
+
+
+async def scale_streams(nc: Client, replicas: int = FULL_REPLICAS) -> bool:
+    """Raise every exo stream below `replicas` to it; True once all are there. A stream keeps
+    its data (the new replicas catch up from the leader). Failing here (too few servers with
+    the node tag yet) is normal while nodes join: the caller tries again later."""
+    done = True
+    for config in stream_configs():
+        info = await _api(nc, f"$JS.API.STREAM.INFO.{config['name']}")
+        if info.get("error"):
+            done = False
+            continue
+        existing = info["config"]
+        if existing.get("num_replicas", 1) >= replicas:
+            continue
+        reply = await _api(nc, f"$JS.API.STREAM.UPDATE.{config['name']}", {**existing, "num_replicas": replicas})
+        if reply.get("error"):
+            log.info("stream %s stays at %s replicas for now: %s", config["name"], existing.get("num_replicas", 1),
+                     reply["error"].get("description"))
+            done = False
+        else:
+            log.info("stream %s now has %d replicas", config["name"], replicas)
+    return done
+
+
+async def step_down_if_leader(system_nc: Client, monitor_url: str, server_name: str, timeout: float = 10.0) -> None:
+    """Move meta leadership away from `server_name` (the witness, before it stops)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while asyncio.get_running_loop().time() < deadline:
+        meta = await meta_group(monitor_url)
+        if meta is not None and meta.leader and meta.leader != server_name:
+            return
+        if meta is not None and meta.leader == server_name:
+            await _api(system_nc, "$JS.API.META.LEADER.STEPDOWN")
+        await asyncio.sleep(0.5)
+    raise TimeoutError(f"meta leadership did not leave {server_name} within {timeout:g} s")
+
+
+async def remove_peer(system_nc: Client, server_name: str) -> None:
+    """Take a server that is gone for good out of the meta group, so that the quorum is counted
+    over the servers that remain."""
+    reply = await _api(system_nc, "$JS.API.SERVER.REMOVE", {"peer": server_name})
+    if reply.get("error"):
+        raise RuntimeError(f"cannot remove {server_name} from the meta group: {reply['error'].get('description')}")

@@ -1,0 +1,189 @@
+"""Zero-config clusters (issue #21): `exo` with no flags on several nodes of one LAN, here nodes
+bound to 127.0.0.1 with their own ports and data dirs, and mDNS on 127.0.0.1.
+
+Three nodes form one cluster and every stream goes to three replicas; a chat is served and
+equals mlx-lm; kill -9 of one node leaves the two others serving and taking commands; a fourth
+node joins. Four nodes started at once form exactly one cluster, and a node of another
+namespace stays apart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import pytest
+
+from exo.bus.cluster_node import load_membership
+from exo.bus.connection import connect
+from exo.bus.provision import stream_configs
+from exo.core.state import encode_state
+from tests.cluster import state_of, wait_until
+from tests.e2e_support import Reference
+from tests.exo_process import ExoProcess
+from tests.support.tiny_model import make_tiny_model
+
+pytestmark = pytest.mark.slow
+
+MESSAGES = [{"role": "user", "content": "Hello, cluster"}]
+
+
+def discovering(namespace: str) -> dict[str, str]:
+    return {"EXO_DISCOVERY": "1", "EXO_DISCOVERY_ADDRESS": "127.0.0.1", "EXO_NAMESPACE": namespace}
+
+
+def start_together(nodes: list[ExoProcess], timeout: float = 150.0) -> list[ExoProcess]:
+    """Start every node at once (as machines switched on together) and wait until all are ready."""
+    for node in nodes:
+        node.log = open(node.log_path, "wb")
+        node.process = subprocess.Popen(node.args, stdout=node.log, stderr=subprocess.STDOUT, env=node.env)
+    deadline = time.monotonic() + timeout
+    for node in nodes:
+        while "node ready" not in node.output():
+            assert node.process.poll() is None, node.output()
+            assert time.monotonic() < deadline, f"{node.data_dir.name} not ready:\n{node.output()}"
+            time.sleep(0.1)
+    return nodes
+
+
+def kill_9(node: ExoProcess) -> None:
+    """The machine is gone: exo, its runners and its nats-servers (their own sessions), all at once."""
+    doomed = {node.process.pid}
+    for pid in map(int, filter(str.isdigit, os.listdir("/proc"))):
+        try:
+            command = Path(f"/proc/{pid}/cmdline").read_bytes()
+            parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if str(node.data_dir).encode() in command or parent == node.process.pid:
+            doomed.add(pid)
+    for pid in doomed:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    node.process.wait()
+    node.log.close()
+
+
+def cluster_of(node: ExoProcess) -> str:
+    membership = load_membership(node.data_dir / "nats")
+    assert membership is not None
+    return membership.cluster
+
+
+def stream_layout(node: ExoProcess) -> dict[str, list[str]]:
+    """Every exo stream's servers (leader first), read with the operator's credentials."""
+
+    async def read() -> dict[str, list[str]]:
+        nc = await connect([node.nats_url("operator")], name="test-streams")
+        try:
+            layout = {}
+            for config in stream_configs():
+                info = json.loads((await nc.request(f"$JS.API.STREAM.INFO.{config['name']}", b"{}", timeout=5)).data)
+                cluster = info.get("cluster") or {}
+                layout[config["name"]] = [cluster.get("leader", ""), *(r["name"] for r in cluster.get("replicas") or [])]
+            return layout
+        finally:
+            await nc.close()
+
+    return asyncio.run(read())
+
+
+def all_streams_on_three(node: ExoProcess) -> bool:
+    try:
+        return all(len(set(servers) - {""}) == 3 for servers in stream_layout(node).values())
+    except Exception:  # a stream between leaders: ask again
+        return False
+
+
+def same_state(nodes: list[ExoProcess]) -> bool:
+    return len({encode_state(state_of(node)) for node in nodes}) == 1
+
+
+def chat(node: ExoProcess) -> str:
+    body = {"model": "local/tiny", "messages": MESSAGES, "temperature": 0, "max_tokens": 12}
+    reply = httpx.post(f"{node.url}/v1/chat/completions", json=body, timeout=120)
+    assert reply.status_code == 200, reply.text
+    return reply.json()["choices"][0]["message"]["content"]
+
+
+def stop_all(nodes: list[ExoProcess]) -> None:
+    for node in nodes:
+        if node.process is not None and node.process.poll() is None:
+            node.interrupt()
+
+
+def test_three_nodes_with_no_flags_form_one_cluster_that_survives_a_kill_and_takes_a_fourth(tmp_path):
+    model_dir = make_tiny_model(tmp_path / "model")
+    expected = Reference(model_dir).chat(MESSAGES, max_tokens=12)
+    env = discovering(f"test-{uuid.uuid4().hex[:8]}")
+    nodes = [ExoProcess(tmp_path / f"node-{n}", env) for n in range(3)]
+    late = ExoProcess(tmp_path / "node-late", env)
+    try:
+        start_together(nodes)
+        assert len({cluster_of(node) for node in nodes}) == 1
+        wait_until(lambda: all_streams_on_three(nodes[0]), 60, 1.0, "every stream on three servers")
+        seed = next(node for node in nodes if load_membership(node.data_dir / "nats").seeded)
+        wait_until(lambda: load_membership(seed.data_dir / "nats").witness_retired, 30, 0.5, "the witness retired")
+        assert all(not name.endswith("-witness") for servers in stream_layout(nodes[0]).values() for name in servers)
+
+        added = httpx.post(f"{nodes[0].url}/models/add", json={"model_id": "local/tiny", "path": str(model_dir)}, timeout=60)
+        assert added.status_code == 200, added.text
+        placed = httpx.post(f"{nodes[1].url}/place_instance", json={"model_id": "local/tiny"}, timeout=120)
+        assert placed.status_code == 200, placed.text
+        assert [chat(node) for node in nodes] == [expected] * 3
+        wait_until(lambda: same_state(nodes), 30, 0.5, "State identical on the three nodes")
+
+        hosting = {runner.node_id for runner in state_of(nodes[0]).runners.values()}
+        victim = next(node for node in nodes if _node_id(node) not in hosting)
+        survivors = [node for node in nodes if node is not victim]
+        kill_9(victim)
+        assert [chat(node) for node in survivors] == [expected] * 2
+        second = httpx.post(f"{survivors[0].url}/models/add",
+                            json={"model_id": "local/tiny-again", "path": str(model_dir)}, timeout=60)
+        assert second.status_code == 200, second.text
+        wait_until(lambda: all("local/tiny-again" in _model_ids(node) for node in survivors), 30, 0.5,
+                   "a command taken after the kill, seen on both survivors")
+
+        late.start(timeout=150)
+        assert cluster_of(late) == cluster_of(survivors[0])
+        assert chat(late) == expected
+        wait_until(lambda: same_state([*survivors, late]), 30, 0.5, "State identical on the late node")
+    finally:
+        stop_all([*nodes, late])
+
+
+def test_four_nodes_started_at_once_form_exactly_one_cluster_and_another_namespace_stays_apart(tmp_path):
+    ours = discovering(f"test-{uuid.uuid4().hex[:8]}")
+    nodes = [ExoProcess(tmp_path / f"node-{n}", ours) for n in range(4)]
+    stranger = ExoProcess(tmp_path / "stranger", discovering(f"other-{uuid.uuid4().hex[:8]}"))
+    try:
+        start_together([*nodes, stranger])
+        assert len({cluster_of(node) for node in nodes}) == 1
+        assert cluster_of(stranger) != cluster_of(nodes[0])
+        assert cluster_of(stranger) == f"exo-{_node_id(stranger)}"  # it seeded its own
+        wait_until(lambda: all_streams_on_three(nodes[0]), 60, 1.0, "every stream on three servers")
+        servers = {name for layout in stream_layout(nodes[0]).values() for name in layout}
+        assert servers <= {f"exo-{_node_id(node)}" for node in nodes}
+        wait_until(lambda: same_state(nodes), 30, 0.5, "State identical on the four nodes")
+        assert encode_state(state_of(stranger)) != encode_state(state_of(nodes[0]))
+        assert {node.node_id for node in state_of(stranger).nodes.values()} == {_node_id(stranger)}
+    finally:
+        stop_all([*nodes, stranger])
+
+
+def _node_id(node: ExoProcess) -> str:
+    return (node.data_dir / "node_id").read_text().strip()
+
+
+def _model_ids(node: ExoProcess) -> list[str]:
+    return [m["id"] for m in httpx.get(f"{node.url}/v1/models", timeout=30).json()["data"]]
+
