@@ -28,7 +28,8 @@ from exo.bus.liveness import Pulse, send_pulse
 from exo.bus.provision import Overrides, event_retention, placed_on, provision
 from exo.bus.server_config import NODE_TAG
 from exo.bus.state_view import StateView
-from exo.core.events import Event, NodeRegistered
+from exo.core.events import ClusterLayoutChanged, Event, NodeRegistered
+from exo.core.types import ClusterLayout
 from exo.master.service import Master
 from exo.models.cards import load_builtin_cards
 from exo.models.dirs import DownloadSettings
@@ -62,6 +63,11 @@ class NodeConfig:
     max_queue: int | None = None  # open tasks per instance before 429; None: decide's default
     node_timeout: float = 30.0  # seconds without a heartbeat before the master times a node out
     discovery: DiscoverySettings | None = None  # None: a standalone embedded server (or the given NATS URLs)
+
+
+# Open streams (a dashboard's /events, a long generation) get this long on Ctrl-C before they are
+# cancelled: aiohttp's default of 60 s per step kept a node with a dashboard open for 122 s.
+API_SHUTDOWN_S = 3.0
 
 
 def merge_overrides(first: Overrides, second: Overrides) -> Overrides:
@@ -112,10 +118,10 @@ class Node:
         if self.cluster is not None:  # on real nodes only; the cluster raises the replicas itself
             overrides = merge_overrides(placed_on([NODE_TAG]), overrides)
         await provision(nc, replicas=config.replicas, overrides=overrides, keep_replicas=self.cluster is not None)
-        if self.cluster is not None:
-            self._tasks.append(asyncio.create_task(self.cluster.keep(), name="cluster upkeep"))
         builtin = load_builtin_cards(builtin_cards_dir())
         self._view = view = await self._catch_up(nc)
+        if self.cluster is not None:
+            self._tasks.append(asyncio.create_task(self.cluster.keep(self._layout_recorder(nc, view)), name="cluster upkeep"))
         if config.run_master:
             master = Master(nc, view, builtin, node_id, config.snapshot_every, config.snapshot_interval, config.max_queue,
                             node_timeout=config.node_timeout)
@@ -153,6 +159,15 @@ class Node:
         self._tasks.append(asyncio.create_task(self.embedded.supervise(), name="embedded nats-server"))
         return self.embedded.url
 
+    @staticmethod
+    def _layout_recorder(nc: Connection, view: StateView):
+        events = EventLog(nc)
+
+        async def record(layout: ClusterLayout) -> None:
+            if view.state.cluster != layout:
+                await events.append(ClusterLayoutChanged(layout=layout), uuid.uuid4().hex)
+        return record
+
     async def _catch_up(self, nc) -> StateView:
         try:
             view, self.caught_up_from = await catch_up(nc)
@@ -162,7 +177,8 @@ class Node:
 
     async def _start_api(self, ctx: ApiContext) -> None:
         warn_if_exposed(self.config.api_host, ctx.settings)
-        self._site_runner = web.AppRunner(build_app(ctx), handler_cancellation=True, access_log=None)
+        self._site_runner = web.AppRunner(build_app(ctx), handler_cancellation=True, access_log=None,
+                                          shutdown_timeout=API_SHUTDOWN_S)
         await self._site_runner.setup()
         site = web.TCPSite(self._site_runner, self.config.api_host, self.config.api_port)
         try:

@@ -10,6 +10,7 @@ namespace stays apart.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import os
 import signal
@@ -29,6 +30,7 @@ from tests.cluster import state_of, wait_until
 from tests.e2e_support import Reference
 from tests.exo_process import ExoProcess
 from tests.support.tiny_model import make_tiny_model
+from tests.test_dashboard import page  # noqa: F401 (the browser fixture)
 
 pytestmark = pytest.mark.slow
 
@@ -94,7 +96,8 @@ def stream_layout(node: ExoProcess) -> dict[str, list[str]]:
         finally:
             await nc.close()
 
-    return asyncio.run(read())
+    with concurrent.futures.ThreadPoolExecutor(1) as thread:  # the browser's sync API holds this thread's loop
+        return thread.submit(asyncio.run, read()).result()
 
 
 def all_streams_on_three(node: ExoProcess) -> bool:
@@ -121,7 +124,19 @@ def stop_all(nodes: list[ExoProcess]) -> None:
             node.interrupt()
 
 
-def test_three_nodes_with_no_flags_form_one_cluster_that_survives_a_kill_and_takes_a_fourth(tmp_path):
+def layout_in_state(node: ExoProcess):
+    return state_of(node).cluster
+
+
+def full_layout(node: ExoProcess, servers: set[str]) -> bool:
+    """State shows every stream on three of `servers`, all of them online."""
+    layout = layout_in_state(node)
+    return ({s.name for s in layout.servers if s.online} == servers and layout.meta_leader in servers
+            and len(layout.streams) == len(stream_configs())
+            and all(s.replicas == 3 and {s.leader, *s.followers} <= servers for s in layout.streams))
+
+
+def test_three_nodes_with_no_flags_form_one_cluster_that_survives_a_kill_and_takes_a_fourth(tmp_path, page):  # noqa: F811
     model_dir = make_tiny_model(tmp_path / "model")
     expected = Reference(model_dir).chat(MESSAGES, max_tokens=12)
     env = discovering(f"test-{uuid.uuid4().hex[:8]}")
@@ -134,6 +149,12 @@ def test_three_nodes_with_no_flags_form_one_cluster_that_survives_a_kill_and_tak
         seed = next(node for node in nodes if load_membership(node.data_dir / "nats").seeded)
         wait_until(lambda: load_membership(seed.data_dir / "nats").witness_retired, 30, 0.5, "the witness retired")
         assert all(not name.endswith("-witness") for servers in stream_layout(nodes[0]).values() for name in servers)
+        servers = {f"exo-{_node_id(node)}" for node in nodes}
+        wait_until(lambda: full_layout(nodes[2], servers), 30, 0.5, "the layout in State")
+        page.goto(nodes[1].url + "/")
+        page.wait_for_selector('#replicas tr[data-replicas="3"]')
+        assert page.locator('#replicas tr[data-replicas="3"]').count() == len(stream_configs())
+        assert page.locator('#replicas [data-online="true"]').count() == 3 and not page.errors
 
         added = httpx.post(f"{nodes[0].url}/models/add", json={"model_id": "local/tiny", "path": str(model_dir)}, timeout=60)
         assert added.status_code == 200, added.text
@@ -146,6 +167,8 @@ def test_three_nodes_with_no_flags_form_one_cluster_that_survives_a_kill_and_tak
         victim = next(node for node in nodes if _node_id(node) not in hosting)
         survivors = [node for node in nodes if node is not victim]
         kill_9(victim)
+        wait_until(lambda: any(s.name == f"exo-{_node_id(victim)}" and not s.online
+                               for s in layout_in_state(survivors[0]).servers), 30, 0.5, "the killed server offline in State")
         assert [chat(node) for node in survivors] == [expected] * 2
         second = httpx.post(f"{survivors[0].url}/models/add",
                             json={"model_id": "local/tiny-again", "path": str(model_dir)}, timeout=60)

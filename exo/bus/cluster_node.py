@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import msgspec
@@ -26,10 +27,21 @@ from exo.bus.connection import Connection, connect
 from exo.bus.discovery import Discovery
 from exo.bus.embedded import EmbeddedNats
 from exo.bus.errors import BusError
-from exo.bus.jetstream_cluster import FULL_REPLICAS, meta_group, remove_peer, scale_streams, step_down_if_leader, stream_replicas
+from exo.bus.jetstream_cluster import (
+    FULL_REPLICAS,
+    cluster_layout,
+    meta_group,
+    remove_peer,
+    scale_streams,
+    step_down_if_leader,
+    stream_replicas,
+)
 from exo.bus.server_config import ClusterLink, route_url
+from exo.core.types import ClusterLayout
 
 log = logging.getLogger(__name__)
+
+LayoutSink = Callable[[ClusterLayout], Awaitable[None]]  # records a layout in the log if it changed
 
 MEMBERSHIP_FILE = "cluster.json"
 KEEP_EVERY_S = 2.0
@@ -186,14 +198,19 @@ class ClusterNode:
         raise BusError(f"this node's server did not become a member of cluster {self.membership and self.membership.cluster} "
                        f"within {timeout:g} s; see {self.store_dir / 'nats-server.log'}")
 
-    async def keep(self) -> None:
-        """While the node runs: remember the members, go to three replicas, retire the witness."""
+    async def keep(self, record_layout: LayoutSink) -> None:
+        """While the node runs: remember the members, go to three replicas, retire the witness,
+        and (on the meta leader's node) keep the layout in State."""
         while True:
-            await asyncio.sleep(KEEP_EVERY_S)
             try:
                 await self._keep_once()
+                assert self.server is not None and self._nc is not None
+                layout = await cluster_layout(self._nc, self.server.monitor_url)
+                if layout is not None:
+                    await record_layout(layout)
             except Exception as error:  # a cluster in motion: try again at the next turn
                 log.info("cluster upkeep: %r; trying again", error)
+            await asyncio.sleep(KEEP_EVERY_S)
 
     async def _keep_once(self) -> None:
         membership, nc = self.membership, self._nc

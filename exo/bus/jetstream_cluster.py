@@ -19,10 +19,12 @@ import msgspec
 from nats.aio.client import Client
 
 from exo.bus.provision import stream_configs
+from exo.core.types import ClusterLayout, ClusterServer, StreamPlacement
 
 log = logging.getLogger(__name__)
 
 FULL_REPLICAS = 3
+SILENT_AFTER_NS = 5_000_000_000
 _API_TIMEOUT_S = 5.0
 
 
@@ -30,6 +32,14 @@ class MetaPeer(msgspec.Struct, frozen=True):
     name: str
     current: bool = False
     offline: bool = False
+    active: int = 0  # ns since the leader last heard from it (idle members answer about every second)
+
+    @property
+    def online(self) -> bool:
+        # nats-server 2.15 leaves `offline` unset for a killed peer: silence says it. A leader
+        # elected after the peer died has never heard it (active 0); a live member answers the
+        # leader about every second (seen: 0.1-0.7 s).
+        return not self.offline and 0 < self.active < SILENT_AFTER_NS
 
 
 class MetaGroup(msgspec.Struct, frozen=True):
@@ -124,3 +134,15 @@ async def remove_peer(system_nc: Client, server_name: str) -> None:
     reply = await _api(system_nc, "$JS.API.SERVER.REMOVE", {"peer": server_name})
     if reply.get("error"):
         raise RuntimeError(f"cannot remove {server_name} from the meta group: {reply['error'].get('description')}")
+
+
+async def cluster_layout(nc: Client, monitor_url: str) -> ClusterLayout | None:
+    """The layout as the meta leader sees it (None elsewhere: only the leader knows who is offline)."""
+    meta = await meta_group(monitor_url)
+    if meta is None or not meta.leader or any(peer.name == meta.leader for peer in meta.replicas):
+        return None  # not the leader: the leader lists the others, never itself
+    servers = [ClusterServer(name=meta.leader), *(ClusterServer(name=p.name, online=p.online) for p in meta.replicas)]
+    streams = [StreamPlacement(name=s.name, replicas=s.replicas, leader=s.leader, followers=sorted(s.servers[1:]))
+               for s in await stream_replicas(nc)]
+    return ClusterLayout(name=meta.name, meta_leader=meta.leader, servers=sorted(servers, key=lambda s: s.name),
+                         streams=streams)

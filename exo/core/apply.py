@@ -23,6 +23,7 @@ from msgspec.structs import replace
 from exo.core.conversation import digest_conversation, without_text
 from exo.core.events import (
     AnyEvent,
+    ClusterLayoutChanged,
     CommandRejected,
     CustomCardAdded,
     CustomCardDeleted,
@@ -86,7 +87,7 @@ class Draft:
     __slots__ = (
         "_base", "_own_downloads_of", "last_seq", "leader_term", "leader_node", "leader_by_sequence", "nodes", "instances", "runners",
         "tasks", "custom_model_cards", "skipped_events", "finished_task_ids", "answered_commands", "downloads",
-        "instance_end_reasons",
+        "instance_end_reasons", "cluster",
     )
 
     def __init__(self, state: State) -> None:
@@ -106,6 +107,7 @@ class Draft:
         self.answered_commands = state.answered_commands
         self.downloads = state.downloads
         self.instance_end_reasons = state.instance_end_reasons
+        self.cluster = state.cluster
 
     def state(self) -> State:
         """The State so far. The draft can go on: from here it copies again what it changes."""
@@ -115,7 +117,7 @@ class Draft:
             instances=self.instances, runners=self.runners, tasks=self.tasks,
             custom_model_cards=self.custom_model_cards, skipped_events=self.skipped_events,
             finished_task_ids=self.finished_task_ids, answered_commands=self.answered_commands,
-            downloads=self.downloads, instance_end_reasons=self.instance_end_reasons,
+            downloads=self.downloads, instance_end_reasons=self.instance_end_reasons, cluster=self.cluster,
         )
         self._base = state
         self._own_downloads_of = set()
@@ -310,6 +312,10 @@ def _on_download_deleted(draft: Draft, event: DownloadDeleted, seq: int) -> None
         draft._own_downloads_of.discard(event.node_id)
 
 
+def _on_cluster_layout(draft: Draft, event: ClusterLayoutChanged, seq: int) -> None:
+    draft.cluster = event.layout
+
+
 _HANDLERS: dict[type, Callable[[Draft, Any, int], None]] = {
     LeaderElected: _on_leader_elected,
     NodeRegistered: _on_node_registered,
@@ -328,6 +334,7 @@ _HANDLERS: dict[type, Callable[[Draft, Any, int], None]] = {
     DownloadProgressed: _on_download_progressed,
     DownloadFailed: _on_download_failed,
     DownloadDeleted: _on_download_deleted,
+    ClusterLayoutChanged: _on_cluster_layout,
 }
 # Checked once at import: a new event kind needs a handler, a new State field a place in the Draft.
 if set(_HANDLERS) != set(get_args(AnyEvent)):

@@ -9,7 +9,17 @@ from __future__ import annotations
 import msgspec
 
 from exo.core.ids import CommandId, InstanceId, ModelId, NodeId, RunnerId, TaskId
-from exo.core.types import DownloadProgress, Instance, ModelCard, NodeInfo, RejectionCode, RunnerStatus, Task, TaskStatus
+from exo.core.types import (
+    ClusterLayout,
+    DownloadProgress,
+    Instance,
+    ModelCard,
+    NodeInfo,
+    RejectionCode,
+    RunnerStatus,
+    Task,
+    TaskStatus,
+)
 
 
 class Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind"):
@@ -37,6 +47,13 @@ class NodeHeartbeat(Event, frozen=True, tag="node.heartbeat", kw_only=True):
     """A node is alive and this is what it has now (memory changes as models load)."""
 
     node: NodeInfo
+
+
+class ClusterLayoutChanged(Event, frozen=True, tag="cluster.layout", kw_only=True):
+    """A discovered cluster's servers, meta leader or stream placement changed; written by the
+    node whose server leads the meta group (exo/bus/cluster_node.py), only on change."""
+
+    layout: ClusterLayout
 
 
 class NodeTimedOut(Event, frozen=True, tag="node.timed_out", kw_only=True):
@@ -150,6 +167,7 @@ AnyEvent = (
     | DownloadProgressed
     | DownloadFailed
     | DownloadDeleted
+    | ClusterLayoutChanged
 )
 
 _decoder = msgspec.json.Decoder(AnyEvent)

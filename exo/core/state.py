@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 
 from exo.core.ids import CommandId, InstanceId, ModelId, NodeId, RunnerId, TaskId
-from exo.core.types import DownloadProgress, Instance, ModelCard, NodeInfo, RunnerInfo, Task
+from exo.core.types import ClusterLayout, DownloadProgress, Instance, ModelCard, NodeInfo, RunnerInfo, Task
 
 MAX_SKIPPED_KEPT = 100
 MAX_FINISHED_TASKS = 1000
@@ -35,6 +35,7 @@ class State(msgspec.Struct, frozen=True, kw_only=True):
     downloads: dict[NodeId, dict[ModelId, DownloadProgress]] = {}  # node id -> model id -> latest progress
     # model id -> why its most recently deleted instance went away: a 503 says it to callers.
     instance_end_reasons: dict[ModelId, str] = {}
+    cluster: ClusterLayout = ClusterLayout()  # a discovered cluster's servers and replicas (issue #21)
 
     def instances_of(self, model_id: ModelId) -> list[Instance]:
         return sorted(

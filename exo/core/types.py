@@ -279,3 +279,27 @@ class TokenLogprob(msgspec.Struct, frozen=True, kw_only=True):
     token: str
     logprob: float
     top_logprobs: list[TopLogprob] = []
+
+
+class ClusterServer(msgspec.Struct, frozen=True, kw_only=True):
+    """One nats-server of a discovered cluster (issue #21), as the meta leader sees it."""
+
+    name: str
+    online: bool = True
+
+
+class StreamPlacement(msgspec.Struct, frozen=True, kw_only=True):
+    name: str
+    replicas: int = 1
+    leader: str = ""
+    followers: list[str] = []
+
+
+class ClusterLayout(msgspec.Struct, frozen=True, kw_only=True):
+    """The JetStream cluster under exo: its servers, meta leader and where each stream lives.
+    Empty for a standalone server or one exo does not run."""
+
+    name: str = ""
+    meta_leader: str = ""
+    servers: list[ClusterServer] = []
+    streams: list[StreamPlacement] = []

@@ -56,6 +56,12 @@ def inspection_text(inspection: Inspection) -> list[str]:
              f"{_size(server.jetstream_storage_bytes)} on disk, {_size(server.jetstream_memory_bytes)} in memory"]
     if server.monitor:
         lines.append("server: " + ", ".join(f"{k}={v}" for k, v in server.monitor.items()))
+    clustered = [s for s in inspection.streams if s.cluster]
+    if clustered:
+        servers = sorted({name.split(" ")[0] for s in clustered for name in [s.leader, *s.followers] if name})
+        lines += ["", f"JetStream cluster {clustered[0].cluster}: {len(servers)} server(s) hold streams: {', '.join(servers)}",
+                  *_table(["stream", "replicas", "leader", "followers"],
+                          [[s.name, str(s.replicas), s.leader or "-", ", ".join(s.followers) or "-"] for s in clustered])]
     lines += ["", "Streams", *_table(
         ["stream", "messages", "bytes", "first seq", "last seq", "last message", "consumers"],
         [[s.name, f"{s.messages:,}", _size(s.bytes), str(s.first_seq), str(s.last_seq), s.last_time or "-",

@@ -48,6 +48,10 @@ class StreamView(msgspec.Struct, frozen=True, kw_only=True):
     last_seq: int
     last_time: str  # RFC 3339; "" when the stream has never held a message
     consumers: list[ConsumerView]
+    replicas: int = 1
+    cluster: str = ""  # the JetStream cluster's name; "" on a standalone server
+    leader: str = ""  # the server that leads the stream (in a cluster)
+    followers: list[str] = []  # the other servers holding it, "(offline)" or "(behind)" noted
 
 
 class KeyView(msgspec.Struct, frozen=True, kw_only=True):
@@ -140,7 +144,15 @@ async def _stream_view(nc: Client, raw: dict) -> StreamView:
         name=config["name"], subjects=config.get("subjects", []), storage=config.get("storage", ""),
         messages=state["messages"], bytes=state["bytes"], first_seq=state["first_seq"], last_seq=state["last_seq"],
         last_time=last_time, consumers=[_consumer_view(c) for c in consumers],
+        replicas=config.get("num_replicas", 1), cluster=(raw.get("cluster") or {}).get("name", ""),
+        leader=(raw.get("cluster") or {}).get("leader", ""),
+        followers=[_follower(r) for r in (raw.get("cluster") or {}).get("replicas") or []],
     )
+
+
+def _follower(raw: dict) -> str:
+    state = " (offline)" if raw.get("offline") else "" if raw.get("current") else " (behind)"
+    return raw.get("name", "?") + state
 
 
 def _consumer_view(raw: dict) -> ConsumerView:

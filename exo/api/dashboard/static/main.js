@@ -5,6 +5,7 @@ import {askForKey, forgetKey, json} from "./api.js";
 import {Chat} from "./chat.js";
 import {renderInstances, renderNodes} from "./cluster.js";
 import {renderDownloads} from "./downloads.js";
+import {renderReplicas} from "./replicas.js";
 import {EventFeed} from "./events.js";
 import {Live} from "./live.js";
 import {Models} from "./models.js";
@@ -26,6 +27,7 @@ const live = new Live({onState: render, onEvent, onConnection});
 
 function render(state) {
   renderNodes(document.getElementById("nodes"), state, ctx);
+  renderReplicas(document.getElementById("replicas"), state);
   renderInstances(document.getElementById("instances"), state, ctx);
   renderDownloads(document.getElementById("downloads"), state);
   models.update(state).then(() => chat.showAttach()); // a built-in card may arrive after the chat drew
