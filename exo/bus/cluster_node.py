@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import shutil
 import socket
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -36,6 +37,7 @@ from exo.bus.jetstream_cluster import (
     step_down_if_leader,
     stream_replicas,
 )
+from exo.bus.migration import has_standalone_store, migrate_standalone_store, set_aside, undo_migration
 from exo.bus.server_config import ClusterLink, route_url
 from exo.core.types import ClusterLayout
 
@@ -44,6 +46,7 @@ log = logging.getLogger(__name__)
 LayoutSink = Callable[[ClusterLayout], Awaitable[None]]  # records a layout in the log if it changed
 
 MEMBERSHIP_FILE = "cluster.json"
+WITNESS_DIR = "nats-witness"  # beside the node's own store
 KEEP_EVERY_S = 2.0
 
 
@@ -116,16 +119,31 @@ class ClusterNode:
         """Seed or join (or rejoin) the cluster; returns this node's server once it is a member."""
         self.store_dir.mkdir(parents=True, exist_ok=True)
         self.membership = load_membership(self.store_dir)
+        standalone = self.membership is None and has_standalone_store(self.store_dir)
         await self.discovery.start(self._me("starting"))
         if self.membership is None:
             await asyncio.sleep(self.settings.browse_s)
-            self.membership = self._choose(await self._role())
+            role = await self._role()
+            if standalone and isinstance(role, Join):
+                raise BusError(f"{self.store_dir} holds a standalone node's log, and cluster {role.cluster} already runs "
+                               "on this LAN: merging two logs is not possible. Start with --no-discovery to keep this "
+                               "node standalone, or move the store away to join with an empty one")
+            self.membership = self._choose(role)
             await self.discovery.announce(self._me("joining"))
         else:
             log.info("rejoining cluster %s", self.membership.cluster)
         save_membership(self.store_dir, self.membership)
-        await self._start_servers(self.membership)
-        await self._until_member()
+        if standalone:
+            set_aside(self.store_dir)
+        try:
+            await self._start_servers(self.membership)
+            await self._until_member()
+            if standalone:
+                await self._migrate()
+        except BaseException:
+            if standalone:
+                await self._undo_migration()
+            raise
         await self.discovery.announce(self._me("ready"))
         log.info("member of cluster %s as %s", self.membership.cluster, self.server_name)
         assert self.server is not None
@@ -171,7 +189,7 @@ class ClusterNode:
             name=membership.cluster, host=host, port=membership.port, secret=secret, routes=self._routes(membership)))
         starting = [self.server.start()]
         if self._runs_witness(membership):
-            self.witness = EmbeddedNats(self.store_dir.parent / "nats-witness", port=0, server_name=self.witness_name,
+            self.witness = EmbeddedNats(self.store_dir.parent / WITNESS_DIR, port=0, server_name=self.witness_name,
                                         cluster=ClusterLink(name=membership.cluster, host=host, port=membership.witness_port,
                                                             secret=secret, routes=[route_url(host, membership.port)],
                                                             witness=True))
@@ -197,6 +215,20 @@ class ClusterNode:
             await asyncio.sleep(0.2)
         raise BusError(f"this node's server did not become a member of cluster {self.membership and self.membership.cluster} "
                        f"within {timeout:g} s; see {self.store_dir / 'nats-server.log'}")
+
+    async def _migrate(self) -> None:
+        assert self._nc is not None and self.membership is not None
+        log.info("this data dir holds a standalone store: carrying it into cluster %s", self.membership.cluster)
+        await migrate_standalone_store(self.store_dir, self._nc)
+
+    async def _undo_migration(self) -> None:
+        """A failed first start of a standalone node: everything back as it was, nothing lost."""
+        if self._nc is not None and not self._nc.is_closed:
+            await self._nc.close()
+        self.kill()
+        (self.store_dir / MEMBERSHIP_FILE).unlink(missing_ok=True)
+        shutil.rmtree(self.store_dir.parent / WITNESS_DIR, ignore_errors=True)
+        undo_migration(self.store_dir)
 
     async def keep(self, record_layout: LayoutSink) -> None:
         """While the node runs: remember the members, go to three replicas, retire the witness,

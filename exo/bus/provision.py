@@ -40,6 +40,10 @@ class ClusterForming(BusError):
     pass
 
 
+# Fields a discovered cluster sets by itself: replicas (raised to 3 at three nodes) and the first
+# sequence of a log carried over from a standalone store (exo/bus/migration.py).
+CLUSTER_MANAGED = ("num_replicas", "first_seq")
+
 Overrides = dict[str, dict[str, Any]]  # stream name -> fields that replace the file's
 
 # Limits that earlier releases of streams/*.json had, one dict per release. A stream that differs
@@ -106,12 +110,13 @@ async def _provision_once(nc: Client, replicas: int | None, overrides: Overrides
 
 async def _create_stream(nc: Client, config: dict[str, Any], keep_replicas: bool = False) -> None:
     name = config["name"]
-    reply = await _api(nc, f"$JS.API.STREAM.CREATE.{name}", config)
+    reply = await jetstream_request(nc, f"$JS.API.STREAM.CREATE.{name}", config)
     error = reply.get("error")
     if error and error.get("err_code") == _STREAM_IN_USE and keep_replicas:
-        existing = (await _api(nc, f"$JS.API.STREAM.INFO.{name}", {})).get("config", {})
-        if existing.get("num_replicas", 1) != config.get("num_replicas", 1):
-            return await _create_stream(nc, {**config, "num_replicas": existing.get("num_replicas", 1)})
+        existing = (await jetstream_request(nc, f"$JS.API.STREAM.INFO.{name}", {})).get("config", {})
+        adopted = {key: existing[key] for key in CLUSTER_MANAGED if key in existing and existing[key] != config.get(key)}
+        if adopted:
+            return await _create_stream(nc, {**config, **adopted})
     if error and error.get("err_code") == _STREAM_IN_USE and await _upgrade_stream(nc, config):
         return
     if error and error.get("err_code") == _STREAM_IN_USE:
@@ -129,13 +134,13 @@ async def _create_stream(nc: Client, config: dict[str, Any], keep_replicas: bool
 async def _upgrade_stream(nc: Client, config: dict[str, Any]) -> bool:
     """Update a stream that an earlier release made to the file's limits; False if it is not one."""
     name = config["name"]
-    existing = (await _api(nc, f"$JS.API.STREAM.INFO.{name}", {})).get("config", {})
+    existing = (await jetstream_request(nc, f"$JS.API.STREAM.INFO.{name}", {})).get("config", {})
     differing = {key for key, value in config.items() if existing.get(key) != value}
     earlier = next((limits for limits in EARLIER_LIMITS.get(name, []) if differing and differing <= limits.keys()
                     and all(existing.get(key) == limits[key] for key in differing)), None)
     if earlier is None:
         return False
-    reply = await _api(nc, f"$JS.API.STREAM.UPDATE.{name}", config)
+    reply = await jetstream_request(nc, f"$JS.API.STREAM.UPDATE.{name}", config)
     if reply.get("error"):
         raise BusError(f"cannot update stream {name} to streams/{name}.json: {reply['error'].get('description')}")
     changes = ", ".join(f"{key} {existing.get(key)} -> {config[key]}" for key in sorted(differing))
@@ -146,7 +151,7 @@ async def _upgrade_stream(nc: Client, config: dict[str, Any]) -> bool:
 async def _create_consumer(nc: Client, stream: str, config: dict[str, Any]) -> None:
     durable = config["durable_name"]
     request = {"stream_name": stream, "config": config, "action": "create"}
-    reply = await _api(nc, f"$JS.API.CONSUMER.CREATE.{stream}.{durable}", request)
+    reply = await jetstream_request(nc, f"$JS.API.CONSUMER.CREATE.{stream}.{durable}", request)
     error = reply.get("error")
     if error and error.get("err_code") == _CONSUMER_EXISTS:
         raise ConfigMismatch(
@@ -157,7 +162,7 @@ async def _create_consumer(nc: Client, stream: str, config: dict[str, Any]) -> N
         raise BusError(f"cannot create consumer {stream}/{durable}: {error.get('description', error)}")
 
 
-async def _api(nc: Client, subject: str, body: dict[str, Any]) -> dict[str, Any]:
+async def jetstream_request(nc: Client, subject: str, body: dict[str, Any]) -> dict[str, Any]:
     try:
         msg = await nc.request(subject, json.dumps(body).encode(), timeout=5)
     except (NoRespondersError, NatsTimeoutError) as error:  # JetStream not answering: a cluster between leaders
