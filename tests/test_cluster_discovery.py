@@ -24,6 +24,7 @@ import pytest
 
 from exo.bus.cluster_node import load_membership
 from exo.bus.connection import connect
+from exo.bus.embedded import nats_server_binary
 from exo.bus.provision import stream_configs
 from exo.core.state import encode_state
 from tests.cluster import state_of, wait_until
@@ -210,3 +211,41 @@ def _node_id(node: ExoProcess) -> str:
 def _model_ids(node: ExoProcess) -> list[str]:
     return [m["id"] for m in httpx.get(f"{node.url}/v1/models", timeout=30).json()["data"]]
 
+
+
+def monitor_of(node: ExoProcess) -> str:
+    ports = next((node.data_dir / "nats" / "ports").glob("*.ports"))
+    return json.loads(ports.read_text())["monitoring"][0]
+
+
+def routes_of(node: ExoProcess) -> list[str]:
+    routez = httpx.get(f"{monitor_of(node)}/routez", timeout=10).json()
+    return sorted(route.get("remote_name", "") for route in routez.get("routes") or [])
+
+
+def test_nodes_with_different_secrets_never_pair_and_a_route_without_the_secret_is_refused(tmp_path):
+    namespace = f"test-{uuid.uuid4().hex[:8]}"
+    first = ExoProcess(tmp_path / "first", {**discovering(namespace), "EXO_CLUSTER_SECRET": "first-secret"})
+    second = ExoProcess(tmp_path / "second", {**discovering(namespace), "EXO_CLUSTER_SECRET": "second-secret"})
+    intruder = None
+    try:
+        start_together([first, second])
+        assert cluster_of(first) != cluster_of(second)  # each seeded its own
+        secret_file = first.data_dir / "nats" / "cluster-secret"
+        assert secret_file.read_text() == "first-secret" and secret_file.stat().st_mode & 0o777 == 0o600
+        assert "TRUSTED-LAN MODE" not in first.output()
+        membership = load_membership(first.data_dir / "nats")
+        wait_until(lambda: routes_of(first) != [], 30, 0.5, "the seed's route to its witness")
+        before = routes_of(first)
+        config = tmp_path / "intruder.conf"
+        config.write_text(json.dumps({"cluster": {"name": membership.cluster, "listen": "127.0.0.1:-1", "routes": [
+            f"nats-route://exo-route:wrong@127.0.0.1:{membership.port}",
+            f"nats-route://127.0.0.1:{membership.port}"]}}))
+        intruder = subprocess.Popen([nats_server_binary(), "-c", str(config), "-p", "-1", "--server_name", "intruder"],
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(5)
+        assert routes_of(first) == before and "intruder" not in before
+    finally:
+        if intruder is not None:
+            intruder.kill()
+        stop_all([first, second])
