@@ -72,6 +72,10 @@ def parse_args(argv: list[str] | None = None) -> NodeConfig:
     cluster.add_argument("--cluster-secret", default=os.environ.get("EXO_CLUSTER_SECRET", ""),
                          help="password of the cluster routes, the same on every node; kept after the first use "
                               "(env EXO_CLUSTER_SECRET; without one: trusted-LAN mode, with a warning)")
+    cluster.add_argument("--peer-remove-after", type=float, default=float(os.environ.get("EXO_PEER_REMOVE_AFTER_S", "3600")),
+                         help="seconds a cluster server may be silent before it is treated as gone for good: its "
+                              "stream replicas move to a spare server and it leaves the meta group (0: never; "
+                              "env EXO_PEER_REMOVE_AFTER_S)")
     parser.add_argument("--log-level", default=os.environ.get("EXO_LOG_LEVEL", "INFO"))
     args = parser.parse_args(argv)
     if args.api_key:
@@ -99,7 +103,8 @@ def _discovery_settings(args):
 
     secret = resolve_secret(Path(args.data_dir).expanduser() / "nats", args.cluster_secret, args.namespace)
     return DiscoverySettings(address=args.discovery_address or lan_address(), secret=secret.value,
-                             secret_id=secret.digest, namespace=args.namespace, cluster_port=args.cluster_port)
+                             secret_id=secret.digest, namespace=args.namespace, cluster_port=args.cluster_port,
+                             remove_after_s=args.peer_remove_after)
 
 
 def _env_flag(name: str) -> bool:

@@ -58,14 +58,15 @@ def start_together(nodes: list[ExoProcess], timeout: float = 150.0) -> list[ExoP
 
 def kill_9(node: ExoProcess) -> None:
     """The machine is gone: exo, its runners and its nats-servers (their own sessions), all at once."""
-    doomed = {node.process.pid}
+    alive = node.process.poll() is None  # else its pid may belong to someone else by now
+    doomed = {node.process.pid} if alive else set()
     for pid in map(int, filter(str.isdigit, os.listdir("/proc"))):
         try:
             command = Path(f"/proc/{pid}/cmdline").read_bytes()
             parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
         except (OSError, ValueError, IndexError):
             continue
-        if str(node.data_dir).encode() in command or parent == node.process.pid:
+        if f"{node.data_dir}/".encode() in command or (alive and parent == node.process.pid):
             doomed.add(pid)
     for pid in doomed:
         try:
@@ -73,7 +74,8 @@ def kill_9(node: ExoProcess) -> None:
         except ProcessLookupError:
             pass
     node.process.wait()
-    node.log.close()
+    if not node.log.closed:
+        node.log.close()
 
 
 def cluster_of(node: ExoProcess) -> str:
@@ -120,9 +122,15 @@ def chat(node: ExoProcess) -> str:
 
 
 def stop_all(nodes: list[ExoProcess]) -> None:
-    for node in nodes:
-        if node.process is not None and node.process.poll() is None:
-            node.interrupt()
+    """Ctrl-C each node; whatever outlives that (a node stuck stopping, its servers) is killed."""
+    try:
+        for node in nodes:
+            if node.process is not None and node.process.poll() is None:
+                node.interrupt()
+    finally:
+        for node in nodes:
+            if node.process is not None:
+                kill_9(node)
 
 
 def layout_in_state(node: ExoProcess):
@@ -134,13 +142,14 @@ def full_layout(node: ExoProcess, servers: set[str]) -> bool:
     layout = layout_in_state(node)
     return ({s.name for s in layout.servers if s.online} == servers and layout.meta_leader in servers
             and len(layout.streams) == len(stream_configs())
-            and all(s.replicas == 3 and {s.leader, *s.followers} <= servers for s in layout.streams))
+            and all(s.replicas == 3 and len({s.leader, *s.followers} & servers) == 3 for s in layout.streams))
 
 
 def test_three_nodes_with_no_flags_form_one_cluster_that_survives_a_kill_and_takes_a_fourth(tmp_path, page):  # noqa: F811
     model_dir = make_tiny_model(tmp_path / "model")
     expected = Reference(model_dir).chat(MESSAGES, max_tokens=12)
-    env = discovering(f"test-{uuid.uuid4().hex[:8]}")
+    # a server silent for 5 s is gone for good here (an hour by default)
+    env = {**discovering(f"test-{uuid.uuid4().hex[:8]}"), "EXO_PEER_REMOVE_AFTER_S": "5"}
     nodes = [ExoProcess(tmp_path / f"node-{n}", env) for n in range(3)]
     late = ExoProcess(tmp_path / "node-late", env)
     try:
@@ -181,6 +190,10 @@ def test_three_nodes_with_no_flags_form_one_cluster_that_survives_a_kill_and_tak
         assert cluster_of(late) == cluster_of(survivors[0])
         assert chat(late) == expected
         wait_until(lambda: same_state([*survivors, late]), 30, 0.5, "State identical on the late node")
+        # the killed server is gone for good: its replicas moved to the late node, it left the meta group
+        now_serving = {f"exo-{_node_id(node)}" for node in [*survivors, late]}
+        wait_until(lambda: full_layout(late, now_serving) and len(layout_in_state(late).servers) == 3, 60, 1.0,
+                   "every stream on the three live servers, the dead one removed")
     finally:
         stop_all([*nodes, late])
 

@@ -32,6 +32,7 @@ from exo.bus.jetstream_cluster import (
     FULL_REPLICAS,
     cluster_layout,
     meta_group,
+    move_streams_off,
     remove_peer,
     scale_streams,
     step_down_if_leader,
@@ -58,6 +59,9 @@ class DiscoverySettings(msgspec.Struct, frozen=True, kw_only=True):
     cluster_port: int = 0  # 0: any free port, then kept for restarts
     browse_s: float = 2.0  # how long a new node listens before it decides
     wait_limit_s: float = 30.0  # a peer that went first and never got ready is not waited for longer
+    # A server silent this long is gone for good: its stream replicas move to a spare server and it
+    # leaves the meta group, so that the quorum is counted over servers that exist. 0: never.
+    remove_after_s: float = 3600.0
 
 
 class Membership(msgspec.Struct, kw_only=True):
@@ -103,6 +107,8 @@ class ClusterNode:
         self.witness: EmbeddedNats | None = None
         self._nc: Connection | None = None
         self._witness_supervisor: asyncio.Task | None = None  # ends when the witness is retired
+        self._silent_since: dict[str, float] = {}  # server -> when this node (as meta leader) saw it go silent
+        self._online_shown = 0  # the count of online servers last logged
 
     @property
     def witness_name(self) -> str:
@@ -238,8 +244,9 @@ class ClusterNode:
                 await self._keep_once()
                 assert self.server is not None and self._nc is not None
                 layout = await cluster_layout(self._nc, self.server.monitor_url)
-                if layout is not None:
+                if layout is not None:  # this node's server leads the meta group
                     await record_layout(layout)
+                    await self._watch_servers(layout)
             except Exception as error:  # a cluster in motion: try again at the next turn
                 log.info("cluster upkeep: %r; trying again", error)
             await asyncio.sleep(KEEP_EVERY_S)
@@ -257,6 +264,38 @@ class ClusterNode:
             return
         if self.witness is not None and all(s.replicas >= FULL_REPLICAS and s.current for s in await stream_replicas(nc)):
             await self._retire_witness()
+
+    async def _watch_servers(self, layout: ClusterLayout) -> None:
+        """On the meta leader: say when the cluster can lose no more servers, and retire the
+        servers gone for good (after `remove_after_s`)."""
+        real = [s for s in layout.servers if not s.name.endswith("-witness")]
+        online = sum(s.online for s in real)
+        if online != self._online_shown:
+            if online < FULL_REPLICAS and len(real) >= FULL_REPLICAS:
+                log.warning("only %d of the cluster's %d servers are online: one more failure stops the event log; "
+                            "bring them back or start another node", online, len(real))
+            self._online_shown = online
+        now = asyncio.get_running_loop().time()
+        for server in real:
+            if server.online:
+                self._silent_since.pop(server.name, None)
+                continue
+            since = self._silent_since.setdefault(server.name, now)
+            if self.settings.remove_after_s and now - since >= self.settings.remove_after_s:
+                await self._retire_server(server.name)
+
+    async def _retire_server(self, name: str) -> None:
+        assert self._nc is not None and self.server is not None
+        if not await move_streams_off(self._nc, name):
+            return  # moving (or no spare server yet): asked again at the next turn
+        system = await connect([self.server.system_url], name="exo-cluster-system")
+        try:
+            await remove_peer(system, name)
+        finally:
+            await system.close()
+        self._silent_since.pop(name, None)
+        log.warning("server %s was silent for %.0f s: its streams moved to other servers and it left the meta group",
+                    name, self.settings.remove_after_s)
 
     async def _retire_witness(self) -> None:
         assert self.server is not None and self.witness is not None and self.membership is not None

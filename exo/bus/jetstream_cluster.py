@@ -128,6 +128,22 @@ async def step_down_if_leader(system_nc: Client, monitor_url: str, server_name: 
     raise TimeoutError(f"meta leadership did not leave {server_name} within {timeout:g} s")
 
 
+async def move_streams_off(nc: Client, server_name: str) -> bool:
+    """Ask the cluster to move every exo stream's replica off `server_name` (gone for good) onto a
+    spare server; True once no stream keeps one there. Without a spare a stream keeps the dead
+    replica (its other two still take writes) until a node joins and this is asked again."""
+    remaining = False
+    for placement in await stream_replicas(nc):
+        if server_name not in placement.servers:
+            continue
+        reply = await _api(nc, f"$JS.API.STREAM.PEER.REMOVE.{placement.name}", {"peer": server_name})
+        if reply.get("error") or not reply.get("success", True):
+            remaining = True
+            log.info("stream %s keeps its replica on %s for now: %s", placement.name, server_name,
+                     (reply.get("error") or {}).get("description", "no spare server"))
+    return not remaining and all(server_name not in p.servers for p in await stream_replicas(nc))
+
+
 async def remove_peer(system_nc: Client, server_name: str) -> None:
     """Take a server that is gone for good out of the meta group, so that the quorum is counted
     over the servers that remain."""
