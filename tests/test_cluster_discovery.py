@@ -29,13 +29,17 @@ from exo.bus.provision import stream_configs
 from exo.core.state import encode_state
 from tests.cluster import state_of, wait_until
 from tests.e2e_support import Reference
-from tests.exo_process import ExoProcess
-from tests.support.tiny_model import make_tiny_model
+from tests.exo_process import ExoProcess, free_port_range
+from tests.support.exo_tools import run_tool
+from tests.support.fake_hub import FakeHub
+from tests.support.sharded_model import make_sharded_model
+from tests.support.tiny_model import Dims, make_tiny_model
 from tests.test_dashboard import page  # noqa: F401 (the browser fixture)
 
 pytestmark = pytest.mark.slow
 
 MESSAGES = [{"role": "user", "content": "Hello, cluster"}]
+SHARDED_REPO = "exo-test/sharded-llama"
 
 
 def discovering(namespace: str) -> dict[str, str]:
@@ -165,6 +169,10 @@ def test_three_nodes_with_no_flags_form_one_cluster_that_survives_a_kill_and_tak
         page.wait_for_selector('#replicas tr[data-replicas="3"]')
         assert page.locator('#replicas tr[data-replicas="3"]').count() == len(stream_configs())
         assert page.locator('#replicas [data-online="true"]').count() == 3 and not page.errors
+        inspected = run_tool(["inspect"], nodes[0].nats_url("operator"))
+        assert inspected.returncode == 0, inspected.stderr
+        assert f"JetStream cluster {cluster_of(nodes[0])}: 3 server(s) hold streams" in inspected.stdout
+        assert "EXO_EVENTS" in inspected.stdout.split("JetStream cluster", 1)[1].split("Streams", 1)[0]
 
         added = httpx.post(f"{nodes[0].url}/models/add", json={"model_id": "local/tiny", "path": str(model_dir)}, timeout=60)
         assert added.status_code == 200, added.text
@@ -262,3 +270,43 @@ def test_nodes_with_different_secrets_never_pair_and_a_route_without_the_secret_
         if intruder is not None:
             intruder.kill()
         stop_all([first, second])
+
+
+def test_two_discovered_nodes_share_a_model_over_nats_and_run_it_as_one_pipeline(tmp_path):
+    """What works across nodes with --nats works on a discovered cluster: a model from the Hub on
+    one node reaches the other through NATS (the Hub is down by then), and a two-node pipeline
+    instance on the nodes' own advertised addresses gives mlx-lm's greedy text."""
+    model_dir = make_sharded_model(tmp_path / "repo", Dims(layers=4))
+    messages = [{"role": "user", "content": "tell me about the sea"}]
+    expected = Reference(model_dir).chat(messages, max_tokens=16)
+    with FakeHub({SHARDED_REPO: model_dir}) as hub:
+        base = {**discovering(f"test-{uuid.uuid4().hex[:8]}"), "HF_ENDPOINT": hub.endpoint,
+                "HF_HOME": str(tmp_path / "hf"), "HF_HUB_DISABLE_TELEMETRY": "1"}
+        nodes = [ExoProcess(tmp_path / f"node-{n}", {**base, "EXO_RING_PORTS": _ring_ports()}) for n in range(2)]
+        try:
+            start_together(nodes)
+            first = nodes[0]
+            assert httpx.post(f"{first.url}/models/add", json={"model_id": SHARDED_REPO}, timeout=60).status_code == 200
+            started = httpx.post(f"{first.url}/download/start", json={"model_id": SHARDED_REPO}, timeout=60).json()
+            wait_until(lambda: (d := state_of(first).download_of(started["node_id"], SHARDED_REPO)) is not None
+                       and d.status == "completed", 60, 0.5, "the download from the Hub")
+            hub.stop()
+            placed = httpx.post(f"{first.url}/place_instance", timeout=180, json={
+                "model_id": SHARDED_REPO, "sharding": "pipeline", "min_nodes": 2, "wait": 150})
+            assert placed.status_code == 200, placed.text
+            shards = state_of(first).instances[placed.json()["instance_id"]].shards
+            assert len({shard.node_id for shard in shards}) == 2
+            other = next(shard.node_id for shard in shards if shard.node_id != started["node_id"])
+            assert state_of(first).download_of(other, SHARDED_REPO).source == f"peer:{started['node_id']}"
+            body = {"model": SHARDED_REPO, "messages": messages, "temperature": 0, "max_tokens": 16}
+            for node in nodes:
+                reply = httpx.post(f"{node.url}/v1/chat/completions", json=body, timeout=120)
+                assert reply.status_code == 200, reply.text
+                assert reply.json()["choices"][0]["message"]["content"] == expected
+        finally:
+            stop_all(nodes)
+
+
+def _ring_ports() -> str:
+    first = free_port_range(21)
+    return f"{first}-{first + 20}"

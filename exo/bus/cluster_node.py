@@ -138,9 +138,9 @@ class ClusterNode:
             await self.discovery.announce(self._me("joining"))
         else:
             log.info("rejoining cluster %s", self.membership.cluster)
-        save_membership(self.store_dir, self.membership)
-        if standalone:
+        if standalone:  # before the membership is saved: a failure here leaves the dir as it was
             set_aside(self.store_dir)
+        save_membership(self.store_dir, self.membership)
         try:
             await self._start_servers(self.membership)
             await self._until_member()
