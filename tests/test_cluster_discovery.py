@@ -310,3 +310,26 @@ def test_two_discovered_nodes_share_a_model_over_nats_and_run_it_as_one_pipeline
 def _ring_ports() -> str:
     first = free_port_range(21)
     return f"{first}-{first + 20}"
+
+
+def test_a_whole_cluster_stopped_and_started_again_comes_back_with_its_log(tmp_path):
+    """Every machine switched off, then on again: each rejoins the cluster it kept in its data
+    dir (no new seed, no merge), at three replicas, with everything the log held."""
+    model_dir = make_tiny_model(tmp_path / "model")
+    env = discovering(f"test-{uuid.uuid4().hex[:8]}")
+    nodes = [ExoProcess(tmp_path / f"node-{n}", env, ["--no-worker"]) for n in range(3)]
+    try:
+        start_together(nodes)
+        name = cluster_of(nodes[0])
+        wait_until(lambda: all_streams_on_three(nodes[0]), 60, 1.0, "every stream on three servers")
+        added = httpx.post(f"{nodes[1].url}/models/add", json={"model_id": "local/kept", "path": str(model_dir)}, timeout=60)
+        assert added.status_code == 200, added.text
+        for node in nodes:
+            assert node.interrupt() == 0
+        start_together(nodes)
+        assert all("rejoining cluster" in node.output() for node in nodes)
+        assert {cluster_of(node) for node in nodes} == {name}
+        wait_until(lambda: all_streams_on_three(nodes[2]), 60, 1.0, "every stream on three servers again")
+        assert all("local/kept" in _model_ids(node) for node in nodes)
+    finally:
+        stop_all(nodes)
