@@ -113,10 +113,11 @@ async def _create_stream(nc: Client, config: dict[str, Any], keep_replicas: bool
     reply = await jetstream_request(nc, f"$JS.API.STREAM.CREATE.{name}", config)
     error = reply.get("error")
     if error and error.get("err_code") == _STREAM_IN_USE and keep_replicas:
+        # Compared here, not by creating again with the cluster's values: another node may be
+        # raising the replicas at this very moment (a third node joining saw that race).
         existing = (await jetstream_request(nc, f"$JS.API.STREAM.INFO.{name}", {})).get("config", {})
-        adopted = {key: existing[key] for key in CLUSTER_MANAGED if key in existing and existing[key] != config.get(key)}
-        if adopted:
-            return await _create_stream(nc, {**config, **adopted})
+        if not {key for key, value in config.items() if existing.get(key) != value} - set(CLUSTER_MANAGED):
+            return
     if error and error.get("err_code") == _STREAM_IN_USE and await _upgrade_stream(nc, config):
         return
     if error and error.get("err_code") == _STREAM_IN_USE:
