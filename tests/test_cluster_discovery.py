@@ -173,6 +173,8 @@ def test_three_nodes_with_no_flags_form_one_cluster_that_survives_a_kill_and_tak
         assert inspected.returncode == 0, inspected.stderr
         assert f"JetStream cluster {cluster_of(nodes[0])}: 3 server(s) hold streams" in inspected.stdout
         assert "EXO_EVENTS" in inspected.stdout.split("JetStream cluster", 1)[1].split("Streams", 1)[0]
+        monitored = run_tool(["inspect", "--monitor", monitor_of(nodes[0])], nodes[0].nats_url("operator"))
+        assert f"meta_leader={layout_in_state(nodes[0]).meta_leader}" in monitored.stdout, monitored.stdout + monitored.stderr
 
         added = httpx.post(f"{nodes[0].url}/models/add", json={"model_id": "local/tiny", "path": str(model_dir)}, timeout=60)
         assert added.status_code == 200, added.text

@@ -213,13 +213,19 @@ _MONITOR_FIELDS = ("server_name", "version", "uptime", "connections", "total_con
 
 
 async def read_monitor(monitor_url: str) -> dict[str, object]:
-    """Chosen fields of the server's /varz (its HTTP monitoring endpoint, e.g. http://127.0.0.1:8222)."""
+    """Chosen fields of the server's /varz (its HTTP monitoring endpoint, e.g. http://127.0.0.1:8222), and in a
+    cluster the meta group's leader and size from /jsz."""
     url = monitor_url.rstrip("/") + "/varz"
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=_API_TIMEOUT_S)) as session:
             async with session.get(url) as response:
                 response.raise_for_status()
                 varz = await response.json()
+            async with session.get(monitor_url.rstrip("/") + "/jsz") as response:  # a cluster's meta group
+                meta = (await response.json()).get("meta_cluster") if response.status == 200 else None
     except (aiohttp.ClientError, TimeoutError) as error:
         raise BusError(f"cannot read the NATS monitoring endpoint {url}: {error}") from None
-    return {field: varz[field] for field in _MONITOR_FIELDS if field in varz}
+    chosen = {field: varz[field] for field in _MONITOR_FIELDS if field in varz}
+    if meta:
+        chosen |= {"meta_leader": meta.get("leader", ""), "meta_cluster_size": meta.get("cluster_size", 0)}
+    return chosen
