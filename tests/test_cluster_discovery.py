@@ -314,9 +314,10 @@ def _ring_ports() -> str:
     return f"{first}-{first + 20}"
 
 
-def test_a_whole_cluster_stopped_and_started_again_comes_back_with_its_log(tmp_path):
-    """Every machine switched off, then on again: each rejoins the cluster it kept in its data
-    dir (no new seed, no merge), at three replicas, with everything the log held."""
+def test_the_master_machine_dies_then_the_whole_cluster_restarts_and_comes_back_with_its_log(tmp_path):
+    """The acting master's machine dies: another takes over, and the machine rejoins when it is
+    back. Then every machine is switched off and on again: each rejoins the cluster it kept in
+    its data dir (no new seed, no merge), at three replicas, with everything the log held."""
     model_dir = make_tiny_model(tmp_path / "model")
     env = discovering(f"test-{uuid.uuid4().hex[:8]}")
     nodes = [ExoProcess(tmp_path / f"node-{n}", env, ["--no-worker"]) for n in range(3)]
@@ -324,14 +325,31 @@ def test_a_whole_cluster_stopped_and_started_again_comes_back_with_its_log(tmp_p
         start_together(nodes)
         name = cluster_of(nodes[0])
         wait_until(lambda: all_streams_on_three(nodes[0]), 60, 1.0, "every stream on three servers")
+        # (until the witness retires the seed's machine holds two of the four meta votes)
+        seed = next(node for node in nodes if load_membership(node.data_dir / "nats").seeded)
+        wait_until(lambda: load_membership(seed.data_dir / "nats").witness_retired, 30, 0.5, "the witness retired")
         added = httpx.post(f"{nodes[1].url}/models/add", json={"model_id": "local/kept", "path": str(model_dir)}, timeout=60)
         assert added.status_code == 200, added.text
+
+        # failover on a discovered cluster: the acting master's machine dies; another node's
+        # master takes over and the next command is answered; the dead machine then rejoins
+        leader = state_of(nodes[0]).leader_node
+        victim = next(node for node in nodes if _node_id(node) == leader)
+        kill_9(victim)
+        others = [node for node in nodes if node is not victim]
+        after = httpx.post(f"{others[0].url}/models/add", json={"model_id": "local/after-failover", "path": str(model_dir)},
+                           timeout=90)
+        assert after.status_code == 200, after.text
+        wait_until(lambda: state_of(others[1]).leader_node not in ("", leader), 30, 0.5, "the new master in every view")
+        victim.start(timeout=150)
+        assert "rejoining cluster" in victim.output() and cluster_of(victim) == name
+        wait_until(lambda: "local/after-failover" in _model_ids(victim), 30, 0.5, "the rejoined node caught up")
         for node in nodes:
             assert node.interrupt() == 0
         start_together(nodes)
         assert all("rejoining cluster" in node.output() for node in nodes)
         assert {cluster_of(node) for node in nodes} == {name}
         wait_until(lambda: all_streams_on_three(nodes[2]), 60, 1.0, "every stream on three servers again")
-        assert all("local/kept" in _model_ids(node) for node in nodes)
+        assert all({"local/kept", "local/after-failover"} <= set(_model_ids(node)) for node in nodes)
     finally:
         stop_all(nodes)

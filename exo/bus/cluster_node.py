@@ -31,6 +31,7 @@ from exo.bus.errors import BusError
 from exo.bus.jetstream_cluster import (
     FULL_REPLICAS,
     cluster_layout,
+    consumers_replicated,
     meta_group,
     move_streams_off,
     remove_peer,
@@ -109,6 +110,7 @@ class ClusterNode:
         self._witness_supervisor: asyncio.Task | None = None  # ends when the witness is retired
         self._silent_since: dict[str, float] = {}  # server -> when this node (as meta leader) saw it go silent
         self._online_shown = 0  # the count of online servers last logged
+        self._replicated_turns = 0  # upkeep turns in a row that found everything on three current replicas
 
     @property
     def witness_name(self) -> str:
@@ -262,7 +264,13 @@ class ClusterNode:
             return
         if not await scale_streams(nc):
             return
-        if self.witness is not None and all(s.replicas >= FULL_REPLICAS and s.current for s in await stream_replicas(nc)):
+        if self.witness is None:
+            return
+        replicated = (all(s.replicas >= FULL_REPLICAS and s.current for s in await stream_replicas(nc))
+                      and await consumers_replicated(nc))
+        # Twice in a row (a turn apart): replicas that just caught up once may still be settling.
+        self._replicated_turns = self._replicated_turns + 1 if replicated else 0
+        if self._replicated_turns >= 2:
             await self._retire_witness()
 
     async def _watch_servers(self, layout: ClusterLayout) -> None:

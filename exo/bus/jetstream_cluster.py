@@ -18,7 +18,7 @@ import aiohttp
 import msgspec
 from nats.aio.client import Client
 
-from exo.bus.provision import stream_configs
+from exo.bus.provision import consumer_configs, stream_configs
 from exo.core.types import ClusterLayout, ClusterServer, StreamPlacement
 
 log = logging.getLogger(__name__)
@@ -90,6 +90,18 @@ async def stream_replicas(nc: Client) -> list[StreamReplicas]:
             servers=[cluster.get("leader", ""), *(f["name"] for f in followers)],
             current=all(f.get("current") for f in followers)))
     return found
+
+
+async def consumers_replicated(nc: Client, replicas: int = FULL_REPLICAS) -> bool:
+    """exo's durable consumers (the master's command queue) have `replicas` current copies: a
+    consumer whose new replicas have not caught up has no leader if its old one dies (seen: a
+    machine killed 1 s after the streams went to R3 left the master's queue without a leader)."""
+    for stream, config in consumer_configs():
+        info = await _api(nc, f"$JS.API.CONSUMER.INFO.{stream}.{config['durable_name']}")
+        followers = (info.get("cluster") or {}).get("replicas") or []
+        if info.get("error") or len(followers) < replicas - 1 or not all(f.get("current") for f in followers):
+            return False
+    return True
 
 
 async def scale_streams(nc: Client, replicas: int = FULL_REPLICAS) -> bool:
