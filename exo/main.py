@@ -60,22 +60,7 @@ def parse_args(argv: list[str] | None = None) -> NodeConfig:
                         help="use only complete models already in the model directories: no Hub, no peers (env EXO_OFFLINE)")
     parser.add_argument("--no-model-sharing", action="store_true",
                         help="do not serve models to other nodes nor fetch from them (env EXO_MODEL_SHARING=0)")
-    cluster = parser.add_argument_group("zero-config cluster (mDNS discovery; off when --nats is given)")
-    cluster.add_argument("--no-discovery", action="store_true", default=os.environ.get("EXO_DISCOVERY", "1") == "0",
-                         help="run a standalone embedded server; do not look for other nodes (env EXO_DISCOVERY=0)")
-    cluster.add_argument("--namespace", default=os.environ.get("EXO_NAMESPACE", "default"),
-                         help="only nodes of the same namespace form a cluster (env EXO_NAMESPACE)")
-    cluster.add_argument("--discovery-address", default=os.environ.get("EXO_DISCOVERY_ADDRESS", ""),
-                         help="address for mDNS and the cluster port (env EXO_DISCOVERY_ADDRESS; default: the LAN address)")
-    cluster.add_argument("--cluster-port", type=int, default=int(os.environ.get("EXO_CLUSTER_PORT", "0")),
-                         help="NATS cluster (route) port; 0: a free one, kept across restarts (env EXO_CLUSTER_PORT)")
-    cluster.add_argument("--cluster-secret", default=os.environ.get("EXO_CLUSTER_SECRET", ""),
-                         help="password of the cluster routes, the same on every node; kept after the first use "
-                              "(env EXO_CLUSTER_SECRET; without one: trusted-LAN mode, with a warning)")
-    cluster.add_argument("--peer-remove-after", type=float, default=float(os.environ.get("EXO_PEER_REMOVE_AFTER_S", "3600")),
-                         help="seconds a cluster server may be silent before it is treated as gone for good: its "
-                              "stream replicas move to a spare server and it leaves the meta group (0: never; "
-                              "env EXO_PEER_REMOVE_AFTER_S)")
+    _add_cluster_arguments(parser)
     parser.add_argument("--log-level", default=os.environ.get("EXO_LOG_LEVEL", "INFO"))
     args = parser.parse_args(argv)
     if args.api_key:
@@ -95,6 +80,25 @@ def parse_args(argv: list[str] | None = None) -> NodeConfig:
         max_queue=args.max_queue, node_timeout=args.node_timeout, offline=args.offline, model_sharing=False if args.no_model_sharing else None,
         discovery=None if args.nats or args.no_discovery else _discovery_settings(args),
     )
+
+
+def _add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
+    cluster = parser.add_argument_group("zero-config cluster (mDNS discovery; off when --nats is given)")
+    cluster.add_argument("--no-discovery", action="store_true", default=os.environ.get("EXO_DISCOVERY", "1") == "0",
+                         help="run a standalone embedded server; do not look for other nodes (env EXO_DISCOVERY=0)")
+    cluster.add_argument("--namespace", default=os.environ.get("EXO_NAMESPACE", "default"),
+                         help="only nodes of the same namespace form a cluster (env EXO_NAMESPACE)")
+    cluster.add_argument("--discovery-address", default=os.environ.get("EXO_DISCOVERY_ADDRESS", ""),
+                         help="address for mDNS and the cluster port (env EXO_DISCOVERY_ADDRESS; default: the LAN address)")
+    cluster.add_argument("--cluster-port", type=int, default=int(os.environ.get("EXO_CLUSTER_PORT", "0")),
+                         help="NATS cluster (route) port; 0: a free one, kept across restarts (env EXO_CLUSTER_PORT)")
+    cluster.add_argument("--cluster-secret", default=os.environ.get("EXO_CLUSTER_SECRET", ""),
+                         help="password of the cluster routes, the same on every node; kept after the first use "
+                              "(env EXO_CLUSTER_SECRET; without one: trusted-LAN mode, with a warning)")
+    cluster.add_argument("--peer-remove-after", type=float, default=float(os.environ.get("EXO_PEER_REMOVE_AFTER_S", "3600")),
+                         help="seconds a cluster server may be silent before it is treated as gone for good: its "
+                              "stream replicas move to a spare server and it leaves the meta group (0: never; "
+                              "env EXO_PEER_REMOVE_AFTER_S)")
 
 
 def _discovery_settings(args):

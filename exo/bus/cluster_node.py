@@ -245,10 +245,13 @@ class ClusterNode:
             try:
                 await self._keep_once()
                 assert self.server is not None and self._nc is not None
-                layout = await cluster_layout(self._nc, self.server.monitor_url)
-                if layout is not None:  # this node's server leads the meta group
-                    await record_layout(layout)
-                    await self._watch_servers(layout)
+                # this node's server, or its witness, leads the meta group: its view is the one to keep
+                for monitor in [self.server.monitor_url, *([self.witness.monitor_url] if self.witness else [])]:
+                    layout = await cluster_layout(self._nc, monitor)
+                    if layout is not None:
+                        await record_layout(layout)
+                        await self._watch_servers(layout)
+                        break
             except Exception as error:  # a cluster in motion: try again at the next turn
                 log.info("cluster upkeep: %r; trying again", error)
             await asyncio.sleep(KEEP_EVERY_S)
