@@ -10,15 +10,13 @@ changes to the meta group need the system account (exo/bus/server_config.py).
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-from typing import Any
 
 import aiohttp
 import msgspec
 from nats.aio.client import Client
 
-from exo.bus.provision import consumer_configs, stream_configs
+from exo.bus.provision import consumer_configs, jetstream_request, stream_configs
 from exo.core.types import ClusterLayout, ClusterServer, StreamPlacement
 
 log = logging.getLogger(__name__)
@@ -71,16 +69,11 @@ async def meta_group(monitor_url: str) -> MetaGroup | None:
     return msgspec.convert(meta, MetaGroup, strict=False) if meta else None
 
 
-async def _api(nc: Client, subject: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
-    msg = await nc.request(subject, json.dumps(body or {}).encode(), timeout=_API_TIMEOUT_S)
-    return json.loads(msg.data)
-
-
 async def stream_replicas(nc: Client) -> list[StreamReplicas]:
     """exo's streams (events, commands, tokens, KV buckets, images) and where their replicas are."""
     found = []
     for config in stream_configs():
-        info = await _api(nc, f"$JS.API.STREAM.INFO.{config['name']}")
+        info = await jetstream_request(nc, f"$JS.API.STREAM.INFO.{config['name']}")
         if info.get("error"):
             continue
         cluster = info.get("cluster") or {}
@@ -97,7 +90,7 @@ async def consumers_replicated(nc: Client, replicas: int = FULL_REPLICAS) -> boo
     consumer whose new replicas have not caught up has no leader if its old one dies (seen: a
     machine killed 1 s after the streams went to R3 left the master's queue without a leader)."""
     for stream, config in consumer_configs():
-        info = await _api(nc, f"$JS.API.CONSUMER.INFO.{stream}.{config['durable_name']}")
+        info = await jetstream_request(nc, f"$JS.API.CONSUMER.INFO.{stream}.{config['durable_name']}")
         followers = (info.get("cluster") or {}).get("replicas") or []
         if info.get("error") or len(followers) < replicas - 1 or not all(f.get("current") for f in followers):
             return False
@@ -110,14 +103,14 @@ async def scale_streams(nc: Client, replicas: int = FULL_REPLICAS) -> bool:
     the node tag yet) is normal while nodes join: the caller tries again later."""
     done = True
     for config in stream_configs():
-        info = await _api(nc, f"$JS.API.STREAM.INFO.{config['name']}")
+        info = await jetstream_request(nc, f"$JS.API.STREAM.INFO.{config['name']}")
         if info.get("error"):
             done = False
             continue
         existing = info["config"]
         if existing.get("num_replicas", 1) >= replicas:
             continue
-        reply = await _api(nc, f"$JS.API.STREAM.UPDATE.{config['name']}", {**existing, "num_replicas": replicas})
+        reply = await jetstream_request(nc, f"$JS.API.STREAM.UPDATE.{config['name']}", {**existing, "num_replicas": replicas})
         if reply.get("error"):
             log.info("stream %s stays at %s replicas for now: %s", config["name"], existing.get("num_replicas", 1),
                      reply["error"].get("description"))
@@ -135,7 +128,7 @@ async def step_down_if_leader(system_nc: Client, monitor_url: str, server_name: 
         if meta is not None and meta.leader and meta.leader != server_name:
             return
         if meta is not None and meta.leader == server_name:
-            await _api(system_nc, "$JS.API.META.LEADER.STEPDOWN")
+            await jetstream_request(system_nc, "$JS.API.META.LEADER.STEPDOWN")
         await asyncio.sleep(0.5)
     raise TimeoutError(f"meta leadership did not leave {server_name} within {timeout:g} s")
 
@@ -148,7 +141,7 @@ async def move_streams_off(nc: Client, server_name: str) -> bool:
     for placement in await stream_replicas(nc):
         if server_name not in placement.servers:
             continue
-        reply = await _api(nc, f"$JS.API.STREAM.PEER.REMOVE.{placement.name}", {"peer": server_name})
+        reply = await jetstream_request(nc, f"$JS.API.STREAM.PEER.REMOVE.{placement.name}", {"peer": server_name})
         if reply.get("error") or not reply.get("success", True):
             remaining = True
             log.info("stream %s keeps its replica on %s for now: %s", placement.name, server_name,
@@ -159,7 +152,7 @@ async def move_streams_off(nc: Client, server_name: str) -> bool:
 async def remove_peer(system_nc: Client, server_name: str) -> None:
     """Take a server that is gone for good out of the meta group, so that the quorum is counted
     over the servers that remain."""
-    reply = await _api(system_nc, "$JS.API.SERVER.REMOVE", {"peer": server_name})
+    reply = await jetstream_request(system_nc, "$JS.API.SERVER.REMOVE", {"peer": server_name})
     if reply.get("error"):
         raise RuntimeError(f"cannot remove {server_name} from the meta group: {reply['error'].get('description')}")
 

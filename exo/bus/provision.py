@@ -163,9 +163,10 @@ async def _create_consumer(nc: Client, stream: str, config: dict[str, Any]) -> N
         raise BusError(f"cannot create consumer {stream}/{durable}: {error.get('description', error)}")
 
 
-async def jetstream_request(nc: Client, subject: str, body: dict[str, Any]) -> dict[str, Any]:
+async def jetstream_request(nc: Client, subject: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One JetStream API call; its JSON answer (errors in it are the caller's to read)."""
     try:
-        msg = await nc.request(subject, json.dumps(body).encode(), timeout=5)
+        msg = await nc.request(subject, json.dumps(body or {}).encode(), timeout=5)
     except (NoRespondersError, NatsTimeoutError) as error:  # JetStream not answering: a cluster between leaders
         raise ClusterForming(f"JetStream did not answer {subject}: {error!r}") from None
     return json.loads(msg.data)
