@@ -17,22 +17,27 @@ from exo.bus.permissions import EXO_USER, OPERATOR_USER
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port that binds now, below the kernel's ephemeral range (see free_port_range)."""
+    return free_port_range(1)
+
+
+_handed_out: set[int] = set()  # this test process never hands a port out twice
 
 
 def free_port_range(count: int) -> int:
     """The first of `count` consecutive ports that bind now, below the kernel's ephemeral range:
-    a range inside it (free_port()'s neighbours) can be taken by any outgoing connection's local
-    port before a ring group binds it ("[ring] Couldn't bind socket (error: 98)")."""
+    a port inside it (what binding port 0 gives) can be taken by any outgoing connection's local
+    port before its server binds it ("address already in use", "[ring] Couldn't bind socket
+    (error: 98)"), and processes that retry connections make many of those."""
     try:
         ephemeral_start = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     except (OSError, ValueError, IndexError):
         ephemeral_start = 32768
     for _ in range(200):
         first = random.randrange(10000, ephemeral_start - count)
-        if all(_binds(port) for port in range(first, first + count)):
+        ports = range(first, first + count)
+        if _handed_out.isdisjoint(ports) and all(_binds(port) for port in ports):
+            _handed_out.update(ports)
             return first
     raise RuntimeError(f"no {count} free consecutive ports below {ephemeral_start}")
 

@@ -63,7 +63,10 @@ class SimulatorProcess:
 def cluster(tmp_path: Path):
     nats = NatsServer(tmp_path / "nats")
     head = start_node(tmp_path, "head", nats.url, "--no-worker")
-    simulator = SimulatorProcess(nats.url, NODES, tmp_path / "sim", tmp_path / "sim.log")
+    # Each generation takes 200 ms, so 16 clients keep more than ten tasks open at once and every
+    # instance is least busy at some point; at 5 ms a loaded machine kept 1-3 open and idle ties
+    # all went to the first instances (2 of 10 never served: CI, 2026-12-04).
+    simulator = SimulatorProcess(nats.url, NODES, tmp_path / "sim", tmp_path / "sim.log", delay_ms=200)
     try:
         simulator.wait_ready(120)
         yield nats, head, simulator
