@@ -149,7 +149,7 @@ def full_layout(node: ExoProcess, servers: set[str]) -> bool:
             and all(s.replicas == 3 and len({s.leader, *s.followers} & servers) == 3 for s in layout.streams))
 
 
-def test_three_nodes_with_no_flags_form_one_cluster_that_survives_a_kill_and_takes_a_fourth(tmp_path, page):  # noqa: F811
+def test_three_nodes_with_no_flags_form_one_cluster_that_survives_a_kill_takes_a_fourth_and_the_dead_one_back(tmp_path, page):  # noqa: F811
     model_dir = make_tiny_model(tmp_path / "model")
     expected = Reference(model_dir).chat(MESSAGES, max_tokens=12)
     # a server silent for 5 s is gone for good here (an hour by default)
@@ -204,6 +204,15 @@ def test_three_nodes_with_no_flags_form_one_cluster_that_survives_a_kill_and_tak
         now_serving = {f"exo-{_node_id(node)}" for node in [*survivors, late]}
         wait_until(lambda: full_layout(late, now_serving) and len(layout_in_state(late).servers) == 3, 60, 1.0,
                    "every stream on the three live servers, the dead one removed")
+
+        # the removed machine comes back: it rejoins the cluster it kept, catches up and serves at
+        # once; nats-server re-admits a removed server to the meta group only ~5 min after its
+        # removal, so until then the streams stay on the three servers that hold them
+        victim.start(timeout=150)
+        assert "rejoining cluster" in victim.output() and cluster_of(victim) == cluster_of(late)
+        assert chat(victim) == expected
+        wait_until(lambda: same_state([*survivors, late, victim]), 30, 0.5, "State identical on the returned node")
+        assert full_layout(victim, now_serving)
     finally:
         stop_all([*nodes, late])
 
