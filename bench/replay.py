@@ -40,6 +40,7 @@ from exo.core.events import (  # noqa: E402
     CustomCardAdded,
     Event,
     InstanceCreated,
+    LeaderElected,
     NodeRegistered,
     RunnerStatusChanged,
     TaskCreated,
@@ -63,10 +64,11 @@ def generated_events(count: int):
     """`count` events of a plausible cluster log: setup, then chat tasks in three steps each."""
     model = "bench/model"
     params = GenerationParams(messages=[ChatMessage(role="user", content="Tell me about the sea.")], max_tokens=64)
-    setup: list[Event] = [
+    setup: list[Event] = [  # the master's events carry the term of the election at sequence 1
+        LeaderElected(node_id="node-1", lease_revision=1),
         NodeRegistered(node=NodeInfo(node_id="node-1", hostname="bench", memory_total=64 << 30, cpu_count=8)),
-        CustomCardAdded(command_id="card-1", card=ModelCard(model_id=model, n_layers=24, hidden_size=1024)),
-        InstanceCreated(command_id="place-1", instance=Instance(
+        CustomCardAdded(command_id="card-1", term=1, card=ModelCard(model_id=model, n_layers=24, hidden_size=1024)),
+        InstanceCreated(command_id="place-1", term=1, instance=Instance(
             instance_id="inst-1", model_id=model, shards=[ShardAssignment(runner_id="run-1", node_id="node-1",
                                                                           end_layer=24)])),
         RunnerStatusChanged(runner_id="run-1", instance_id="inst-1", node_id="node-1", status="ready"),
@@ -75,7 +77,7 @@ def generated_events(count: int):
     for n in range(count - len(setup)):
         task_id, step = f"task-{n // 3:08d}", n % 3
         if step == 0:
-            yield TaskCreated(command_id=task_id, task=Task(task_id=task_id, instance_id="inst-1", model_id=model,
+            yield TaskCreated(command_id=task_id, term=1, task=Task(task_id=task_id, instance_id="inst-1", model_id=model,
                                                             params=params, created_at=1.7e9 + n))
         elif step == 1:
             yield TaskStarted(task_id=task_id)

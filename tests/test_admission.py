@@ -8,6 +8,7 @@ from exo.core.events import CommandRejected, NodeRegistered, TaskCreated, TaskFi
 from exo.core.state import State
 from exo.core.types import ModelCard, NodeInfo
 from exo.master.decide import DEFAULT_MAX_QUEUE, decide
+from tests.support.as_master import stamped, with_leader
 
 CARDS = {"org/m": ModelCard(model_id="org/m", n_layers=4, storage_bytes=100)}
 
@@ -16,12 +17,12 @@ def run(state: State, command, **kwargs) -> tuple[State, list]:
     ids = (f"{command.command_id}-{n}" for n in itertools.count())
     events = decide(state, command, builtin_cards=CARDS, ids=ids, **kwargs)
     for event in events:
-        state = apply(state, event, state.last_seq + 1)
+        state = apply(state, stamped(state, event), state.last_seq + 1)
     return state, events
 
 
 def placed(max_queue: int = 0, instances: int = 1) -> State:
-    state = apply(State(), NodeRegistered(node=NodeInfo(node_id="n1", memory_available=10**9)), 1)
+    state = apply(with_leader(), NodeRegistered(node=NodeInfo(node_id="n1", memory_available=10**9)), 1)
     for n in range(instances):
         state, _ = run(state, PlaceInstance(command_id=f"p{n}", model_id="org/m", max_queue=max_queue))
     return state

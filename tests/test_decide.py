@@ -18,6 +18,7 @@ from exo.core.events import (
 from exo.core.state import State
 from exo.core.types import GenerationParams, ModelCard, NodeInfo
 from exo.master.decide import decide
+from tests.support.as_master import stamped, with_leader
 
 BUILTIN = {"org/builtin": ModelCard(model_id="org/builtin", n_layers=8, storage_bytes=1000)}
 
@@ -29,12 +30,12 @@ def ids_for(command_id: str):
 def run(state: State, command) -> tuple[State, list]:
     events = decide(state, command, builtin_cards=BUILTIN, ids=ids_for(command.command_id))
     for event in events:
-        state = apply(state, event, state.last_seq + 1)
+        state = apply(state, stamped(state, event), state.last_seq + 1)
     return state, events
 
 
 def with_node(memory: int = 10_000) -> State:
-    return apply(State(), NodeRegistered(node=NodeInfo(node_id="n1", memory_available=memory)), 1)
+    return apply(with_leader(), NodeRegistered(node=NodeInfo(node_id="n1", memory_available=memory)), 1)
 
 
 def rejection(events) -> tuple[str, str]:
@@ -54,7 +55,7 @@ def test_place_puts_every_layer_on_the_node_with_most_memory():
 
 def test_place_rejections():
     assert rejection(run(with_node(), PlaceInstance(command_id="c", model_id="no/such"))[1])[0] == "not_found"
-    assert rejection(run(State(), PlaceInstance(command_id="c", model_id="org/builtin"))[1])[0] == "unavailable"
+    assert rejection(run(with_leader(), PlaceInstance(command_id="c", model_id="org/builtin"))[1])[0] == "unavailable"
     code, reason = rejection(run(with_node(memory=10), PlaceInstance(command_id="c", model_id="org/builtin"))[1])
     assert code == "conflict" and "needs 1000 bytes" in reason
     assert rejection(run(with_node(), PlaceInstance(command_id="c", model_id="org/builtin", min_nodes=2))[1])[0] == "conflict"
@@ -94,7 +95,7 @@ def test_cancel_and_delete_instance_end_open_tasks():
 
 def test_custom_cards():
     card = ModelCard(model_id="org/custom", n_layers=2)
-    state, events = run(State(), AddCustomCard(command_id="a1", card=card))
+    state, events = run(with_leader(), AddCustomCard(command_id="a1", card=card))
     assert events == [CustomCardAdded(command_id="a1", card=card)]
     assert rejection(run(state, AddCustomCard(command_id="a2", card=BUILTIN["org/builtin"]))[1])[0] == "conflict"
     bad = ModelCard(model_id="../etc/passwd")
@@ -107,7 +108,7 @@ def test_custom_cards():
 
 def test_a_command_the_log_already_answered_is_not_decided_again():
     card = ModelCard(model_id="org/custom", n_layers=2)
-    state, events = run(State(), AddCustomCard(command_id="a1", card=card))
+    state, events = run(with_leader(), AddCustomCard(command_id="a1", card=card))
     assert state.answered_commands == {"a1": 1}
     assert run(state, AddCustomCard(command_id="a1", card=card))[1] == []  # redelivered to a new master
     state, _ = run(state, DeleteCustomCard(command_id="d1", model_id="org/custom"))

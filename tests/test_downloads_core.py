@@ -15,6 +15,7 @@ from exo.models.files import FileMeta, Manifest, is_safe_path, layer_files, miss
 from exo.models.progress import RetryPolicy, next_delay, speed, summarize
 from exo.worker.downloads import peers_with
 from exo.worker.plan import EndTask, LocalRunner, WorkerView, plan
+from tests.support.as_master import stamped, with_leader
 
 WEIGHT_MAP = {
     "model.embed_tokens.weight": "a.safetensors",
@@ -155,9 +156,9 @@ def test_progress_sums_files_and_measures_speed_over_recent_samples():
 
 
 def _fold(*events, state: State | None = None) -> State:
-    state = state or State()
+    state = with_leader(state)
     for event in events:
-        state = apply(state, event, state.last_seq + 1)
+        state = apply(state, stamped(state, event), state.last_seq + 1)
     return state
 
 

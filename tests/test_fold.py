@@ -83,14 +83,15 @@ ITEMS = st.lists(st.one_of(EVENTS, EVENTS, EVENTS, st.just("undecodable payload"
 @cache
 def nearly_full() -> State:
     """A State one step from every bound: finished tasks, answered commands, skipped events."""
-    events: list[AnyEvent] = []
+    events: list[AnyEvent] = [LeaderElected(node_id="n0", term=1)]  # a master's events carry its term
     for n in range(MAX_FINISHED_TASKS - 1):
-        events += [TaskCreated(command_id=f"old{n}", task=Task(task_id=f"old{n}", instance_id="i0", model_id="m/a")),
+        events += [TaskCreated(command_id=f"old{n}", task=Task(task_id=f"old{n}", instance_id="i0", model_id="m/a"),
+                               term=1),
                    TaskFinished(task_id=f"old{n}", status="completed")]
-    events += [CommandRejected(command_id=f"rej{n}") for n in range(MAX_ANSWERED_COMMANDS - MAX_FINISHED_TASKS)]
+    events += [CommandRejected(command_id=f"rej{n}", term=1) for n in range(MAX_ANSWERED_COMMANDS - MAX_FINISHED_TASKS)]
     events += [TaskStarted(task_id="nope")] * (MAX_SKIPPED_KEPT - 1)
-    events += [LeaderElected(node_id="n0", term=1), InstanceCreated(instance=Instance(
-        instance_id="i0", model_id="m/a", shards=[ShardAssignment(runner_id="r0", node_id="n0")]))]
+    events += [InstanceCreated(instance=Instance(
+        instance_id="i0", model_id="m/a", shards=[ShardAssignment(runner_id="r0", node_id="n0")]), term=1)]
     state = State()
     for event in events:
         state = apply(state, event, state.last_seq + 1)
@@ -164,7 +165,7 @@ def test_bounded_lists_drop_the_oldest_in_a_batch_as_one_by_one():
     start = nearly_full()
     log = []
     for n in range(3):
-        log += [TaskCreated(command_id=f"new{n}", task=Task(task_id=f"new{n}", instance_id="i0", model_id="m/a")),
+        log += [TaskCreated(command_id=f"new{n}", task=Task(task_id=f"new{n}", instance_id="i0", model_id="m/a"), term=1),
                 TaskFinished(task_id=f"new{n}", status="completed"), TaskStarted(task_id=f"unknown{n}")]
     log = with_seqs(log, start.last_seq, [])
     folded = apply_all(start, log)

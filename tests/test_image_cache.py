@@ -10,10 +10,10 @@ from pathlib import Path
 
 from exo.core.apply import apply
 from exo.core.events import InstanceCreated, TaskCreated, TaskStarted
-from exo.core.state import State
 from exo.core.types import ChatMessage, GenerationParams, Instance, ShardAssignment, Task
 from exo.worker.image_cache import DEFAULT_LIMIT_BYTES, ImageCache, limit_from_env
 from exo.worker.plan import WorkerView, images_needed, tasks_needing
+from tests.support.as_master import stamped, with_leader
 
 
 def digest(name: str) -> str:
@@ -126,11 +126,11 @@ def task(task_id: str, instance_id: str, *images: str) -> Task:
 
 
 def test_needed_means_the_images_of_this_nodes_pending_and_running_tasks():
-    state = State()
+    state = with_leader()
     for event in (InstanceCreated(instance=MINE), InstanceCreated(instance=THEIRS),
                   TaskCreated(task=task("pending", "i1", A)), TaskCreated(task=task("running", "i1", B)),
                   TaskStarted(task_id="running"), TaskCreated(task=task("elsewhere", "i2", C))):
-        state = apply(state, event, state.last_seq + 1)
+        state = apply(state, stamped(state, event), state.last_seq + 1)
     view = WorkerView(node_id="me", state=state)
     assert images_needed(view) == {A, B}
     # A failed fetch fails this node's pending tasks that need the image, once; never another node's.

@@ -31,14 +31,15 @@ def nats(tmp_path: Path):
     server.stop()
 
 
-def append_history(nats_url: str, count: int) -> int:
-    """`count` events of the kinds a busy cluster writes, appended 200 at a time."""
+def append_history(nats_url: str, count: int, term: int) -> int:
+    """`count` events of the kinds a busy cluster writes, appended 200 at a time (the master's
+    kinds with the leading `term`, as the master stamps them)."""
 
     def event(n: int):
         if n % 50 == 0:
             return NodeRegistered(node=NodeInfo(node_id=f"node-{n % 7}", memory_available=n))
         if n % 2:
-            return TaskCreated(task=Task(task_id=f"t{n}", instance_id="i", model_id="m",
+            return TaskCreated(term=term, task=Task(task_id=f"t{n}", instance_id="i", model_id="m",
                                          params=GenerationParams(max_tokens=n)))
         return TaskFinished(task_id=f"t{n - 1}", status="completed", completion_tokens=n)
 
@@ -70,7 +71,8 @@ def test_a_late_node_catches_up_from_the_snapshot_to_exactly_a_full_replay(tmp_p
     master = start_node(tmp_path, "master", nats.url, "--no-worker", "--snapshot-every", "1000",
                         "--node-timeout", "3600")
     try:
-        last = append_history(nats.url, 10_000)
+        term = wait_until(lambda: state_of(master).leader_term, 60, what="an elected master")
+        last = append_history(nats.url, 10_000, term)
         wait_until(lambda: latest_snapshot_seq(nats.url) >= 10_000, 60, what="a snapshot covering the history")
         late = start_node(tmp_path, "late", nats.url, "--no-worker", "--no-master")
         try:

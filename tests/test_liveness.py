@@ -36,6 +36,7 @@ from exo.worker.plan import (
     plan,
     restart_due,
 )
+from tests.support.as_master import stamped, with_leader
 
 TWO_RANKS = Instance(instance_id="i1", model_id="m/a", sharding="tensor", shards=[
     ShardAssignment(runner_id="r0", node_id="a", rank=0, world_size=2, end_layer=4, ring_address="10.0.0.1:5000"),
@@ -44,9 +45,9 @@ TWO_RANKS = Instance(instance_id="i1", model_id="m/a", sharding="tensor", shards
 
 
 def state_with(*events) -> State:
-    state = State()
+    state = with_leader()
     for event in events:
-        state = apply(state, event, state.last_seq + 1)
+        state = apply(state, stamped(state, event), state.last_seq + 1)
     return state
 
 

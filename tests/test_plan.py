@@ -30,15 +30,16 @@ from exo.worker.plan import (
     plan,
     settled,
 )
+from tests.support.as_master import stamped, with_leader
 
 MINE = Instance(instance_id="i1", model_id="m/a", shards=[ShardAssignment(runner_id="r1", node_id="me", end_layer=2)])
 THEIRS = Instance(instance_id="i2", model_id="m/a", shards=[ShardAssignment(runner_id="r2", node_id="other")])
 
 
 def state_with(*events) -> State:
-    state = State()
+    state = with_leader()
     for event in events:
-        state = apply(state, event, state.last_seq + 1)
+        state = apply(state, stamped(state, event), state.last_seq + 1)
     return state
 
 
@@ -148,17 +149,17 @@ def test_only_the_nodes_an_instance_runs_on_plan_again_for_its_task_and_runner_e
     """A worker wakes for its own instances' traffic, not the whole cluster's (exo/worker/service.py)."""
     state = state_with(InstanceCreated(instance=MINE), InstanceCreated(instance=THEIRS))
     created = TaskCreated(task=Task(task_id="t1", instance_id="i2", model_id="m/a"))
-    state = apply(state, created, state.last_seq + 1)
+    state = apply(state, stamped(state, created), state.last_seq + 1)
     assert nodes_concerned(state, created) == {"other"}
     for event in (TaskStarted(task_id="t1"), TaskCancelRequested(task_id="t1"), TaskFinished(task_id="t1", status="completed")):
-        state = apply(state, event, state.last_seq + 1)
+        state = apply(state, stamped(state, event), state.last_seq + 1)
         assert nodes_concerned(state, event) == {"other"}
     status = RunnerStatusChanged(runner_id="r1", instance_id="i1", node_id="me", status="ready")
     assert nodes_concerned(state, status) == {"me"}
     assert nodes_concerned(state, NodeTimedOut(node_id="other")) == {"other"}
     # What cannot be pinned to nodes wakes every node: instances come and go, unknown tasks, elections.
     deleted = InstanceDeleted(instance_id="i2")
-    after = apply(state, deleted, state.last_seq + 1)
+    after = apply(state, stamped(state, deleted), state.last_seq + 1)
     assert nodes_concerned(after, deleted) is None
     assert nodes_concerned(after, TaskFinished(task_id="t1", status="completed")) is None  # its instance is gone
     assert nodes_concerned(state, TaskStarted(task_id="unknown")) is None

@@ -13,10 +13,10 @@ from msgspec.structs import replace
 from exo.core.apply import apply
 from exo.core.events import NodeHeartbeat, NodeTimedOut
 from exo.core.ids import NodeId
-from exo.core.state import State
 from exo.core.types import NodeInfo, PromptCacheStats
 from exo.worker.heartbeat import Heartbeat, worth_an_event
 from tests.cluster import NatsServer, start_node, state_of, wait_until
+from tests.support.as_master import stamped, with_leader
 
 GB = 1_000_000_000
 TOLD = NodeInfo(node_id="n", hostname="h", memory_total=100 * GB, memory_available=50 * GB, cpu_count=8,
@@ -44,11 +44,11 @@ async def test_a_node_describes_itself_once_while_idle_and_again_once_state_drop
         pulses.append(incarnation)
 
     beat = Heartbeat(NodeId("n"), append, pulse)
-    state = State()
+    state = with_leader()
 
     def fold(event) -> None:
         nonlocal state
-        state = apply(state, event, 1 + state.last_seq)
+        state = apply(state, stamped(state, event), 1 + state.last_seq)
         beat.on_event(state.last_seq, event, state)
 
     await beat.beat()

@@ -22,15 +22,15 @@ from exo.core.events import (
 )
 from exo.core.state import MAX_FINISHED_TASKS, State, decode_state, encode_state
 from exo.core.types import Instance, ModelCard, NodeInfo, ShardAssignment, Task
+from tests.support import as_master
 
 INSTANCE = Instance(instance_id="i1", model_id="m/a", shards=[ShardAssignment(runner_id="r1", node_id="n1", end_layer=2)])
 
 
 def fold(events: list[AnyEvent], state: State | None = None) -> State:
-    state = state or State()
-    for event in events:
-        state = apply(state, event, state.last_seq + 1)
-    return state
+    """The events folded in order, from `state` or else a State with a leader; a master's events
+    without a term get the leader's (as the master stamps them)."""
+    return as_master.fold(events, state)
 
 
 def test_instance_lifecycle_creates_and_removes_its_runners():
@@ -101,7 +101,7 @@ def test_state_round_trips_through_json():
 def test_events_from_a_deposed_masters_term_are_ignored():
     from exo.core.events import LeaderElected
 
-    state = fold([LeaderElected(node_id="a", term=3), InstanceCreated(instance=INSTANCE, term=3)])
+    state = fold([LeaderElected(node_id="a", term=3), InstanceCreated(instance=INSTANCE, term=3)], State())
     assert state.leader_term == 3 and state.leader_node == "a" and "i1" in state.instances
     state = fold([LeaderElected(node_id="b", term=7), InstanceDeleted(instance_id="i1", term=3)], state)
     assert "i1" in state.instances and "older than the leader's term 7" in state.skipped_events[-1].reason
@@ -118,9 +118,9 @@ def test_cards_that_cannot_be_stored_are_skipped_not_folded():
 
     forged = [ModelCard(model_id="../../../../var/x", n_layers=2), ModelCard(model_id="a/b\n"),
               ModelCard(model_id="a/b", n_layers=-1), ModelCard(model_id="a/c", path="relative")]
-    state = State()
+    state = as_master.with_leader()
     for seq, card in enumerate(forged, start=1):
-        state = apply(state, CustomCardAdded(card=card), seq)
+        state = apply(state, CustomCardAdded(card=card, term=state.leader_term), seq)
     assert state.custom_model_cards == {}
     assert [s.seq for s in state.skipped_events] == [1, 2, 3, 4]
     assert "invalid model id" in state.skipped_events[0].reason

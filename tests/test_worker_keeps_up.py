@@ -25,6 +25,7 @@ from exo.models.cards import card_file_name, read_card
 from exo.models.dirs import DownloadSettings
 from exo.worker.service import Worker
 from tests.conftest import eventually
+from tests.support.as_master import TEST_TERM, with_leader
 
 CARDS = 3000  # the soak had ~2,000 by the time chats stalled, 7,500 at its end
 EVENTS = 50
@@ -37,7 +38,7 @@ async def test_a_worker_folds_card_events_in_constant_time_whatever_the_number_o
     view = worker = running = None
     try:
         await provision(client)
-        view = StateView(client, State(custom_model_cards=cards))  # as if caught up from a snapshot
+        view = StateView(client, with_leader(State(custom_model_cards=cards)))  # as if caught up from a snapshot
         await view.start()
         data_dir = tmp_path / "data"
         worker = Worker(client, view, "node-a", data_dir, [fresh_nats], {},
@@ -48,9 +49,10 @@ async def test_a_worker_folds_card_events_in_constant_time_whatever_the_number_o
 
         log = EventLog(client)
         changed = ModelCard(model_id="soak/m7", n_layers=5)
-        events = [CustomCardAdded(card=ModelCard(model_id=f"soak/new{n}", n_layers=2)) for n in range(EVENTS - 3)]
-        events += [CustomCardAdded(card=changed), CustomCardDeleted(model_id="soak/m8"),
-                   CustomCardDeleted(model_id="soak/never-added")]  # the last one the reducer skips
+        events = [CustomCardAdded(card=ModelCard(model_id=f"soak/new{n}", n_layers=2), term=TEST_TERM)
+                  for n in range(EVENTS - 3)]
+        events += [CustomCardAdded(card=changed, term=TEST_TERM), CustomCardDeleted(model_id="soak/m8", term=TEST_TERM),
+                   CustomCardDeleted(model_id="soak/never-added", term=TEST_TERM)]  # the last one the reducer skips
         started = time.perf_counter()
         for n, event in enumerate(events):
             last_seq = await log.append(event, f"card-event-{n}")

@@ -47,6 +47,14 @@ from exo.core.ids import NodeId, TaskId
 from exo.core.state import MAX_ANSWERED_COMMANDS, MAX_FINISHED_TASKS, MAX_SKIPPED_KEPT, SkippedEvent, State
 from exo.core.types import DownloadProgress, RunnerInfo, Task
 
+# The kinds only a master appends (exo/master): each must carry the leading term. Workers' kinds
+# carry term 0 and are checked against what State knows instead (docs/reliability.md, "Who may
+# write what").
+MASTER_KINDS: frozenset[type] = frozenset({
+    NodeTimedOut, InstanceCreated, InstanceDeleted, TaskCreated, TaskCancelRequested,
+    CustomCardAdded, CustomCardDeleted, CommandRejected,
+})
+
 
 class _Skip(Exception):
     """An event that is well-formed but does not fit the State (e.g. names an unknown task)."""
@@ -141,7 +149,7 @@ class Draft:
     def apply(self, event: AnyEvent, seq: int) -> str:
         """Fold one event in; returns why it was skipped, or "" if it was used."""
         try:
-            if event.term and not isinstance(event, LeaderElected):
+            if type(event) in MASTER_KINDS or (event.term and not isinstance(event, LeaderElected)):
                 self._check_term(event.term)
             _HANDLERS[type(event)](self, event, seq)
         except _Skip as skip:
@@ -157,6 +165,8 @@ class Draft:
         return ""
 
     def _check_term(self, term: int) -> None:
+        if not term:  # a master always stamps its term: 0 is a stray publisher (or a bug), never a master
+            raise _Skip("a master's event without a term")
         if self.leader_by_sequence and term != self.leader_term:
             raise _Skip(f"from term {term}, not the leader's term {self.leader_term}")
         if term < self.leader_term:
@@ -218,6 +228,9 @@ def _on_runner_status(draft: Draft, event: RunnerStatusChanged, seq: int) -> Non
     runner = draft.runners.get(event.runner_id)
     if runner is None:
         raise _Skip(f"unknown runner {event.runner_id}")
+    if (event.node_id, event.instance_id) != (runner.node_id, runner.instance_id):
+        raise _Skip(f"runner {event.runner_id} runs on node {runner.node_id} for instance {runner.instance_id}, "
+                    f"not on {event.node_id} for {event.instance_id}")
     updated = replace(runner, status=event.status, error=event.error, failures=event.failures)
     draft.own("runners")[event.runner_id] = updated
 

@@ -21,14 +21,14 @@ from exo.core.events import (
     CustomCardDeleted,
     InstanceCreated,
     InstanceDeleted,
-    NodeRegistered,
+    LeaderElected,
     RunnerStatusChanged,
     TaskCreated,
     TaskFinished,
     TaskStarted,
 )
 from exo.core.state import State
-from exo.core.types import Instance, ModelCard, NodeInfo, ShardAssignment, Task
+from exo.core.types import Instance, ModelCard, ShardAssignment, Task
 from tests.exo_process import exo_command
 
 GARBAGE = b"this is not an event {"
@@ -49,18 +49,18 @@ def builtins(state: State) -> dict:
 
 # (what to append, its event id). None stands for garbage published by hand on exo.events.task.started.
 SCRIPT: list[AnyEvent | None] = [
-    NodeRegistered(node=NodeInfo(node_id="n1", hostname="alpha", memory_total=64 << 30)),  # 1
-    InstanceCreated(command_id="c-place", instance=Instance(                                # 2
+    LeaderElected(node_id="n1", lease_revision=1),  # 1: term 1, stamped on the master's events below
+    InstanceCreated(command_id="c-place", term=1, instance=Instance(                        # 2
         instance_id="i1", model_id="org/m", shards=[ShardAssignment(runner_id="r1", node_id="n1", end_layer=4)])),
     RunnerStatusChanged(runner_id="r1", instance_id="i1", node_id="n1", status="ready"),     # 3
-    TaskCreated(command_id="t1", task=Task(task_id="t1", instance_id="i1", model_id="org/m")),  # 4
+    TaskCreated(command_id="t1", term=1, task=Task(task_id="t1", instance_id="i1", model_id="org/m")),  # 4
     TaskStarted(task_id="t1"),                                                               # 5
     None,                                                                                    # 6 garbage
     TaskFinished(task_id="t1", status="completed", finish_reason="length", completion_tokens=7),  # 7
     TaskStarted(task_id="ghost"),                                                            # 8 impossible
-    CustomCardAdded(command_id="c-card", card=ModelCard(model_id="org/custom", n_layers=2)),  # 9
-    InstanceDeleted(command_id="c-delete", instance_id="i1"),                                # 10
-    CustomCardDeleted(command_id="c-uncard", model_id="org/custom"),                         # 11
+    CustomCardAdded(command_id="c-card", term=1, card=ModelCard(model_id="org/custom", n_layers=2)),  # 9
+    InstanceDeleted(command_id="c-delete", term=1, instance_id="i1"),                        # 10
+    CustomCardDeleted(command_id="c-uncard", term=1, model_id="org/custom"),                 # 11
 ]
 GARBAGE_SEQ, IMPOSSIBLE_SEQ = 6, 8
 
