@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import msgspec
 from nats.aio.client import Client
 
+from exo.bus.inbound import from_clients_only
 from exo.bus.subjects import token_subject
 from exo.core.types import TokenChunk
 
@@ -56,7 +57,7 @@ class ChunkPublisher:
 
     async def start(self) -> None:
         self._prefix = self._nc.new_inbox()
-        await self._nc.subscribe(f"{self._prefix}.*", cb=self._on_ack)
+        await self._nc.subscribe(f"{self._prefix}.*", cb=from_clients_only(self._on_ack))  # acks come from the server
         self._resender = asyncio.create_task(self._resend_forever(), name="chunk resender")
 
     async def publish(self, chunk: TokenChunk) -> None:

@@ -26,7 +26,9 @@ Action = Literal["start", "cancel", "delete"]
 ACTIONS: tuple[Action, ...] = ("start", "cancel", "delete")
 
 
-class DownloadRequest(msgspec.Struct, frozen=True, kw_only=True):
+class DownloadRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Strict: a stored event with a `model_id` (card.deleted) must never read as a request."""
+
     model_id: ModelId
 
 

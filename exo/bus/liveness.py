@@ -13,6 +13,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from exo.bus.inbound import from_clients_only
 from exo.bus.subjects import ALL_PULSES, pulse_subject
 from exo.core.ids import NodeId
 
@@ -38,4 +39,4 @@ async def listen_for_pulses(nc: Client, on_pulse: Callable[[Pulse], None]) -> Su
         if msg.subject == pulse_subject(pulse.node_id):  # a pulse speaks for the node of its subject only
             on_pulse(pulse)
 
-    return await nc.subscribe(ALL_PULSES, cb=received)
+    return await nc.subscribe(ALL_PULSES, cb=from_clients_only(received))

@@ -16,6 +16,7 @@ import logging
 from collections import deque
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Annotated
 
 import msgspec
 from nats.aio.client import Client
@@ -39,11 +40,14 @@ _ERROR_HEADER = "Exo-Error"
 Lookup = Callable[[ModelId], Awaitable[tuple[Path, Manifest] | None]]
 
 
-class ShareRequest(msgspec.Struct, frozen=True, kw_only=True):
+class ShareRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Strict (unknown fields refused) and bounded where it enters: a negative length used to
+    mean "the rest of the file", read whole into memory."""
+
     model_id: ModelId
-    path: str = ""
-    offset: int = 0
-    length: int = 0
+    path: Annotated[str, msgspec.Meta(max_length=4096)] = ""
+    offset: Annotated[int, msgspec.Meta(ge=0)] = 0
+    length: Annotated[int, msgspec.Meta(ge=0, le=MAX_CHUNK)] = 0
 
 
 class PeerError(BusError):

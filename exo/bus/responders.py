@@ -9,6 +9,8 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 
+from exo.bus.inbound import from_clients_only
+
 OnRequest = Callable[[Msg], Awaitable[None]]
 
 
@@ -19,7 +21,7 @@ class Responders:
 
     async def start(self, handlers: Mapping[str, OnRequest]) -> None:
         for subject, handler in handlers.items():
-            self._subscriptions.append(await self._nc.subscribe(subject, cb=handler))
+            self._subscriptions.append(await self._nc.subscribe(subject, cb=from_clients_only(handler)))
         await self._nc.flush()  # the server knows the subscriptions: requests reach us from now on
 
     async def stop(self) -> None:

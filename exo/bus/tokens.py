@@ -13,6 +13,7 @@ from nats.aio.client import Client
 from nats.aio.subscription import Subscription
 from nats.js import api
 
+from exo.bus.inbound import from_clients_only
 from exo.bus.publish import publish_durably
 from exo.bus.subjects import TOKENS_STREAM, token_subject
 from exo.core.ids import CommandId
@@ -71,7 +72,9 @@ class TokenListener:
     @classmethod
     async def live(cls, nc: Client, command_id: CommandId) -> "TokenListener":
         listener = cls()
-        listener._subscription = await nc.subscribe(token_subject(command_id), cb=listener._on_msg)
+        # A runner's publish, never a JetStream delivery: a push consumer aimed at this subject
+        # could otherwise put stored chunks of another generation into this one.
+        listener._subscription = await nc.subscribe(token_subject(command_id), cb=from_clients_only(listener._on_msg))
         return listener
 
     @classmethod

@@ -1,0 +1,32 @@
+"""Request subjects decode strictly and check ranges where a value enters: an event can never
+pass for a request, and no request can ask a node for more than one chunk's worth of memory."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from exo.bus.download_control import DownloadRequest
+from exo.bus.model_share import MAX_CHUNK, ShareRequest
+from exo.core.events import CustomCardDeleted, DownloadFailed, encode_event
+
+
+@pytest.mark.parametrize("event", [CustomCardDeleted(model_id="org/m"),
+                                   DownloadFailed(node_id="n1", model_id="org/m", reason="x")])
+def test_a_stored_event_is_not_a_request(event):
+    for request_type in (DownloadRequest, ShareRequest):
+        with pytest.raises(msgspec.ValidationError, match="unknown field"):
+            msgspec.json.decode(encode_event(event), type=request_type)
+
+
+@pytest.mark.parametrize("fields", [{"length": -1}, {"length": MAX_CHUNK + 1}, {"offset": -5}, {"path": "x" * 5000}])
+def test_a_chunk_request_out_of_range_is_refused(fields):
+    request = {"model_id": "org/m", "path": "model.safetensors", "offset": 0, "length": 1024, **fields}
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.json.decode(msgspec.json.encode(request), type=ShareRequest)
+
+
+def test_requests_in_range_decode():
+    request = {"model_id": "org/m", "path": "model.safetensors", "offset": 10, "length": MAX_CHUNK}
+    assert msgspec.json.decode(msgspec.json.encode(request), type=ShareRequest) == ShareRequest(**request)
+    assert msgspec.json.decode(b'{"model_id":"org/m"}', type=DownloadRequest) == DownloadRequest(model_id="org/m")
