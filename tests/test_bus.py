@@ -157,6 +157,8 @@ async def test_snapshots_never_go_backwards(fresh_nats):
     try:
         await provision(client)
         assert await read_latest_snapshot(client) is None and await snapshot_history(client) == []
+        for n in range(9):  # a snapshot covers events the log has: none beyond its last sequence
+            await EventLog(client).append(TaskStarted(task_id=f"t{n}"), f"e{n}")
         assert await write_snapshot(client, State(last_seq=5))
         assert await write_snapshot(client, State(last_seq=9))
         assert not await write_snapshot(client, State(last_seq=7))  # older: refused
@@ -253,10 +255,12 @@ async def test_a_snapshot_of_ten_thousand_tasks_and_a_hundred_nodes_round_trips(
     params = GenerationParams(messages=[ChatMessage(role="user", content="a question of some length " * 4)])
     tasks = {f"t{n}": Task(task_id=f"t{n}", instance_id="i", model_id="org/m", params=params) for n in range(10_000)}
     nodes = {f"n{n}": NodeInfo(node_id=f"n{n}", memory_total=n) for n in range(100)}
-    big = State(last_seq=123_456, tasks=tasks, nodes=nodes)
+    big = State(last_seq=3, tasks=tasks, nodes=nodes)
     client = await connect([fresh_nats], name="t")
     try:
         await provision(client)
+        for n in range(3):  # the log reaches the snapshot's sequence
+            await EventLog(client).append(TaskStarted(task_id=f"t{n}"), f"e{n}")
         assert await write_snapshot(client, big)
         assert await read_latest_snapshot(client) == big
     finally:

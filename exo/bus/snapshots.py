@@ -16,7 +16,7 @@ from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NoKeysEr
 from nats.js.kv import KeyValue
 
 from exo.bus.embedded import MAX_PAYLOAD_BYTES
-from exo.bus.subjects import SNAPSHOT_KEY, STATE_BUCKET
+from exo.bus.subjects import EVENTS_STREAM, SNAPSHOT_KEY, STATE_BUCKET
 from exo.core.state import State, decode_state, encode_state
 
 log = logging.getLogger(__name__)
@@ -36,12 +36,45 @@ def covered_seq(snapshot: bytes) -> int:
 
 
 async def read_latest_snapshot(nc: Client) -> State | None:
+    """The newest snapshot that can be trusted, or None. One that does not decode, or claims a
+    sequence the log has not reached (a forged or corrupt value: a node starting from it would
+    wait for events that never come), is passed over for an older revision."""
     kv = await nc.jetstream().key_value(STATE_BUCKET)
     try:
         entry = await kv.get(SNAPSHOT_KEY)
     except KeyNotFoundError:
         return None
-    return decode_state(entry.value) if entry.value else None
+    log_last = await _log_last_seq(nc)
+    state, problem = _usable(entry.value, log_last)
+    if problem is None:
+        return state
+    log.warning("snapshot revision %d not used: %s; trying older revisions", entry.revision, problem)
+    for older in reversed(await snapshot_entries(nc)):
+        if (older.revision or 0) >= (entry.revision or 0):
+            continue
+        state, problem = _usable(older.value, log_last)
+        if problem is None:
+            log.info("starting from snapshot revision %d (sequence %d)", older.revision, state.last_seq if state else 0)
+            return state
+        log.warning("snapshot revision %d not used: %s", older.revision, problem)
+    return None
+
+
+def _usable(value: bytes | None, log_last: int) -> tuple[State | None, str | None]:
+    """(State, None) for a value a node may start from; (None, None) for a deleted one; else the problem."""
+    if not value:
+        return None, None
+    try:
+        state = decode_state(value)
+    except (msgspec.DecodeError, msgspec.ValidationError) as error:
+        return None, f"it does not decode ({error})"
+    if state.last_seq > log_last:
+        return None, f"it claims sequence {state.last_seq}, beyond the log's last sequence {log_last}"
+    return state, None
+
+
+async def _log_last_seq(nc: Client) -> int:
+    return (await nc.jetstream().stream_info(EVENTS_STREAM)).state.last_seq
 
 
 async def snapshot_history(nc: Client) -> list[State]:
@@ -86,7 +119,10 @@ async def write_snapshot(nc: Client, state: State, attempts: int = 5) -> bool:
                 await kv.create(SNAPSHOT_KEY, payload)
                 return True
             if entry.value and covered_seq(entry.value) >= state.last_seq:
-                return False
+                _, problem = _usable(entry.value, await _log_last_seq(nc))
+                if problem is None:
+                    return False
+                log.warning("replacing snapshot revision %d: %s", entry.revision, problem)
             await kv.update(SNAPSHOT_KEY, payload, last=entry.revision)
             return True
         except KeyWrongLastSequenceError:

@@ -1,0 +1,48 @@
+"""A forged or corrupt State snapshot cannot freeze a node: one that claims a sequence the log has
+not reached (10^9), or that does not decode, is passed over for an older revision, and the
+master's next snapshot replaces it (it used to keep it forever as "newer")."""
+
+from __future__ import annotations
+
+import uuid
+
+import msgspec
+
+from exo.bus.catch_up import catch_up
+from exo.bus.connection import connect
+from exo.bus.event_log import EventLog
+from exo.bus.provision import provision
+from exo.bus.snapshots import read_latest_snapshot, write_snapshot
+from exo.bus.subjects import SNAPSHOT_KEY, STATE_BUCKET
+from exo.core.events import NodeRegistered
+from exo.core.state import encode_state
+from exo.core.types import NodeInfo
+
+
+async def test_a_snapshot_beyond_the_log_or_undecodable_is_passed_over_and_replaced(fresh_nats: str):
+    nc = await connect([fresh_nats], name="t")
+    try:
+        await provision(nc)
+        log = EventLog(nc)
+        for n in range(5):
+            await log.append(NodeRegistered(node=NodeInfo(node_id=f"n{n}")), uuid.uuid4().hex)
+        honest, _ = await catch_up(nc, use_snapshot=False)
+        await honest.stop()
+        assert await write_snapshot(nc, honest.state)
+        kv = await nc.jetstream().key_value(STATE_BUCKET)
+        forged = msgspec.structs.replace(honest.state, last_seq=10**9, nodes={})
+        await kv.put(SNAPSHOT_KEY, b"{not json")
+        await kv.put(SNAPSHOT_KEY, encode_state(forged))
+
+        assert await read_latest_snapshot(nc) == honest.state  # two revisions back
+        for n in range(5, 8):
+            await log.append(NodeRegistered(node=NodeInfo(node_id=f"n{n}")), uuid.uuid4().hex)
+        view, from_seq = await catch_up(nc)  # a late joiner: sees every node, follows new events
+        try:
+            assert from_seq == 5 and view.state.last_seq == 8 and len(view.state.nodes) == 8
+            assert await write_snapshot(nc, view.state)  # the master's next snapshot goes over the forged one
+            assert await read_latest_snapshot(nc) == view.state
+        finally:
+            await view.stop()
+    finally:
+        await nc.close()
