@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import re
+import subprocess
 from pathlib import Path
 
 import httpx
@@ -29,7 +31,7 @@ from exo.tools.export_format import decode_line, encode_line, format_time_ns, pa
 from exo.tools.replay import BatchReplayer
 from exo.tools.replayer import Checkpoint, Replayer
 from exo.tools.state_diff import Change, format_change, state_changes
-from tests.exo_process import ExoProcess
+from tests.exo_process import ExoProcess, exo_command
 from tests.support.exo_tools import (
     GARBAGE,
     GARBAGE_SEQ,
@@ -124,7 +126,7 @@ async def test_diff_prints_what_each_event_changed(scripted):
     without_times = [re.sub(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", "TIME", line) for line in done.stdout.splitlines()]
     per_event = without_times[: without_times.index("2 event(s) not used:")]
     headers = {
-        4: "       4  TIME  task.created           command_id=t1 task_id=t1 instance_id=i1 model_id=org/m status=pending",
+        4: "       4  TIME  task.created           term=1 command_id=t1 task_id=t1 instance_id=i1 model_id=org/m status=pending",
         5: "       5  TIME  task.started           task_id=t1",
         7: "       7  TIME  task.finished          task_id=t1 status=completed finish_reason=length completion_tokens=7",
     }
@@ -195,7 +197,7 @@ async def test_from_snapshot_starts_at_the_latest_snapshot_at_or_before_until(sc
     done = await in_thread(run_tool, ["replay", "--from-snapshot", "--until", "9", "--json"], url)
     result = _result(done)
     assert (result["from_seq"], result["replayed"], result["last_seq"]) == (5, 4, 9)
-    assert set(result["state"]["nodes"]) == {"n1", "only-in-snapshot"}
+    assert set(result["state"]["nodes"]) == {"only-in-snapshot"}
     assert result["state"]["tasks"] == builtins(states[9])["tasks"]
     assert "on top of a snapshot at 5" in done.stderr
 
@@ -383,3 +385,24 @@ def _run_session(http: httpx.Client, model_dir: Path) -> list[dict]:
     step(http.post("/models/add", json={"model_id": "local/tiny", "path": str(model_dir)}))
     step(http.delete("/models/custom/local/tiny"))
     return seen
+
+
+@pytest.mark.slow  # starts an `exo replay` process
+async def test_tools_find_their_nodes_server_from_exo_home_alone(tmp_path: Path):
+    """A node whose embedded server is not on 4222: `exo replay` with only EXO_HOME set reads that
+    node's ports file (it used to dial 127.0.0.1:4222 and fail)."""
+    from exo.bus.embedded import EmbeddedNats
+
+    server = EmbeddedNats(tmp_path / "home" / "nats", port=0)
+    url = await server.start()
+    try:
+        nc = await connect([url], name="t")
+        await provision(nc)
+        await nc.close()
+        env = {k: v for k, v in os.environ.items() if k != "EXO_NATS_URL"} | {"EXO_HOME": str(tmp_path / "home")}
+        done = await in_thread(subprocess.run, [*exo_command(), "replay", "--json"], capture_output=True, text=True,
+                               timeout=60, env=env)
+        assert done.returncode == 0, done.stderr
+        assert _result(done)["last_seq"] == 0
+    finally:
+        server.stop()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from collections.abc import Coroutine
@@ -33,11 +34,29 @@ def add_nats_option(parser: argparse.ArgumentParser) -> None:
 
 
 def local_operator_url() -> str:
-    """The local node's embedded server, with its read-only operator's password if there is one."""
+    """The local node's embedded server (EXO_HOME or ~/.exo), where its ports file says it listens,
+    with its read-only operator's password if there is one."""
     store = Path(os.environ.get("EXO_HOME") or Path.home() / ".exo").expanduser() / "nats"
+    url = running_server_url(store) or DEFAULT_NATS_URL
     if not (store / CREDENTIALS_FILE).exists():
-        return DEFAULT_NATS_URL
-    return with_user(DEFAULT_NATS_URL, OPERATOR_USER, load_credentials(store).operator_password)
+        return url
+    return with_user(url, OPERATOR_USER, load_credentials(store).operator_password)
+
+
+def running_server_url(store: Path) -> str | None:
+    """The client URL a live embedded server of this store wrote to its ports file (a node started
+    with `--nats-port 0` or another port is not on 4222), preferring loopback; None if none runs."""
+    for ports_file in sorted((store / "ports").glob("*.ports")):
+        try:
+            pid = int(ports_file.stem.rsplit("_", 1)[1])
+            os.kill(pid, 0)  # a file a killed server left behind names a port nobody listens on
+            urls = json.loads(ports_file.read_text())["nats"]
+        except (ValueError, IndexError, KeyError, TypeError, OSError):
+            continue
+        loopback = [u for u in urls if isinstance(u, str) and "://127.0.0.1:" in u]
+        if loopback or urls:
+            return str((loopback or urls)[0])
+    return None
 
 
 async def open_nats(urls: str, tool: str) -> Connection:
