@@ -26,6 +26,7 @@ from exo.bus.errors import LogGap
 from exo.bus.event_log import EventLog
 from exo.bus.liveness import Pulse, send_pulse
 from exo.bus.provision import Overrides, event_retention, placed_on, provision
+from exo.bus.readers import ReaderPresence
 from exo.bus.server_config import NODE_TAG
 from exo.bus.state_view import StateView
 from exo.core.events import ClusterLayoutChanged, Event, NodeRegistered
@@ -98,6 +99,7 @@ class Node:
         self._view: StateView | None = None
         self._site_runner: web.AppRunner | None = None
         self.api_url = ""
+        self._reader_presence: ReaderPresence | None = None  # answers for this API node's stream readers
         self._data_dir_lock: IO[bytes] | None = None
 
     async def start(self) -> None:
@@ -177,6 +179,8 @@ class Node:
 
     async def _start_api(self, ctx: ApiContext) -> None:
         warn_if_exposed(self.config.api_host, ctx.settings)
+        self._reader_presence = ReaderPresence(ctx.nc, lambda command_id: ctx.readers[command_id] > 0)
+        await self._reader_presence.start()
         self._site_runner = web.AppRunner(build_app(ctx), handler_cancellation=True, access_log=None,
                                           shutdown_timeout=API_SHUTDOWN_S)
         await self._site_runner.setup()
@@ -201,6 +205,8 @@ class Node:
     async def stop(self) -> None:
         if self._site_runner is not None:
             await self._site_runner.cleanup()
+        if self._reader_presence is not None:
+            await self._reader_presence.stop()
         for task in self._tasks:
             task.cancel()
         if self._tasks:

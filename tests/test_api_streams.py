@@ -31,7 +31,8 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def node(tmp_path_factory, model_dir):
     # A quiet log: tests here read exact runs of events, which heartbeats would interleave.
-    quiet = {"EXO_HEARTBEAT_S": "3600", "EXO_NODE_TIMEOUT_S": "7200"}
+    # A short resume grace: the generations that must outlive it need not be long.
+    quiet = {"EXO_HEARTBEAT_S": "3600", "EXO_NODE_TIMEOUT_S": "7200", "EXO_RESUME_GRACE_S": "2"}
     with exo_serving(tmp_path_factory.mktemp("node"), {TINY_MODEL_ID: model_dir}, quiet) as exo:
         yield exo
 
@@ -114,6 +115,60 @@ def test_a_dropped_stream_resumes_with_the_rest_of_the_same_generation(http, tin
     assert third[-1]["data"] == "[DONE]" and third[-2]["data"]["choices"][0]["finish_reason"] == "length"
     task = wait_for_status(http, command_id, "completed")
     assert task["status"] == "completed" and task["completion_tokens"] == LONG  # generated once, never cancelled
+
+
+VERY_LONG = 20_000  # tokens: 6-15 s here, well past the node's resume grace (2 s) after the drop
+
+
+def _read_in_thread(url: str, command_id: str, after: str, into: list[dict]) -> threading.Thread:
+    """A client resuming the generation after chunk `after` and reading it to its end, in a thread."""
+
+    def read() -> None:
+        with httpx.Client(base_url=url, timeout=120) as other:
+            with other.stream("GET", f"/v1/chat/completions/chatcmpl-{command_id}/stream",
+                              params={"after": after}) as response:
+                into.extend(sse_events(response.iter_lines()))
+
+    thread = threading.Thread(target=read, daemon=True)
+    thread.start()
+    return thread
+
+
+def _read_to_the_end(http: httpx.Client, command_id: str, reader: threading.Thread, events: list[dict]) -> None:
+    reader.join(240)
+    assert events and events[-1]["data"] == "[DONE]", events[-3:]
+    assert events[-2]["data"]["choices"][0]["finish_reason"] == "length"  # never "cancelled" under its reader
+    task = wait_for_status(http, command_id, "completed", "cancelled")
+    assert task["status"] == "completed" and task["completion_tokens"] == VERY_LONG
+
+
+def test_a_reader_keeps_a_generation_that_another_resumed_reader_left(http, tiny):
+    """Client A drops; B and C resume; B drops: C, still reading, keeps its generation (B's grace
+    timer used to cancel it when the grace ran out, one pending cancel per generation and no count of readers)."""
+    command_id, first = open_stream(http, 3, max_tokens=VERY_LONG)
+    with http.stream("GET", f"/v1/chat/completions/chatcmpl-{command_id}/stream") as b:
+        b_stream = sse_events(b.iter_lines())  # kept open: leaving a `for` over it would close B at once
+        assert next(b_stream) and next(b_stream)
+        c_events: list[dict] = []
+        c = _read_in_thread(str(http.base_url), command_id, first[-1]["id"].rsplit(":", 1)[1], c_events)
+        wait_until(lambda: c_events, 30, what="C reading")
+    _read_to_the_end(http, command_id, c, c_events)  # B left above, with C still reading
+
+
+def test_a_stream_resumed_on_another_api_node_keeps_its_generation(http, node, tiny, tmp_path):
+    """The client drops on one API node and comes back on another: the first node's grace timer
+    must not cancel what the second one is streaming (it asks on exo.readers.<id> first)."""
+    from tests.cluster import start_node
+    from tests.e2e_support import nats_url_of
+
+    other = start_node(tmp_path, "api-b", nats_url_of(node), "--no-master", "--no-worker")
+    try:
+        command_id, first = open_stream(http, 3, max_tokens=VERY_LONG)
+        events: list[dict] = []
+        reader = _read_in_thread(other.url, command_id, first[-1]["id"].rsplit(":", 1)[1], events)
+        _read_to_the_end(http, command_id, reader, events)
+    finally:
+        other.interrupt()
 
 
 def test_a_finished_generation_replays_whole_from_the_start(http, client, tiny):

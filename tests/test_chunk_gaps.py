@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from collections import Counter
 from types import SimpleNamespace
 
 from exo.api.generation import Generation
@@ -33,7 +34,7 @@ async def stored(nc, chunks: list[TokenChunk]) -> None:
 async def received(nc, command_id: str, delivered: list[TokenChunk], ended: TaskFinished | None = None) -> list[TokenChunk]:
     """What a Generation yields when its live listener got only `delivered`."""
     cancels: list[str] = []
-    ctx = SimpleNamespace(nc=nc, metrics=Metrics(), in_background=lambda coroutine: (coroutine.close(), cancels.append(command_id)))
+    ctx = SimpleNamespace(nc=nc, metrics=Metrics(), readers=Counter(), in_background=lambda coroutine: (coroutine.close(), cancels.append(command_id)))
     listener = TokenListener()
     for chunk in delivered:
         listener.queue.put_nowait(chunk)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +36,9 @@ class ApiContext:
     metrics: Metrics = field(default_factory=Metrics)
     # Cancels waiting out the resume grace of a dropped stream, by command id (this node only).
     pending_cancels: dict[str, asyncio.TimerHandle] = field(default_factory=dict)
+    # Open readers (streams, resumed or not) of each generation on this node: a grace timer
+    # cancels only a generation nobody reads, here or on another API node (exo/bus/readers.py).
+    readers: Counter[str] = field(default_factory=Counter)
     _background: Background = field(default_factory=lambda: Background("api"))
     cluster_metrics: ClusterCollector = field(init=False)
 

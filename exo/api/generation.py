@@ -19,6 +19,7 @@ from exo.api.errors import ApiError
 from exo.api.outcomes import COMMAND_TIMEOUT_S, new_command_id, raise_if_rejected
 from exo.api.validate import check_limits
 from exo.bus.command_queue import send_command
+from exo.bus.readers import read_anywhere
 from exo.bus.tokens import TokenListener, stored_chunks
 from exo.core.commands import CancelTask, GenerateText
 from exo.core.events import TaskFinished
@@ -48,6 +49,8 @@ class Generation:
         self._tokens_seen = 0
         self._next_index = 0  # the index of the next chunk this generation should see
         self.finished = False
+        self._reading = True
+        ctx.readers[command_id] += 1
 
     async def chunks(self) -> AsyncIterator[TokenChunk]:
         while not self.finished:
@@ -138,14 +141,33 @@ class Generation:
         its client may resume, after `resume_grace_s` unless a resumption claims it."""
         self._ctx.outcomes.forget_task_end(self.command_id, self._ended)
         await self._listener.close()
+        self._stop_reading()
         if self.finished:
             return
         if resume_grace_s > 0:
             ctx, command_id = self._ctx, self.command_id
+            if (earlier := ctx.pending_cancels.pop(command_id, None)) is not None:
+                earlier.cancel()  # the grace starts again from the last reader to leave
             ctx.pending_cancels[command_id] = asyncio.get_running_loop().call_later(
-                resume_grace_s, lambda: ctx.in_background(cancel_generation(ctx, command_id)))
+                resume_grace_s, lambda: ctx.in_background(_cancel_if_unread(ctx, command_id)))
             return
         await asyncio.shield(cancel_generation(self._ctx, self.command_id))
+
+    def _stop_reading(self) -> None:
+        if self._reading:
+            self._reading = False
+            readers = self._ctx.readers
+            readers[self.command_id] -= 1
+            if readers[self.command_id] <= 0:
+                del readers[self.command_id]
+
+
+async def _cancel_if_unread(ctx: ApiContext, command_id: CommandId) -> None:
+    """The grace is over: cancel the generation unless a client reads it on this or another API node."""
+    ctx.pending_cancels.pop(command_id, None)
+    if ctx.readers[command_id] > 0 or await read_anywhere(ctx.nc, command_id):
+        return  # that reader's node starts the grace again when it leaves
+    await cancel_generation(ctx, command_id)
 
 
 async def cancel_generation(ctx: ApiContext, command_id: CommandId) -> None:

@@ -40,8 +40,8 @@ OPERATOR_PERMISSIONS: dict = {
     "subscribe": {
         "allow": [">"],
         # Subscribing to a request subject would let one answer it: model files, download
-        # control and the JetStream API are answered by nodes and the server only.
-        "deny": ["exo.models.>", "exo.downloads.>", "$JS.API.>"],
+        # control, stream readers and the JetStream API are answered by nodes and the server only.
+        "deny": ["exo.models.>", "exo.downloads.>", "exo.readers.>", "$JS.API.>"],
     },
 }
 

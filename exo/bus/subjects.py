@@ -52,3 +52,13 @@ ALL_PULSES = "exo.liveness.>"
 
 def pulse_subject(node_id: NodeId) -> str:
     return f"exo.liveness.{node_id}"
+
+
+# Core NATS, no stream: "is anyone still reading this generation?", asked by an API node before
+# it cancels a stream whose client left; answered by every API node with a reader of it
+# (exo/bus/readers.py), so a stream resumed on another node is not cancelled under it.
+ALL_READERS = "exo.readers.>"
+
+
+def readers_subject(command_id: CommandId) -> str:
+    return f"exo.readers.{command_id}"
