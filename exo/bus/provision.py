@@ -29,6 +29,9 @@ log = logging.getLogger(__name__)
 
 _STREAM_IN_USE = 10058  # "stream name already in use with a different configuration"
 _CONSUMER_EXISTS = 10148  # "consumer already exists" (with another config)
+_NO_STORAGE = 10047  # "insufficient storage resources available"
+MIN_STREAM_BYTES = 64 << 20  # a stream smaller than this is no use: refuse with the numbers instead
+FITTED_TO_DISK = "exo_fitted_to_disk"  # stream metadata: exo lowered max_bytes from the file's (this value)
 # A JetStream cluster still forming (a server not yet up or not yet a meta-group member) has no
 # peers for a replicated stream: exo started with the cluster waits for it instead of exiting.
 _NO_PEERS = 10005  # "no suitable peers for placement"
@@ -109,27 +112,71 @@ async def _provision_once(nc: Client, replicas: int | None, overrides: Overrides
 
 
 async def _create_stream(nc: Client, config: dict[str, Any], keep_replicas: bool = False) -> None:
+    """Make the stream if it is missing; check it against its file if it exists. An existing one is
+    never sent to CREATE again: on a small disk the server checks the storage reservation before it
+    sees that the stream exists, and the second start of a node failed there."""
     name = config["name"]
-    reply = await jetstream_request(nc, f"$JS.API.STREAM.CREATE.{name}", config)
-    error = reply.get("error")
-    if error and error.get("err_code") == _STREAM_IN_USE and keep_replicas:
-        # Compared here, not by creating again with the cluster's values: another node may be
-        # raising the replicas at this very moment (a third node joining saw that race).
-        existing = (await jetstream_request(nc, f"$JS.API.STREAM.INFO.{name}", {})).get("config", {})
-        if not {key for key, value in config.items() if existing.get(key) != value} - set(CLUSTER_MANAGED):
-            return
-    if error and error.get("err_code") == _STREAM_IN_USE and await _upgrade_stream(nc, config):
+    info = await jetstream_request(nc, f"$JS.API.STREAM.INFO.{name}", {})
+    if not info.get("error"):
+        await _check_existing(nc, config, info.get("config", {}), keep_replicas)
         return
-    if error and error.get("err_code") == _STREAM_IN_USE:
-        raise ConfigMismatch(
-            f"stream {name} already exists with a configuration different from streams/{name}.json; "
-            f"compare with `nats stream info {name}` and update or remove it deliberately"
-        )
+    reply = await _create_fitting(nc, config)
+    error = reply.get("error")
+    if error and error.get("err_code") == _STREAM_IN_USE:  # made by another node meanwhile
+        existing = (await jetstream_request(nc, f"$JS.API.STREAM.INFO.{name}", {})).get("config", {})
+        await _check_existing(nc, config, existing, keep_replicas)
+        return
     if error and (error.get("err_code") == _NO_PEERS or error.get("err_code") in _CLUSTER_UNAVAILABLE
                   or error.get("code") == 503):
         raise ClusterForming(f"cannot create stream {name} yet: {error.get('description')}")
     if error:
         raise BusError(f"cannot create stream {name}: {error.get('description', error)}")
+
+
+async def _check_existing(nc: Client, config: dict[str, Any], existing: dict[str, Any], keep_replicas: bool) -> None:
+    name = config["name"]
+    differing = {key for key, value in config.items() if existing.get(key) != value}
+    if keep_replicas:  # the cluster's business: a discovered cluster raises replicas by itself
+        differing -= set(CLUSTER_MANAGED)
+    if "max_bytes" in differing and (existing.get("metadata") or {}).get(FITTED_TO_DISK):
+        differing.discard("max_bytes")  # exo made it smaller to fit its disk (below); an operator's change is an error
+    if not differing or await _upgrade_stream(nc, config):
+        return
+    raise ConfigMismatch(
+        f"stream {name} already exists with a configuration different from streams/{name}.json "
+        f"(in {', '.join(sorted(differing))}); compare with `nats stream info {name}` and update or remove it deliberately"
+    )
+
+
+async def _create_fitting(nc: Client, config: dict[str, Any]) -> dict[str, Any]:
+    """CREATE the stream; if the server's JetStream storage has no room for its `max_bytes`
+    (JetStream takes 75% of the disk that is free when it starts, and reserves each stream's
+    max_bytes), halve it until it fits, down to MIN_STREAM_BYTES, and say so."""
+    name, wanted = config["name"], config.get("max_bytes", -1)
+    attempt = dict(config)
+    while True:
+        reply = await jetstream_request(nc, f"$JS.API.STREAM.CREATE.{name}", attempt)
+        error = reply.get("error") or {}
+        if error.get("err_code") != _NO_STORAGE or not 0 < attempt.get("max_bytes", -1):
+            break
+        smaller = attempt["max_bytes"] // 2
+        if smaller < MIN_STREAM_BYTES:
+            reply["error"]["description"] = (
+                f"{error.get('description')}: JetStream has no room on its disk for this stream even at "
+                f"{_gib(MIN_STREAM_BYTES)} (streams/{name}.json asks {_gib(wanted)}); free space on the NATS "
+                f"server's store disk, or give JetStream a bigger disk")
+            return reply
+        attempt["max_bytes"] = smaller
+        attempt["metadata"] = {**config.get("metadata", {}), FITTED_TO_DISK: str(wanted)}
+    if attempt.get("max_bytes") != wanted and not reply.get("error"):
+        log.warning("stream %s made with max_bytes %s instead of streams/%s.json's %s: the NATS server's disk "
+                    "has no room for more; it keeps that limit (raise it with `nats stream edit %s --max-bytes` "
+                    "once there is room)", name, _gib(attempt["max_bytes"]), name, _gib(wanted), name)
+    return reply
+
+
+def _gib(size: int) -> str:
+    return f"{size / (1 << 30):.2f} GiB"
 
 
 async def _upgrade_stream(nc: Client, config: dict[str, Any]) -> bool:
