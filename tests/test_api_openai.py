@@ -259,8 +259,13 @@ def test_a_prompt_longer_than_the_context_is_400_and_the_instance_serves_on(http
 @pytest.mark.parametrize(("card", "param", "message"), [
     ({"model_id": "a/b\n"}, "model_id", "model_id must look like"),
     ({"model_id": "local/rel", "path": "relative/dir", "n_layers": 2}, "path", "path must be absolute"),
-    ({"model_id": "local/neg", "n_layers": -2, "storage_bytes": 10}, "model_id", "n_layers must not be negative"),
-    ({"model_id": "local/neg2", "n_layers": 2, "storage_bytes": -10}, "model_id", "storage_bytes must not be negative"),
+    ({"model_id": "local/neg", "n_layers": -2, "storage_bytes": 10}, "n_layers", "n_layers must not be negative"),
+    ({"model_id": "local/neg2", "n_layers": 2, "storage_bytes": -10}, "storage_bytes", "storage_bytes must not be negative"),
+    ({"model_id": "local/huge", "n_layers": 10**30}, "n_layers", "n_layers 1000000000000000000000000000000 is over 4096"),
+    ({"model_id": "local/cold", "n_layers": 2, "sampling": {"temperature": -5}}, "sampling",
+     "sampling.temperature must be between 0 and 2, not -5"),
+    ({"model_id": "local/hd", "n_layers": 2, "head_dim": -1}, "head_dim", "head_dim must not be negative"),
+    ({"model_id": "local/kv", "n_layers": 2, "kv_dtype_bytes": 3}, "kv_dtype_bytes", "kv_dtype_bytes must be 0"),
 ])
 def test_cards_that_cannot_be_stored_are_400(http, tiny, card, param, message):
     response = http.post("/models/add", json=card)

@@ -66,15 +66,18 @@ def test_the_answer_stops_where_the_context_ends(http, short):
 
 def test_a_context_that_cannot_fit_is_refused_with_the_reason(http, short, model_dir):
     huge = {"model_id": "local/huge-context", "path": str(model_dir), "n_layers": 2, "hidden_size": 64,
-            "num_attention_heads": 4, "num_key_value_heads": 2, "kv_dtype_bytes": 4, "context_length": 10**9}
+            "num_attention_heads": 4, "num_key_value_heads": 2, "kv_dtype_bytes": 4, "context_length": 10**8}
     assert http.post("/models/add", json=huge).status_code == 200
-    refused = http.post("/place_instance", json={"model_id": "local/huge-context", "max_context": 10**9})
+    refused = http.post("/place_instance", json={"model_id": "local/huge-context", "max_context": 10**8})
     assert refused.status_code == 409, refused.text
-    assert f"needs {10**9 * PER_TOKEN} bytes of KV cache" in refused.json()["error"]["message"]
-    previews = http.get("/instance/previews", params={"model_id": "local/huge-context", "max_context": 10**9}).json()
+    assert f"needs {10**8 * PER_TOKEN} bytes of KV cache" in refused.json()["error"]["message"]
+    previews = http.get("/instance/previews", params={"model_id": "local/huge-context", "max_context": 10**8}).json()
     assert all(p["instance"] is None and "KV cache" in p["error"] for p in previews["previews"] if p["node_count"] == 1)
     too_long = http.post("/place_instance", json={"model_id": SHORT, "max_context": 32769})
     assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "max_context"
+    too_short = http.post("/place_instance", json={"model_id": SHORT, "max_context": 1})  # could serve nothing
+    assert too_short.status_code == 400 and too_short.json()["error"]["param"] == "max_context"
+    assert "between 64" in too_short.json()["error"]["message"]
     fits = http.get("/instance/previews", params={"model_id": SHORT}).json()["previews"][0]
     assert fits["max_context"] == 32768 and fits["instance"]["shards"][0]["kv_bytes"] == 32768 * PER_TOKEN
 

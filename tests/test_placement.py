@@ -327,6 +327,8 @@ def test_a_context_that_does_not_fit_is_refused_with_the_numbers():
     tiny_room = place(card=SIZED, state=cluster_of(node("n1", 4 * GB + 1000 * PER_TOKEN)))
     assert isinstance(tiny_room, Unplaceable) and "room for 768 tokens of context (less than 2048)" in tiny_room.reason
     assert place_instance(SIZED, "pipeline", 1, state, ids(), max_context=131073).code == "invalid"
+    assert place_instance(SIZED, "pipeline", 1, state, ids(), max_context=1).code == "invalid"  # serves nothing
+    assert place_instance(SIZED, "pipeline", 1, state, ids(), max_context=-5).code == "invalid"
 
 
 def test_tensor_ranks_share_the_heads_pipeline_ranks_their_layers():

@@ -135,3 +135,19 @@ def test_a_worker_writes_only_valid_cards_of_an_old_state(tmp_path):
     good = ModelCard(model_id="org/good", n_layers=2)
     reconcile_custom_cards(tmp_path, {"org/good": good, "../x": ModelCard(model_id="../x", n_layers=2)})
     assert [p.name for p in tmp_path.iterdir()] == ["org--good.toml"]
+
+
+@pytest.mark.parametrize(("fields", "reason"), [
+    ({"n_layers": 10**30}, "n_layers 1000000000000000000000000000000 is over 4096"),
+    ({"context_length": 1 << 30}, "context_length 1073741824 is over 134217728"),
+    ({"head_dim": -64}, "head_dim must not be negative"),
+    ({"kv_dtype_bytes": -2}, "kv_dtype_bytes must not be negative"),
+    ({"kv_dtype_bytes": 3}, "kv_dtype_bytes must be 0 (2, the default), 1, 2, 4 or 8, not 3"),
+    ({"sampling": {"temperature": -5}}, "sampling.temperature must be between 0 and 2, not -5.0"),
+    ({"sampling_no_thinking": {"top_p": 1.5}}, "sampling_no_thinking.top_p must be between 0 and 1, not 1.5"),
+])
+def test_cards_out_of_range_are_refused_and_skipped(fields, reason):
+    card = msgspec.convert({"model_id": "org/m", "n_layers": 2, **fields}, ModelCard)
+    assert card.problem() == reason
+    assert fold([CustomCardAdded(card=card)]).skipped_events[-1].reason == f"custom card: {reason}"
+    assert ModelCard(model_id="org/m", n_layers=80, context_length=131072, head_dim=128, kv_dtype_bytes=2).problem() is None

@@ -184,7 +184,9 @@ async def add_model(request: web.Request) -> web.Response:
 def _refuse_bad_card(card: ModelCard) -> None:
     problem = card.problem()
     if problem:
-        raise ApiError(400, f"invalid model card: {problem}", param="path" if problem.startswith("path") else "model_id")
+        named = problem.split(" ", 1)[0].split(".", 1)[0].rstrip(",;")
+        param = named if named in ModelCard.__struct_fields__ else "model_id"
+        raise ApiError(400, f"invalid model card: {problem}", param=param)
 
 
 async def delete_custom_model(request: web.Request) -> web.Response:

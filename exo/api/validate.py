@@ -8,7 +8,7 @@ from typing import TypeVar
 import msgspec
 
 from exo.api.errors import ApiError
-from exo.core.kv_budget import KV_BITS, context_cap
+from exo.core.kv_budget import KV_BITS, context_cap, least_context
 from exo.core.types import GenerationParams, ModelCard
 
 # What one request may ask for. Everything in GenerationParams is stored in the log and in State,
@@ -55,10 +55,10 @@ def check_limits(params: GenerationParams, context_length: int) -> None:
 
 def check_max_context(max_context: int, card: ModelCard) -> int:
     """A placement's max_context: 0 (the most that fits) up to the model's context length."""
-    cap = context_cap(card)
-    if not 0 <= max_context <= cap:
-        raise ApiError(400, f"max_context must be between 0 (the most that fits) and {cap} (the model's context), "
-                            f"got {max_context}", param="max_context")
+    cap, least = context_cap(card), least_context(card)
+    if max_context != 0 and not least <= max_context <= cap:
+        raise ApiError(400, f"max_context must be 0 (the most that fits) or between {least} (room for a short prompt "
+                            f"and answer) and {cap} (the model's context), got {max_context}", param="max_context")
     return max_context
 
 

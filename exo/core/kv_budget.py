@@ -14,6 +14,7 @@ import math
 from exo.core.types import ModelCard, Sharding
 
 DEFAULT_MAX_CONTEXT = 32768  # what an instance gets when its placement does not say, at most the model's own
+MIN_MAX_CONTEXT = 64  # tokens asked for: below this an instance cannot hold a chat template, a question and an answer
 MIN_AUTO_CONTEXT = 2048  # below this a context chosen to fit is not worth an instance: refused instead
 CONTEXT_STEP = 256  # contexts chosen to fit are rounded down to this
 ASSUMED_ELEMENT_BYTES = 2  # float16 / bfloat16 caches, when the card does not say
@@ -66,3 +67,8 @@ def tokens_that_fit(card: ModelCard, sharding: Sharding, world: int, layers: tup
     """The most tokens of context whose KV cache fits in `room` bytes on this rank."""
     one = rank_kv_bytes(card, sharding, world, layers, CONTEXT_STEP, kv_bits)
     return room // one * CONTEXT_STEP if one else 1 << 62
+
+
+def least_context(card: ModelCard) -> int:
+    """The smallest max_context a placement may ask for (the model's own, if that is smaller)."""
+    return min(MIN_MAX_CONTEXT, context_cap(card))

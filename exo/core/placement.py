@@ -52,6 +52,7 @@ from exo.core.kv_budget import (
     default_context,
     head_dim_of,
     kv_group_size,
+    least_context,
     rank_kv_bytes,
     tokens_that_fit,
 )
@@ -137,9 +138,9 @@ def _most_nodes(card: ModelCard, nodes: list[NodeInfo]) -> int:
 
 
 def _invalid_request(card: ModelCard, max_context: int, kv_bits: int) -> Unplaceable | None:
-    if not 0 <= max_context <= context_cap(card):
-        return Unplaceable("invalid", f"max_context must be between 0 (the most that fits) and {card.model_id}'s "
-                                      f"context length, {context_cap(card)}; got {max_context}")
+    if max_context != 0 and not least_context(card) <= max_context <= context_cap(card):
+        return Unplaceable("invalid", f"max_context must be 0 (the most that fits) or between {least_context(card)} and "
+                                      f"{card.model_id}'s context length, {context_cap(card)}; got {max_context}")
     if kv_bits and card.supports_images:
         return Unplaceable("invalid", "a quantized KV cache (kv_bits) is not served for vision models")
     if kv_bits and kv_bits not in KV_BITS:

@@ -39,6 +39,21 @@ class SamplingDefaults(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     temperature: float | None = None
     top_p: float | None = None
 
+    def problem(self) -> str | None:
+        """The ranges a request may ask for (OpenAI's): defaults must be values a request could give."""
+        if self.temperature is not None and not 0 <= self.temperature <= 2:
+            return f"temperature must be between 0 and 2, not {self.temperature}"
+        if self.top_p is not None and not 0 <= self.top_p <= 1:
+            return f"top_p must be between 0 and 1, not {self.top_p}"
+        return None
+
+
+# The most any real model has, with room to spare: a card beyond these is a typo or an attack
+# (n_layers 10^30 was placed as a shard ending at layer 10^30).
+CARD_LIMITS = {"n_layers": 4096, "hidden_size": 1 << 20, "num_attention_heads": 1 << 16,
+               "num_key_value_heads": 1 << 16, "head_dim": 1 << 16, "context_length": 1 << 27,
+               "storage_bytes": 1 << 50}
+
 
 class ModelCard(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """What exo needs to know about a model before it downloads a single byte."""
@@ -82,9 +97,19 @@ class ModelCard(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
             return f"path must be absolute, not {self.path!r}"
         sizes = {"n_layers": self.n_layers, "hidden_size": self.hidden_size, "storage_bytes": self.storage_bytes,
                  "num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads,
-                 "context_length": self.context_length}
+                 "context_length": self.context_length, "head_dim": self.head_dim, "kv_dtype_bytes": self.kv_dtype_bytes}
         negative = [name for name, value in sizes.items() if value < 0]
-        return f"{', '.join(negative)} must not be negative" if negative else None
+        if negative:
+            return f"{', '.join(negative)} must not be negative"
+        too_big = [f"{name} {sizes[name]} is over {limit}" for name, limit in CARD_LIMITS.items() if sizes[name] > limit]
+        if too_big:
+            return "; ".join(too_big)
+        if self.kv_dtype_bytes not in (0, 1, 2, 4, 8):
+            return f"kv_dtype_bytes must be 0 (2, the default), 1, 2, 4 or 8, not {self.kv_dtype_bytes}"
+        for name, defaults in (("sampling", self.sampling), ("sampling_no_thinking", self.sampling_no_thinking)):
+            if defaults is not None and (problem := defaults.problem()):
+                return f"{name}.{problem}"
+        return None
 
 
 class ShardAssignment(msgspec.Struct, frozen=True, kw_only=True):
