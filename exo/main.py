@@ -99,6 +99,9 @@ def _add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
                          help="seconds a cluster server may be silent before it is treated as gone for good: its "
                               "stream replicas move to a spare server and it leaves the meta group (0: never; "
                               "env EXO_PEER_REMOVE_AFTER_S)")
+    cluster.add_argument("--join-timeout", type=float, default=float(os.environ.get("EXO_JOIN_TIMEOUT_S", "60")),
+                         help="seconds a first join through announced routes may take before the node decides again "
+                              "without that cluster (a stale or spoofed announcement; env EXO_JOIN_TIMEOUT_S)")
 
 
 def _discovery_settings(args):
@@ -108,7 +111,7 @@ def _discovery_settings(args):
     secret = resolve_secret(Path(args.data_dir).expanduser() / "nats", args.cluster_secret, args.namespace)
     return DiscoverySettings(address=args.discovery_address or lan_address(), secret=secret.value,
                              secret_id=secret.digest, namespace=args.namespace, cluster_port=args.cluster_port,
-                             remove_after_s=args.peer_remove_after)
+                             remove_after_s=args.peer_remove_after, join_timeout_s=args.join_timeout)
 
 
 def _env_flag(name: str) -> bool:

@@ -50,6 +50,7 @@ LayoutSink = Callable[[ClusterLayout], Awaitable[None]]  # records a layout in t
 MEMBERSHIP_FILE = "cluster.json"
 WITNESS_DIR = "nats-witness"  # beside the node's own store
 KEEP_EVERY_S = 2.0
+MEMBER_WARN_EVERY_S = 30.0
 
 
 class DiscoverySettings(msgspec.Struct, frozen=True, kw_only=True):
@@ -63,6 +64,9 @@ class DiscoverySettings(msgspec.Struct, frozen=True, kw_only=True):
     # A server silent this long is gone for good: its stream replicas move to a spare server and it
     # leaves the meta group, so that the quorum is counted over servers that exist. 0: never.
     remove_after_s: float = 3600.0
+    # A join through announced routes that has not made this node a member by then failed: the
+    # announcement was stale or spoofed, and the node decides again without that cluster.
+    join_timeout_s: float = 60.0
 
 
 class Membership(msgspec.Struct, kw_only=True):
@@ -111,6 +115,7 @@ class ClusterNode:
         self._silent_since: dict[str, float] = {}  # server -> when this node (as meta leader) saw it go silent
         self._online_shown = 0  # the count of online servers last logged
         self._replicated_turns = 0  # upkeep turns in a row that found everything on three current replicas
+        self._distrusted: set[str] = set()  # clusters whose announced routes did not take this node in
 
     @property
     def witness_name(self) -> str:
@@ -131,6 +136,22 @@ class ClusterNode:
         await self.discovery.start(self._me("starting"))
         if self.membership is None:
             await asyncio.sleep(self.settings.browse_s)
+            await self._become_member(standalone)
+        else:
+            log.info("rejoining cluster %s", self.membership.cluster)
+            await self._start_servers(self.membership)
+            await self._until_member(timeout=None)  # its cluster may be down for a while: keep trying
+        assert self.membership is not None and self.server is not None
+        await self.discovery.announce(self._me("ready"))
+        log.info("member of cluster %s as %s", self.membership.cluster, self.server_name)
+        return self.server
+
+    async def _become_member(self, standalone: bool) -> None:
+        """Decide, start, and save the membership only once this node is a working member: an
+        announcement is a hint, and a join through routes that do not answer (a dead port, a
+        spoofed peer) falls back to deciding again without that cluster, never to a data dir
+        that rejoins it at every start."""
+        while True:
             role = await self._role()
             if standalone and isinstance(role, Join):
                 raise BusError(f"{self.store_dir} holds a standalone node's log, and cluster {role.cluster} already runs "
@@ -138,29 +159,41 @@ class ClusterNode:
                                "node standalone, or move the store away to join with an empty one")
             self.membership = self._choose(role)
             await self.discovery.announce(self._me("joining"))
-        else:
-            log.info("rejoining cluster %s", self.membership.cluster)
-        if standalone:  # before the membership is saved: a failure here leaves the dir as it was
-            set_aside(self.store_dir)
-        save_membership(self.store_dir, self.membership)
-        try:
-            await self._start_servers(self.membership)
-            await self._until_member()
             if standalone:
-                await self._migrate()
-        except BaseException:
-            if standalone:
-                await self._undo_migration()
-            raise
-        await self.discovery.announce(self._me("ready"))
-        log.info("member of cluster %s as %s", self.membership.cluster, self.server_name)
-        assert self.server is not None
-        return self.server
+                set_aside(self.store_dir)
+            try:
+                await self._start_servers(self.membership)
+                await self._until_member(self.settings.join_timeout_s if isinstance(role, Join) else 120.0)
+                save_membership(self.store_dir, self.membership)
+                if standalone:
+                    await self._migrate()
+                return
+            except BaseException as error:
+                if standalone:
+                    await self._undo_migration()
+                if standalone or not isinstance(role, Join) or not isinstance(error, BusError):
+                    raise
+                log.warning("could not join cluster %s through %s (%s); not trusting its announcements, deciding again",
+                            role.cluster, ", ".join(role.routes), error)
+                self._distrusted.add(role.cluster)
+                await self._forget_failed_join()
+                await self.discovery.announce(self._me("starting"))
+
+    async def _forget_failed_join(self) -> None:
+        """Back to a fresh node: servers stopped, the cluster state its store began discarded."""
+        if self._nc is not None and not self._nc.is_closed:
+            await self._nc.close()
+        self._nc = None
+        self.kill()
+        self.server = None
+        self.membership = None
+        shutil.rmtree(self.store_dir / "jetstream", ignore_errors=True)
 
     async def _role(self) -> Seed | Join:
         waited = 0.0
         while True:
-            role = choose_role(self.node_id, self.settings.namespace, self.discovery.peers())
+            peers = [p for p in self.discovery.peers() if p.cluster not in self._distrusted]
+            role = choose_role(self.node_id, self.settings.namespace, peers)
             if not isinstance(role, Wait):
                 return role
             if waited >= self.settings.wait_limit_s:
@@ -206,12 +239,15 @@ class ClusterNode:
         if self.witness is not None:
             self._witness_supervisor = asyncio.create_task(self.witness.supervise(), name="witness nats-server")
 
-    async def _until_member(self, timeout: float = 120.0) -> None:
-        """A working member: the meta group has a leader and JetStream answers through it."""
+    async def _until_member(self, timeout: float | None) -> None:
+        """A working member: the meta group has a leader and JetStream answers through it. With
+        no timeout it keeps trying (a cluster this node belongs to may be down), saying so."""
         assert self.server is not None
-        deadline = asyncio.get_running_loop().time() + timeout
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        next_warning = started + MEMBER_WARN_EVERY_S
         self._nc = await connect([self.server.url], name="exo-cluster-keeper")
-        while asyncio.get_running_loop().time() < deadline:
+        while timeout is None or loop.time() < started + timeout:
             meta = await meta_group(self.server.monitor_url)
             if meta is not None and meta.leader:
                 try:
@@ -220,6 +256,13 @@ class ClusterNode:
                         return
                 except Exception as error:  # no responders / timeout while the meta group settles
                     log.debug("JetStream not answering yet: %r", error)
+            if loop.time() >= next_warning:
+                next_warning += MEMBER_WARN_EVERY_S
+                assert self.membership is not None
+                log.warning("cluster %s does not answer after %.0f s (routes: %s); still trying. If it is gone for "
+                            "good, remove %s to let this node find or seed another", self.membership.cluster,
+                            loop.time() - started, ", ".join(self._routes(self.membership)) or "none",
+                            self.store_dir / MEMBERSHIP_FILE)
             await asyncio.sleep(0.2)
         raise BusError(f"this node's server did not become a member of cluster {self.membership and self.membership.cluster} "
                        f"within {timeout:g} s; see {self.store_dir / 'nats-server.log'}")
