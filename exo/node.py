@@ -21,6 +21,7 @@ from exo.api.outcomes import CommandOutcomes
 from exo.bus.catch_up import catch_up
 from exo.bus.cluster_node import ClusterNode, DiscoverySettings
 from exo.bus.connection import Connection, connect, redact
+from exo.bus.disk_watch import DiskWatch
 from exo.bus.embedded import EmbeddedNats
 from exo.bus.errors import LogGap
 from exo.bus.event_log import EventLog
@@ -100,6 +101,7 @@ class Node:
         self._site_runner: web.AppRunner | None = None
         self.api_url = ""
         self._reader_presence: ReaderPresence | None = None  # answers for this API node's stream readers
+        self._disk_watch: DiskWatch | None = None  # the embedded server's disk: full, and recovery after
         self._data_dir_lock: IO[bytes] | None = None
 
     async def start(self) -> None:
@@ -148,7 +150,10 @@ class Node:
             self._tasks.append(asyncio.create_task(self.worker.run(), name="worker"))
             self._tasks.append(asyncio.create_task(heartbeat.run(), name="heartbeat"))
         if config.run_api:
-            await self._start_api(ApiContext(nc, view, CommandOutcomes(nc, view), builtin, node_id, config.data_dir))
+            ctx = ApiContext(nc, view, CommandOutcomes(nc, view), builtin, node_id, config.data_dir)
+            if (watch := self._disk_watch) is not None:
+                ctx.storage_problem = lambda: watch.problem
+            await self._start_api(ctx)
 
     async def _start_embedded(self, node_id: str) -> str:
         store = self.config.data_dir / "nats"
@@ -159,6 +164,8 @@ class Node:
             self.cluster = ClusterNode(store, node_id, self.config.nats_port, self.config.discovery)
             self.embedded = await self.cluster.start()
         self._tasks.append(asyncio.create_task(self.embedded.supervise(), name="embedded nats-server"))
+        self._disk_watch = DiskWatch(self.embedded)
+        self._tasks.append(asyncio.create_task(self._disk_watch.run(), name="store disk watch"))
         return self.embedded.url
 
     @staticmethod

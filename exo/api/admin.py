@@ -214,6 +214,9 @@ async def get_node_id(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
+    """200 "ok"; 503 "degraded" with the reason while this node cannot store anything (a full disk)."""
     ctx = context_of(request)
-    return web.json_response({"status": "ok", "node_id": ctx.node_id, "last_seq": ctx.view.state.last_seq,
-                              "nats_connected": ctx.nc.is_connected})
+    problem = ctx.storage_problem()
+    body = {"status": "degraded" if problem else "ok", "node_id": ctx.node_id, "last_seq": ctx.view.state.last_seq,
+            "nats_connected": ctx.nc.is_connected}
+    return web.json_response({**body, "problem": problem} if problem else body, status=503 if problem else 200)

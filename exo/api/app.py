@@ -22,11 +22,12 @@ from exo.api.auth import auth_middleware
 from exo.api.context import CONTEXT_KEY, ApiContext
 from exo.api.errors import error_middleware
 from exo.api.request_metrics import metrics_middleware
+from exo.api.storage import storage_middleware
 
 
 def build_app(ctx: ApiContext) -> web.Application:
     # Outermost first: count every answer, then shape errors, then check the key.
-    app = web.Application(middlewares=[metrics_middleware, error_middleware, auth_middleware],
+    app = web.Application(middlewares=[metrics_middleware, error_middleware, auth_middleware, storage_middleware],
                           client_max_size=ctx.settings.max_body_bytes)
     app[CONTEXT_KEY] = ctx
     _openai(app.router)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from collections.abc import Coroutine, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,6 +39,8 @@ class ApiContext:
     # Open readers (streams, resumed or not) of each generation on this node: a grace timer
     # cancels only a generation nobody reads, here or on another API node (exo/bus/readers.py).
     readers: Counter[str] = field(default_factory=Counter)
+    # Why this node's NATS cannot store anything now (its embedded server's disk is full), or None.
+    storage_problem: Callable[[], str | None] = lambda: None
     _background: Background = field(default_factory=lambda: Background("api"))
     cluster_metrics: ClusterCollector = field(init=False)
 
