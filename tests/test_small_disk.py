@@ -18,7 +18,8 @@ import pytest
 from exo.bus.connection import connect
 from exo.bus.embedded import EmbeddedNats
 from exo.bus.errors import BusError
-from exo.bus.provision import FITTED_TO_DISK, MIN_STREAM_BYTES, provision, stream_configs
+from exo.bus.provision import provision, stream_configs
+from exo.bus.stream_fit import FITTED_TO_DISK, MIN_STREAM_BYTES
 
 
 def _mounted(path: Path, size: str) -> Iterator[Path]:

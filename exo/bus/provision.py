@@ -18,10 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from nats.aio.client import Client
-from nats.errors import NoRespondersError
-from nats.errors import TimeoutError as NatsTimeoutError
 
 from exo.bus.errors import BusError, ConfigMismatch
+from exo.bus.jetstream_api import ClusterForming, jetstream_request
+from exo.bus.stream_fit import FITTED_TO_DISK, create_fitting, fit_divisor
 from exo.bus.subjects import EVENTS_STREAM, IMAGES_STREAM
 from exo.resources import streams_dir
 
@@ -29,18 +29,11 @@ log = logging.getLogger(__name__)
 
 _STREAM_IN_USE = 10058  # "stream name already in use with a different configuration"
 _CONSUMER_EXISTS = 10148  # "consumer already exists" (with another config)
-_NO_STORAGE = 10047  # "insufficient storage resources available"
-MIN_STREAM_BYTES = 64 << 20  # a stream smaller than this is no use: refuse with the numbers instead
-FITTED_TO_DISK = "exo_fitted_to_disk"  # stream metadata: exo lowered max_bytes from the file's (this value)
 # A JetStream cluster still forming (a server not yet up or not yet a meta-group member) has no
 # peers for a replicated stream: exo started with the cluster waits for it instead of exiting.
 _NO_PEERS = 10005  # "no suitable peers for placement"
 _CLUSTER_UNAVAILABLE = (10008, 10023, 10059)  # JetStream cluster not ready / no leader / stream not found yet
 FORMING_WAIT_S = float(os.environ.get("EXO_CLUSTER_FORMING_WAIT_S", "60"))
-
-
-class ClusterForming(BusError):
-    pass
 
 
 # Fields a discovered cluster sets by itself: replicas (raised to 3 at three nodes) and the first
@@ -105,13 +98,16 @@ async def provision(nc: Client, replicas: int | None = None, overrides: Override
 
 
 async def _provision_once(nc: Client, replicas: int | None, overrides: Overrides | None, keep_replicas: bool) -> None:
-    for config in stream_configs(replicas=replicas, overrides=overrides):
-        await _create_stream(nc, config, keep_replicas)
+    configs = stream_configs(replicas=replicas, overrides=overrides)
+    missing = [c for c in configs if (await jetstream_request(nc, f"$JS.API.STREAM.INFO.{c['name']}", {})).get("error")]
+    divisor = await fit_divisor(nc, missing)  # the streams to make share the disk there is, alike
+    for config in configs:
+        await _create_stream(nc, config, keep_replicas, divisor)
     for stream, config in consumer_configs():
         await _create_consumer(nc, stream, config)
 
 
-async def _create_stream(nc: Client, config: dict[str, Any], keep_replicas: bool = False) -> None:
+async def _create_stream(nc: Client, config: dict[str, Any], keep_replicas: bool = False, divisor: int = 1) -> None:
     """Make the stream if it is missing; check it against its file if it exists. An existing one is
     never sent to CREATE again: on a small disk the server checks the storage reservation before it
     sees that the stream exists, and the second start of a node failed there."""
@@ -120,7 +116,7 @@ async def _create_stream(nc: Client, config: dict[str, Any], keep_replicas: bool
     if not info.get("error"):
         await _check_existing(nc, config, info.get("config", {}), keep_replicas)
         return
-    reply = await _create_fitting(nc, config)
+    reply = await create_fitting(nc, config, divisor)
     error = reply.get("error")
     if error and error.get("err_code") == _STREAM_IN_USE:  # made by another node meanwhile
         existing = (await jetstream_request(nc, f"$JS.API.STREAM.INFO.{name}", {})).get("config", {})
@@ -146,37 +142,6 @@ async def _check_existing(nc: Client, config: dict[str, Any], existing: dict[str
         f"stream {name} already exists with a configuration different from streams/{name}.json "
         f"(in {', '.join(sorted(differing))}); compare with `nats stream info {name}` and update or remove it deliberately"
     )
-
-
-async def _create_fitting(nc: Client, config: dict[str, Any]) -> dict[str, Any]:
-    """CREATE the stream; if the server's JetStream storage has no room for its `max_bytes`
-    (JetStream takes 75% of the disk that is free when it starts, and reserves each stream's
-    max_bytes), halve it until it fits, down to MIN_STREAM_BYTES, and say so."""
-    name, wanted = config["name"], config.get("max_bytes", -1)
-    attempt = dict(config)
-    while True:
-        reply = await jetstream_request(nc, f"$JS.API.STREAM.CREATE.{name}", attempt)
-        error = reply.get("error") or {}
-        if error.get("err_code") != _NO_STORAGE or not 0 < attempt.get("max_bytes", -1):
-            break
-        smaller = attempt["max_bytes"] // 2
-        if smaller < MIN_STREAM_BYTES:
-            reply["error"]["description"] = (
-                f"{error.get('description')}: JetStream has no room on its disk for this stream even at "
-                f"{_gib(MIN_STREAM_BYTES)} (streams/{name}.json asks {_gib(wanted)}); free space on the NATS "
-                f"server's store disk, or give JetStream a bigger disk")
-            return reply
-        attempt["max_bytes"] = smaller
-        attempt["metadata"] = {**config.get("metadata", {}), FITTED_TO_DISK: str(wanted)}
-    if attempt.get("max_bytes") != wanted and not reply.get("error"):
-        log.warning("stream %s made with max_bytes %s instead of streams/%s.json's %s: the NATS server's disk "
-                    "has no room for more; it keeps that limit (raise it with `nats stream edit %s --max-bytes` "
-                    "once there is room)", name, _gib(attempt["max_bytes"]), name, _gib(wanted), name)
-    return reply
-
-
-def _gib(size: int) -> str:
-    return f"{size / (1 << 30):.2f} GiB"
 
 
 async def _upgrade_stream(nc: Client, config: dict[str, Any]) -> bool:
@@ -210,10 +175,4 @@ async def _create_consumer(nc: Client, stream: str, config: dict[str, Any]) -> N
         raise BusError(f"cannot create consumer {stream}/{durable}: {error.get('description', error)}")
 
 
-async def jetstream_request(nc: Client, subject: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
-    """One JetStream API call; its JSON answer (errors in it are the caller's to read)."""
-    try:
-        msg = await nc.request(subject, json.dumps(body or {}).encode(), timeout=5)
-    except (NoRespondersError, NatsTimeoutError) as error:  # JetStream not answering: a cluster between leaders
-        raise ClusterForming(f"JetStream did not answer {subject}: {error!r}") from None
-    return json.loads(msg.data)
+__all__ = ["ClusterForming", "jetstream_request"]  # where other modules have always found them

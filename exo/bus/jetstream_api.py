@@ -1,0 +1,25 @@
+"""One call of the JetStream API, and the error that says the JetStream cluster is still forming."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from nats.aio.client import Client
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeoutError
+
+from exo.bus.errors import BusError
+
+
+class ClusterForming(BusError):
+    pass
+
+
+async def jetstream_request(nc: Client, subject: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One JetStream API call; its JSON answer (errors in it are the caller's to read)."""
+    try:
+        msg = await nc.request(subject, json.dumps(body or {}).encode(), timeout=5)
+    except (NoRespondersError, NatsTimeoutError) as error:  # JetStream not answering: a cluster between leaders
+        raise ClusterForming(f"JetStream did not answer {subject}: {error!r}") from None
+    return json.loads(msg.data)
