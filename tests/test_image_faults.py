@@ -10,7 +10,6 @@ import base64
 import contextlib
 import hashlib
 import json
-import os
 import subprocess
 import threading
 import time
@@ -24,6 +23,7 @@ from exo.bus.images import delete_image
 from exo.bus.subjects import IMAGES_BUCKET
 from tests.cluster import NatsServer, start_node, state_of, wait_until
 from tests.exo_process import ExoProcess
+from tests.support.images import random_png
 from tests.support.tiny_model import make_tiny_model
 
 pytestmark = pytest.mark.slow
@@ -127,7 +127,7 @@ def assert_stream_failed_with(status: int, events: list, *words: str) -> None:
 
 
 def test_a_corrupt_image_fails_its_request_at_once_with_the_reason(cluster):
-    plain, streamed = os.urandom(1000), os.urandom(1000)
+    plain, streamed = random_png(1000), random_png(1000)
     # The object store holds bytes under a name they do not hash to (same size: the API, which
     # skips an upload that is already there, leaves them as they are).
     async def corrupt(nc, store) -> None:
@@ -154,7 +154,7 @@ def test_an_image_deleted_before_the_worker_fetched_it_fails_its_request_at_once
     # A late worker: the requests are queued (their images stored) while it is down, then the
     # images expire (are deleted) before it comes back and fetches them.
     assert cluster.worker.interrupt() == 0
-    plain, streamed = os.urandom(1000), os.urandom(1000)
+    plain, streamed = random_png(1000), random_png(1000)
     pending_before = sum(t.status == "pending" for t in state_of(cluster.head).tasks.values())
     chat_thread, chat_result = in_background(chat, cluster.http, plain)
     stream_thread, stream_result = in_background(chat_stream, cluster.http, streamed)
@@ -184,7 +184,7 @@ def test_the_image_folder_stays_within_its_limit_but_keeps_what_a_task_needs(clu
     """Two 200 kB images of one request are over the worker's 300 kB limit: both stay until the
     task is forwarded (evicting one would fetch it again, evicting the other, for ever). The next
     request's image evicts them; a later request needing one again fetches it again."""
-    first, second, third = (os.urandom(200_000) for _ in range(3))
+    first, second, third = (random_png(200_000) for _ in range(3))
     wait_until(cluster.runner_ready, 90, what="runner ready")
 
     def forwarded() -> int:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import os
 from collections.abc import Callable
 
 import pytest
@@ -26,6 +25,7 @@ from exo.bus.subjects import IMAGES_BUCKET
 from exo.core.events import TaskCreated
 from tests.cluster import replay
 from tests.e2e_support import nats_url_of, one_model_node, place
+from tests.support.images import random_png
 from tests.support.tiny_model import TINY_MODEL_ID, make_tiny_model
 
 pytestmark = pytest.mark.slow
@@ -129,7 +129,7 @@ def in_store(node, digests: list[str]) -> list[bool]:
 
 
 def two_images() -> tuple[list[str], list[str]]:
-    images = [os.urandom(3000), os.urandom(2000)]
+    images = [random_png(3000), random_png(2000)]
     return [b64(i) for i in images], [image_digest(i) for i in images]
 
 
@@ -159,6 +159,16 @@ def test_bad_base64_is_400(http, cards, surface):
     response = http.post(path, json=request(VISION, [b64(b"fine"), "not*base64"]))
     assert response.status_code == 400, response.text
     assert "not valid base64" in error_of(response, shape)
+
+
+@pytest.mark.parametrize("surface", SURFACES)
+def test_a_damaged_image_is_400_and_nothing_is_stored(http, node, cards, surface):
+    path, shape, request = SURFACES[surface]
+    good, truncated = random_png(3000), random_png(3000)[:-300]
+    response = http.post(path, json=request(VISION, [b64(good), b64(truncated)]))
+    assert response.status_code == 400, response.text
+    assert "image 2 of the request is damaged" in error_of(response, shape)
+    assert in_store(node, [image_digest(good), image_digest(truncated)]) == [False, False]
 
 
 def test_bad_base64_names_where_it_is(http, cards):

@@ -28,7 +28,11 @@ def _dead_port() -> int:
 
 async def _start(store: Path, settings: DiscoverySettings) -> ClusterNode:
     node = ClusterNode(store, "node-a", 0, settings)
-    await asyncio.wait_for(node.start(), 90)
+    try:
+        await asyncio.wait_for(node.start(), 90)
+    except BaseException:
+        node.kill()  # no server outlives a failed start
+        raise
     return node
 
 

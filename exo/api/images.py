@@ -10,9 +10,13 @@ nothing behind that it uploaded.
 from __future__ import annotations
 
 import binascii
+import io
 import os
+import struct
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+
+import PIL.Image
 
 from exo.api.context import ApiContext
 from exo.api.errors import ApiError
@@ -23,6 +27,8 @@ from exo.core.state import State
 MAX_IMAGE_BYTES = int(os.environ.get("EXO_MAX_IMAGE_BYTES", str(20 * 1024 * 1024)))
 MAX_IMAGES = int(os.environ.get("EXO_MAX_IMAGES", "16"))  # per request
 MAX_REQUEST_IMAGE_BYTES = int(os.environ.get("EXO_MAX_REQUEST_IMAGE_BYTES", str(64 * 1024 * 1024)))
+MAX_IMAGE_PIXELS = int(os.environ.get("EXO_MAX_IMAGE_PIXELS", str(4096 * 4096)))
+MAX_ASPECT_RATIO = 200  # vision processors (Qwen2-VL's among them) refuse images more elongated than this
 
 # Why a URL is refused, on every surface: images come in the request, as base64.
 NO_FETCHING = "this cluster fetches nothing from the web; send the image's bytes as base64"
@@ -30,11 +36,38 @@ NO_FETCHING = "this cluster fetches nothing from the web; send the image's bytes
 USER_ONLY = "images are taken in user messages only"
 
 
+def check_image(data: bytes, param: str, name: str = "the image", max_pixels: int | None = None) -> None:
+    """Refuse, before anything is stored or a runner spends time on it, an image that cannot be
+    decoded whole (a truncated PNG), that decodes to more than `max_pixels` (a 420 KB PNG of
+    12000 x 12000 took a runner 15 s), or whose shape no vision processor takes: read from the
+    header and the file's structure (PIL's verify), never by decoding the pixels. `name` says
+    which image ("image 2 of the request") in the error."""
+    max_pixels = max_pixels or MAX_IMAGE_PIXELS
+    try:
+        with PIL.Image.open(io.BytesIO(data)) as image:
+            width, height = image.size
+            if width * height > max_pixels:
+                raise ApiError(400, f"{name} is {width} x {height} pixels, over the limit of {max_pixels} "
+                                    "(EXO_MAX_IMAGE_PIXELS): send it smaller", param=param)
+            if max(width, height) > MAX_ASPECT_RATIO * min(width, height):
+                raise ApiError(400, f"{name} is {width} x {height} pixels: its sides may differ at most "
+                                    f"{MAX_ASPECT_RATIO} times", param=param)
+            image.verify()
+    except ApiError:
+        raise
+    except (PIL.UnidentifiedImageError, PIL.Image.DecompressionBombError):
+        raise ApiError(400, f"{name} is not an image this model can read (PNG, JPEG, GIF, WebP, ...)",
+                       param=param) from None
+    except (OSError, SyntaxError, ValueError, struct.error) as error:  # PIL's ways of saying "broken"
+        raise ApiError(400, f"{name} is damaged: {error}", param=param) from None
+
+
 class ImageUploads:
     """The images of one request, decoded and hashed, waiting to be stored."""
 
     def __init__(self, max_bytes: int = MAX_IMAGE_BYTES) -> None:
         self.by_digest: dict[str, bytes] = {}
+        self._params: dict[str, str] = {}  # where in the request each image is, for errors that name it
         self._max_bytes = max_bytes
 
     def add_data_url(self, url: str, param: str) -> str:
@@ -61,6 +94,7 @@ class ImageUploads:
             raise ApiError(413, f"image of {len(data)} bytes is larger than the limit of {self._max_bytes}", param=param)
         digest = image_digest(data)
         self.by_digest[digest] = data
+        self._params[digest] = param
         if len(self.by_digest) > MAX_IMAGES:
             raise ApiError(400, f"at most {MAX_IMAGES} images in one request", param=param)
         if sum(map(len, self.by_digest.values())) > MAX_REQUEST_IMAGE_BYTES:
@@ -81,6 +115,8 @@ class ImageUploads:
             raise ApiError(400, f"the model {model_id!r} does not take image inputs", param=param)
         if not ctx.view.state.instances_of(model_id):
             raise ApiError(503, f"no instance of {model_id!r} is running; place one first", code="unavailable")
+        for n, (digest, data) in enumerate(self.by_digest.items(), start=1):  # what the model will be given
+            check_image(data, self._params[digest], f"image {n} of the request")
         uploaded: list[str] = []
         try:
             for digest, data in self.by_digest.items():
