@@ -32,7 +32,7 @@ def model_dir(tmp_path_factory):
 def node(tmp_path_factory, model_dir):
     # A quiet log: tests here read exact runs of events, which heartbeats would interleave.
     # A short resume grace: the generations that must outlive it need not be long.
-    quiet = {"EXO_HEARTBEAT_S": "3600", "EXO_NODE_TIMEOUT_S": "7200", "EXO_RESUME_GRACE_S": "2"}
+    quiet = {"EXO_HEARTBEAT_S": "3600", "EXO_NODE_TIMEOUT_S": "7200", "EXO_RESUME_GRACE_S": "1"}
     with exo_serving(tmp_path_factory.mktemp("node"), {TINY_MODEL_ID: model_dir}, quiet) as exo:
         yield exo
 
@@ -117,7 +117,7 @@ def test_a_dropped_stream_resumes_with_the_rest_of_the_same_generation(http, tin
     assert task["status"] == "completed" and task["completion_tokens"] == LONG  # generated once, never cancelled
 
 
-VERY_LONG = 20_000  # tokens: 6-15 s here, well past the node's resume grace (2 s) after the drop
+VERY_LONG = 4_000  # tokens: ~5 s here (more with a long context), well past the node's resume grace (1 s) after the drop
 
 
 def _read_in_thread(url: str, command_id: str, after: str, into: list[dict]) -> threading.Thread:
