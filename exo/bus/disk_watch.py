@@ -4,8 +4,8 @@ When a write of JetStream's file store fails for lack of space, nats-server mark
 store as failed and keeps failing it ("no space left on device") even after space returns: every
 publish to it times out until the server restarts. So the node watches the disk its store is on:
 while it is nearly full, `problem` says so (the API answers writes with a 507 naming it and
-/health says "degraded"); once there is room again, if the server logged a failed write meanwhile,
-the node restarts it (its supervisor brings it back on the same port with the same store, clients
+/health says "degraded"); once there is room again after the disk was full, or after the server
+logged a failed write, the node restarts it (its supervisor brings it back on the same port with the same store, clients
 reconnect, and everything acknowledged is in the file store).
 """
 
@@ -33,6 +33,7 @@ class DiskWatch:
         self._log_path: Path = server.store_dir / "nats-server.log"
         self._log_offset = self._log_size()  # only what the server logs from now on counts
         self._write_failed = False
+        self._was_full = False
         self.problem: str | None = None  # why this node's NATS cannot store anything now; None: it can
 
     async def run(self) -> None:
@@ -46,7 +47,11 @@ class DiskWatch:
     async def _check(self) -> None:
         free = shutil.disk_usage(self._server.store_dir).free
         self._write_failed = self._write_failed or self._logged_write_failure()
-        if free < self._low:
+        # Full below `low`, room again only above twice that: a disk near the line does not flap.
+        if free < self._low or (self._was_full and free < 2 * self._low):
+            # The server's log is on the same disk: its "no space left" line may never be written,
+            # so having been full counts as a failed write too.
+            self._was_full = self._write_failed = True
             if self.problem is None:
                 log.error("the disk of %s is full (%d MB free): the event log cannot take anything; free some "
                           "space and exo recovers by itself", self._server.store_dir, free >> 20)
@@ -57,7 +62,7 @@ class DiskWatch:
             self.problem = "recovering from a full disk: restarting the embedded NATS server"
             log.warning("space is back on %s after failed writes: restarting the embedded nats-server so that its "
                         "streams take writes again", self._server.store_dir)
-            self._write_failed = False
+            self._write_failed = self._was_full = False
             self._log_offset = self._log_size()
             await self._restart()
             return
