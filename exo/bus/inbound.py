@@ -7,7 +7,7 @@ can make the server itself deliver stored messages to any subject as a push cons
 request to delete a model's files. Deny lists of today's subjects cannot close that, so every
 core subscription exo makes drops whatever a JetStream consumer delivered, whatever the subject:
 such a message always carries the consumer's `$JS.ACK.` reply (or `$JS.FC.` for flow control),
-or a status header and no body (idle heartbeats). Request decoders are strict as well
+or is an idle heartbeat (status 100, no body). Request decoders are strict as well
 (unknown fields refused), so an event can never pass for a request.
 """
 
@@ -29,7 +29,9 @@ def delivered_by_jetstream(msg: Msg) -> bool:
     """Whether the server's JetStream delivered this (a push consumer), not a client's publish."""
     if msg.reply.startswith("$JS."):
         return True
-    return bool(msg.headers) and "Status" in (msg.headers or {})
+    # A push consumer's idle heartbeat (status 100, no reply). Other statuses (503: no responders
+    # to a request) are the server answering a client's own publish, as before.
+    return bool(msg.headers) and (msg.headers or {}).get("Status") == "100"
 
 
 def from_clients_only(handler: OnMessage) -> OnMessage:
