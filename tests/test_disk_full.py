@@ -22,14 +22,14 @@ from exo.bus.connection import connect
 from exo.bus.subjects import event_subject
 from tests.cluster import wait_until
 from tests.exo_process import ExoProcess
-from tests.test_small_disk import _mounted
+from tests.support.mounts import mounted_tmpfs
 
 pytestmark = pytest.mark.slow  # an exo process
 
 
 @pytest.fixture
 def disk(tmp_path: Path):
-    yield from _mounted(tmp_path / "disk", "1g")
+    yield from mounted_tmpfs(tmp_path / "disk", "1g")
 
 
 def _fill(path: Path) -> None:

@@ -8,8 +8,6 @@ CI (EXO_REQUIRE_MOUNT=1)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,30 +18,17 @@ from exo.bus.embedded import EmbeddedNats
 from exo.bus.errors import BusError
 from exo.bus.provision import provision, stream_configs
 from exo.bus.stream_fit import FITTED_TO_DISK, MIN_STREAM_BYTES
-
-
-def _mounted(path: Path, size: str) -> Iterator[Path]:
-    path.mkdir(parents=True)
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True, text=True)
-    if done.returncode != 0:
-        reason = f"cannot mount a tmpfs for a small disk: {done.stderr.strip() or done.returncode}"
-        if os.environ.get("EXO_REQUIRE_MOUNT") == "1":
-            pytest.fail(reason)
-        pytest.skip(reason)
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False)
+from tests.support.mounts import mounted_tmpfs
 
 
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[Path]:
-    yield from _mounted(tmp_path / "disk", "12g")  # the size the issue saw: room for less than the files ask
+    yield from mounted_tmpfs(tmp_path / "disk", "12g")  # the size the issue saw: room for less than the files ask
 
 
 @pytest.fixture
 def tiny_disk(tmp_path: Path) -> Iterator[Path]:
-    yield from _mounted(tmp_path / "tiny", "100m")
+    yield from mounted_tmpfs(tmp_path / "tiny", "100m")
 
 
 async def _provision_once(store: Path) -> dict[str, dict]:

@@ -39,7 +39,7 @@ async def _start(store: Path, settings: DiscoverySettings) -> ClusterNode:
 async def test_a_fake_ready_cluster_is_tried_then_dropped_and_never_saved(tmp_path: Path, caplog):
     namespace, secret_id = f"test-{uuid.uuid4().hex[:8]}", f"test-{uuid.uuid4().hex[:8]}"
     settings = DiscoverySettings(address="127.0.0.1", secret="s", secret_id=secret_id, namespace=namespace,
-                                 browse_s=1.0, join_timeout_s=5.0)
+                                 browse_s=0.5, join_timeout_s=3.0)
     spoofer = Discovery(["127.0.0.1"])
     await spoofer.start(Announcement(node_id="bogus", namespace=namespace, secret_id=secret_id, state="ready",
                                      cluster="exo-bogus", host="127.0.0.1", cluster_port=_dead_port()))

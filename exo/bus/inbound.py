@@ -22,9 +22,6 @@ log = logging.getLogger(__name__)
 
 OnMessage = Callable[[Msg], Awaitable[None]]
 
-_dropped = 0
-
-
 def delivered_by_jetstream(msg: Msg) -> bool:
     """Whether the server's JetStream delivered this (a push consumer), not a client's publish."""
     if msg.reply.startswith("$JS."):
@@ -37,14 +34,16 @@ def delivered_by_jetstream(msg: Msg) -> bool:
 def from_clients_only(handler: OnMessage) -> OnMessage:
     """`handler`, for messages clients published; JetStream deliveries are dropped and counted."""
 
+    dropped = 0
+
     async def guarded(msg: Msg) -> None:
-        global _dropped
+        nonlocal dropped
         if delivered_by_jetstream(msg):
-            _dropped += 1
-            if _dropped == 1 or _dropped % 1000 == 0:  # a flood must not flood the log too
+            dropped += 1
+            if dropped == 1 or dropped % 1000 == 0:  # a flood must not flood the log too
                 log.warning("dropped %d message(s) a JetStream consumer delivered to exo's own subjects "
                             "(latest on %s, from %s): someone created a push consumer aimed at them",
-                            _dropped, msg.subject, msg.reply or "a status message")
+                            dropped, msg.subject, msg.reply or "a status message")
             return
         await handler(msg)
 

@@ -16,7 +16,8 @@ import aiohttp
 import msgspec
 from nats.aio.client import Client
 
-from exo.bus.provision import consumer_configs, jetstream_request, stream_configs
+from exo.bus.jetstream_api import jetstream_request
+from exo.bus.provision import consumer_configs, stream_configs
 from exo.core.types import ClusterLayout, ClusterServer, StreamPlacement
 
 log = logging.getLogger(__name__)

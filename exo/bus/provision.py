@@ -99,23 +99,20 @@ async def provision(nc: Client, replicas: int | None = None, overrides: Override
 
 async def _provision_once(nc: Client, replicas: int | None, overrides: Overrides | None, keep_replicas: bool) -> None:
     configs = stream_configs(replicas=replicas, overrides=overrides)
-    missing = [c for c in configs if (await jetstream_request(nc, f"$JS.API.STREAM.INFO.{c['name']}", {})).get("error")]
-    divisor = await fit_divisor(nc, missing)  # the streams to make share the disk there is, alike
-    for config in configs:
-        await _create_stream(nc, config, keep_replicas, divisor)
+    infos = [await jetstream_request(nc, f"$JS.API.STREAM.INFO.{c['name']}", {}) for c in configs]
+    divisor = await fit_divisor(nc, [c for c, info in zip(configs, infos) if info.get("error")])  # the missing share the disk alike
+    for config, info in zip(configs, infos):
+        if info.get("error"):
+            await _create_stream(nc, config, keep_replicas, divisor)
+        else:  # never CREATE an existing stream again: on a small disk the server checks the storage
+            await _check_existing(nc, config, info.get("config", {}), keep_replicas)  # reservation first
     for stream, config in consumer_configs():
         await _create_consumer(nc, stream, config)
 
 
-async def _create_stream(nc: Client, config: dict[str, Any], keep_replicas: bool = False, divisor: int = 1) -> None:
-    """Make the stream if it is missing; check it against its file if it exists. An existing one is
-    never sent to CREATE again: on a small disk the server checks the storage reservation before it
-    sees that the stream exists, and the second start of a node failed there."""
+async def _create_stream(nc: Client, config: dict[str, Any], keep_replicas: bool, divisor: int) -> None:
+    """Make a stream that was missing (and check it, if another node made it meanwhile)."""
     name = config["name"]
-    info = await jetstream_request(nc, f"$JS.API.STREAM.INFO.{name}", {})
-    if not info.get("error"):
-        await _check_existing(nc, config, info.get("config", {}), keep_replicas)
-        return
     reply = await create_fitting(nc, config, divisor)
     error = reply.get("error")
     if error and error.get("err_code") == _STREAM_IN_USE:  # made by another node meanwhile
@@ -136,7 +133,7 @@ async def _check_existing(nc: Client, config: dict[str, Any], existing: dict[str
         differing -= set(CLUSTER_MANAGED)
     if "max_bytes" in differing and (existing.get("metadata") or {}).get(FITTED_TO_DISK):
         differing.discard("max_bytes")  # exo made it smaller to fit its disk (below); an operator's change is an error
-    if not differing or await _upgrade_stream(nc, config):
+    if not differing or await _upgrade_stream(nc, config, existing, differing):
         return
     raise ConfigMismatch(
         f"stream {name} already exists with a configuration different from streams/{name}.json "
@@ -144,11 +141,9 @@ async def _check_existing(nc: Client, config: dict[str, Any], existing: dict[str
     )
 
 
-async def _upgrade_stream(nc: Client, config: dict[str, Any]) -> bool:
+async def _upgrade_stream(nc: Client, config: dict[str, Any], existing: dict[str, Any], differing: set[str]) -> bool:
     """Update a stream that an earlier release made to the file's limits; False if it is not one."""
     name = config["name"]
-    existing = (await jetstream_request(nc, f"$JS.API.STREAM.INFO.{name}", {})).get("config", {})
-    differing = {key for key, value in config.items() if existing.get(key) != value}
     earlier = next((limits for limits in EARLIER_LIMITS.get(name, []) if differing and differing <= limits.keys()
                     and all(existing.get(key) == limits[key] for key in differing)), None)
     if earlier is None:
@@ -174,5 +169,3 @@ async def _create_consumer(nc: Client, stream: str, config: dict[str, Any]) -> N
     if error:
         raise BusError(f"cannot create consumer {stream}/{durable}: {error.get('description', error)}")
 
-
-__all__ = ["ClusterForming", "jetstream_request"]  # where other modules have always found them
