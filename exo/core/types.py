@@ -161,6 +161,7 @@ class PromptCacheStats(msgspec.Struct, frozen=True, kw_only=True):
 class NodeInfo(msgspec.Struct, frozen=True, kw_only=True):
     node_id: NodeId
     hostname: str = ""
+    name: str = ""  # what people call it: --name, else hostname (plus the API port when not the default)
     memory_total: int = 0
     memory_available: int = 0
     cpu_count: int = 0
