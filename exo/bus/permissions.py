@@ -7,7 +7,7 @@ stolen worker credential could not already do; what keeps a forged event harmles
 reducer, which checks it (see exo/core/apply.py). `operator` reads everything an operator's
 `nats` commands and `exo inspect|replay|events` read, and changes nothing: no event, command,
 token, snapshot or image can be written, no stream changed, and the master's consumer can be
-neither taken over nor deleted.
+neither taken over, deleted nor acknowledged for.
 """
 
 from __future__ import annotations
@@ -31,10 +31,16 @@ OPERATOR_PERMISSIONS: dict = {
             # Reading a stream in order takes a consumer of one's own (ordered, ephemeral),
             # with flow-control replies, and deleting it when done.
             "$JS.API.CONSUMER.CREATE.>", "$JS.API.CONSUMER.DELETE.>", "$JS.API.CONSUMER.MSG.NEXT.>", "$JS.FC.>",
+            # ... and acknowledging what it delivers (`nats stream view`'s pager acks each message).
+            # An ack moves only the consumer it names (every stream keeps messages by limits, so
+            # none is removed by an ack), and exo's one acking consumer is denied below.
+            "$JS.ACK.>",
         ],
         "deny": [
             f"$JS.API.CONSUMER.CREATE.{_MASTER}", f"$JS.API.CONSUMER.CREATE.{_MASTER}.>",
             f"$JS.API.CONSUMER.DELETE.{_MASTER}", f"$JS.API.CONSUMER.MSG.NEXT.{_MASTER}",
+            # An ack, nak or term of the master's delivery would settle a command it never decided.
+            f"$JS.ACK.{_MASTER}.>",
         ],
     },
     "subscribe": {

@@ -5,4 +5,5 @@ TOOLS: dict[str, str] = {
     "replay": "exo.tools.replay",
     "events": "exo.tools.events",
     "inspect": "exo.tools.inspect",
+    "nats-context": "exo.tools.nats_context",
 }
