@@ -23,15 +23,10 @@ from exo.api.app import build_app
 from exo.api.context import ApiContext
 from exo.api.dashboard import STATIC_DIR
 from exo.api.settings import ApiSettings
-from tests.e2e_support import start_exo
-from tests.support.fake_hub import FakeHub
+from tests.support.dashboard import KEY, chromium_page, exo_node, open_with_key
 from tests.support.tiny_model import TINY_MODEL_ID, make_tiny_model
 from tests.support.vision_model import make_vision_model, png
 
-CHROMIUM = Path("/usr/bin/chromium")
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
-KEY = "dashboard-test-key"
 PROMPT = "Tell me about the sea."
 MAX_TOKENS = 24
 VISION_ID = "local/vision-dash"
@@ -97,24 +92,15 @@ async def test_nothing_but_the_static_files_is_served(path):
 
 # -- the page in Chromium against a real node ------------------------------------------------
 
-def require_browser() -> None:
-    if CHROMIUM.exists():
-        return
-    message = f"{CHROMIUM} is missing: apt-get install chromium (Debian's package)"
-    if os.environ.get("EXO_REQUIRE_BROWSER") == "1":
-        pytest.fail(message)
-    pytest.skip(message)
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("model") / "tiny-llama")
 
 
 @pytest.fixture(scope="module")
-def node(tmp_path_factory):
-    require_browser()
-    tiny = make_tiny_model(tmp_path_factory.mktemp("model") / "tiny-llama")
-    with FakeHub({TINY_MODEL_ID: tiny}) as hub:
-        exo = start_exo(tmp_path_factory.mktemp("node"), hub, {"EXO_API_KEYS": KEY})
+def node(tiny, tmp_path_factory):
+    with exo_node(tmp_path_factory.mktemp("node"), {TINY_MODEL_ID: tiny}) as exo:
         yield exo
-        if exo.process.poll() is None:
-            exo.interrupt()
 
 
 @pytest.fixture(scope="module")
@@ -125,19 +111,8 @@ def http(node):
 
 @pytest.fixture
 def page(tmp_path):
-    require_browser()
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as playwright:
-        context = playwright.chromium.launch_persistent_context(
-            str(tmp_path / "chromium-profile"), executable_path=str(CHROMIUM), args=CHROMIUM_ARGS, headless=True,
-            viewport={"width": 1440, "height": 1000})
-        context.set_default_timeout(30_000)
-        page = context.pages[0] if context.pages else context.new_page()
-        page.errors = []  # uncaught exceptions in the page's scripts
-        page.on("pageerror", lambda error: page.errors.append(str(error)))
+    with chromium_page(tmp_path / "chromium-profile") as page:
         yield page
-        context.close()
 
 
 @pytest.mark.slow
@@ -153,8 +128,11 @@ def test_the_dashboard_places_chats_stops_and_deletes(page, node, http, tmp_path
 
     _add_the_card(page, http)
     instance_id = _place_from_a_preview(page, http, node_id)
+    _where_the_model_is(page, http, node_id, instance_id)
+    _the_instance_numbers(page, http, instance_id)
     _the_feed_shows_sequences(page, http, instance_id)
     _chat_equals_the_api(page, http)
+    _rate_and_prompt_cache(page, http, node_id, instance_id)
     command_id = _stop_a_long_generation(page, http)
 
     page.evaluate("window.scrollTo(0, 0)")  # else the sticky header is drawn mid-page
@@ -203,8 +181,8 @@ def _place_from_a_preview(page, http, node_id: str) -> str:
     page.locator(f'.model-row[data-model-id="{TINY_MODEL_ID}"] [data-action="choose-model"]').click()
     preview = page.locator('.preview[data-sharding="pipeline"][data-min-nodes="1"]')
     preview.locator('[data-action="place"]').wait_for()
-    hostname = http.get("/state").json()["nodes"][node_id]["hostname"]
-    assert f"rank 0 on {hostname}: layers 0–1" in preview.inner_text()
+    info = http.get("/state").json()["nodes"][node_id]
+    assert f"rank 0 on {info['name'] or info['hostname']}: layers 0–1" in preview.inner_text()
     assert http.get("/state").json()["instances"] == {}  # a preview places nothing
     preview.locator('[data-action="place"]').click()
 
@@ -221,6 +199,62 @@ def _place_from_a_preview(page, http, node_id: str) -> str:
     assert "pipeline · rank 0/1 · layers 0–1 of 2" in shard.inner_text()
     assert shard.locator('[data-runner-status="ready"]').count() == 1
     return instance_id
+
+
+def _where_the_model_is(page, http, node_id: str, instance_id: str) -> None:
+    """The page, /v1/models and /api/tags agree: ready and downloaded on this node; the built-in
+    card on no node, still listed. The instance's status is the one GET /instance/{id} gives."""
+    row = page.locator(f'.model-row[data-model-id="{TINY_MODEL_ID}"]')
+    row.locator('[data-instances="ready"]').wait_for()
+    assert row.locator(".tag[data-instances]").all_inner_texts() == ["1 ready"]
+    where = row.locator(".where")
+    assert (where.get_attribute("data-ready-on"), where.get_attribute("data-downloaded-on")) == (node_id, node_id)
+    info = http.get("/state").json()["nodes"][node_id]
+    assert f"ready on {info['name'] or info['hostname']}" in where.inner_text()
+    builtin = "mlx-community/Qwen3-0.6B-4bit"
+    assert page.locator(f'.model-row[data-model-id="{builtin}"] .where').inner_text() == "on no node"
+
+    listed = {m["id"]: m for m in http.get("/v1/models").json()["data"]}
+    tags = {m["name"]: m for m in http.get("/api/tags").json()["models"]}
+    assert set(listed) == set(tags) and {TINY_MODEL_ID, builtin} <= set(listed)  # every card stays listed
+    for entries in (listed, tags):
+        assert (entries[TINY_MODEL_ID]["ready_on"], entries[TINY_MODEL_ID]["downloaded_on"]) == ([node_id], [node_id])
+        assert (entries[builtin]["ready_on"], entries[builtin]["downloaded_on"]) == ([], [])
+
+    card = page.locator(f'.card.instance[data-instance-id="{instance_id}"]')
+    assert card.get_attribute("data-status") == http.get(f"/instance/{instance_id}").json()["status"] == "ready"
+    assert card.locator(".layers").get_attribute("data-layers-status") == "ready"
+
+
+def _the_instance_numbers(page, http, instance_id: str) -> None:
+    instance = http.get(f"/instance/{instance_id}").json()
+    card = page.locator(f'.card.instance[data-instance-id="{instance_id}"]')
+    kv_bytes = sum(shard["kv_bytes"] for shard in instance["shards"])
+    assert int(card.get_attribute("data-max-context")) == instance["max_context"] > 0
+    assert int(card.get_attribute("data-kv-bytes")) == kv_bytes > 0
+    text = card.locator(".stats").inner_text()
+    assert f"context {instance['max_context']:,} tokens" in text and "KV " in text and "0 open" in text
+
+
+def _rate_and_prompt_cache(page, http, node_id: str, instance_id: str) -> None:
+    """Tokens per second of the two requests the page saw; the prompt cache's hits and misses as the
+    node's heartbeat reports them (the API's request repeated the page's prompt)."""
+    card = page.locator(f'.card.instance[data-instance-id="{instance_id}"]')
+    page.wait_for_function(f"""() => Number(document.querySelector('.card.instance[data-instance-id="{instance_id}"]')
+                                            .dataset.tokensPerS) > 0""")
+    assert re.search(r"[\d.]+ tok/s \(\d req\)", card.locator(".stats").inner_text())
+
+    def shown_as_held() -> bool:
+        stats = http.get("/state").json()["nodes"][node_id]["prompt_caches"].get(instance_id)
+        if not stats or stats["hits"] + stats["misses"] < 2:
+            return False
+        return (int(card.get_attribute("data-cache-hits")), int(card.get_attribute("data-cache-misses"))) == (
+            stats["hits"], stats["misses"])
+
+    _wait_for(shown_as_held)
+    hits = int(card.get_attribute("data-cache-hits"))
+    asked = hits + int(card.get_attribute("data-cache-misses"))
+    assert hits >= 1 and f"prompt cache {round(100 * hits / asked)}% hits ({hits}/{asked})" in card.inner_text()
 
 
 def _the_feed_shows_sequences(page, http, instance_id: str) -> None:
@@ -278,6 +312,9 @@ def _stop_a_long_generation(page, http) -> str:
     page.wait_for_function("() => document.querySelector('.msg.assistant .text').textContent.length > 20")
     command_id = reply.get_attribute("data-command-id")
     assert http.get("/state").json()["tasks"][command_id]["status"] == "running"
+    card = page.locator(".card.instance")
+    assert (card.get_attribute("data-running"), card.get_attribute("data-open")) == ("1", "1")
+    assert "1 open (1 running, 0 queued)" in card.locator(".stats").inner_text()
     started = time.monotonic()
     page.click("#chat-stop")
     page.wait_for_selector('.msg.assistant[data-streaming="false"]', timeout=15_000)
@@ -333,10 +370,7 @@ def test_the_chat_sends_images_to_a_vision_model(page, node, http, tmp_path):
             placed = http.post("/place_instance", json={"model_id": model_id, "wait": True})
             assert placed.status_code == 200, placed.text
             instances.append(placed.json()["instance_id"])
-        page.goto(node.url)
-        page.fill("#key-input", KEY)
-        page.press("#key-input", "Enter")
-        page.wait_for_selector('#conn[data-state="live"]')
+        open_with_key(page, node.url)
         page.select_option("#chat-model", TINY_MODEL_ID)
         assert not page.is_visible("#chat-attach") and page.is_disabled("#chat-files")  # a text model takes none
 

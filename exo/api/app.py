@@ -11,6 +11,7 @@ from exo.api import (
     dashboard,
     downloads,
     events_sse,
+    model_list,
     ollama,
     openai_chat,
     openai_chat_stream,
@@ -42,9 +43,9 @@ def _openai(router: web.UrlDispatcher) -> None:
     router.add_get("/v1/chat/completions/{id}/stream", openai_chat_stream.resume_chat_route)
     router.add_post("/v1/completions", openai_completions.completions)
     router.add_post("/v1/responses", openai_responses.responses)
-    router.add_get("/v1/models", admin.list_models)
+    router.add_get("/v1/models", model_list.list_models)
     router.add_get("/v1/models/{model_id:.+}", cluster.get_model)
-    router.add_get("/models", admin.list_models)
+    router.add_get("/models", model_list.list_models)
     router.add_post("/v1/cancel/{command_id}", cluster.cancel)
 
 

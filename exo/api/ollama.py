@@ -17,6 +17,7 @@ from exo.api.context import context_of
 from exo.api.errors import ApiError
 from exo.api.generation import Generation, collect, generating
 from exo.api.images import USER_ONLY, ImageUploads
+from exo.api.model_list import NOWHERE, availability
 from exo.api.openai_tools import offered_tools
 from exo.api.request_body import decode_body
 from exo.api.structured import ollama_format
@@ -177,8 +178,11 @@ def _details(card: ModelCard) -> dict[str, Any]:
 
 
 async def tags(request: web.Request) -> web.Response:
-    cards = sorted(context_of(request).all_cards().values(), key=lambda c: c.model_id)
-    return web.json_response({"models": [_model_entry(c) for c in cards]})
+    """Every card (clients pick from this list), each with the nodes it is ready or downloaded on."""
+    ctx = context_of(request)
+    where = availability(ctx.view.state)
+    cards = sorted(ctx.all_cards().values(), key=lambda c: c.model_id)
+    return web.json_response({"models": [_model_entry(c) | where.get(c.model_id, NOWHERE).fields() for c in cards]})
 
 
 async def show(request: web.Request) -> web.Response:

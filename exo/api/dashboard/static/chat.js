@@ -4,7 +4,7 @@
 
 import {errorMessage, json, readSse, request} from "./api.js";
 import {h, replaceChildren} from "./util.js";
-import {instanceStatus} from "./cluster.js";
+import {instanceStatus} from "./status.js";
 
 const ABORT_AFTER_CANCEL_MS = 3000; // if the stream has not ended by then, drop it ourselves
 

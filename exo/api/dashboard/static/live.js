@@ -13,9 +13,10 @@ const KEEP_FINISHED_TASKS = 200; // the page needs recent ones only (chat stats,
 const RETRY_MS = [500, 1000, 2000, 5000];
 
 export class Live {
-  constructor({onState, onEvent, onConnection}) {
+  constructor({onState, onEvent, onLive, onConnection}) {
     this.onState = onState;
     this.onEvent = onEvent;
+    this.onLive = onLive; // events newer than State: what happens now, not history
     this.onConnection = onConnection;
     this.state = null;
     this.lastSeq = null; // the last event received from /events
@@ -70,6 +71,7 @@ export class Live {
     const event = {seq, kind: message.event, data};
     this.onEvent(event);
     if (!this.state || seq <= this.state.last_seq) return; // history: already in State
+    this.onLive(event);
     if (this.applyHere(event)) {
       this.state.last_seq = seq;
       this.onState(this.state);

@@ -3,12 +3,14 @@
 
 import {askForKey, forgetKey, json} from "./api.js";
 import {Chat} from "./chat.js";
-import {renderInstances, renderNodes} from "./cluster.js";
+import {renderNodes} from "./cluster.js";
 import {renderDownloads} from "./downloads.js";
 import {renderReplicas} from "./replicas.js";
 import {EventFeed} from "./events.js";
+import {renderInstances} from "./instances.js";
 import {Live} from "./live.js";
 import {Models} from "./models.js";
+import {Rates} from "./rates.js";
 import {h} from "./util.js";
 
 const AGES_EVERY_MS = 5000; // "heard 12 s ago" is redrawn locally; nothing is fetched for it
@@ -17,13 +19,14 @@ const ctx = {
   nodeId: null,
   connected: false,
   state: () => live.state,
+  rates: new Rates(),
   card: (id) => (live.state && live.state.custom_model_cards[id]) || models.cards.get(id), // built-in: once fetched
   toast,
 };
 const feed = new EventFeed();
 const models = new Models(ctx);
 const chat = new Chat(ctx);
-const live = new Live({onState: render, onEvent, onConnection});
+const live = new Live({onState: render, onEvent, onLive, onConnection});
 
 function render(state) {
   renderNodes(document.getElementById("nodes"), state, ctx);
@@ -39,6 +42,13 @@ function render(state) {
 function onEvent(event) {
   feed.add(event);
   if (event.kind === "task.finished") chat.taskFinished(event.data);
+}
+
+// Times the tasks that start and finish while the page watches (tokens per second per instance).
+function onLive({kind, data}) {
+  if (kind === "task.started") ctx.rates.start(data.task_id);
+  const task = kind === "task.finished" && live.state.tasks[data.task_id];
+  if (task) ctx.rates.finish(task, data.completion_tokens);
 }
 
 function onConnection(status, detail) {
@@ -60,6 +70,13 @@ document.getElementById("key-button").addEventListener("click", async () => {
   await askForKey("Enter the API key for this exo cluster:");
   live.refresh();
 });
+
+// The sticky header is one line on a laptop and several on a phone: panels reached by the jump
+// links, and the chat, stop below it whatever its height.
+const header = document.querySelector(".topbar");
+new ResizeObserver(() => {
+  document.documentElement.style.setProperty("--header-height", `${header.offsetHeight}px`);
+}).observe(header);
 
 setInterval(() => { if (live.state) renderNodes(document.getElementById("nodes"), live.state, ctx); }, AGES_EVERY_MS);
 

@@ -2,7 +2,52 @@
 // placing an instance after looking at where each kind of placement would put it.
 
 import {json} from "./api.js";
+import {nodeLabel} from "./names.js";
+import {instanceStatus} from "./status.js";
 import {bytes, confirmButton, h, replaceChildren, short} from "./util.js";
+
+// Where each model is, as /v1/models says it (exo/api/model_list.py): model id -> {ready, downloaded}
+// node ids, for the models on some node.
+export function availability(state) {
+  const where = new Map();
+  const of = (id) => where.get(id) || where.set(id, {ready: new Set(), downloaded: new Set()}).get(id);
+  for (const instance of Object.values(state.instances)) {
+    if (instanceStatus(instance, state) !== "ready") continue;
+    for (const shard of instance.shards) of(instance.model_id).ready.add(shard.node_id);
+  }
+  for (const [nodeId, models] of Object.entries(state.downloads || {})) {
+    for (const p of Object.values(models || {})) if (p.status === "completed") of(p.model_id).downloaded.add(nodeId);
+  }
+  return where;
+}
+
+// The model's instances counted by status: ready, failed, and the rest on their way.
+function instanceTags(modelId, state) {
+  const counts = {ready: 0, failed: 0, starting: 0};
+  for (const instance of Object.values(state.instances)) {
+    if (instance.model_id !== modelId) continue;
+    const status = instanceStatus(instance, state);
+    counts[status === "ready" || status === "failed" ? status : "starting"] += 1;
+  }
+  return Object.entries(counts).filter(([, n]) => n).map(([kind, n]) =>
+    h("span", {class: `tag ${kind}`, "data-instances": kind}, `${n} ${kind}`));
+}
+
+function whereLine(where, state) {
+  if (!where) return h("div", {class: "small muted where", "data-ready-on": "", "data-downloaded-on": ""}, "on no node");
+  const names = (ids) => [...ids].map((id) => nodeLabel(state, id)).sort().join(", ");
+  const ready = [...where.ready].sort();
+  const downloaded = [...where.downloaded].sort();
+  return h("div", {class: "small where", "data-ready-on": ready.join(" "), "data-downloaded-on": downloaded.join(" ")},
+    ready.length ? h("span", {class: "tag ready"}, `ready on ${names(ready)}`) : null, " ",
+    downloaded.length ? h("span", {class: "tag downloaded"}, `downloaded on ${names(downloaded)}`) : null);
+}
+
+// local/<folder name>, in the characters a model id allows.
+function localId(path) {
+  const folder = path.replace(/\/+$/, "").split("/").pop() || "model";
+  return `local/${folder.replace(/[^A-Za-z0-9._-]+/g, "-")}`;
+}
 
 export class Models {
   constructor(ctx) {
@@ -49,41 +94,45 @@ export class Models {
 
   render(state) {
     if (!this.ids.length) return replaceChildren(this.list, [h("li", {class: "empty"}, "No model cards.")]);
+    const where = availability(state);
     replaceChildren(this.list, this.ids.map((id) => {
       const custom = state.custom_model_cards[id];
       const card = custom || this.cards.get(id) || {};
-      const running = Object.values(state.instances).filter((i) => i.model_id === id).length;
       return h("li", {class: "model-row", "data-model-id": id},
         h("div", {class: "grow"},
           h("div", {}, h("strong", {}, card.name || id), " ",
             h("span", {class: `tag ${custom ? "custom" : ""}`}, custom ? "custom" : "built-in"),
-            running ? h("span", {class: "tag running"}, `${running} running`) : null),
+            instanceTags(id, state)),
           h("div", {class: "small muted"},
             [id, card.n_layers ? `${card.n_layers} layers` : null, card.storage_bytes ? bytes(card.storage_bytes) : null,
-             card.path ? `local: ${card.path}` : null].filter(Boolean).join(" · "))),
+             card.path ? `local: ${card.path}` : null].filter(Boolean).join(" · ")),
+          whereLine(where.get(id), state)),
         h("div", {class: "actions"},
           h("button", {type: "button", "data-action": "choose-model", onclick: () => this.choose(id)}, "Place…"),
           custom ? confirmButton("Delete", () => this.remove(id), {"data-action": "delete-model"}) : null));
     }));
   }
 
+  // A Hub id, or a local model directory (with an id of the user's, or local/<folder name>).
   async add(event) {
     event.preventDefault();
-    const input = document.getElementById("add-model-id");
+    const idInput = document.getElementById("add-model-id");
+    const pathInput = document.getElementById("add-model-path");
     const status = document.getElementById("add-model-status");
     const button = event.submitter;
-    const modelId = input.value.trim();
+    const path = pathInput.value.trim();
+    const modelId = idInput.value.trim() || (path ? localId(path) : "");
     if (!modelId) return;
     button.disabled = true;
     status.className = "small muted";
-    status.textContent = `Reading ${modelId}'s config from the Hub…`;
+    status.textContent = path ? `Reading ${path}/config.json…` : `Reading ${modelId}'s config from the Hub…`;
     try {
-      await json("POST", "/models/add", {model_id: modelId});
+      await json("POST", "/models/add", path ? {model_id: modelId, path} : {model_id: modelId});
       status.textContent = `Added ${modelId}.`;
-      input.value = "";
+      idInput.value = pathInput.value = "";
     } catch (error) {
       status.className = "small error";
-      status.textContent = error.message;
+      status.textContent = error.message; // the server's own words: they name the cause
     } finally {
       button.disabled = false;
     }
@@ -123,7 +172,7 @@ export class Models {
       return h("div", {class: "preview invalid", "data-sharding": p.sharding, "data-min-nodes": p.min_nodes},
         h("div", {}, h("strong", {}, title)), h("div", {class: "small muted"}, p.error));
     }
-    const hostname = (id) => (state.nodes[id] && state.nodes[id].hostname) || short(id);
+    const hostname = (id) => nodeLabel(state, id);
     return h("div", {class: "preview", "data-sharding": p.sharding, "data-min-nodes": p.min_nodes},
       h("div", {class: "grow"},
         h("strong", {}, title),
