@@ -5,17 +5,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import platform
 import socket
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO
 
 from aiohttp import web
 
 from exo.api.app import build_app
-from exo.api.auth import warn_if_exposed
 from exo.api.context import ApiContext
 from exo.api.outcomes import CommandOutcomes
 from exo.bus.catch_up import catch_up
@@ -32,6 +32,7 @@ from exo.bus.server_config import NODE_TAG
 from exo.bus.state_view import StateView
 from exo.core.events import ClusterLayoutChanged, Event, NodeRegistered
 from exo.core.types import ClusterLayout
+from exo.defaults import DEFAULT_API_PORT, DEFAULT_NATS_PORT
 from exo.master.service import Master
 from exo.models.cards import load_builtin_cards
 from exo.models.dirs import DownloadSettings
@@ -39,19 +40,28 @@ from exo.models.hub import set_offline
 from exo.resources import builtin_cards_dir
 from exo.worker.heartbeat import Heartbeat
 from exo.worker.identity import IdentityError, load_node_id, lock_data_dir
-from exo.worker.node_info import describe_this_node
+from exo.worker.node_info import NodeIdentity, describe_this_node
 from exo.worker.service import Worker
 
 log = logging.getLogger(__name__)
+
+EMBEDDED_HOST = "127.0.0.1"  # the embedded server's client port listens on loopback only (EmbeddedNats)
+# A default port that is taken is replaced by the first free one of the next this many.
+PORT_SEARCH = 100
 
 
 @dataclass
 class NodeConfig:
     data_dir: Path
     nats_urls: list[str] = field(default_factory=list)  # empty: start the embedded server
-    nats_port: int = 4222
+    nats_port: int = DEFAULT_NATS_PORT
     api_host: str = "0.0.0.0"
-    api_port: int = 52415
+    api_port: int = DEFAULT_API_PORT
+    # The default ports, not asked for: if one is taken (a second node on this machine), a free one is used.
+    api_port_auto: bool = False
+    nats_port_auto: bool = False
+    name: str = ""  # what people call the node; "": the hostname, plus ":<API port>" when not the default
+    address: str = ""  # the address this node uses for peers (--discovery-address); "": the default route's
     run_master: bool = True
     run_worker: bool = True
     run_api: bool = True
@@ -65,6 +75,7 @@ class NodeConfig:
     max_queue: int | None = None  # open tasks per instance before 429; None: decide's default
     node_timeout: float = 30.0  # seconds without a heartbeat before the master times a node out
     discovery: DiscoverySettings | None = None  # None: a standalone embedded server (or the given NATS URLs)
+    trusted_lan: bool = False  # discovery without a cluster secret: a risk the start banner names
 
 
 # Open streams (a dashboard's /events, a long generation) get this long on Ctrl-C before they are
@@ -80,13 +91,35 @@ class StartupError(Exception):
     """A reason the node cannot start, said in one line."""
 
 
-def check_port_free(host: str, port: int) -> None:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+def port_problem(host: str, port: int) -> str:
+    """Why `host:port` cannot be listened on ("" if it can)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind((host, port))
         except OSError as error:
-            raise StartupError(f"cannot listen on {host}:{port}: {error.strerror}") from None
+            return error.strerror or str(error)
+    return ""
+
+
+def choose_port(host: str, port: int, auto: bool, fix: str) -> int:
+    """`port` if it is free; else, for a default port (`auto`), the next free one; else a StartupError
+    that says `fix`."""
+    problem = port_problem(host, port)
+    if not problem:
+        return port
+    if auto:
+        for candidate in range(port + 1, port + PORT_SEARCH):
+            if not port_problem(host, candidate):
+                return candidate
+    raise StartupError(f"cannot listen on {host}:{port}: {problem} (another exo on this machine?); {fix}")
+
+
+def default_name(api_port: int | None) -> str:
+    """The hostname, plus the API port when it is not the default: two nodes on one host differ."""
+    host = platform.node() or socket.gethostname()
+    return host if api_port in (None, DEFAULT_API_PORT) else f"{host}:{api_port}"
 
 
 class Node:
@@ -103,6 +136,9 @@ class Node:
         self._reader_presence: ReaderPresence | None = None  # answers for this API node's stream readers
         self._disk_watch: DiskWatch | None = None  # the embedded server's disk: full, and recovery after
         self._data_dir_lock: IO[bytes] | None = None
+        self.api_keys_required = False  # set by the API at start
+        self.notes: list[str] = []  # what the node chose by itself at start, for the banner
+        self.name = ""
 
     async def start(self) -> None:
         config = self.config
@@ -110,9 +146,11 @@ class Node:
         try:
             self._data_dir_lock = lock_data_dir(config.data_dir)
         except IdentityError as error:
-            raise StartupError(str(error)) from None
-        if config.run_api:
-            check_port_free(config.api_host, config.api_port)
+            raise StartupError(f"{error}; a second node on this machine needs a data dir of its own: "
+                               f"--data-dir {config.data_dir}-2 (or EXO_HOME)") from None
+        self.config = config = self._choose_ports(config)
+        self.name = config.name or default_name(config.api_port if config.run_api else None)
+        identity = NodeIdentity(name=self.name, address=config.address)
         node_id = load_node_id(config.data_dir)
         urls = config.nats_urls or [await self._start_embedded(node_id)]
         self.nats_urls = urls
@@ -143,9 +181,9 @@ class Node:
             async def pulse(incarnation: str) -> None:
                 await send_pulse(nc, Pulse(node_id=node_id, incarnation=incarnation))
 
-            heartbeat = Heartbeat(node_id, append, pulse, prompt_caches=self.worker.prompt_caches)
+            heartbeat = Heartbeat(node_id, append, pulse, prompt_caches=self.worker.prompt_caches, identity=identity)
             view.add_listener(heartbeat.on_event)
-            info = describe_this_node(node_id, heartbeat.incarnation, time.time())
+            info = describe_this_node(node_id, heartbeat.incarnation, time.time(), identity=identity)
             await events.append(NodeRegistered(node=info), uuid.uuid4().hex)
             self._tasks.append(asyncio.create_task(self.worker.run(), name="worker"))
             self._tasks.append(asyncio.create_task(heartbeat.run(), name="heartbeat"))
@@ -154,6 +192,21 @@ class Node:
             if (watch := self._disk_watch) is not None:
                 ctx.storage_problem = lambda: watch.problem
             await self._start_api(ctx)
+
+    def _choose_ports(self, config: NodeConfig) -> NodeConfig:
+        """The API and embedded NATS ports: as asked, or free ones in place of taken defaults (noted)."""
+        api_port, nats_port = config.api_port, config.nats_port
+        if config.run_api:
+            api_port = choose_port(config.api_host, api_port, config.api_port_auto,
+                                   "pass another --api-port (or stop what uses it)")
+        if not config.nats_urls:
+            nats_port = choose_port(EMBEDDED_HOST, nats_port, config.nats_port_auto,
+                                    "pass --nats-port 0 (any free port) or another --nats-port")
+        taken = [f"{what} {was} -> {now}" for what, was, now in
+                 (("API", config.api_port, api_port), ("NATS", config.nats_port, nats_port)) if was != now]
+        if taken:
+            self.notes.append(f"default ports taken (another exo on this machine?), chose: {', '.join(taken)}")
+        return replace(config, api_port=api_port, nats_port=nats_port)
 
     async def _start_embedded(self, node_id: str) -> str:
         store = self.config.data_dir / "nats"
@@ -185,7 +238,7 @@ class Node:
         return view
 
     async def _start_api(self, ctx: ApiContext) -> None:
-        warn_if_exposed(self.config.api_host, ctx.settings)
+        self.api_keys_required = bool(ctx.settings.api_keys)
         self._reader_presence = ReaderPresence(ctx.nc, lambda command_id: ctx.readers[command_id] > 0)
         await self._reader_presence.start()
         self._site_runner = web.AppRunner(build_app(ctx), handler_cancellation=True, access_log=None,
@@ -195,7 +248,8 @@ class Node:
         try:
             await site.start()
         except OSError as error:
-            raise StartupError(f"cannot listen on {self.config.api_host}:{self.config.api_port}: {error.strerror}") from None
+            raise StartupError(f"cannot listen on {self.config.api_host}:{self.config.api_port}: {error.strerror}; "
+                               f"pass another --api-port") from None
         shown_host = "localhost" if self.config.api_host in ("0.0.0.0", "::") else self.config.api_host
         self.api_url = f"http://{shown_host}:{self.config.api_port}"
 

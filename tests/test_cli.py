@@ -1,17 +1,22 @@
-"""`exo` as a user runs it: one clear line and a non-zero exit for what it cannot use,
-joining an existing NATS without starting its own, and Ctrl-C twice."""
+"""`exo` as a user runs it: --help with the subcommands and defaults, --version, one clear line
+naming the fix and a non-zero exit for what it cannot use, joining an existing NATS without starting
+its own, and Ctrl-C twice."""
 
 from __future__ import annotations
 
+import ast
+import importlib.util
 import socket
 import subprocess
 import time
+from importlib import metadata
 from pathlib import Path
 
 import httpx
 import pytest
 
 from exo.bus.connection import redact
+from exo.tools import TOOLS
 from tests.exo_process import ExoProcess, exo_command
 
 pytestmark = pytest.mark.slow
@@ -21,14 +26,42 @@ def run_exo(args: list[str], timeout: float = 30) -> subprocess.CompletedProcess
     return subprocess.run([*exo_command(), *args], capture_output=True, text=True, timeout=timeout)
 
 
-def test_a_port_in_use_is_one_line_and_a_non_zero_exit(tmp_path: Path):
+def test_help_lists_every_subcommand_and_the_defaults():
+    result = run_exo(["--help"])
+    assert result.returncode == 0
+    for name, module in TOOLS.items():  # read as main reads it: a tool added there shows up here
+        spec = importlib.util.find_spec(module)
+        summary = ast.get_docstring(ast.parse(Path(spec.origin).read_text())).splitlines()[0].split(": ", 1)[-1]
+        listed = " ".join(result.stdout.split())  # argparse wraps the lines
+        assert f"{name} {summary.removesuffix('.')}" in listed, (name, summary)
+    for default in ("(default: 52415)", "(default: 4222)", "(default: ~/.exo)", "default: 0.0.0.0", "(default: INFO)"):
+        assert default in " ".join(result.stdout.split()), default
+
+
+def test_version_prints_the_package_version_and_exits_0():
+    result = run_exo(["--version"])
+    assert (result.returncode, result.stdout.strip()) == (0, f"exo {metadata.version('exo-jetstream')}")
+
+
+def test_a_subcommand_keeps_its_own_options_and_one_after_node_options_names_the_fix():
+    own = run_exo(["inspect", "--help"])
+    assert own.returncode == 0 and own.stdout.startswith("usage: exo inspect")
+    late = run_exo(["--log-level", "DEBUG", "inspect"])
+    assert late.returncode == 2 and "put `inspect` first" in late.stderr
+    unknown = run_exo(["inspekt"])
+    assert unknown.returncode == 2 and "invalid choice: 'inspekt'" in unknown.stderr
+
+
+def test_a_port_in_use_is_one_line_naming_the_flag_and_a_non_zero_exit(tmp_path: Path):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
         result = run_exo(["--data-dir", str(tmp_path), "--host", "127.0.0.1", "--api-port", str(port), "--nats-port", "0"])
     assert result.returncode != 0
-    assert result.stderr.strip().splitlines() == [f"exo: cannot listen on 127.0.0.1:{port}: Address already in use"]
+    assert result.stderr.strip().splitlines() == [
+        f"exo: cannot listen on 127.0.0.1:{port}: Address already in use (another exo on this machine?); "
+        f"pass another --api-port (or stop what uses it)"]
 
 
 def test_an_unusable_nats_url_is_one_line_and_a_non_zero_exit(tmp_path: Path):

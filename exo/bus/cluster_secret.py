@@ -3,20 +3,17 @@
 A secret given once (`--cluster-secret` / EXO_CLUSTER_SECRET) is kept in the node's store, so
 restarts need no flag. Without one the node runs in trusted-LAN mode: the routes' password is
 derived from the namespace, which anyone on the LAN who runs exo can do. That is how exo itself
-and the API without keys behave, so it is the default, but it is said loudly at every start.
+and the API without keys behave, so it is the default, but the start banner names it as a risk with
+its fix (exo/banner.py).
 Nodes announce a digest of their secret and pair only with nodes that have the same one.
 """
 
 from __future__ import annotations
 
 import hashlib
-import logging
 import os
-import secrets
 import socket
 from pathlib import Path
-
-log = logging.getLogger(__name__)
 
 SECRET_FILE = "cluster-secret"
 
@@ -41,11 +38,6 @@ def resolve_secret(store_dir: Path, given: str, namespace: str) -> ClusterSecret
         return ClusterSecret(given, trusted_lan=False)
     if path.exists():
         return ClusterSecret(path.read_text().strip(), trusted_lan=False)
-    log.warning(
-        "TRUSTED-LAN MODE: this node's NATS cluster port accepts any exo node of namespace %r on the LAN; "
-        "anyone there can join the cluster and read or write its log. To require a secret, start every node "
-        "once with EXO_CLUSTER_SECRET set (for example EXO_CLUSTER_SECRET=%s); each node keeps it in %s.",
-        namespace, secrets.token_hex(24), path)
     derived = hashlib.sha256(f"exo-trusted-lan:{namespace}".encode()).hexdigest()
     return ClusterSecret(derived, trusted_lan=True)
 

@@ -86,6 +86,18 @@ def _port_of(url: str) -> int:
     return int(url.rsplit(":", 1)[1])
 
 
+def _last_error(log_path: Path) -> str:
+    """The last fatal or error line of a server log, without its prefix ("" if none)."""
+    try:
+        with open(log_path, "rb") as log_file:
+            log_file.seek(max(0, log_path.stat().st_size - 8192))
+            tail = log_file.read().decode(errors="replace")
+    except OSError:
+        return ""
+    errors = [line for line in tail.splitlines() if "[FTL]" in line or "[ERR]" in line]
+    return errors[-1].split("] ", 2)[-1] if errors else ""
+
+
 def with_user(url: str, user: str, password: str) -> str:
     scheme, rest = url.split("://", 1)
     return f"{scheme}://{user}:{password}@{rest}"
@@ -160,10 +172,7 @@ class EmbeddedNats:
         while asyncio.get_running_loop().time() < deadline:
             assert self.process is not None
             if self.process.poll() is not None:
-                raise BusError(
-                    f"embedded nats-server exited (code {self.process.returncode}); "
-                    f"see {self.store_dir / 'nats-server.log'} (is port {self.port} in use?)"
-                )
+                raise BusError(self._exit_reason())
             for ports_file in ports_dir.glob("*.ports"):
                 try:
                     ports = json.loads(ports_file.read_text())
@@ -176,6 +185,20 @@ class EmbeddedNats:
                 return client_port
             await asyncio.sleep(0.02)
         raise BusError(f"embedded nats-server did not start within {timeout} s")
+
+    def _exit_reason(self) -> str:
+        """Why the server exited, from the last error in its log, with what to change."""
+        log_path = self.store_dir / "nats-server.log"
+        code = self.process.returncode if self.process is not None else None
+        last = _last_error(log_path)
+        if "address already in use" in last:  # `Error listening on port: 127.0.0.1:4222, "listen tcp ...`
+            where = last.split("port: ", 1)[-1].split(",", 1)[0]
+            fix = ("pass --nats-port 0 (any free port) or another --nats-port" if where.endswith(f":{self.port}")
+                   else "pass another --cluster-port (or 0: any free port)")
+            return (f"the embedded nats-server cannot listen on {where}: address already in use (another exo on "
+                    f"this machine?); {fix}")
+        said = f": {last}" if last else ""
+        return f"the embedded nats-server exited (code {code}){said}; see {log_path}"
 
     async def supervise(self) -> None:
         """Restart the server on its port if it dies under a running node: clients reconnect

@@ -19,7 +19,7 @@ from exo.core.events import AnyEvent, Event, NodeHeartbeat, NodeRegistered
 from exo.core.ids import InstanceId, NodeId
 from exo.core.state import State
 from exo.core.types import NodeInfo, PromptCacheStats
-from exo.worker.node_info import describe_this_node
+from exo.worker.node_info import NodeIdentity, describe_this_node
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +47,10 @@ def worth_an_event(told: NodeInfo | None, now: NodeInfo) -> bool:
 class Heartbeat:
     def __init__(self, node_id: NodeId, publish: Callable[[Event], Awaitable[None]],
                  pulse: Callable[[str], Awaitable[None]], interval: float | None = None,
-                 prompt_caches: Callable[[], Mapping[InstanceId, PromptCacheStats]] = dict) -> None:
+                 prompt_caches: Callable[[], Mapping[InstanceId, PromptCacheStats]] = dict,
+                 identity: NodeIdentity = NodeIdentity()) -> None:
         self.node_id = node_id
+        self.identity = identity  # name and address, as the node registered them
         self._prompt_caches = prompt_caches  # this node's runners' prompt caches, by instance
         self.incarnation = uuid.uuid4().hex[:12]
         self._publish = publish
@@ -68,7 +70,8 @@ class Heartbeat:
 
     async def beat(self) -> None:
         await self._pulse(self.incarnation)
-        info = describe_this_node(self.node_id, self.incarnation, time.time(), dict(self._prompt_caches()))
+        info = describe_this_node(self.node_id, self.incarnation, time.time(), dict(self._prompt_caches()),
+                                  self.identity)
         if worth_an_event(self._told, info):
             await self._publish(NodeHeartbeat(node=info))
             self._told = info

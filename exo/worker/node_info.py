@@ -1,10 +1,11 @@
-"""What this node tells placement about itself: memory, CPUs, MLX backend, addresses, ring ports."""
+"""What this node tells placement about itself: its name, memory, CPUs, MLX backend, addresses, ring ports."""
 
 from __future__ import annotations
 
 import os
 import platform
 import socket
+from dataclasses import dataclass
 
 from exo.core.ids import InstanceId, NodeId
 from exo.core.types import NodeInfo, PromptCacheStats
@@ -13,13 +14,23 @@ from exo.memory import memory
 DEFAULT_RING_PORTS = (52600, 100)  # first port, how many: MLX ring groups of multi-node instances
 
 
+@dataclass(frozen=True)
+class NodeIdentity:
+    """Who this node says it is, settled once at start (main.py's flags) and said at every beat."""
+
+    name: str = ""  # "" : the hostname
+    address: str = ""  # the address this node uses for peers (--discovery-address); "": the default route's
+
+
 def describe_this_node(node_id: NodeId, incarnation: str, now: float,
-                       prompt_caches: dict[InstanceId, PromptCacheStats] | None = None) -> NodeInfo:
+                       prompt_caches: dict[InstanceId, PromptCacheStats] | None = None,
+                       identity: NodeIdentity = NodeIdentity()) -> NodeInfo:
     total, available = memory()
     first, count = ring_ports()
     return NodeInfo(
-        node_id=node_id, hostname=platform.node(), memory_total=total, memory_available=available,
-        cpu_count=os.cpu_count() or 1, backend=mlx_backend(), last_seen=now, addresses=addresses(),
+        node_id=node_id, hostname=platform.node(), name=identity.name or platform.node(),
+        memory_total=total, memory_available=available, cpu_count=os.cpu_count() or 1, backend=mlx_backend(),
+        last_seen=now, addresses=addresses(identity.address),
         ring_port_first=first, ring_port_count=count, incarnation=incarnation, prompt_caches=prompt_caches or {},
     )
 
@@ -35,11 +46,14 @@ def mlx_backend() -> str:
         return "cpu"
 
 
-def addresses() -> list[str]:
-    """EXO_ADVERTISE_ADDRESSES (comma separated) if set, else the IPv4 of the default route, else loopback."""
+def addresses(preferred: str = "") -> list[str]:
+    """EXO_ADVERTISE_ADDRESSES (comma separated) if set, else `preferred` (the address discovery and the
+    cluster routes use: one setting for the node), else the IPv4 of the default route, else loopback."""
     configured = [a.strip() for a in os.environ.get("EXO_ADVERTISE_ADDRESSES", "").split(",") if a.strip()]
     if configured:
         return configured
+    if preferred and preferred not in ("0.0.0.0", "::"):  # a wildcard is where to listen, not where to dial
+        return [preferred]
     found: list[str] = []
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
         try:
