@@ -85,7 +85,7 @@ async def view_with_a_node(nc, node_id: str) -> tuple[StateView, dict[str, list]
 
 async def test_master_answers_commands_with_events_and_a_redelivery_decides_the_same(nc):
     view, answers = await view_with_a_node(nc, "master-test")
-    builtin = {"org/m": ModelCard(model_id="org/m", n_layers=2)}
+    builtin = {"org/m": ModelCard(model_id="org/m", n_layers=2, storage_bytes=1000)}
     master = Master(nc, view, builtin, node_id="master-test")
     running = asyncio.create_task(master.run())
     try:
@@ -113,7 +113,7 @@ async def test_waiting_commands_are_decided_in_one_batch_each_on_the_events_of_t
     nc = await connect([fresh_nats], name="batch-test")
     await provision(nc)
     view, answers = await view_with_a_node(nc, "batch-test")
-    builtin = {"org/m": ModelCard(model_id="org/m", n_layers=2)}
+    builtin = {"org/m": ModelCard(model_id="org/m", n_layers=2, storage_bytes=1000)}
     confirms: list[int] = []
 
     class Counting(Master):
@@ -282,7 +282,7 @@ async def test_a_command_whose_handling_keeps_failing_is_answered_once_not_loope
                 raise RuntimeError("a bug in the master")
             await super().handle(command)
 
-    master = Buggy(nc, view, {"org/m": ModelCard(model_id="org/m", n_layers=2)}, node_id="poison-test")
+    master = Buggy(nc, view, {"org/m": ModelCard(model_id="org/m", n_layers=2, storage_bytes=1000)}, node_id="poison-test")
     running = asyncio.create_task(master.run())
     try:
         await send_command(nc, PlaceInstance(command_id="poison", model_id="org/m"))

@@ -57,7 +57,7 @@ def test_place_rejections():
     assert rejection(run(with_node(), PlaceInstance(command_id="c", model_id="no/such"))[1])[0] == "not_found"
     assert rejection(run(with_leader(), PlaceInstance(command_id="c", model_id="org/builtin"))[1])[0] == "unavailable"
     code, reason = rejection(run(with_node(memory=10), PlaceInstance(command_id="c", model_id="org/builtin"))[1])
-    assert code == "conflict" and "needs 1000 bytes" in reason
+    assert code == "conflict" and "org/builtin needs 1.0 kB;" in reason
     assert rejection(run(with_node(), PlaceInstance(command_id="c", model_id="org/builtin", min_nodes=2))[1])[0] == "conflict"
 
 

@@ -66,7 +66,7 @@ ALLOWED_ARROWS = {
     "runner": {"bus", "core", "memory"},
     "worker": {"background", "bus", "core", "memory", "models", "runner"},
     "master": {"bus", "core"},
-    "api": {"background", "bus", "core"},
+    "api": {"background", "bus", "core", "models"},  # adding a card reads its config and size from its source
     "tools": {"bus", "core"},
 }
 

@@ -58,7 +58,7 @@ async def test_a_deposed_master_appends_after_the_election_and_every_reducer_ski
         await eventually(lambda: views[2].state.leader_node == "stale", 20)
         stale_term = views[2].state.leader_term
         outcomes = CommandOutcomes(clients[2], views[2])
-        card = ModelCard(model_id=HELD, n_layers=2)
+        card = ModelCard(model_id=HELD, n_layers=2, storage_bytes=1000)
         answer = asyncio.create_task(outcomes.call(AddCustomCard(command_id="held", card=card)))
         await asyncio.wait_for(stale.holding.wait(), 20)
 

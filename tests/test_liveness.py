@@ -91,7 +91,7 @@ def test_silent_nodes_are_timed_out_with_their_instances_and_open_tasks():
 
 def _card():
     from exo.core.types import ModelCard
-    return ModelCard(model_id="m/a")
+    return ModelCard(model_id="m/a", storage_bytes=1000)
 
 
 def test_an_instance_whose_runner_keeps_failing_is_deleted_with_the_reason():

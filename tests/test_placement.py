@@ -63,12 +63,27 @@ def test_a_node_without_addresses_or_memory_report_still_takes_a_one_node_instan
 def test_memory_limit_on_one_node():
     assert isinstance(place(state=cluster_of(node("n1", 8 * GB))), Instance)  # exactly fits: no margin
     assert place(state=cluster_of(node("n1", 8 * GB - 1))) == Unplaceable(
-        "conflict", "org/m needs 8000000000 bytes but the node with the most free memory (n1) has 7999999999")
+        "conflict", "org/m needs 8000000000 bytes; the node with the most free memory (n1, 7999999999 bytes free) "
+                    "cannot hold it")  # so close that rounding would read "needs 8.0 GB, has 8.0 GB": exact bytes
+    named = msgspec.structs.replace(node("n1", 23_100_000_000), name="studio-2", hostname="studio")
+    big = ModelCard(model_id="org/big", n_layers=8, storage_bytes=229 * GB)
+    assert place(card=big, state=cluster_of(named)) == Unplaceable(
+        "conflict", "org/big needs 229 GB; the node with the most free memory (studio-2, 23.1 GB free) cannot hold it")
 
 
-def test_unknown_model_size_does_not_constrain():
-    placed = place(card=ModelCard(model_id="org/m", n_layers=8), state=cluster_of(node("n1", 1)))
-    assert layout(placed) == [("n1", 0, 1, 0, 8, "")]
+def test_a_model_of_unknown_size_is_refused_unless_forced():
+    unknown = ModelCard(model_id="org/m", n_layers=8)
+    refused = place(card=unknown, state=cluster_of(node("n1", 1)))
+    assert isinstance(refused, Unplaceable) and refused.code == "conflict"
+    assert refused.reason.startswith("the size of org/m is unknown (its card has no storage_bytes)")
+    assert '"force": true' in refused.reason
+    forced = place_instance(unknown, "pipeline", 1, cluster_of(node("n1", 1)), ids(), force=True)
+    assert layout(forced) == [("n1", 0, 1, 0, 8, "")]  # forced: the size does not constrain
+    assert all(p.rejection == refused for p in placement_previews(unknown, cluster_of(node("n1", 1))))
+    assert all(p.instance for p in placement_previews(unknown, cluster_of(node("n1", 1)), force=True)
+               if p.node_count == 1)
+    too_big = place_instance(CARD, "pipeline", 1, cluster_of(node("n1", GB)), ids(), force=True)
+    assert layout(too_big) == [("n1", 0, 1, 0, 8, "")] and too_big.shards[0].memory_bytes == 8 * GB  # still recorded
 
 
 def test_pipeline_spills_onto_a_second_node_when_one_is_not_enough():
@@ -84,22 +99,22 @@ def test_tensor_needs_storage_over_k_on_every_node():
         ("n1", 0, 2, 0, 8, "10.0.0.1:5000"), ("n2", 1, 2, 0, 8, "10.0.0.2:5000")]
     state = cluster_of(node("n1", 5 * GB), node("n2", 4 * GB - 1))
     assert place(sharding="tensor", min_nodes=2, state=state) == Unplaceable(
-        "conflict", "org/m needs 8000000000 bytes; with tensor sharding over 2 nodes that is 4000000000 bytes on "
-                    "each node, but n2 has 3999999999 free (the 2 nodes with the most free memory have 8999999999 "
-                    "in all, the most on one node is 5000000000)")
+        "conflict", "org/m needs 8.0 GB; with tensor sharding over 2 nodes that is 4000000000 bytes on "
+                    "each node, but n2 has 3999999999 bytes free (the 2 nodes with the most free memory have 9.0 GB "
+                    "in all, the most on one node is 5.0 GB)")
 
 
 def test_pipeline_memory_rejection_names_the_rank_that_does_not_fit_and_the_larger_k_tried():
     state = cluster_of(node("n1", 4 * GB), node("n2", 2 * GB), node("n3", 1 * GB))
     assert place(state=state) == Unplaceable(
-        "conflict", "org/m needs 8000000000 bytes but the node with the most free memory (n1) has 4000000000; "
+        "conflict", "org/m needs 8.0 GB; the node with the most free memory (n1, 4.0 GB free) cannot hold it; "
                     "2 to 3 nodes did not work either")
     assert place(min_nodes=2, state=state) == Unplaceable(
-        "conflict", "org/m needs 8000000000 bytes; with pipeline sharding over 2 nodes that is 5000000000 bytes "
-                    "for layers 0-4 on rank 0, but n1 has 4000000000 free (the 2 nodes with the most free memory "
-                    "have 6000000000 in all, the most on one node is 4000000000); 3 nodes did not work either")
+        "conflict", "org/m needs 8.0 GB; with pipeline sharding over 2 nodes that is 5.0 GB "
+                    "for layers 0-4 on rank 0, but n1 has 4.0 GB free (the 2 nodes with the most free memory "
+                    "have 6.0 GB in all, the most on one node is 4.0 GB); 3 nodes did not work either")
     assert place(min_nodes=3, state=state).reason.startswith(  # no "either": nothing larger to try
-        "org/m needs 8000000000 bytes; with pipeline sharding over 3 nodes that is ")
+        "org/m needs 8.0 GB; with pipeline sharding over 3 nodes that is ")
 
 
 def test_instances_not_loaded_yet_count_against_their_nodes_free_memory():
@@ -114,7 +129,7 @@ def test_instances_not_loaded_yet_count_against_their_nodes_free_memory():
     assert layout(second) == [("n2", 0, 1, 0, 8, "")]
     both = cluster_of(node("n1", 10 * GB), node("n2", 7 * GB), instances=(first, second))
     assert place(card=small, state=both) == Unplaceable(
-        "conflict", "org/s needs 6000000000 bytes but the node with the most free memory (n1) has 4000000000; "
+        "conflict", "org/s needs 6.0 GB; the node with the most free memory (n1, 4.0 GB free) cannot hold it; "
                     "2 nodes did not work either")
     for status, fits in [("loading", False), ("failed", False), ("warming_up", True), ("ready", True)]:
         # Loaded runners are in the node's own report (here: not yet, so the node has room again).
@@ -129,7 +144,7 @@ def test_tensor_needs_k_to_divide_heads_and_kv_heads():
     state = cluster_of(node("n1", 3 * GB), node("n2", 3 * GB), node("n3", 3 * GB), node("n4", 3 * GB))
     # 16 heads / 8 kv heads: 3 does not divide, 4 does -> 4 nodes (2 GB each)
     assert [s.node_id for s in place(sharding="tensor", min_nodes=3, state=state).shards] == ["n1", "n2", "n3", "n4"]
-    odd = ModelCard(model_id="org/odd", num_attention_heads=14, num_key_value_heads=2, n_layers=8)
+    odd = ModelCard(model_id="org/odd", storage_bytes=1, num_attention_heads=14, num_key_value_heads=2, n_layers=8)
     assert place(card=odd, sharding="tensor", min_nodes=4, state=state) == Unplaceable(
         "conflict", "tensor sharding over 4 nodes needs 4 to divide the head counts, but org/odd has "
                     "14 attention heads and 2 key/value heads")
@@ -137,20 +152,20 @@ def test_tensor_needs_k_to_divide_heads_and_kv_heads():
         "conflict", "tensor sharding over 3 nodes needs 3 to divide the head counts, but org/odd has "
                     "14 attention heads and 2 key/value heads; 4 nodes did not work either")
     assert len(place(card=odd, sharding="tensor", min_nodes=2, state=state).shards) == 2
-    unknown_kv = ModelCard(model_id="org/u", num_attention_heads=6, n_layers=8)
+    unknown_kv = ModelCard(model_id="org/u", storage_bytes=1, num_attention_heads=6, n_layers=8)
     assert place(card=unknown_kv, sharding="tensor", min_nodes=4, state=state).reason == (
         "tensor sharding over 4 nodes needs 4 to divide the head counts, but org/u has 6 attention heads")
-    unknown = ModelCard(model_id="org/x", n_layers=8)  # no head counts: nothing to check
+    unknown = ModelCard(model_id="org/x", storage_bytes=1, n_layers=8)  # no head counts: nothing to check
     assert len(place(card=unknown, sharding="tensor", min_nodes=4, state=state).shards) == 4
 
 
 def test_pipeline_needs_a_layer_per_rank_and_a_known_layer_count():
     state = cluster_of(node("n1", GB), node("n2", GB), node("n3", GB))
-    two = ModelCard(model_id="org/two", n_layers=2)
+    two = ModelCard(model_id="org/two", storage_bytes=1, n_layers=2)
     assert place(card=two, min_nodes=3, state=state) == Unplaceable(
         "conflict", "pipeline sharding over 3 nodes needs at least 3 layers, but org/two has 2")
     assert len(place(card=two, min_nodes=2, state=state).shards) == 2
-    nameless = ModelCard(model_id="org/n")
+    nameless = ModelCard(model_id="org/n", storage_bytes=1)
     assert place(card=nameless, min_nodes=2, state=state) == Unplaceable(
         "conflict", "pipeline sharding over 2 nodes needs the layer count of org/n, which its card does not give; "
                     "3 nodes did not work either")
@@ -254,8 +269,8 @@ def test_previews_list_each_sharding_on_each_node_count():
     invalid = {(p.sharding, p.node_count): p.rejection.reason for p in previews if p.rejection is not None}
     assert set(valid) == {("pipeline", 2), ("pipeline", 3), ("tensor", 2)}
     assert invalid == {
-        ("pipeline", 1): "org/m needs 8000000000 bytes but the node with the most free memory (n1) has 6000000000",
-        ("tensor", 1): "org/m needs 8000000000 bytes but the node with the most free memory (n1) has 6000000000",
+        ("pipeline", 1): "org/m needs 8.0 GB; the node with the most free memory (n1, 6.0 GB free) cannot hold it",
+        ("tensor", 1): "org/m needs 8.0 GB; the node with the most free memory (n1, 6.0 GB free) cannot hold it",
         ("tensor", 3): "tensor sharding over 3 nodes needs 3 to divide the head counts, but org/m has "
                        "16 attention heads and 8 key/value heads",
     }
@@ -321,9 +336,11 @@ def test_without_room_for_the_default_the_most_that_fits_is_reserved():
 def test_a_context_that_does_not_fit_is_refused_with_the_numbers():
     state = cluster_of(node("n1", 4 * GB + 5000 * PER_TOKEN))
     refused = place_instance(SIZED, "pipeline", 1, state, ids(), max_context=8192)
-    assert refused == Unplaceable("conflict", f"org/kv with a context of 8192 tokens needs {8192 * PER_TOKEN} bytes of "
-                                              f"KV cache on n1 besides {4 * GB} for the weights, but it has "
-                                              f"{4 * GB + 5000 * PER_TOKEN} free: room for 4864 tokens of context")
+    assert PER_TOKEN * 8192 == 268_435_456  # so that the sizes below read as they should
+    assert refused == Unplaceable("conflict", "org/kv with a context of 8192 tokens needs 268 MB of KV cache on n1 "
+                                              "besides 4.0 GB for the weights, but it has 4.2 GB free: room for 4864 "
+                                              "tokens of context; ask for a smaller max_context, a quantized KV cache "
+                                              "(kv_bits) or more nodes")
     tiny_room = place(card=SIZED, state=cluster_of(node("n1", 4 * GB + 1000 * PER_TOKEN)))
     assert isinstance(tiny_room, Unplaceable) and "room for 768 tokens of context (less than 2048)" in tiny_room.reason
     assert place_instance(SIZED, "pipeline", 1, state, ids(), max_context=131073).code == "invalid"
@@ -375,7 +392,7 @@ def test_a_vision_model_is_placed_on_one_node_and_never_spills():
     small = cluster_of(node("n1", 6 * GB), node("n2", 2 * GB))  # a text model would spill onto n2 here
     assert isinstance(place(state=small), Instance)
     assert place(card=VISION, state=small) == Unplaceable(
-        "conflict", "org/vl needs 8000000000 bytes but the node with the most free memory (n1) has 6000000000")
+        "conflict", "org/vl needs 8.0 GB; the node with the most free memory (n1, 6.0 GB free) cannot hold it")
 
 
 def test_a_vision_model_on_more_nodes_or_with_a_quantized_cache_is_refused_with_the_reason():

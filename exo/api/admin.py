@@ -95,7 +95,7 @@ async def place_instance(request: web.Request) -> web.Response:
     wait_s = _wait_seconds(request, body)
     command = PlaceInstance(command_id=new_command_id(), model_id=body.model_id, sharding=body.sharding,
                             min_nodes=body.min_nodes, max_queue=body.max_queue, max_context=body.max_context,
-                            kv_bits=body.kv_bits)
+                            kv_bits=body.kv_bits, force=body.force)
     event = await ctx.outcomes.call(command)
     assert isinstance(event, InstanceCreated)
     instance_id = event.instance.instance_id
@@ -175,7 +175,7 @@ async def add_model(request: web.Request) -> web.Response:
     if model_id in ctx.builtin_cards:
         raise ApiError(409, f"{model_id!r} is a built-in model card", param="model_id")
     _refuse_bad_card(card)
-    card = await complete_card(card)
+    card = await complete_card(card, ctx.data_dir)
     _refuse_bad_card(card)
     await ctx.outcomes.call(AddCustomCard(command_id=new_command_id(), card=card))
     return web.json_response({"message": "model card added", "card": msgspec.to_builtins(card)})

@@ -12,7 +12,9 @@ from exo.api.errors import ApiError
 from exo.api.generation import cancel_generation
 from exo.api.validate import check_kv_bits, check_max_context
 from exo.core.ids import CommandId, ModelId
-from exo.core.placement import placement_previews
+from exo.core.placement import human_bytes, node_label, placement_previews
+from exo.core.state import State
+from exo.core.types import Instance
 
 CANCEL_WAIT_S = 10.0  # how long the cancel route waits to report how the task ended
 _ID_PREFIXES = ("chatcmpl-", "cmpl-", "resp_", "msg_")
@@ -51,17 +53,34 @@ async def instance_previews(request: web.Request) -> web.Response:
         raise ApiError(404, f"unknown model {model_id!r}", param="model_id", code="model_not_found")
     max_context = check_max_context(_query_int(request, "max_context"), card)
     kv_bits = check_kv_bits(_query_int(request, "kv_bits"))
+    force = request.query.get("force", "").strip().lower() in ("1", "true", "yes")
+    state = ctx.view.state
     previews = []
-    for preview in placement_previews(card, ctx.view.state, max_context, kv_bits):
+    for preview in placement_previews(card, state, max_context, kv_bits, force):
         # min_nodes: what to send to POST /place_instance to get this placement.
         shown: dict[str, object] = {"model_id": model_id, "sharding": preview.sharding, "min_nodes": preview.node_count,
                  "node_count": preview.node_count, "max_context": preview.instance.max_context if preview.instance else None}
-        if preview.rejection is not None:
+        if preview.rejection is not None or preview.instance is None:
+            assert preview.rejection is not None
             previews.append(shown | {"instance": None, "error": preview.rejection.reason,
                                      "code": preview.rejection.code})
         else:
-            previews.append(shown | {"instance": msgspec.to_builtins(preview.instance), "error": None, "code": None})
+            previews.append(shown | {"instance": msgspec.to_builtins(preview.instance), "error": None, "code": None,
+                                     "ranks": _ranks_shown(preview.instance, state)})
     return web.json_response({"previews": previews})
+
+
+def _ranks_shown(instance: Instance, state: State) -> list[dict[str, object]]:
+    """Per rank, what a person checks before placing: where, which layers, memory for weights and KV cache."""
+    ranks: list[dict[str, object]] = []
+    for shard in instance.shards:
+        node = state.nodes.get(shard.node_id)
+        ranks.append({"rank": shard.rank, "node_id": shard.node_id, "node": node_label(node) if node else shard.node_id,
+                      "layers": [shard.start_layer, shard.end_layer], "weights_bytes": shard.memory_bytes,
+                      "kv_bytes": shard.kv_bytes, "max_context": instance.max_context,
+                      "memory": f"{human_bytes(shard.memory_bytes)} weights + {human_bytes(shard.kv_bytes)} KV cache",
+                      "free_bytes": node.memory_available if node else 0})
+    return ranks
 
 
 def _query_int(request: web.Request, name: str) -> int:

@@ -20,6 +20,7 @@ class PlaceInstance(Command, frozen=True, tag="place_instance", kw_only=True):
     max_queue: int = 0  # open tasks the instance admits before it refuses more; 0: the default
     max_context: int = 0  # tokens of context to reserve KV cache for; 0: the most that fits, up to a default
     kv_bits: int = 0  # quantize the KV cache to this many bits (exo/core/kv_budget.py KV_BITS); 0: not quantized
+    force: bool = False  # place without checking that it fits in memory (a card of unknown size, too)
 
 
 class DeleteInstance(Command, frozen=True, tag="delete_instance", kw_only=True):

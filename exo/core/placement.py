@@ -20,16 +20,20 @@ How an instance is placed (`place_instance`):
   MIN_AUTO_CONTEXT). Every instance's reservation is taken off its nodes' free memory, loaded or
   not: a runner's KV cache grows with its requests, after the node reported. An instance whose
   cache is quantized (`kv_bits`) reserves that much less per token.
-- Memory: every rank needs its share of `storage_bytes` (tensor: storage / k; pipeline:
+- Memory: unless forced (`force`: the operator knows better), every rank needs its share of
+  `storage_bytes` (tensor: storage / k; pipeline:
   storage * its layers / n_layers, rounded up) within its node's `memory_available`. There is
   no margin on top: `memory_available` is what the node itself reports as free (MemAvailable),
   and adding a guess here would only make small clusters refuse models that fit. What a node
   reports counts only what its runners have loaded, so the shares of instances placed on it
   whose runners are not loaded yet (not `warming_up` or `ready`: just placed, downloading,
   loading, or failed and due to restart) are taken off it first; each shard records its share
-  (`memory_bytes`). Unknown sizes do not constrain: a card with `storage_bytes` 0, or a node reporting `memory_available` 0 (the
-  one-node rule always worked this way; such a node weighs nothing in the pipeline split and so
-  gets one layer).
+  (`memory_bytes`). A card of unknown size (`storage_bytes` 0) is refused, saying so, unless the
+  request forces it. A forced placement checks neither memory nor context room (it reserves the
+  context asked for, else the default) but still records each rank's shares. A node reporting
+  `memory_available` 0 does not constrain either (such a node weighs nothing in the pipeline
+  split and so gets one layer).
+- Refusals speak to people: sizes in GB/MB (`human_bytes`), nodes by name (`node_label`).
 - Several nodes: every rank gets `ring_address` "<its first address>:<port>", the lowest port
   of the node's ring range not used by another instance's shard on the same IP nor by an earlier
   rank of this placement. A node without an address or ring ports cannot join a multi-node
@@ -96,7 +100,7 @@ LOADED = ("warming_up", "ready")  # a runner past loading: its node's own report
 
 def place_instance(
     card: ModelCard, sharding: Sharding, min_nodes: int, state: State, ids: Iterator[str], max_context: int = 0,
-    kv_bits: int = 0,
+    kv_bits: int = 0, force: bool = False,
 ) -> Instance | Unplaceable:
     """Place one instance on the fewest nodes (at least min_nodes) that can hold it.
 
@@ -105,7 +109,7 @@ def place_instance(
     """
     if min_nodes < 1:
         return Unplaceable("invalid", "min_nodes must be at least 1")
-    if (invalid := _invalid_request(card, max_context, kv_bits)) is not None:
+    if (invalid := _invalid_request(card, max_context, kv_bits, force)) is not None:
         return invalid
     if min_nodes > 1 and card.supports_images:
         return _ONE_NODE_ONLY
@@ -116,7 +120,7 @@ def place_instance(
         return Unplaceable("conflict", f"min_nodes={min_nodes} but the cluster has {len(nodes)} node(s)")
     first_failure: Unplaceable | None = None
     for k in range(min_nodes, _most_nodes(card, nodes) + 1):
-        planned = _plan(card, sharding, nodes[:k], state, max_context, kv_bits)
+        planned = _plan(card, sharding, nodes[:k], state, max_context, kv_bits, force)
         if not isinstance(planned, Unplaceable):
             return _instance(card, sharding, planned, ids)
         first_failure = first_failure or planned
@@ -137,7 +141,12 @@ def _most_nodes(card: ModelCard, nodes: list[NodeInfo]) -> int:
     return 1 if card.supports_images else len(nodes)
 
 
-def _invalid_request(card: ModelCard, max_context: int, kv_bits: int) -> Unplaceable | None:
+def _invalid_request(card: ModelCard, max_context: int, kv_bits: int, force: bool) -> Unplaceable | None:
+    if card.storage_bytes <= 0 and not force:
+        return Unplaceable("conflict", f"the size of {card.model_id} is unknown (its card has no storage_bytes), so "
+                                       "exo cannot check that it fits in memory: add the card again by its Hub id or "
+                                       "path so exo measures it, give storage_bytes, or place it anyway with "
+                                       '"force": true')
     if max_context != 0 and not least_context(card) <= max_context <= context_cap(card):
         return Unplaceable("invalid", f"max_context must be 0 (the most that fits) or between {least_context(card)} and "
                                       f"{card.model_id}'s context length, {context_cap(card)}; got {max_context}")
@@ -151,7 +160,8 @@ def _invalid_request(card: ModelCard, max_context: int, kv_bits: int) -> Unplace
     return None
 
 
-def placement_previews(card: ModelCard, state: State, max_context: int = 0, kv_bits: int = 0) -> list[PlacementPreview]:
+def placement_previews(card: ModelCard, state: State, max_context: int = 0, kv_bits: int = 0,
+                       force: bool = False) -> list[PlacementPreview]:
     """Every sharding on exactly 1..N nodes: the instance it would give (ids "preview-<n>"), or why not.
 
     Placing with that sharding and min_nodes equal to a valid preview's node count gives that
@@ -159,7 +169,7 @@ def placement_previews(card: ModelCard, state: State, max_context: int = 0, kv_b
     """
     nodes = _nodes_by_free_memory(state)
     previews = []
-    if (invalid := _invalid_request(card, max_context, kv_bits)) is not None:
+    if (invalid := _invalid_request(card, max_context, kv_bits, force)) is not None:
         return [PlacementPreview(sharding=sharding, node_count=1, rejection=invalid) for sharding in SHARDINGS]
     for sharding in SHARDINGS:
         if not nodes:
@@ -167,7 +177,7 @@ def placement_previews(card: ModelCard, state: State, max_context: int = 0, kv_b
                 "unavailable", "no worker node has joined the cluster yet")))
             continue
         for k in range(1, len(nodes) + 1):
-            planned = _plan(card, sharding, nodes[:k], state, max_context, kv_bits) if k <= _most_nodes(card, nodes) \
+            planned = _plan(card, sharding, nodes[:k], state, max_context, kv_bits, force) if k <= _most_nodes(card, nodes) \
                 else _ONE_NODE_ONLY
             if isinstance(planned, Unplaceable):
                 previews.append(PlacementPreview(sharding=sharding, node_count=k, rejection=planned))
@@ -209,18 +219,19 @@ def split_layers(n_layers: int, weights: list[int]) -> list[int]:
 
 
 def _plan(card: ModelCard, sharding: Sharding, nodes: list[NodeInfo], state: State, max_context: int,
-          kv_bits: int = 0) -> _Plan | Unplaceable:
+          kv_bits: int = 0, force: bool = False) -> _Plan | Unplaceable:
     """The ranks on exactly these nodes (rank order = this order), or why they cannot hold the model."""
     k = len(nodes)
     split = _split(card, sharding, nodes)
     if isinstance(split, Unplaceable):
         return split
     blocks, needs = split
-    if card.storage_bytes > 0:
+    if card.storage_bytes > 0 and not force:
         for rank, (node, need) in enumerate(zip(nodes, needs)):
             if node.memory_available and need > node.memory_available:
                 return Unplaceable("conflict", _memory_reason(card, sharding, nodes, rank, need, blocks[rank]))
-    context = _context(card, sharding, nodes, blocks, needs, max_context, kv_bits)
+    context = (max_context or default_context(card)) if force else \
+        _context(card, sharding, nodes, blocks, needs, max_context, kv_bits)
     if isinstance(context, Unplaceable):
         return context
     kv = [rank_kv_bytes(card, sharding, k, block, context, kv_bits) for block in blocks]
@@ -229,10 +240,10 @@ def _plan(card: ModelCard, sharding: Sharding, nodes: list[NodeInfo], state: Sta
                                   memory_bytes=needs[0], kv_bytes=kv[0])], max_context=context, kv_bits=kv_bits)
     for node in nodes:
         if not node.addresses:
-            return Unplaceable("conflict", f"node {node.node_id} reports no address peers can reach it on, "
+            return Unplaceable("conflict", f"node {node_label(node)} reports no address peers can reach it on, "
                                            f"so it cannot take part in an instance across {k} nodes")
         if node.ring_port_count <= 0:
-            return Unplaceable("conflict", f"node {node.node_id} allows no ring ports, "
+            return Unplaceable("conflict", f"node {node_label(node)} allows no ring ports, "
                                            f"so it cannot take part in an instance across {k} nodes")
     used = _used_ring_ports(state)
     ranks = []
@@ -241,7 +252,7 @@ def _plan(card: ModelCard, sharding: Sharding, nodes: list[NodeInfo], state: Sta
         ports = range(node.ring_port_first, node.ring_port_first + node.ring_port_count)
         port = next((p for p in ports if (ip, p) not in used), None)
         if port is None:
-            return Unplaceable("conflict", f"no free ring port on node {node.node_id}: ports {ports.start}-"
+            return Unplaceable("conflict", f"no free ring port on node {node_label(node)}: ports {ports.start}-"
                                            f"{ports.stop - 1} on {ip} are all in use by other instances")
         used.add((ip, port))
         ranks.append(_Rank(node_id=node.node_id, start_layer=start, end_layer=end, ring_address=f"{ip}:{port}",
@@ -290,27 +301,53 @@ def _context(card: ModelCard, sharding: Sharding, nodes: list[NodeInfo], blocks:
     if not asked and most >= MIN_AUTO_CONTEXT:
         return most
     node, block = nodes[rank], blocks[rank]
-    where = f"on {node.node_id}" if len(nodes) == 1 else f"on rank {rank} ({node.node_id})"
+    where = f"on {node_label(node)}" if len(nodes) == 1 else f"on rank {rank} ({node_label(node)})"
     kv = rank_kv_bytes(card, sharding, len(nodes), block, want, kv_bits)
-    return Unplaceable("conflict", f"{card.model_id} with a context of {want} tokens needs {kv} bytes of KV cache {where} "
-                                   f"besides {needs[rank]} for the weights, but it has {node.memory_available} free: "
-                                   f"room for {most} tokens of context" + ("" if asked else f" (less than {MIN_AUTO_CONTEXT})"))
+    return Unplaceable("conflict", f"{card.model_id} with a context of {want} tokens needs {human_bytes(kv)} of KV cache "
+                                   f"{where} besides {human_bytes(needs[rank])} for the weights, but it has "
+                                   f"{human_bytes(node.memory_available)} free: room for {max(most, 0)} tokens of context"
+                                   + ("" if asked else f" (less than {MIN_AUTO_CONTEXT})")
+                                   + "; ask for a smaller max_context, a quantized KV cache (kv_bits) or more nodes")
 
 
 def _memory_reason(card: ModelCard, sharding: Sharding, nodes: list[NodeInfo], rank: int, need: int,
                    block: tuple[int, int]) -> str:
     node, k = nodes[rank], len(nodes)
+    needed, free = needed_and_free(need, node.memory_available)
     if k == 1:
-        return (f"{card.model_id} needs {card.storage_bytes} bytes but the node with the most free memory "
-                f"({node.node_id}) has {node.memory_available}")
+        return (f"{card.model_id} needs {needed}; the node with the most free memory "
+                f"({node_label(node)}, {free} free) cannot hold it")
     if sharding == "tensor":
-        share = f"{need} bytes on each node"
+        share = f"{needed} on each node"
     else:
-        share = f"{need} bytes for layers {block[0]}-{block[1] - 1} on rank {rank}"
-    return (f"{card.model_id} needs {card.storage_bytes} bytes; with {sharding} sharding over {k} nodes that is "
-            f"{share}, but {node.node_id} has {node.memory_available} free (the {k} nodes with the most free "
-            f"memory have {sum(n.memory_available for n in nodes)} in all, the most on one node is "
-            f"{nodes[0].memory_available})")
+        share = f"{needed} for layers {block[0]}-{block[1] - 1} on rank {rank}"
+    return (f"{card.model_id} needs {human_bytes(card.storage_bytes)}; with {sharding} sharding over {k} nodes that "
+            f"is {share}, but {node_label(node)} has {free} free (the {k} nodes with "
+            f"the most free memory have {human_bytes(sum(n.memory_available for n in nodes))} in all, the most on "
+            f"one node is {human_bytes(nodes[0].memory_available)})")
+
+
+def human_bytes(count: int, digits: int = 1) -> str:
+    """Sizes as people read them: "229 GB", "23.1 GB", "512 MB" (decimal units, as disks and Hub pages show)."""
+    for unit, size in (("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("kB", 10**3)):
+        if abs(count) >= size:
+            value = count / size
+            return f"{value:.0f} {unit}" if value >= 100 and digits <= 1 else f"{value:.{digits}f} {unit}"
+    return f"{count} bytes"
+
+
+def needed_and_free(need: int, free: int) -> tuple[str, str]:
+    """Both sizes, with as many digits as it takes for a shortfall not to read "needs 8.0 GB, has 8.0 GB"."""
+    for digits in (1, 2, 3):
+        shown = human_bytes(need, digits), human_bytes(free, digits)
+        if shown[0] != shown[1]:
+            return shown
+    return f"{need} bytes", f"{free} bytes"
+
+
+def node_label(node: NodeInfo) -> str:
+    """A node as people know it: its name, else its hostname, else its id."""
+    return node.name or node.hostname or node.node_id
 
 
 def _used_ring_ports(state: State) -> set[tuple[str, int]]:

@@ -72,7 +72,8 @@ def _place(state: State, command: PlaceInstance, builtin: Mapping[ModelId, Model
     card = find_card(state, builtin, command.model_id)
     if card is None:
         return _reject(command, "not_found", f"unknown model {command.model_id!r}")
-    placed = place_instance(card, command.sharding, command.min_nodes, state, ids, command.max_context, command.kv_bits)
+    placed = place_instance(card, command.sharding, command.min_nodes, state, ids, command.max_context, command.kv_bits,
+                             force=command.force)
     if isinstance(placed, Unplaceable):
         return _reject(command, placed.code, placed.reason)
     return [InstanceCreated(command_id=command.command_id, instance=replace(placed, max_queue=command.max_queue))]

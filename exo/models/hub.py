@@ -78,6 +78,8 @@ def _classify_status(response: httpx2.Response, what: str) -> DownloadError | _R
     status = response.status_code
     if status in (401, 403):
         return DownloadError("unauthorized", f"the Hub refused {what} (HTTP {status}): check HF_TOKEN")
+    if status == 404:  # no X-Error-Code (a proxy, an old mirror): still the Hub's own "no such thing"
+        return DownloadError("not_found", f"the Hub has no {what} (HTTP 404)")
     if status == 429:
         after = response.headers.get("Retry-After", "").strip()
         wait = float(after) if after.replace(".", "", 1).isdigit() else None

@@ -120,6 +120,8 @@ class FakeHub:
         self.requests: list[str] = []
         self.ranges: list[tuple[str, int]] = []  # (repo_id/filename, first byte) per body served
         self.gated: set[str] = set()
+        # "<repo_id>/<filename>" -> the size the file listing shows (a huge model without its bytes)
+        self.listed_sizes: dict[str, int] = {}
         self.throttle_bps: int | None = None
         self._faults: dict[str, list[tuple]] = {}
         self._connections: set[socket.socket] = set()  # open keep-alive connections, closed by stop()
@@ -283,6 +285,12 @@ class _Handler(BaseHTTPRequestHandler):
         else:
             self._json({"error": "Not found"}, 404)
 
+    def _listed(self, repo_id: str, entry: dict) -> dict:
+        size = self.fake_hub.listed_sizes.get(f"{repo_id}/{entry['path']}")
+        if size is None:
+            return entry
+        return entry | {"size": size} | ({"lfs": entry["lfs"] | {"size": size}} if "lfs" in entry else {})
+
     def _api(self, repo_id: str, rest: list[str], query: dict[str, list[str]]) -> None:
         flag = lambda name: query.get(name, ["false"])[0].lower() in ("1", "true")  # noqa: E731
         if not rest:
@@ -321,7 +329,7 @@ class _Handler(BaseHTTPRequestHandler):
             entries = [
                 {"type": "directory", "oid": hashlib.sha1(d.encode()).hexdigest(), "size": 0, "path": d}
                 for d in snap.folders()
-            ] + [f.tree_entry() for f in snap.files.values()]
+            ] + [self._listed(repo_id, f.tree_entry()) for f in snap.files.values()]
             recursive = flag("recursive")
             self._json([
                 e for e in entries

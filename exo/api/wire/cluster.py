@@ -19,6 +19,7 @@ class PlaceInstanceRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=T
     max_context: int = 0  # tokens of context to reserve KV cache for; 0: the most that fits, up to a default
     kv_bits: int = 0  # quantize the instance's KV cache (2-8 bits); 0: not quantized
     wait: bool | float | None = None  # answer once the instance is ready or failed (seconds, or true)
+    force: bool = False  # place without checking that it fits in memory (a card of unknown size, too)
 
 
 class DownloadReport(msgspec.Struct, frozen=True, kw_only=True):
