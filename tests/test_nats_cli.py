@@ -32,6 +32,7 @@ from exo.core.events import TaskStarted, decode_event, encode_event
 from exo.core.state import State, encode_state
 from exo.core.types import NodeInfo
 from exo.resources import streams_dir
+from tests.exo_process import ExoProcess, exo_command
 from tests.support.exo_tools import SCRIPT, append_script, in_thread
 
 pytestmark = pytest.mark.slow  # starts `nats` CLI processes
@@ -136,6 +137,7 @@ async def test_stream_get_and_view_show_readable_json_events(nats_cli, fresh_nc,
 
     view = await in_thread(in_a_terminal, [nats_cli, "--server", operator_url, "stream", "view", "EXO_EVENTS", "25"])
     assert "[4] Subject: exo.events.task.created Received: " in view
+    assert "ermissions violation" not in view  # its pager acks what it shows, on a consumer of its own
     bodies = [json.loads(line) for line in view.splitlines() if line.startswith('{"kind"')]
     assert bodies == [msgspec.to_builtins(e) for e in SCRIPT if e is not None]
 
@@ -200,3 +202,91 @@ async def test_the_operator_cannot_change_anything_with_the_cli(nats_cli, fresh_
     after = await fresh_nc.jetstream().stream_info("EXO_EVENTS")
     assert after.state.last_seq == before.state.last_seq
     assert (await fresh_nc.jetstream().consumer_info("EXO_COMMANDS", "exo-master")).name == "exo-master"
+
+
+# `exo nats-context`: what docs/operations.md tells an operator to run first, on a real node.
+
+@pytest.fixture(scope="module")
+def exo_node(tmp_path_factory):
+    node = ExoProcess(tmp_path_factory.mktemp("exo-node") / "data", {}, ["--no-worker"]).start()
+    yield node
+    node.interrupt()
+
+
+def operator_env(config_home: Path, **extra: str) -> dict[str, str]:
+    """An operator's shell: no NATS_* settings of its own, the CLI's contexts under `config_home`."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NATS_")}
+    return {**env, "XDG_CONFIG_HOME": str(config_home), **extra}
+
+
+def nats_context(env: dict[str, str], *args: str) -> str:
+    done = subprocess.run([*exo_command(), "nats-context", *args], capture_output=True, text=True, env=env,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def as_operator(nats: str, env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([nats, "--timeout", "2s", *args], capture_output=True, text=True, env=env, timeout=30)
+
+
+def test_nats_context_lets_the_cli_list_a_running_nodes_streams(nats_cli, exo_node, tmp_path: Path):
+    env = operator_env(tmp_path / "config", EXO_HOME=str(exo_node.data_dir))
+    said = nats_context(env)
+    path = tmp_path / "config" / "nats" / "context" / "exo.json"
+    assert f"to {path}" in said and "as user operator (read-only)" in said and "nats --context exo stream ls" in said
+    assert os.stat(path).st_mode & 0o777 == 0o600  # it holds the operator's password
+    saved = json.loads(path.read_text())
+    assert (saved["user"], saved["url"]) == ("operator", exo_node.nats_url().replace(
+        f"exo:{json.loads((exo_node.data_dir / 'nats' / 'credentials.json').read_text())['exo_password']}@", ""))
+    listed = as_operator(nats_cli, env, "--context", "exo", "stream", "ls", "--names")
+    assert listed.returncode == 0, listed.stderr
+    assert {"EXO_EVENTS", "EXO_COMMANDS", "EXO_TOKENS"} <= set(listed.stdout.split())
+    # Without the context the CLI is refused: the context is what made it work.
+    bare = as_operator(nats_cli, env, "--server", saved["url"], "stream", "ls", "--names")
+    assert bare.returncode != 0 and "Authorization Violation" in bare.stderr
+
+
+def test_stream_view_through_the_context_pages_events_without_a_violation(nats_cli, exo_node, tmp_path: Path):
+    env = operator_env(tmp_path / "config")
+    nats_context(env, "--data-dir", str(exo_node.data_dir))
+    view = in_a_terminal(["env", f"XDG_CONFIG_HOME={env['XDG_CONFIG_HOME']}", nats_cli, "--context", "exo",
+                          "stream", "view", "EXO_EVENTS", "25"])
+    assert "[1] Subject: exo.events.leader.elected Received: " in view, view  # the node's master took office
+    assert '{"kind":"leader.elected",' in view, view
+    assert "ermissions violation" not in view, view
+
+
+def test_the_selected_context_reads_but_cannot_purge_or_send_a_command(nats_cli, exo_node, tmp_path: Path):
+    env = operator_env(tmp_path / "config")
+    said = nats_context(env, "--data-dir", str(exo_node.data_dir), "--name", "exo-ops", "--select")
+    assert "next: nats stream ls" in said
+    assert (tmp_path / "config" / "nats" / "context.txt").read_text() == "exo-ops"
+
+    def counts() -> dict[str, int]:
+        infos = [as_operator(nats_cli, env, "stream", "info", name, "--json")  # no --context: the selected one
+                 for name in ("EXO_EVENTS", "EXO_COMMANDS")]
+        assert all(info.returncode == 0 for info in infos), [info.stderr for info in infos]
+        return {(got := json.loads(info.stdout))["config"]["name"]: got["state"]["last_seq"] for info in infos}
+
+    before = counts()
+    for args in (["stream", "purge", "EXO_EVENTS", "-f"], ["stream", "rm", "EXO_COMMANDS", "-f"],
+                 ["pub", "exo.commands.place_instance", '{"kind":"place_instance","model_id":"org/m"}'],
+                 ["pub", "exo.events.leader.elected", '{"kind":"leader.elected","node_id":"x"}']):
+        done = as_operator(nats_cli, env, *args)
+        assert "ermissions violation" in done.stderr.lower(), (args, done.stderr)
+    assert counts() == before
+
+
+async def test_the_operator_cannot_ack_the_masters_deliveries(nats_cli, fresh_nc, operator_url):
+    """The operator may ack its own consumers' messages, not settle a command the master holds."""
+    await send_command(fresh_nc, PlaceInstance(command_id="held", model_id="org/m"))
+    master = await fresh_nc.jetstream().pull_subscribe_bind("exo-master", stream="EXO_COMMANDS")
+    [held] = await master.fetch(1, timeout=5)  # delivered, not yet acked: what a deciding master holds
+    for verdict in ("+ACK", "+TERM"):
+        done = await in_thread(subprocess.run, [nats_cli, "--server", operator_url, "pub", held.reply, verdict],
+                               capture_output=True, text=True, timeout=30)
+        assert "ermissions violation" in done.stderr.lower(), done.stderr
+    await asyncio.sleep(0.5)
+    info = await fresh_nc.jetstream().consumer_info("EXO_COMMANDS", "exo-master")
+    assert (info.num_ack_pending, info.num_pending) == (1, 0)
