@@ -30,3 +30,14 @@ def test_requests_in_range_decode():
     request = {"model_id": "org/m", "path": "model.safetensors", "offset": 10, "length": MAX_CHUNK}
     assert msgspec.json.decode(msgspec.json.encode(request), type=ShareRequest) == ShareRequest(**request)
     assert msgspec.json.decode(b'{"model_id":"org/m"}', type=DownloadRequest) == DownloadRequest(model_id="org/m")
+
+
+def test_urls_in_messages_never_show_a_password():
+    from exo.bus.connection import redact, split_urls
+
+    assert redact("nats://exo:s3cret@10.0.0.1:4222") == "nats://10.0.0.1:4222"
+    assert redact("nats://exo:p@ss@host") == "nats://host"  # the last @ ends the user part
+    assert redact("tls://[::1]:4222") == "tls://[::1]:4222"
+    # A password holding a comma is split by the URL list: no piece may show any of it.
+    pieces = split_urls('nats://exo:{"exo_password":"abc", "operator_password":"def"}@127.0.0.1:4300')
+    assert all("abc" not in redact(p) and "def" not in redact(p) for p in pieces)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import ssl
 from typing import Any
 
@@ -26,12 +27,21 @@ def split_urls(urls: str) -> list[str]:
     return [u.strip() for u in urls.split(",") if u.strip()]
 
 
+_HOST_PORT = re.compile(r"[\w.\-]*(:\d*)?|\[[0-9a-fA-F:.]*\](:\d*)?")
+
+
 def redact(url: str) -> str:
     """The URL without a user or password in it: what logs and messages may show."""
     scheme, separator, rest = url.partition("://")
-    if not separator or "@" not in rest.split("/", 1)[0]:
-        return url
-    return f"{scheme}://{rest.split('@', 1)[1]}"
+    if not separator:  # "host:port", or a piece of a URL split at a comma in its password
+        scheme, rest = "", url
+    authority, slash, path = rest.partition("/")
+    if "@" in authority:
+        authority = authority.rpartition("@")[2]
+    elif not _HOST_PORT.fullmatch(authority):
+        # Not a host: a password with a comma in it, split into pieces by the URL list. Show nothing of it.
+        return f"{scheme}{separator}<unreadable URL>" if separator else "<unreadable URL>"
+    return f"{scheme}{separator}{authority}{slash}{path}"
 
 
 # NATS security settings, read from the environment so that every exo process (runners
