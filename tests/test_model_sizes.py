@@ -134,3 +134,18 @@ def test_an_unreachable_hub_is_a_503_at_once_and_offline_is_a_424(tmp_path):
             assert words in answer.json()["error"]["message"]
         finally:
             exo.interrupt()
+
+
+def test_mistakes_get_the_fix_in_the_answer(http):
+    wrong_field = http.post("/place_instance", json={"model": TINY_ID})
+    assert wrong_field.status_code == 400
+    assert wrong_field.json()["error"]["message"].endswith("unknown field `model`; did you mean `model_id`?")
+    typo = http.post("/place_instance", json={"model_id": TINY_ID.upper()})
+    assert typo.status_code == 404 and f"did you mean {TINY_ID!r}?" in typo.json()["error"]["message"]
+    chat = http.post("/v1/chat/completions", json={"model": "exo-test/tiny-sizd", "messages": [{"role": "user",
+                                                                                               "content": "hi"}]})
+    assert chat.status_code == 404 and f"did you mean {TINY_ID!r}?" in chat.json()["error"]["message"]
+    bare = http.post("/models/add", json={"model_id": "SmolLM2"})
+    assert bare.status_code == 400 and "must look like 'org/name'" in bare.json()["error"]["message"]
+    twice = http.post("/models/add", json={"model_id": TINY_ID.upper(), "n_layers": 2})
+    assert twice.status_code == 409 and f"already known as {TINY_ID!r}" in twice.json()["error"]["message"]

@@ -12,7 +12,7 @@ from exo.api.card_source import complete_card
 from exo.api.context import context_of
 from exo.api.errors import ApiError, error_body
 from exo.api.outcomes import new_command_id
-from exo.api.request_body import decode_body
+from exo.api.request_body import decode_body, field_hint
 from exo.api.validate import check_kv_bits, check_max_context
 from exo.api.wire.cluster import DownloadReport, InstanceReport, PlaceInstanceRequest, RunnerReport
 from exo.core.commands import AddCustomCard, DeleteCustomCard, DeleteInstance, PlaceInstance
@@ -86,8 +86,7 @@ def _wait_seconds(request: web.Request, body: PlaceInstanceRequest) -> float:
 async def place_instance(request: web.Request) -> web.Response:
     body = await decode_body(request, PlaceInstanceRequest)
     ctx = context_of(request)
-    if ctx.card(body.model_id) is None:
-        raise ApiError(404, f"unknown model {body.model_id!r}", param="model_id", code="model_not_found")
+    ctx.card_or_404(body.model_id)
     if not 0 <= body.max_queue <= 100_000:
         raise ApiError(400, "max_queue must be between 0 (the default) and 100000", param="max_queue")
     check_max_context(body.max_context, ctx.require_card(body.model_id))
@@ -165,15 +164,20 @@ async def delete_instance(request: web.Request) -> web.Response:
 async def add_model(request: web.Request) -> web.Response:
     raw = await decode_body(request, dict)
     model_id = raw.get("model_id")
-    if not isinstance(model_id, str) or not is_valid_model_id(model_id):
-        raise ApiError(400, f"model_id must look like 'org/name' without path tricks, got {model_id!r}", param="model_id")
+    if not isinstance(model_id, str) or not is_valid_model_id(model_id) or "/" not in model_id:
+        raise ApiError(400, "model_id must look like 'org/name' without path tricks: a Hub repository id such as "
+                            "'mlx-community/SmolLM2-135M-Instruct', or e.g. 'local/<name>' with \"path\" for a model "
+                            f"directory; got {model_id!r}", param="model_id")
     try:
         card = msgspec.convert(raw, ModelCard)
     except msgspec.ValidationError as error:
-        raise ApiError(400, f"invalid model card: {error}") from None
+        raise ApiError(400, f"invalid model card: {error}{field_hint(str(error), ModelCard)}") from None
     ctx = context_of(request)
     if model_id in ctx.builtin_cards:
         raise ApiError(409, f"{model_id!r} is a built-in model card", param="model_id")
+    same = next((known for known in ctx.all_cards() if known.lower() == model_id.lower() and known != model_id), None)
+    if same is not None:  # Hub ids ignore case: this would be the same model under a second name
+        raise ApiError(409, f"{model_id!r} is already known as {same!r}; use that id", param="model_id")
     _refuse_bad_card(card)
     card = await complete_card(card, ctx.data_dir)
     _refuse_bad_card(card)

@@ -48,9 +48,7 @@ async def instance_previews(request: web.Request) -> web.Response:
     """GET /instance/previews?model_id=X: each sharding on each node count 1..N, or why not; places nothing."""
     ctx = context_of(request)
     model_id = ModelId(request.query.get("model_id", ""))
-    card = ctx.card(model_id)
-    if card is None:
-        raise ApiError(404, f"unknown model {model_id!r}", param="model_id", code="model_not_found")
+    card = ctx.card_or_404(model_id)
     max_context = check_max_context(_query_int(request, "max_context"), card)
     kv_bits = check_kv_bits(_query_int(request, "kv_bits"))
     force = request.query.get("force", "").strip().lower() in ("1", "true", "yes")

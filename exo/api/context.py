@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import difflib
 from collections import Counter
 from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
@@ -22,6 +23,20 @@ from exo.bus.state_view import StateView
 from exo.core.catalogue import find_card
 from exo.core.ids import ModelId, NodeId
 from exo.core.types import ModelCard
+
+
+def closest_model_id(asked: str, known: list[str]) -> str | None:
+    """The known id a typo most likely meant: the same but for case, else the same name in another
+    org, else the closest spelling."""
+    lower = {k.lower(): k for k in known}
+    if asked.lower() in lower:
+        return lower[asked.lower()]
+    name = asked.rsplit("/", 1)[-1].lower()
+    same_name = [k for k in known if k.rsplit("/", 1)[-1].lower() == name]
+    if same_name:
+        return sorted(same_name)[0]
+    close = difflib.get_close_matches(asked.lower(), list(lower), n=1, cutoff=0.75)
+    return lower[close[0]] if close else None
 
 
 @dataclass
@@ -55,8 +70,21 @@ class ApiContext:
         """The card, or the OpenAI-style 404 every surface answers for an unknown model."""
         card = self.card(model_id)
         if card is None:
-            raise ApiError(404, f"The model {model_id!r} does not exist", param="model", code="model_not_found")
+            raise self.unknown_model(model_id, "model", f"The model {model_id!r} does not exist")
         return card
+
+    def card_or_404(self, model_id: ModelId, param: str = "model_id") -> ModelCard:
+        """The card, or exo's own routes' 404, with a suggestion."""
+        card = self.card(model_id)
+        if card is None:
+            raise self.unknown_model(model_id, param, f"unknown model {model_id!r}")
+        return card
+
+    def unknown_model(self, model_id: str, param: str, message: str) -> ApiError:
+        near = closest_model_id(model_id, list(self.all_cards()))
+        hint = f"; did you mean {near!r}?" if near else ""
+        return ApiError(404, f"{message}{hint} (GET /v1/models lists the models; POST /models/add adds one)",
+                        param=param, code="model_not_found")
 
     def in_background(self, coroutine: Coroutine[Any, Any, object]) -> None:
         self._background.start(coroutine)

@@ -22,8 +22,7 @@ _STATUS = {"not_found": 404, "invalid": 400, "conflict": 409}
 async def start(request: web.Request) -> web.Response:
     body = await decode_body(request, DownloadBody)
     ctx = context_of(request)
-    if ctx.card(body.model_id) is None:
-        raise ApiError(404, f"unknown model {body.model_id!r}", param="model_id", code="model_not_found")
+    ctx.card_or_404(body.model_id)
     return await _ask(ctx, "start", body.node_id or ctx.node_id, body.model_id)
 
 

@@ -210,7 +210,7 @@ async def generating(ctx: ApiContext, model_id: ModelId, params: GenerationParam
     for it, e.g. its images), and however the handler ends the generation is closed: cancelled if
     unfinished, at once or after `resume_grace_s` for a stream its client may resume."""
     if ctx.card(model_id) is None:
-        raise missing or ApiError(404, f"The model {model_id!r} does not exist", param="model", code="model_not_found")
+        raise missing or ctx.unknown_model(model_id, "model", f"The model {model_id!r} does not exist")
     async with storing or nullcontext():
         generation = await start_generation(ctx, model_id, params)
     try:

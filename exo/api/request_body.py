@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import os
 from typing import TypeVar
 
@@ -22,11 +23,22 @@ async def decode_body(request: web.Request, kind: type[T]) -> T:
     try:
         return msgspec.json.decode(raw, type=kind)
     except msgspec.ValidationError as error:
-        raise ApiError(400, f"invalid request body: {error}", param=_path_of(str(error))) from None
+        raise ApiError(400, f"invalid request body: {error}{field_hint(str(error), kind)}",
+                       param=_path_of(str(error))) from None
     except msgspec.DecodeError as error:
         raise ApiError(400, f"the request body is not valid JSON: {error}") from None
     except RecursionError:
         raise ApiError(400, "the request body is nested too deeply") from None
+
+
+def field_hint(message: str, kind: type) -> str:
+    """"; did you mean `model_id`?" for an unknown top-level field close to one the body has."""
+    if not message.startswith("Object contains unknown field `") or "- at `$." in message:
+        return ""  # not an unknown field, or a nested one: the outer body's fields are no guide
+    unknown = message.split("`", 2)[1]
+    fields = getattr(kind, "__struct_fields__", ())
+    near = difflib.get_close_matches(unknown, fields, n=1, cutoff=0.6)
+    return f"; did you mean `{near[0]}`?" if near else f"; the fields are: {', '.join(fields)}" if fields else ""
 
 
 def _path_of(message: str) -> str | None:
