@@ -16,6 +16,8 @@ import httpx
 import pytest
 
 from exo.bus.cluster_secret import lan_address
+from exo.bus.embedded import EmbeddedNats
+from exo.bus.errors import BusError
 from exo.defaults import DEFAULT_API_PORT, DEFAULT_NATS_PORT
 from tests.exo_process import ExoProcess, exo_command
 
@@ -157,3 +159,17 @@ def _hold(port: int) -> socket.socket | None:
         return None
     sock.listen()
     return sock
+
+
+async def test_an_embedded_server_that_cannot_listen_says_where_and_the_flag(tmp_path: Path):
+    """Past the check at start (a port taken in between, or the cluster port): the server's own error."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        server = EmbeddedNats(tmp_path / "nats", port=port)
+        with pytest.raises(BusError) as raised:
+            await server.start()
+    assert str(raised.value) == (f"the embedded nats-server cannot listen on 127.0.0.1:{port}: address already in use "
+                                 f"(another exo on this machine?); pass --nats-port 0 (any free port) or another "
+                                 f"--nats-port")
