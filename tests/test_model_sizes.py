@@ -149,3 +149,20 @@ def test_mistakes_get_the_fix_in_the_answer(http):
     assert bare.status_code == 400 and "must look like 'org/name'" in bare.json()["error"]["message"]
     twice = http.post("/models/add", json={"model_id": TINY_ID.upper(), "n_layers": 2})
     assert twice.status_code == 409 and f"already known as {TINY_ID!r}" in twice.json()["error"]["message"]
+
+
+def test_a_retried_placement_with_an_idempotency_key_returns_the_same_instance(http):
+    key = {"Idempotency-Key": "retry-me-0001"}
+    first = http.post("/place_instance", json={"model_id": TINY_ID}, headers=key)
+    assert first.status_code == 200, first.text
+    again = http.post("/place_instance", json={"model_id": TINY_ID, "wait": 60}, headers=key)  # the retry of a 202
+    assert again.status_code == 200, again.text
+    assert again.json()["instance_id"] == first.json()["instance_id"] and again.json()["status"] == "ready"
+    instances = [i for i in http.get("/state").json()["instances"].values() if i["model_id"] == TINY_ID]
+    assert len(instances) == 1  # not placed (nor its memory reserved) twice
+    other = http.post("/place_instance", json={"model_id": HUGE_HUB_ID}, headers=key)
+    assert other.status_code == 422 and other.json()["error"]["code"] == "idempotency_key_reused"
+    assert http.delete(f"/instance/{first.json()['instance_id']}").status_code == 200
+    gone = http.post("/place_instance", json={"model_id": TINY_ID}, headers=key)
+    assert gone.status_code == 409 and gone.json()["error"]["code"] == "idempotency_key_used"
+    assert http.post("/place_instance", json={"model_id": TINY_ID}, headers={"Idempotency-Key": "a b"}).status_code == 400

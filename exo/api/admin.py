@@ -11,6 +11,7 @@ from aiohttp import web
 from exo.api.card_source import complete_card
 from exo.api.context import context_of
 from exo.api.errors import ApiError, error_body
+from exo.api.idempotency import command_id_for, earlier_placement
 from exo.api.outcomes import new_command_id
 from exo.api.request_body import decode_body, field_hint
 from exo.api.validate import check_kv_bits, check_max_context
@@ -92,14 +93,17 @@ async def place_instance(request: web.Request) -> web.Response:
     check_max_context(body.max_context, ctx.require_card(body.model_id))
     check_kv_bits(body.kv_bits)
     wait_s = _wait_seconds(request, body)
-    command = PlaceInstance(command_id=new_command_id(), model_id=body.model_id, sharding=body.sharding,
-                            min_nodes=body.min_nodes, max_queue=body.max_queue, max_context=body.max_context,
-                            kv_bits=body.kv_bits, force=body.force)
-    event = await ctx.outcomes.call(command)
-    assert isinstance(event, InstanceCreated)
-    instance_id = event.instance.instance_id
-    placed = {"command_id": command.command_id, "instance_id": instance_id,
-              "instance": msgspec.to_builtins(event.instance)}
+    command_id = command_id_for(request)
+    instance = None if command_id is None else earlier_placement(ctx.view.state, command_id, body.model_id)
+    if instance is None:
+        command = PlaceInstance(command_id=command_id or new_command_id(), model_id=body.model_id,
+                                sharding=body.sharding, min_nodes=body.min_nodes, max_queue=body.max_queue,
+                                max_context=body.max_context, kv_bits=body.kv_bits, force=body.force)
+        event = await ctx.outcomes.call(command)
+        assert isinstance(event, InstanceCreated)
+        instance = event.instance
+    instance_id = instance.instance_id
+    placed = {"command_id": instance.command_id, "instance_id": instance_id, "instance": msgspec.to_builtins(instance)}
     if wait_s <= 0:
         return web.json_response({"message": "instance placed", **placed})
 

@@ -38,6 +38,9 @@ class CommandOutcomes:
 
     def expect(self, command_id: CommandId) -> asyncio.Future[AnyEvent]:
         """Register before sending, so an answer that comes fast is not missed."""
+        waiting = self._waiters.get(command_id)
+        if waiting is not None and not waiting.done():
+            return waiting  # the same command twice at once (a retried Idempotency-Key): one answer for both
         future = asyncio.get_running_loop().create_future()
         self._waiters[command_id] = future
         return future

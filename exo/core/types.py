@@ -136,6 +136,7 @@ class Instance(msgspec.Struct, frozen=True, kw_only=True):
     max_queue: int = 0  # open tasks it admits; 0: the master's default
     max_context: int = 0  # tokens of context (prompt + answer) it has room for; 0: as the model allows
     kv_bits: int = 0  # its KV cache quantized to this many bits (mlx-lm's quantized cache); 0: not quantized
+    command_id: CommandId = CommandId("")  # the command that placed it: a retried Idempotency-Key finds it by this
 
 
 class RunnerInfo(msgspec.Struct, frozen=True, kw_only=True):

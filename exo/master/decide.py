@@ -76,7 +76,8 @@ def _place(state: State, command: PlaceInstance, builtin: Mapping[ModelId, Model
                              force=command.force)
     if isinstance(placed, Unplaceable):
         return _reject(command, placed.code, placed.reason)
-    return [InstanceCreated(command_id=command.command_id, instance=replace(placed, max_queue=command.max_queue))]
+    return [InstanceCreated(command_id=command.command_id, instance=replace(placed, max_queue=command.max_queue,
+                                                                                command_id=command.command_id))]
 
 
 def _delete_instance(state: State, command: DeleteInstance) -> list[Event]:
