@@ -113,3 +113,25 @@ def test_a_command_the_log_already_answered_is_not_decided_again():
     assert run(state, AddCustomCard(command_id="a1", card=card))[1] == []  # redelivered to a new master
     state, _ = run(state, DeleteCustomCard(command_id="d1", model_id="org/custom"))
     assert run(state, DeleteCustomCard(command_id="d1", model_id="org/custom"))[1] == []
+
+
+def test_a_model_whose_instances_failed_is_refused_at_once_with_the_reason():
+    from exo.core.events import RunnerStatusChanged
+
+    state, _ = run(with_node(), PlaceInstance(command_id="a", model_id="org/builtin"))
+    state, _ = run(state, PlaceInstance(command_id="b", model_id="org/builtin"))
+    a, b = (state.instances[i] for i in ("a-1", "b-1"))
+
+    def runner_is(state: State, instance, status: str, error: str = "") -> State:
+        shard = instance.shards[0]
+        event = RunnerStatusChanged(runner_id=shard.runner_id, instance_id=instance.instance_id, node_id=shard.node_id,
+                                    status=status, error=error)
+        return apply(state, event, state.last_seq + 1)
+
+    state = runner_is(runner_is(state, a, "ready"), b, "failed", "out of memory")
+    _, events = run(state, GenerateText(command_id="g1", model_id="org/builtin", params=GenerationParams()))
+    assert events[0].task.instance_id == "a-1"  # the failed one is passed over
+    state = runner_is(state, a, "failed", "out of memory")
+    code, reason = rejection(run(state, GenerateText(command_id="g2", model_id="org/builtin",
+                                                     params=GenerationParams()))[1])
+    assert code == "unavailable" and reason.startswith("the instance of 'org/builtin' failed on n1: out of memory;")

@@ -109,7 +109,9 @@ def test_a_failed_download_fails_the_runner_and_the_api_says_why(tmp_path, model
                 record = download(node, runner.node_id)
                 assert (record.status, record.error_code) == ("failed", "not_found") and record.error.startswith(reason)
                 chat = http.post("/v1/chat/completions", json=CHAT)
-                assert chat.status_code == 500 and reason in chat.json()["error"]["message"]
+                assert chat.status_code == 503 and reason in chat.json()["error"]["message"]  # known before it runs
+                streamed = http.post("/v1/chat/completions", json=CHAT | {"stream": True})
+                assert streamed.status_code == 503 and reason in streamed.json()["error"]["message"]
         finally:
             node.interrupt()
         hub.repos[REPO] = model

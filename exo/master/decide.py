@@ -29,9 +29,9 @@ from exo.core.events import (
     TaskFinished,
 )
 from exo.core.ids import ModelId, TaskId
-from exo.core.placement import Unplaceable, place_instance
+from exo.core.placement import Unplaceable, node_label, place_instance
 from exo.core.state import State
-from exo.core.types import ModelCard, RejectionCode, Task
+from exo.core.types import Instance, ModelCard, RejectionCode, RunnerInfo, Task
 from exo.master.routing import choose_instance
 
 # Open (pending or running) tasks an instance admits, unless placed with its own max_queue.
@@ -100,6 +100,18 @@ def _generate(state: State, command: GenerateText, builtin: Mapping[ModelId, Mod
         ended = state.instance_end_reasons.get(command.model_id)
         why = f" (its last instance was deleted: {ended})" if ended else ""
         return _reject(command, "unavailable", f"no instance of {command.model_id!r} is running{why}; place one first")
+    # A failed instance serves nothing until its runner restarts (the worker retries with back-off):
+    # say so now, as a 503 with the reason, rather than queue the request for a failure.
+    failures = {i.instance_id: failed for i in instances if (failed := _failed_runner(state, i)) is not None}
+    if len(failures) == len(instances):
+        runner = failures[instances[0].instance_id]
+        node = state.nodes.get(runner.node_id)
+        where = node_label(node) if node is not None else runner.node_id
+        return _reject(command, "unavailable", f"the instance of {command.model_id!r} failed on {where}: "
+                                               f"{runner.error or 'the runner failed'}; its runner is restarted with "
+                                               "back-off (GET /instance/<id> shows how it is doing), or delete it "
+                                               "and place it again")
+    instances = [i for i in instances if i.instance_id not in failures]
     # Admission: an instance with room in its queue (the one holding the conversation's prompt
     # cache, else the least busy: routing.py); none with room: try later.
     open_by_instance = state.open_tasks_by_instance()
@@ -117,6 +129,11 @@ def _generate(state: State, command: GenerateText, builtin: Mapping[ModelId, Mod
         created_at=command.at,
     )
     return [TaskCreated(command_id=command.command_id, task=task)]
+
+
+def _failed_runner(state: State, instance: Instance) -> RunnerInfo | None:
+    runners = (state.runners.get(shard.runner_id) for shard in instance.shards)
+    return next((r for r in runners if r is not None and r.status == "failed"), None)
 
 
 def _cancel(state: State, command: CancelTask) -> list[Event]:
