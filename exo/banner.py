@@ -48,7 +48,7 @@ def next_steps(where: str, keys: bool) -> list[str]:
         f"""    {curl} -X POST {where}/place_instance -d '{{"model_id": "{EXAMPLE_MODEL}", "wait": true}}'""",
         f"""    {curl} {where}/v1/chat/completions -d '{{"model": "{EXAMPLE_MODEL}", """
         """"messages": [{"role": "user", "content": "Hello"}]}'""",
-        f"  more models: {curl} {where}/v1/models; add any mlx-lm model from the Hub (or a local dir: \"path\"):",
+        f"  more models: {curl} {where}/v1/models lists them; add one from the Hub (a local dir: add \"path\": \"/abs/dir\"):",
         f"""    {curl} -X POST {where}/models/add -d '{{"model_id": "{EXAMPLE_HUB_MODEL}"}}'""",
     ]
 
