@@ -68,6 +68,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--name", default=os.environ.get("EXO_NODE_NAME", ""),
                         help="what people call this node (env EXO_NODE_NAME; default: the hostname, plus "
                              ":API_PORT when that is not the default)")
+    _add_service_arguments(parser)
+    _add_cluster_arguments(parser)
+    parser.add_argument("--log-level", default=os.environ.get("EXO_LOG_LEVEL", "INFO"),
+                        help="DEBUG, INFO, WARNING or ERROR (env EXO_LOG_LEVEL)")
+    return parser
+
+
+def _add_service_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-master", action="store_true", help="do not run a master on this node")
     parser.add_argument("--no-worker", action="store_true", help="do not run models on this node")
     parser.add_argument("--no-api", action="store_true", help="do not serve the HTTP API")
@@ -96,10 +104,6 @@ def build_parser() -> argparse.ArgumentParser:
                         help="use only complete models already in the model directories: no Hub, no peers (env EXO_OFFLINE)")
     parser.add_argument("--no-model-sharing", action="store_true",
                         help="do not serve models to other nodes nor fetch from them (env EXO_MODEL_SHARING=0)")
-    _add_cluster_arguments(parser)
-    parser.add_argument("--log-level", default=os.environ.get("EXO_LOG_LEVEL", "INFO"),
-                        help="DEBUG, INFO, WARNING or ERROR (env EXO_LOG_LEVEL)")
-    return parser
 
 
 def _add_tools(parser: argparse.ArgumentParser) -> None:
