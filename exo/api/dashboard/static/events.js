@@ -102,7 +102,7 @@ function summarize({kind, data}) {
       return `${p.model_id} on ${p.node_id.slice(0, 8)}: ${p.status} ${p.done_bytes}/${p.total_bytes} B`;
     }
     case "node.registered":
-      return `${data.node.hostname || data.node.node_id} (${data.node.backend})`;
+      return `${data.node.name || data.node.hostname || data.node.node_id} (${data.node.backend})`;
     case "command.rejected":
       return `${data.command_kind}: ${data.reason}`;
     default:

@@ -1,0 +1,220 @@
+"""The dashboard on what goes wrong, in headless Chromium against a real `exo` node: an instance
+whose download failed shows failed (red, never "running"), and its failed download goes once the
+instance does; models are added by local path, and the Add box says what the server said; the
+sticky header never covers the chat. On hand-made States, in the same page: the page's instance
+status equals the API's `report_of`, layer bars show a download's progress and a failure, and
+nodes on one host (and the witness beside its node) have names that tell them apart."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import httpx
+import msgspec
+import pytest
+
+from exo.api.admin import report_of
+from exo.core.state import State
+from exo.core.types import DownloadProgress, Instance, NodeInfo, RunnerInfo, ShardAssignment
+from tests.support.dashboard import KEY, chromium_page, exo_node, open_with_key
+from tests.support.tiny_model import TINY_MODEL_ID, make_tiny_model
+
+GONE = "exo-test/gone"  # a card whose repository the Hub does not have: its download fails
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("model") / "tiny-llama")
+
+
+@pytest.fixture(scope="module")
+def node(tiny, tmp_path_factory):
+    with exo_node(tmp_path_factory.mktemp("node"), {TINY_MODEL_ID: tiny}) as exo:
+        yield exo
+
+
+@pytest.fixture(scope="module")
+def http(node):
+    with httpx.Client(base_url=node.url, timeout=120, headers={"Authorization": f"Bearer {KEY}"}) as client:
+        yield client
+
+
+@pytest.fixture
+def page(tmp_path, node):
+    with chromium_page(tmp_path / "chromium-profile") as page:
+        open_with_key(page, node.url)
+        yield page
+        assert page.errors == [], page.errors
+
+
+def wait_for(condition, timeout: float = 60):
+    deadline = time.monotonic() + timeout
+    while not (found := condition()):
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.3)
+    return found
+
+
+def color(page, selector: str, prop: str = "color") -> str:
+    return page.eval_on_selector(selector, f"e => getComputedStyle(e)[{prop!r}]")
+
+
+@pytest.mark.slow
+def test_a_failed_instance_shows_failed_and_its_failed_download_goes_with_it(page, http):
+    assert http.post("/models/add", json={"model_id": TINY_MODEL_ID}).status_code == 200
+    card = http.get(f"/v1/models/{TINY_MODEL_ID}").json()["card"]
+    added = http.post("/models/add", json=card | {"model_id": GONE, "name": "", "storage_bytes": 1_000_000})
+    assert added.status_code == 200, added.text
+    placed = http.post("/place_instance", json={"model_id": GONE})
+    assert placed.status_code == 200, placed.text
+    instance_id = placed.json()["instance_id"]
+    wait_for(lambda: http.get(f"/instance/{instance_id}").json()["status"] == "failed")
+
+    shown = page.locator(f'.card.instance[data-instance-id="{instance_id}"]')
+    page.wait_for_selector(f'.card.instance[data-instance-id="{instance_id}"][data-status="failed"]')
+    assert shown.locator("[data-instance-status]").inner_text() == "failed"
+    assert "not_found: download failed:" in shown.locator(".instance-error").inner_text()
+    red = color(page, ".instance-error")
+    assert color(page, f'.card.instance[data-instance-id="{instance_id}"] [data-instance-status]') == red
+    layers = shown.locator(".layers")
+    assert layers.get_attribute("data-layers-status") == "failed"
+    assert color(page, f'.card.instance[data-instance-id="{instance_id}"] .layers .fill', "backgroundColor") == red
+    row = page.locator(f'.model-row[data-model-id="{GONE}"]')
+    assert row.locator(".tag[data-instances]").all_inner_texts() == ["1 failed"]
+    assert row.locator(".where").inner_text() == "on no node"
+
+    download = page.locator(f'.download[data-model-id="{GONE}"]')
+    assert download.get_attribute("data-status") == "failed"  # it tells why the instance failed
+    assert http.delete(f"/instance/{instance_id}").status_code == 200
+    shown.wait_for(state="detached")
+    download.wait_for(state="detached")  # its instance is gone: nothing left to explain
+    assert http.get("/state").json()["downloads"][http.get("/node_id").json()][GONE]["status"] == "failed"
+    assert http.delete(f"/models/custom/{GONE}").status_code == 200
+
+
+@pytest.mark.slow
+def test_a_model_is_added_by_path_and_the_add_box_says_what_the_server_said(page, http, tiny):
+    page.fill("#add-model-path", str(tiny))
+    page.click("#add-model-form button[type=submit]")
+    row = page.locator('.model-row[data-model-id="local/tiny-llama"]')  # named after its folder
+    row.wait_for()
+    assert f"local: {tiny}" in row.inner_text() and "2 layers" in row.inner_text()
+    assert http.get("/state").json()["custom_model_cards"]["local/tiny-llama"]["path"] == str(tiny)
+    assert page.input_value("#add-model-path") == ""
+
+    for model_id, path in (("local/missing", "/no/such/model"), ("exo-test/not-on-the-hub", "")):
+        body = {"model_id": model_id, "path": path} if path else {"model_id": model_id}
+        answer = http.post("/models/add", json=body)
+        assert answer.status_code >= 400
+        page.fill("#add-model-id", model_id)
+        page.fill("#add-model-path", path)
+        page.click("#add-model-form button[type=submit]")
+        page.wait_for_selector("#add-model-status.error")
+        assert page.inner_text("#add-model-status") == answer.json()["error"]["message"]
+        page.fill("#add-model-id", "")
+        page.eval_on_selector("#add-model-status", "e => { e.className = ''; }")
+    assert http.delete("/models/custom/local/tiny-llama").status_code == 200
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("width", [390, 700, 1440])
+def test_the_sticky_header_never_covers_the_chat(page, width):
+    page.set_viewport_size({"width": width, "height": 800})
+    page.click('.jump a[href="#chat-panel"]')
+    page.wait_for_function("() => location.hash === '#chat-panel'")
+    header = page.eval_on_selector(".topbar", "e => e.getBoundingClientRect().bottom")
+    title = page.eval_on_selector("#chat-panel h2", "e => e.getBoundingClientRect().top")
+    assert title >= header, f"the header ends at {header} px, the chat's title starts at {title} px"
+    # What the user sees at the chat's top left is the chat, not the header.
+    covered = page.evaluate("""() => {
+        const box = document.querySelector('#chat-panel h2').getBoundingClientRect();
+        return !document.getElementById('chat-panel').contains(document.elementFromPoint(box.left + 4, box.top + 4));
+    }""")
+    assert not covered
+
+
+# -- hand-made States, drawn by the page's own modules -----------------------------------------
+
+MODEL = "org/model"
+
+
+def two_ranks(a: str | None, b: str | None, downloads: list[DownloadProgress] = ()) -> State:
+    instance = Instance(instance_id="i1", model_id=MODEL, shards=[
+        ShardAssignment(runner_id="r0", node_id="a", rank=0, world_size=2, start_layer=0, end_layer=4),
+        ShardAssignment(runner_id="r1", node_id="b", rank=1, world_size=2, start_layer=4, end_layer=8)])
+    runners = {rid: RunnerInfo(runner_id=rid, instance_id="i1", node_id=node, status=status)  # type: ignore[arg-type]
+               for rid, node, status in (("r0", "a", a), ("r1", "b", b)) if status is not None}
+    found: dict = {}
+    for record in downloads:
+        found.setdefault(record.node_id, {})[record.model_id] = record
+    nodes = {node: NodeInfo(node_id=node, hostname=f"host-{node}") for node in ("a", "b")}
+    return State(nodes=nodes, instances={"i1": instance}, runners=runners, downloads=found)
+
+
+DRAW = """async (state) => {
+    const [{renderNodes}, {renderReplicas}, {renderInstances}, {instanceStatus}] = await Promise.all(
+        ["cluster", "replicas", "instances", "status"].map((m) => import(`/dashboard/${m}.js`)));
+    const box = document.createElement("div");
+    box.id = "drawn";
+    document.getElementById("drawn")?.remove();
+    document.body.append(box);
+    const ctx = {nodeId: null, rates: null, toast: () => {}};
+    for (const draw of [renderNodes, renderReplicas, renderInstances]) {
+        const part = document.createElement("div");
+        box.append(part);
+        draw(part, state, ctx);
+    }
+    return state.instances.i1 ? instanceStatus(state.instances.i1, state) : null;
+}"""
+
+
+def draw(page, state: State) -> str:
+    return page.evaluate(DRAW, msgspec.to_builtins(state))
+
+
+@pytest.mark.slow
+def test_the_page_says_the_status_report_of_says(page):
+    statuses = ["created", "downloading", "downloaded", "loading", "warming_up", "ready", "stopped", "failed", None]
+    for a in statuses:
+        for b in statuses:
+            state = two_ranks(a, b)
+            assert draw(page, state) == report_of(state, state.instances["i1"]).status, (a, b)
+
+
+@pytest.mark.slow
+def test_layer_bars_show_a_download_under_way_and_a_failure(page):
+    state = two_ranks("downloading", "failed", [
+        DownloadProgress(node_id="a", model_id=MODEL, status="downloading", done_bytes=40, total_bytes=100, eta_s=30),
+        DownloadProgress(node_id="b", model_id=MODEL, status="failed", error_code="not_found", error="gone")])
+    draw(page, state)
+    going = page.locator('#drawn .card.instance tr[data-rank="0"]')
+    bar = going.locator(".layers")
+    assert (bar.get_attribute("data-layers-status"), bar.get_attribute("data-progress")) == ("downloading", "40")
+    assert bar.locator(".fill").evaluate("e => e.style.width") == "40%"
+    assert "downloading 40% · 40 B of 100 B · 30 s left" in going.inner_text()
+    failed = page.locator('#drawn .card.instance tr[data-rank="1"]')
+    assert failed.locator(".layers").get_attribute("data-layers-status") == "failed"
+    red = color(page, '#drawn .card.instance tr[data-rank="1"] .error')
+    assert color(page, '#drawn .card.instance tr[data-rank="1"] .layers .fill', "backgroundColor") == red
+    assert page.locator("#drawn .card.instance").get_attribute("data-status") == "failed"
+    # A node's shard shows the same bars.
+    assert page.locator('#drawn .card.node[data-node-id="a"] .layers').get_attribute("data-progress") == "40"
+
+
+@pytest.mark.slow
+def test_nodes_on_one_host_and_the_witness_have_names_that_tell_them_apart(page):
+    seed, second, old_a, old_b = "5eed0000aaaa", "5ec0000dbbbb", "01d0000acccc", "01d0000bdddd"
+    nodes = {seed: NodeInfo(node_id=seed, hostname="vm", name="vm"),
+             second: NodeInfo(node_id=second, hostname="vm", name="vm:52416"),
+             old_a: NodeInfo(node_id=old_a, hostname="box"),  # older nodes: no name, one hostname
+             old_b: NodeInfo(node_id=old_b, hostname="box")}
+    layout = {"name": "exo", "meta_leader": f"exo-{seed}", "streams": [],
+              "servers": [{"name": f"exo-{seed}", "online": True}, {"name": f"exo-{seed}-witness", "online": True},
+                          {"name": f"exo-{second}", "online": False}]}
+    state = msgspec.to_builtins(State(nodes=nodes)) | {"cluster": layout}
+    page.evaluate(DRAW, state)
+    names = page.locator("#drawn .card.node .node-name").all_inner_texts()
+    assert sorted(names) == ["box (01d0000a)", "box (01d0000b)", "vm", "vm:52416"]
+    servers = page.locator("#drawn [data-server]").all_inner_texts()
+    assert servers == ["vm ★", "vm witness", "vm:52416 offline"]
