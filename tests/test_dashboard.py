@@ -1,8 +1,9 @@
-"""The dashboard at GET /: its files are served (and public under API keys) in process, then the
-whole page drives a real `exo` node in headless Chromium: key prompt, add a card, place an
-instance from a preview, watch its runner become ready, chat (the streamed text equals the API's
+"""The dashboard at GET / drives a real `exo` node in headless Chromium: key prompt, add a card,
+place an instance from a preview, watch its runner become ready, see where the model is (as
+/v1/models and /api/tags say) and the instance's numbers, chat (the streamed text equals the API's
 answer to the same request), stop a long generation, delete the instance and the card; attach
-images for a vision model (picked and pasted) and find them in the task State holds."""
+images for a vision model (picked and pasted) and find them in the task State holds. Its files,
+served in process: tests/test_dashboard_files.py; what goes wrong: tests/test_dashboard_status.py."""
 
 from __future__ import annotations
 
@@ -17,12 +18,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
 
-from exo.api.app import build_app
-from exo.api.context import ApiContext
-from exo.api.dashboard import STATIC_DIR
-from exo.api.settings import ApiSettings
 from tests.support.dashboard import KEY, chromium_page, exo_node, open_with_key
 from tests.support.tiny_model import TINY_MODEL_ID, make_tiny_model
 from tests.support.vision_model import make_vision_model, png
@@ -33,61 +29,6 @@ VISION_ID = "local/vision-dash"
 LONG = 30_000  # never reached: the tiny model does not stop on its own (its context: 32768)
 # EXO_SCREENSHOT_DIR=folder keeps the two screenshots for review (nothing is left in /tmp otherwise).
 REVIEW_DIR = os.environ.get("EXO_SCREENSHOT_DIR")
-
-
-# -- the files, in process: no exo, no browser -----------------------------------------------
-
-def app_client(keys: frozenset[str]) -> TestClient:
-    # Only the dashboard routes and the key check run here: nothing touches NATS or State.
-    ctx = ApiContext(nc=None, view=None, outcomes=None, builtin_cards={}, node_id="", data_dir=Path("."),  # type: ignore[arg-type]
-                     settings=ApiSettings(api_keys=keys))
-    return TestClient(TestServer(build_app(ctx)))
-
-
-def referenced_files() -> set[str]:
-    """Every file the page loads: index.html's links, then the modules' imports, transitively."""
-    html = (STATIC_DIR / "index.html").read_text()
-    found = set(re.findall(r'(?:href|src)="/dashboard/([^"]+)"', html))
-    queue = [name for name in found if name.endswith(".js")]
-    while queue:
-        for name in re.findall(r'from "\./([^"]+)"', (STATIC_DIR / queue.pop()).read_text()):
-            if name not in found:
-                found.add(name)
-                queue.append(name)
-    return found
-
-
-async def test_every_file_the_page_loads_is_served_with_its_type_and_without_a_key():
-    files = referenced_files()
-    assert {"app.css", "main.js", "api.js", "live.js", "chat.js", "events.js"} <= files
-    async with app_client(frozenset({KEY})) as client:
-        page = await client.get("/")
-        assert page.status == 200 and page.content_type == "text/html"
-        assert page.headers["Cache-Control"] == "no-cache"
-        assert '<script type="module" src="/dashboard/main.js">' in await page.text()
-        for name in sorted(files):
-            response = await client.get(f"/dashboard/{name}")
-            assert response.status == 200, name
-            assert response.content_type == ("text/css" if name.endswith(".css") else "text/javascript"), name
-            body = (STATIC_DIR / name).read_bytes()
-            assert await response.read() == body
-            # Revalidation by the content's hash: unchanged files cost a 304, changed ones never do.
-            etag = response.headers["ETag"]
-            assert etag == f'"{hashlib.sha256(body).hexdigest()[:20]}"'
-            assert (await client.get(f"/dashboard/{name}", headers={"If-None-Match": etag})).status == 304
-            assert (await client.get(f"/dashboard/{name}", headers={"If-None-Match": '"stale"'})).status == 200
-        # The data stays behind the key.
-        assert (await client.get("/state")).status == 401
-        assert (await client.get("/events")).status == 401
-
-
-@pytest.mark.parametrize("path", ["/dashboard/index.html", "/dashboard/nothing.js", "/dashboard/..%2F__init__.py",
-                                  "/dashboard/.hidden.js", "/dashboard/", "/dashboard/%2e%2e%2fauth.py"])
-async def test_nothing_but_the_static_files_is_served(path):
-    async with app_client(frozenset()) as client:
-        response = await client.get(path)
-        assert response.status == 404, path
-        assert "import" not in await response.text()  # no source file leaked
 
 
 # -- the page in Chromium against a real node ------------------------------------------------
