@@ -3,7 +3,6 @@ but /health refuses a request without a valid key, in its surface's own error sh
 
 from __future__ import annotations
 
-import logging
 import re
 from pathlib import Path
 
@@ -13,9 +12,8 @@ import openai
 import pytest
 
 from exo.api.app import build_app
-from exo.api.auth import is_open_path, warn_if_exposed
+from exo.api.auth import is_open_path
 from exo.api.context import ApiContext
-from exo.api.settings import ApiSettings
 from tests.e2e_support import start_exo
 from tests.support.fake_hub import FakeHub
 
@@ -116,12 +114,3 @@ def test_a_body_over_the_limit_gets_413_in_the_surface_shape(http):
     ollama_shaped = http.post("/api/chat", content=big, headers=headers)
     assert ollama_shaped.status_code == 413 and isinstance(ollama_shaped.json()["error"], str)
     assert http.get("/health").status_code == 200
-
-
-def test_an_api_open_to_the_network_without_keys_warns(caplog):
-    with caplog.at_level(logging.WARNING, logger="exo.api.auth"):
-        warn_if_exposed("127.0.0.1", ApiSettings())
-        warn_if_exposed("0.0.0.0", ApiSettings(api_keys=frozenset({"k"})))
-        assert not caplog.records
-        warn_if_exposed("0.0.0.0", ApiSettings())
-    assert "without API keys" in caplog.records[0].getMessage()

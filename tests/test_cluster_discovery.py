@@ -265,7 +265,6 @@ def test_nodes_with_different_secrets_never_pair_and_a_route_without_the_secret_
         assert cluster_of(first) != cluster_of(second)  # each seeded its own
         secret_file = first.data_dir / "nats" / "cluster-secret"
         assert secret_file.read_text() == "first-secret" and secret_file.stat().st_mode & 0o777 == 0o600
-        assert "TRUSTED-LAN MODE" not in first.output()
         membership = load_membership(first.data_dir / "nats")
         wait_until(lambda: routes_of(first) != [], 30, 0.5, "the seed's route to its witness")
         before = routes_of(first)

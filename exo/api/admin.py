@@ -205,14 +205,6 @@ async def delete_custom_model(request: web.Request) -> web.Response:
     return web.json_response({"message": "model card deleted", "model_id": model_id})
 
 
-async def list_models(request: web.Request) -> web.Response:
-    ctx = context_of(request)
-    data = [{"id": c.model_id, "object": "model", "created": 0, "owned_by": "exo", "name": c.name or c.model_id,
-             "context_length": c.context_length, "max_context": ctx.max_context(c.model_id) or None}
-            for c in sorted(ctx.all_cards().values(), key=lambda c: c.model_id)]
-    return web.json_response({"object": "list", "data": data})
-
-
 async def get_state(request: web.Request) -> web.Response:
     return web.Response(body=encode_state(context_of(request).view.state), content_type="application/json")
 

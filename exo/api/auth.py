@@ -5,7 +5,6 @@ needs `Authorization: Bearer <key>` (Anthropic clients send `x-api-key`, accepte
 from __future__ import annotations
 
 import hmac
-import ipaddress
 import logging
 
 from aiohttp import web
@@ -13,7 +12,6 @@ from aiohttp.typedefs import Handler
 
 from exo.api.context import context_of
 from exo.api.errors import ApiError
-from exo.api.settings import ApiSettings
 
 log = logging.getLogger(__name__)
 
@@ -51,16 +49,3 @@ def _key_matches(presented: str, keys: frozenset[str]) -> bool:
     for key in keys:
         matched |= hmac.compare_digest(presented.encode(), key.encode())
     return matched and bool(presented)
-
-
-def warn_if_exposed(host: str, settings: ApiSettings) -> None:
-    """Call at start: an API on a non-loopback address without keys is open to the network."""
-    if settings.api_keys:
-        return
-    try:
-        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        loopback = False
-    if not loopback:
-        log.warning("the API listens on %s without API keys: anyone who can reach it can use it "
-                    "(set EXO_API_KEYS to require a key)", host)
