@@ -10,6 +10,7 @@ from aiohttp import web
 from exo.api.context import context_of
 from exo.api.errors import ApiError
 from exo.api.generation import cancel_generation
+from exo.api.model_list import NOWHERE, availability, openai_entry
 from exo.api.validate import check_kv_bits, check_max_context
 from exo.core.ids import CommandId, ModelId
 from exo.core.placement import human_bytes, node_label, placement_previews
@@ -93,7 +94,6 @@ async def get_model(request: web.Request) -> web.Response:
     ctx = context_of(request)
     model_id = ModelId(request.match_info["model_id"])
     card = ctx.require_card(model_id)
-    return web.json_response({"id": card.model_id, "object": "model", "created": 0, "owned_by": "exo",
-                              "name": card.name or card.model_id, "context_length": card.context_length,
-                              "max_context": ctx.max_context(model_id) or None,
-                              "card": msgspec.to_builtins(card)})
+    state = ctx.view.state
+    where = availability(state).get(card.model_id, NOWHERE)
+    return web.json_response({**openai_entry(card, state, where), "card": msgspec.to_builtins(card)})
