@@ -100,7 +100,8 @@ def test_a_failed_download_fails_the_runner_and_the_api_says_why(tmp_path, model
             with httpx.Client(base_url=node.url, timeout=60) as http:
                 assert http.post("/models/add", json={"model_id": REPO}).status_code == 200
                 del hub.repos[REPO]  # the repository disappears from the Hub
-                assert http.post("/place_instance", json={"model_id": REPO}).status_code == 200
+                placed = http.post("/place_instance", json={"model_id": REPO})
+                assert placed.status_code == 200
                 wait_until(lambda: [r.status for r in state_of(node).runners.values()] == ["failed"], 30,
                            what="the runner fails")
                 (runner,) = state_of(node).runners.values()
@@ -112,6 +113,8 @@ def test_a_failed_download_fails_the_runner_and_the_api_says_why(tmp_path, model
                 assert chat.status_code == 503 and reason in chat.json()["error"]["message"]  # known before it runs
                 streamed = http.post("/v1/chat/completions", json=CHAT | {"stream": True})
                 assert streamed.status_code == 503 and reason in streamed.json()["error"]["message"]
+                report = http.get(f"/instance/{placed.json()['instance_id']}").json()
+                assert report["status"] == "failed" and report["runners"][0]["failures"] == 1
         finally:
             node.interrupt()
         hub.repos[REPO] = model

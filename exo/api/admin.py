@@ -58,7 +58,8 @@ def _runner_report(state: State, instance: Instance, runner_id: RunnerId, node_i
         status=record.status, done_bytes=record.done_bytes, total_bytes=record.total_bytes, speed_bps=record.speed_bps,
         eta_s=record.eta_s, source=record.source, error_code=record.error_code, error=record.error)
     return RunnerReport(runner_id=runner_id, node_id=node_id, rank=rank, status=runner.status if runner else "created",
-                        error=runner.error if runner else "", download=download)
+                        error=runner.error if runner else "", download=download,
+                        failures=runner.failures if runner else 0)
 
 
 def _wait_seconds(request: web.Request, body: PlaceInstanceRequest) -> float:

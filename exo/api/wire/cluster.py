@@ -42,6 +42,7 @@ class RunnerReport(msgspec.Struct, frozen=True, kw_only=True):
     status: str
     error: str
     download: DownloadReport | None
+    failures: int = 0  # failures since it was last ready: the worker restarts it with back-off, up to a bound
 
 
 class InstanceReport(msgspec.Struct, frozen=True, kw_only=True):
