@@ -103,6 +103,8 @@ async def place_instance(request: web.Request) -> web.Response:
         event = await ctx.outcomes.call(command)
         assert isinstance(event, InstanceCreated)
         instance = event.instance
+        if command_id is not None:  # a request with the same key may have been decided first
+            instance = earlier_placement(ctx.view.state, command_id, body.model_id) or instance
     instance_id = instance.instance_id
     placed = {"command_id": instance.command_id, "instance_id": instance_id, "instance": msgspec.to_builtins(instance)}
     if wait_s <= 0:
@@ -184,7 +186,7 @@ async def add_model(request: web.Request) -> web.Response:
     if same is not None:  # Hub ids ignore case: this would be the same model under a second name
         raise ApiError(409, f"{model_id!r} is already known as {same!r}; use that id", param="model_id")
     _refuse_bad_card(card)
-    card = await complete_card(card, ctx.data_dir)
+    card = await complete_card(card, ctx.model_dirs)
     _refuse_bad_card(card)
     await ctx.outcomes.call(AddCustomCard(command_id=new_command_id(), card=card))
     return web.json_response({"message": "model card added", "card": msgspec.to_builtins(card)})

@@ -197,7 +197,7 @@ async def start_generation(ctx: ApiContext, model_id: ModelId, params: Generatio
         await listener.close()
         raise
     finally:
-        ctx.outcomes.forget(command_id)
+        ctx.outcomes.forget(command_id, answer)
     return Generation(ctx, command_id, listener, ended)
 
 

@@ -33,10 +33,13 @@ def command_id_for(request: web.Request) -> CommandId | None:
 
 
 def earlier_placement(state: State, command_id: CommandId, model_id: ModelId) -> Instance | None:
-    """The instance an earlier request with this key placed; None if the key is new."""
-    if command_id not in state.answered_commands:
-        return None
+    """The instance an earlier request with this key placed; None if the key is new.
+
+    The instances are looked at first: State remembers only the latest answered commands, and a
+    key must keep finding its instance for as long as the instance lives."""
     instance = next((i for i in state.instances.values() if i.command_id == command_id), None)
+    if instance is None and command_id not in state.answered_commands:
+        return None
     if instance is None:
         raise ApiError(409, f"this {HEADER} was used by a placement that was refused or whose instance has been "
                             "deleted since; send a new key to place again", param=HEADER, code="idempotency_key_used")

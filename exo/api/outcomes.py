@@ -30,7 +30,8 @@ def new_command_id() -> CommandId:
 class CommandOutcomes:
     def __init__(self, nc: Connection, view: StateView) -> None:
         self._nc = nc
-        self._waiters: dict[str, asyncio.Future[AnyEvent]] = {}
+        # Several callers may wait for one command (a retried Idempotency-Key): each has its own future.
+        self._waiters: dict[str, list[asyncio.Future[AnyEvent]]] = {}
         self._task_ends: dict[str, list[asyncio.Future[TaskFinished]]] = {}
         self._watches: list[tuple[Callable[[State], object], asyncio.Future[object]]] = []
         self._view = view
@@ -38,15 +39,15 @@ class CommandOutcomes:
 
     def expect(self, command_id: CommandId) -> asyncio.Future[AnyEvent]:
         """Register before sending, so an answer that comes fast is not missed."""
-        waiting = self._waiters.get(command_id)
-        if waiting is not None and not waiting.done():
-            return waiting  # the same command twice at once (a retried Idempotency-Key): one answer for both
         future = asyncio.get_running_loop().create_future()
-        self._waiters[command_id] = future
+        self._waiters.setdefault(command_id, []).append(future)
         return future
 
-    def forget(self, command_id: CommandId) -> None:
-        self._waiters.pop(command_id, None)
+    def forget(self, command_id: CommandId, future: asyncio.Future[AnyEvent] | None = None) -> None:
+        """Stop waiting: this caller's future only, or (None) every waiter of the command."""
+        waiting = [f for f in self._waiters.pop(command_id, []) if future is not None and f is not future]
+        if waiting:
+            self._waiters[command_id] = waiting
 
     def expect_task_end(self, task_id: TaskId) -> asyncio.Future[TaskFinished]:
         """Resolves when State says the task ended, whoever ended it (runner, master, worker).
@@ -84,7 +85,7 @@ class CommandOutcomes:
         except asyncio.TimeoutError:
             raise ApiError(504, "the master did not answer in time; is it running?") from None
         finally:
-            self.forget(command.command_id)
+            self.forget(command.command_id, future)
         raise_if_rejected(event)
         return event
 
@@ -93,9 +94,9 @@ class CommandOutcomes:
             # Not an answer: e.g. a deposed master's decision fenced off by its old term (the
             # new master decides the command again) or a stray publisher's event.
             return
-        future = self._waiters.get(command_id_of(event))
-        if future is not None and not future.done():
-            future.set_result(event)
+        for future in self._waiters.get(command_id_of(event), []):
+            if not future.done():
+                future.set_result(event)
         if isinstance(event, TaskFinished):
             for ended in self._task_ends.get(event.task_id, []):
                 if not ended.done():
