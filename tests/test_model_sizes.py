@@ -13,11 +13,13 @@ from pathlib import Path
 import httpx
 import pytest
 
+from exo.core.placement import human_bytes
+from exo.memory import memory
 from tests.e2e_support import start_exo
 from tests.support.fake_hub import FakeHub
 from tests.support.tiny_model import make_tiny_model
 
-HUGE = 50 * 10**9  # far more than any machine here has free
+HUGE = max(50 * 10**9, 2 * memory()[0]) // 10**9 * 10**9  # more than this machine has, in whole GB
 TINY_ID = "exo-test/tiny-sized"
 HUGE_HUB_ID = "exo-test/huge-listed"
 
@@ -52,7 +54,7 @@ def refused_for_size(http: httpx.Client, model_id: str) -> str:
     refused = http.post("/place_instance", json={"model_id": model_id})
     assert refused.status_code == 409, refused.text
     message = refused.json()["error"]["message"]
-    assert message.startswith(f"{model_id} needs 50.0 GB; the node with the most free memory (")
+    assert message.startswith(f"{model_id} needs {human_bytes(HUGE)}; the node with the most free memory (")
     assert " GB free) cannot hold it" in message and "bytes" not in message  # people's units
     previews = http.get("/instance/previews", params={"model_id": model_id}).json()["previews"]
     assert [p["instance"] for p in previews] == [None] * len(previews)
@@ -99,6 +101,7 @@ def test_a_card_of_unknown_size_is_refused_unless_forced(http):
 @pytest.fixture(scope="module")
 def node(tmp_path_factory, hub):
     exo = start_exo(tmp_path_factory.mktemp("node"), hub)
+    assert httpx.post(f"{exo.url}/models/add", json={"model_id": TINY_ID}, timeout=60).status_code == 200
     shown = httpx.get(f"{exo.url}/state").json()["nodes"][exo_node_id(exo)]
     exo.name_shown = shown.get("name") or shown["hostname"]
     yield exo

@@ -2,6 +2,7 @@
 
 import itertools
 import json
+from pathlib import Path
 from types import SimpleNamespace
 
 import msgspec
@@ -10,7 +11,7 @@ from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
 
 from exo.api import cluster
-from exo.api.context import CONTEXT_KEY
+from exo.api.context import CONTEXT_KEY, ApiContext
 from exo.api.errors import STATUS_FOR_REJECTION, ApiError
 from exo.core.placement import Unplaceable, place_instance, placement_previews, split_layers
 from exo.core.state import State
@@ -69,21 +70,6 @@ def test_memory_limit_on_one_node():
     big = ModelCard(model_id="org/big", n_layers=8, storage_bytes=229 * GB)
     assert place(card=big, state=cluster_of(named)) == Unplaceable(
         "conflict", "org/big needs 229 GB; the node with the most free memory (studio-2, 23.1 GB free) cannot hold it")
-
-
-def test_a_model_of_unknown_size_is_refused_unless_forced():
-    unknown = ModelCard(model_id="org/m", n_layers=8)
-    refused = place(card=unknown, state=cluster_of(node("n1", 1)))
-    assert isinstance(refused, Unplaceable) and refused.code == "conflict"
-    assert refused.reason.startswith("the size of org/m is unknown (its card has no storage_bytes)")
-    assert '"force": true' in refused.reason
-    forced = place_instance(unknown, "pipeline", 1, cluster_of(node("n1", 1)), ids(), force=True)
-    assert layout(forced) == [("n1", 0, 1, 0, 8, "")]  # forced: the size does not constrain
-    assert all(p.rejection == refused for p in placement_previews(unknown, cluster_of(node("n1", 1))))
-    assert all(p.instance for p in placement_previews(unknown, cluster_of(node("n1", 1)), force=True)
-               if p.node_count == 1)
-    too_big = place_instance(CARD, "pipeline", 1, cluster_of(node("n1", GB)), ids(), force=True)
-    assert layout(too_big) == [("n1", 0, 1, 0, 8, "")] and too_big.shards[0].memory_bytes == 8 * GB  # still recorded
 
 
 def test_pipeline_spills_onto_a_second_node_when_one_is_not_enough():
@@ -291,8 +277,8 @@ def test_previews_without_nodes_say_so():
 
 def _previews_request(state: State, model_id: str) -> web.Request:
     app = web.Application()
-    cards = {CARD.model_id: CARD}
-    app[CONTEXT_KEY] = SimpleNamespace(view=SimpleNamespace(state=state), card=cards.get)
+    app[CONTEXT_KEY] = ApiContext(nc=None, view=SimpleNamespace(state=state), outcomes=None,  # type: ignore[arg-type]
+                                  builtin_cards={CARD.model_id: CARD}, node_id="", data_dir=Path("."))
     return make_mocked_request("GET", f"/instance/previews?model_id={model_id}", app=app)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,9 +18,10 @@ import msgspec
 from huggingface_hub import constants
 
 from exo.api.errors import ApiError
+from exo.bus.connection import redact
 from exo.core.catalogue import is_vision_config
 from exo.core.types import ModelCard
-from exo.models.card_facts import CardFacts, hub_card_facts, local_card_facts
+from exo.models.card_facts import CardFacts, NoWeights, hub_card_facts, local_card_facts
 from exo.models.dirs import ModelDirs, find_complete
 from exo.models.transfer import DownloadError
 
@@ -30,12 +32,12 @@ _HUB_STATUS = {"not_found": 404, "gated": 403, "unauthorized": 403, "offline": 4
                "rate_limited": 503}
 
 
-async def complete_card(card: ModelCard, data_dir: Path) -> ModelCard:
+async def complete_card(card: ModelCard, model_dirs: ModelDirs) -> ModelCard:
     if card.n_layers and not card.path:
         return card  # given whole: its size is what it says (0: unknown)
     if card.n_layers and card.storage_bytes:
         return card
-    facts = await asyncio.to_thread(_facts, card, data_dir)
+    facts = await asyncio.to_thread(_facts, card, model_dirs)
     filled = card if card.n_layers else _with_config(card, _parse_config(facts.config_text, card.path or card.source_repo))
     return msgspec.structs.replace(filled, storage_bytes=filled.storage_bytes or facts.weight_bytes)
 
@@ -60,30 +62,39 @@ def _with_config(card: ModelCard, config: dict[str, Any]) -> ModelCard:
                        param="path" if card.path else "model_id") from None
 
 
-def _facts(card: ModelCard, data_dir: Path) -> CardFacts:
+def _facts(card: ModelCard, model_dirs: ModelDirs) -> CardFacts:
     if card.path:
         path = Path(card.path)
         if not path.is_absolute() or not (path / "config.json").is_file():
             raise ApiError(400, f"path must be an absolute model directory with a config.json: {card.path}", param="path")
-        try:
-            return local_card_facts(path)
-        except OSError as error:
-            raise ApiError(400, f"cannot read the model directory {card.path}: {error}", param="path") from None
+        return _measured(card.path, lambda: local_card_facts(path), "path")
     try:
-        return hub_card_facts(card.source_repo, card.revision)
+        return _measured(card.source_repo, lambda: hub_card_facts(card.source_repo, card.revision), "model_id")
     except DownloadError as error:
-        local = _local_copy(card, data_dir)  # offline, or the Hub is down: a copy this node has will do
+        local = _local_copy(card, model_dirs)  # offline, or the Hub is down: a copy this node has will do
         if local is not None and error.code in ("offline", "network", "rate_limited"):
             return local
         raise ApiError(_HUB_STATUS.get(error.code, 502), _hub_message(card, error), param="model_id",
                        code=f"hub_{error.code}") from None
 
 
-def _local_copy(card: ModelCard, data_dir: Path) -> CardFacts | None:
-    copy = find_complete(ModelDirs.from_env(data_dir), card, 0, 0)
+def _measured(source: str, read: Callable[[], CardFacts], param: str) -> CardFacts:
+    try:
+        return read()
+    except NoWeights as error:
+        raise ApiError(400, f"{source}: {error}", param=param) from None
+    except OSError as error:  # unreadable files, the disk gone: name it, keep serving
+        raise ApiError(400, f"cannot read the model directory {source}: {error}", param=param) from None
+
+
+def _local_copy(card: ModelCard, model_dirs: ModelDirs) -> CardFacts | None:
+    copy = find_complete(model_dirs, card, 0, 0)
     if copy is None or not (copy.path / "config.json").is_file():
         return None
-    return local_card_facts(copy.path)
+    try:
+        return local_card_facts(copy.path)
+    except (OSError, NoWeights):
+        return None  # not a usable copy: the Hub's error stands
 
 
 def _hub_message(card: ModelCard, error: DownloadError) -> str:
@@ -93,7 +104,7 @@ def _hub_message(card: ModelCard, error: DownloadError) -> str:
                 f'({{"model_id": "{card.model_id}", "path": "/abs/model/dir"}}), copy it into the model directory, '
                 "or start exo without --offline / EXO_OFFLINE")
     if error.code in ("network", "rate_limited"):
-        return (f"cannot reach the model hub ({constants.ENDPOINT}) for {repo}: {error.reason}; check the network "
+        return (f"cannot reach the model hub ({redact(constants.ENDPOINT)}) for {repo}: {error.reason}; check the network "
                 "or HF_ENDPOINT, add the model by path, or retry later")
     return error.reason
 

@@ -23,6 +23,7 @@ from exo.bus.state_view import StateView
 from exo.core.catalogue import find_card
 from exo.core.ids import ModelId, NodeId
 from exo.core.types import ModelCard
+from exo.models.dirs import ModelDirs
 
 
 def closest_model_id(asked: str, known: list[str]) -> str | None:
@@ -58,8 +59,10 @@ class ApiContext:
     storage_problem: Callable[[], str | None] = lambda: None
     _background: Background = field(default_factory=lambda: Background("api"))
     cluster_metrics: ClusterCollector = field(init=False)
+    model_dirs: ModelDirs = field(init=False)  # where this node keeps models: /models/add looks there offline
 
     def __post_init__(self) -> None:
+        self.model_dirs = ModelDirs.from_env(self.data_dir)  # as the worker reads them, once
         self.cluster_metrics = ClusterCollector(lambda: self.view.state)
         self.metrics.registry.register(self.cluster_metrics)
 

@@ -330,9 +330,9 @@ def _memory_reason(card: ModelCard, sharding: Sharding, nodes: list[NodeInfo], r
 def human_bytes(count: int, digits: int = 1) -> str:
     """Sizes as people read them: "229 GB", "23.1 GB", "512 MB" (decimal units, as disks and Hub pages show)."""
     for unit, size in (("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("kB", 10**3)):
-        if abs(count) >= size:
-            value = count / size
-            return f"{value:.0f} {unit}" if value >= 100 and digits <= 1 else f"{value:.{digits}f} {unit}"
+        shown = f"{count / size:.0f}" if abs(count) >= 100 * size and digits <= 1 else f"{count / size:.{digits}f}"
+        if abs(count) >= size or float(shown) >= 1:  # 999.6 MB reads "1.0 GB", not "1000 MB"
+            return f"{shown} {unit}"
     return f"{count} bytes"
 
 

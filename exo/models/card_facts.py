@@ -1,59 +1,87 @@
 """What adding a custom card reads from its source: the model's config.json and the size of its
 weights, from the Hub (through huggingface-hub) or from a directory. Blocking: callers use threads.
 
-The size is what placement checks memory against: the `*.safetensors` files a node loads (as
-downloads count them), never other formats a repository may also carry.
+The size is what placement checks memory against, counted by mlx-lm's own rule for what it
+loads: the files `model.safetensors.index.json` maps tensors to, else the top-level
+`model*.safetensors` (a repository's other copies, e.g. `consolidated.safetensors` or
+`original/`, are never loaded, so never counted).
 """
 
 from __future__ import annotations
 
+import fnmatch
+import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from huggingface_hub import HfApi, hf_hub_download
 from huggingface_hub.hf_api import RepoFile
 
-from exo.models.files import is_safe_path, is_weight_file
+from exo.models.files import INDEX_FILE, is_safe_path
 from exo.models.hub import classify
 from exo.models.transfer import DownloadError
 
 # A Hub that does not answer within this is unreachable for an interactive request: say so at once.
 HUB_TIMEOUT_S = 10.0
+_SINGLE_FILES = "model*.safetensors"  # what mlx-lm globs when there is no index
+
+
+class NoWeights(Exception):
+    """The source has no safetensors weights mlx-lm would load."""
 
 
 @dataclass(frozen=True)
 class CardFacts:
     config_text: str
-    weight_bytes: int  # 0: the source lists no weights
+    weight_bytes: int
+
+
+def weight_bytes(sizes: Mapping[str, int], index_text: str | None) -> int:
+    """The bytes mlx-lm loads, from the files' sizes (relative path -> bytes) and the index, if any."""
+    if index_text is not None:
+        try:
+            named = set(json.loads(index_text).get("weight_map", {}).values())
+        except (ValueError, AttributeError):
+            raise NoWeights(f"{INDEX_FILE} is not a valid index") from None
+        loaded = [path for path in named if path in sizes and is_safe_path(path)]
+    else:
+        loaded = [path for path in sizes if "/" not in path and fnmatch.fnmatch(path, _SINGLE_FILES)]
+    if not loaded:
+        raise NoWeights("no safetensors weights mlx-lm would load (model*.safetensors, or the files "
+                        f"{INDEX_FILE} names); mlx-lm loads no other format: convert it with mlx_lm.convert")
+    return sum(sizes[path] for path in loaded)
 
 
 def hub_card_facts(repo_id: str, revision: str, endpoint: str | None = None) -> CardFacts:
     """config.json and the weights' size at `revision`. Raises DownloadError naming the cause
-    (offline, not_found, gated, unauthorized, network, rate_limited, unknown)."""
+    (offline, not_found, gated, unauthorized, network, rate_limited, unknown), or NoWeights."""
     api = HfApi(endpoint=endpoint)
     what = f"{repo_id}@{revision}"
     try:
         commit = api.model_info(repo_id, revision=revision, timeout=HUB_TIMEOUT_S).sha or revision
-        files = [e for e in api.list_repo_tree(repo_id, revision=commit, recursive=True) if isinstance(e, RepoFile)]
-        if not any(f.path == "config.json" for f in files):
+        files = {e.path: e.size for e in api.list_repo_tree(repo_id, revision=commit, recursive=True)
+                 if isinstance(e, RepoFile)}
+        if "config.json" not in files:
             raise DownloadError("not_found", f"{repo_id} has no config.json at revision {revision!r}: "
                                              "it is not a model exo can run (mlx-lm needs one)")
-        config = hf_hub_download(repo_id, "config.json", revision=commit, etag_timeout=HUB_TIMEOUT_S)
-        text = Path(config).read_text()
+        text = _hub_text(repo_id, "config.json", commit)
+        index = _hub_text(repo_id, INDEX_FILE, commit) if INDEX_FILE in files else None
     except Exception as error:  # noqa: BLE001 - classify names every cause; nothing is retried here
         outcome = classify(error, what)
         raise (outcome if isinstance(outcome, DownloadError) else DownloadError(outcome.code, outcome.reason)) from None
-    weights = sum(f.size for f in files if is_weight_file(f.path) and is_safe_path(f.path))
-    return CardFacts(config_text=text, weight_bytes=weights)
+    return CardFacts(config_text=text, weight_bytes=weight_bytes(files, index))
+
+
+def _hub_text(repo_id: str, filename: str, commit: str) -> str:
+    return Path(hf_hub_download(repo_id, filename, revision=commit, etag_timeout=HUB_TIMEOUT_S)).read_text()
 
 
 def local_card_facts(path: Path) -> CardFacts:
-    """config.json and the weights' size of a model directory (what mlx-lm loads: top-level
-    `*.safetensors`; a sparse file counts at its full size, as it loads). Raises OSError."""
-    weights = 0
+    """config.json and the weights' size of a model directory (a sparse file counts at its full
+    size, as it loads). Raises OSError or NoWeights."""
     with os.scandir(path) as entries:
-        for entry in entries:
-            if is_weight_file(entry.name) and entry.is_file():
-                weights += entry.stat().st_size
-    return CardFacts(config_text=(path / "config.json").read_text(), weight_bytes=weights)
+        sizes = {entry.name: entry.stat().st_size for entry in entries if entry.is_file()}
+    index = (path / INDEX_FILE).read_text() if INDEX_FILE in sizes else None
+    return CardFacts(config_text=(path / "config.json").read_text(), weight_bytes=weight_bytes(sizes, index))
