@@ -134,4 +134,4 @@ def test_a_model_whose_instances_failed_is_refused_at_once_with_the_reason():
     state = runner_is(state, a, "failed", "out of memory")
     code, reason = rejection(run(state, GenerateText(command_id="g2", model_id="org/builtin",
                                                      params=GenerationParams()))[1])
-    assert code == "unavailable" and reason.startswith("the instance of 'org/builtin' failed on n1: out of memory;")
+    assert code == "unavailable" and reason.startswith("instance a-1 of 'org/builtin' failed on n1: out of memory;")

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from exo.memory import memory
 from tests.exo_process import exo_command, free_port
 from tests.support.fake_hub import FakeHub
 from tests.support.tiny_model import make_tiny_model
@@ -80,7 +81,7 @@ def localized(text: str, walk: Walk) -> str:
 def run_step(step: Step, walk: Walk) -> None:
     command = localized(step.command, walk)
     expected = pattern_of(localized(step.expected, walk))
-    if re.match(r"(\S+=\S+ )*uv run exo( -|$)", step.command):  # a node: runs on, in its own terminal
+    if re.search(r"uv run exo( -|$)", step.command):  # a node (not a tool): runs on, in its own terminal
         _start_server(command, expected, walk)
         return
     done = subprocess.run(["bash", "-c", command], env=walk.env, capture_output=True, text=True,
@@ -110,6 +111,8 @@ def _start_server(command: str, expected: re.Pattern[str], walk: Walk) -> None:
 
 @pytest.fixture
 def walk(tmp_path):
+    if memory()[0] >= HUGE_WEIGHTS:
+        pytest.skip("this machine could hold the guide's 405B model: its refusal cannot be shown here")
     model = make_tiny_model(tmp_path / "hub" / "small")
     home = tmp_path / "home"
     shutil.copytree(model, home / "models" / "smol")  # "a model directory you already have"

@@ -107,10 +107,10 @@ def _generate(state: State, command: GenerateText, builtin: Mapping[ModelId, Mod
         runner = failures[instances[0].instance_id]
         node = state.nodes.get(runner.node_id)
         where = node_label(node) if node is not None else runner.node_id
-        return _reject(command, "unavailable", f"the instance of {command.model_id!r} failed on {where}: "
-                                               f"{runner.error or 'the runner failed'}; its runner is restarted with "
-                                               "back-off (GET /instance/<id> shows how it is doing), or delete it "
-                                               "and place it again")
+        return _reject(command, "unavailable", f"instance {runner.instance_id} of {command.model_id!r} failed on "
+                                               f"{where}: {runner.error or 'the runner failed'}; it may be restarted "
+                                               f"with back-off (GET /instance/{runner.instance_id} shows how it is "
+                                               "doing), or delete it and place it again")
     instances = [i for i in instances if i.instance_id not in failures]
     # Admission: an instance with room in its queue (the one holding the conversation's prompt
     # cache, else the least busy: routing.py); none with room: try later.
