@@ -7,6 +7,7 @@ from __future__ import annotations
 import mlx_lm
 import pytest
 
+from exo.core.placement import human_bytes
 from tests.e2e_support import Reference, one_model_node, place
 from tests.support.tiny_model import TINY_MODEL_ID, Dims, make_tiny_model
 
@@ -70,7 +71,7 @@ def test_a_context_that_cannot_fit_is_refused_with_the_reason(http, short, model
     assert http.post("/models/add", json=huge).status_code == 200
     refused = http.post("/place_instance", json={"model_id": "local/huge-context", "max_context": 10**8})
     assert refused.status_code == 409, refused.text
-    assert f"needs {10**8 * PER_TOKEN} bytes of KV cache" in refused.json()["error"]["message"]
+    assert f"needs {human_bytes(10**8 * PER_TOKEN)} of KV cache" in refused.json()["error"]["message"]
     previews = http.get("/instance/previews", params={"model_id": "local/huge-context", "max_context": 10**8}).json()
     assert all(p["instance"] is None and "KV cache" in p["error"] for p in previews["previews"] if p["node_count"] == 1)
     too_long = http.post("/place_instance", json={"model_id": SHORT, "max_context": 32769})

@@ -45,10 +45,11 @@ def test_a_runner_failed_by_its_download_fails_the_instance_with_the_download_co
     assert msgspec.to_builtins(report) == {
         "status": "failed", "error": f"download failed: {REASON}", "error_code": "not_found",
         "runners": [
-            {"runner_id": "r0", "node_id": "a", "rank": 0, "status": "ready", "error": "", "download": None},
+            {"runner_id": "r0", "node_id": "a", "rank": 0, "status": "ready", "error": "", "download": None,
+             "failures": 0},
             {"runner_id": "r1", "node_id": "b", "rank": 1, "status": "failed", "error": f"download failed: {REASON}",
              "download": {"status": "failed", "done_bytes": 0, "total_bytes": 0, "speed_bps": 0.0, "eta_s": None,
-                          "source": "", "error_code": "not_found", "error": REASON}},
+                          "source": "", "error_code": "not_found", "error": REASON}, "failures": 0},
         ],
     }
     assert report.failed_runner is not None and report.failed_runner.node_id == "b"
@@ -159,7 +160,8 @@ def test_a_missing_repository_is_reported_on_the_instance_and_by_place_with_wait
         "runners": [{"runner_id": shard["runner_id"], "node_id": node_id, "rank": 0, "status": "failed",
                      "error": f"download failed: {GONE_REASON}",
                      "download": {"status": "failed", "done_bytes": 0, "total_bytes": 0, "speed_bps": 0.0,
-                                  "eta_s": None, "source": "", "error_code": "not_found", "error": GONE_REASON}}],
+                                  "eta_s": None, "source": "", "error_code": "not_found", "error": GONE_REASON},
+                     "failures": 1}],  # not restarted: the repository will not come back by waiting
     }
 
     # With `wait` (in the body or the query): the failure is the answer, a 424 with the download's code.
@@ -195,14 +197,16 @@ def test_place_with_wait_answers_202_while_on_its_way_and_200_once_ready(http, h
     assert body == {
         "message": "instance placed; not ready after 0.001 s", "command_id": body["command_id"],
         "instance_id": instance_id, "instance": body["instance"], "status": body["status"], "error": "",
-        "error_code": "", "runners": [{"runner_id": shard["runner_id"], "node_id": node_id, "rank": 0, "error": ""}],
+        "error_code": "", "runners": [{"runner_id": shard["runner_id"], "node_id": node_id, "rank": 0, "error": "",
+                                       "failures": 0}],
     }
 
     ready = wait_until(lambda: (r := http.get(f"/instance/{instance_id}").json())["status"] == "ready" and r, 120,
                        what="the instance is ready")
     (runner,) = ready["runners"]
     download = runner.pop("download")
-    assert runner == {"runner_id": shard["runner_id"], "node_id": node_id, "rank": 0, "status": "ready", "error": ""}
+    assert runner == {"runner_id": shard["runner_id"], "node_id": node_id, "rank": 0, "status": "ready", "error": "",
+                      "failures": 0}
     assert (download["status"], download["source"], download["error_code"], download["error"]) == (
         "completed", "hub", "", "")
     assert download["done_bytes"] == download["total_bytes"] > 0
