@@ -26,8 +26,11 @@ FAKE_MODEL = "sim/fake"
 
 
 def fake_model_dir(root: Path) -> Path:
-    """A model folder the simulated runners never read: only its config.json, for the card."""
+    """A model folder the simulated runners never read: its config.json for the card's shape, and a
+    sparse weights file for its size (1 MB: room for ten instances on any node)."""
     root.mkdir(parents=True, exist_ok=True)
+    with open(root / "model.safetensors", "wb") as weights:
+        weights.truncate(10**6)
     (root / "config.json").write_text(json.dumps({
         "model_type": "llama", "num_hidden_layers": 4, "hidden_size": 256, "num_attention_heads": 4,
         "num_key_value_heads": 2, "max_position_embeddings": 4096, "torch_dtype": "float16"}))
