@@ -95,7 +95,7 @@ def _start_server(command: str, expected: re.Pattern[str], walk: Walk) -> None:
     # The guide's defaults (52415, 4222) are this walk's free ports: given the way a user would.
     defaults = {"EXO_API_PORT": walk.ports["52415"], "EXO_NATS_PORT": walk.ports["4222"]}
     with open(log, "wb") as out:
-        walk.servers.append(subprocess.Popen(["bash", "-c", f"exec {command}"], env=walk.env | defaults, stdout=out,
+        walk.servers.append(subprocess.Popen(["bash", "-c", f"exec env {command}"], env=walk.env | defaults, stdout=out,
                                              stderr=subprocess.STDOUT))
     walk.logs.append(log)
     deadline = time.monotonic() + SERVER_WAIT_S
