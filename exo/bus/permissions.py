@@ -38,6 +38,10 @@ OPERATOR_PERMISSIONS: dict = {
         ],
         "deny": [
             f"$JS.API.CONSUMER.CREATE.{_MASTER}", f"$JS.API.CONSUMER.CREATE.{_MASTER}.>",
+            # The legacy form names the consumer in the body, not the subject: {"name": "exo-master"}
+            # there replaced the master's consumer (its filter, its ack wait). Readers of the
+            # command stream use the named form (`nats` does).
+            f"$JS.API.CONSUMER.CREATE.{COMMANDS_STREAM}",
             f"$JS.API.CONSUMER.DELETE.{_MASTER}", f"$JS.API.CONSUMER.MSG.NEXT.{_MASTER}",
             # An ack, nak or term of the master's delivery would settle a command it never decided.
             f"$JS.ACK.{_MASTER}.>",
