@@ -119,7 +119,8 @@ def choose_port(host: str, port: int, auto: bool, fix: str) -> int:
 def default_name(api_port: int | None) -> str:
     """The hostname, plus the API port when it is not the default: two nodes on one host differ."""
     host = platform.node() or socket.gethostname()
-    return host if api_port in (None, DEFAULT_API_PORT) else f"{host}:{api_port}"
+    # Port 0 (any free one) is not known yet when the node registers: the hostname alone, then.
+    return host if api_port in (None, 0, DEFAULT_API_PORT) else f"{host}:{api_port}"
 
 
 class Node:
@@ -250,6 +251,8 @@ class Node:
         except OSError as error:
             raise StartupError(f"cannot listen on {self.config.api_host}:{self.config.api_port}: {error.strerror}; "
                                f"pass another --api-port") from None
+        if self.config.api_port == 0:  # any free port: say the one it got
+            self.config = replace(self.config, api_port=self._site_runner.addresses[0][1])
         shown_host = "localhost" if self.config.api_host in ("0.0.0.0", "::") else self.config.api_host
         self.api_url = f"http://{shown_host}:{self.config.api_port}"
 
