@@ -92,10 +92,6 @@ class ApiContext:
     def in_background(self, coroutine: Coroutine[Any, Any, object]) -> None:
         self._background.start(coroutine)
 
-    def max_context(self, model_id: ModelId) -> int:
-        """The most context any instance of the model has room for (0: none placed, or unknown)."""
-        return max((i.max_context for i in self.view.state.instances.values() if i.model_id == model_id), default=0)
-
     def all_cards(self) -> dict[ModelId, ModelCard]:
         return {**self.builtin_cards, **self.view.state.custom_model_cards}
 

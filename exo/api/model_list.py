@@ -45,14 +45,9 @@ def availability(state: State) -> dict[ModelId, Availability]:
             for model_id in ready.keys() | downloaded.keys()}
 
 
-def max_context_of(state: State, model_id: ModelId) -> int:
-    """The most context any instance of the model has room for (0: none placed, or unknown)."""
-    return max((i.max_context for i in state.instances.values() if i.model_id == model_id), default=0)
-
-
 def openai_entry(card: ModelCard, state: State, where: Availability) -> dict[str, Any]:
     return {"id": card.model_id, "object": "model", "created": 0, "owned_by": "exo", "name": card.name or card.model_id,
-            "context_length": card.context_length, "max_context": max_context_of(state, card.model_id) or None,
+            "context_length": card.context_length, "max_context": state.max_context_of(card.model_id) or None,
             **where.fields()}
 
 

@@ -37,6 +37,10 @@ class State(msgspec.Struct, frozen=True, kw_only=True):
     instance_end_reasons: dict[ModelId, str] = {}
     cluster: ClusterLayout = ClusterLayout()  # a discovered cluster's servers and replicas (issue #21)
 
+    def max_context_of(self, model_id: ModelId) -> int:
+        """The most context any instance of the model has room for (0: none placed, or unknown)."""
+        return max((i.max_context for i in self.instances.values() if i.model_id == model_id), default=0)
+
     def instances_of(self, model_id: ModelId) -> list[Instance]:
         return sorted(
             (i for i in self.instances.values() if i.model_id == model_id),
