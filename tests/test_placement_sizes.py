@@ -9,7 +9,7 @@ import pytest
 
 from exo.core.placement import Unplaceable, human_bytes, needed_and_free, place_instance, placement_previews
 from exo.core.types import ModelCard
-from exo.models.card_facts import NoWeights, weight_bytes
+from exo.models.card_facts import MAX_META_FILE_BYTES, NoWeights, local_card_facts, weight_bytes
 from tests.test_placement import CARD, GB, cluster_of, ids, layout, node, place
 
 
@@ -46,3 +46,18 @@ def test_a_cards_size_is_what_mlx_lm_loads():
     assert weight_bytes(sharded, index) == 100  # the files the index names, each once
     with pytest.raises(NoWeights, match="mlx_lm.convert"):
         weight_bytes({"pytorch_model.bin": 100, "config.json": 5}, None)
+
+
+@pytest.mark.parametrize("index", ["[]", '{"weight_map": []}', '{"weight_map": {"a": [1]}}', '{"weight_map": {"a": 5}}',
+                                   '{"weight_map": "x"}', "nan", "{}"])
+def test_a_hostile_index_is_refused_with_the_reason_not_a_crash(index):
+    with pytest.raises(NoWeights):
+        weight_bytes({"model.safetensors": 5}, index)
+
+
+def test_a_config_far_larger_than_a_models_is_refused_unread(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"0" * 10)
+    with open(tmp_path / "config.json", "wb") as config:
+        config.truncate(MAX_META_FILE_BYTES + 1)  # sparse: costs no disk
+    with pytest.raises(NoWeights, match="config.json is"):
+        local_card_facts(tmp_path)

@@ -26,10 +26,11 @@ from exo.models.transfer import DownloadError
 # A Hub that does not answer within this is unreachable for an interactive request: say so at once.
 HUB_TIMEOUT_S = 10.0
 _SINGLE_FILES = "model*.safetensors"  # what mlx-lm globs when there is no index
+MAX_META_FILE_BYTES = 64 << 20  # config.json and the index: a few MB for the largest models
 
 
 class NoWeights(Exception):
-    """The source has no safetensors weights mlx-lm would load."""
+    """The source has no safetensors weights mlx-lm would load, or its config or index is not a model's."""
 
 
 @dataclass(frozen=True)
@@ -42,10 +43,13 @@ def weight_bytes(sizes: Mapping[str, int], index_text: str | None) -> int:
     """The bytes mlx-lm loads, from the files' sizes (relative path -> bytes) and the index, if any."""
     if index_text is not None:
         try:
-            named = set(json.loads(index_text).get("weight_map", {}).values())
-        except (ValueError, AttributeError):
-            raise NoWeights(f"{INDEX_FILE} is not a valid index") from None
-        loaded = [path for path in named if path in sizes and is_safe_path(path)]
+            weight_map = json.loads(index_text)["weight_map"]
+        except (ValueError, TypeError, KeyError):
+            weight_map = None
+        # A repository's file: anything may be in it. Only tensor name -> file name is an index.
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise NoWeights(f"{INDEX_FILE} is not a valid index (a weight_map of tensor names to file names)")
+        loaded = [path for path in set(weight_map.values()) if path in sizes and is_safe_path(path)]
     else:
         loaded = [path for path in sizes if "/" not in path and fnmatch.fnmatch(path, _SINGLE_FILES)]
     if not loaded:
@@ -68,6 +72,8 @@ def hub_card_facts(repo_id: str, revision: str, endpoint: str | None = None) -> 
                                              "it is not a model exo can run (mlx-lm needs one)")
         text = _hub_text(repo_id, "config.json", commit)
         index = _hub_text(repo_id, INDEX_FILE, commit) if INDEX_FILE in files else None
+    except NoWeights:
+        raise
     except Exception as error:  # noqa: BLE001 - classify names every cause; nothing is retried here
         outcome = classify(error, what)
         raise (outcome if isinstance(outcome, DownloadError) else DownloadError(outcome.code, outcome.reason)) from None
@@ -75,7 +81,14 @@ def hub_card_facts(repo_id: str, revision: str, endpoint: str | None = None) -> 
 
 
 def _hub_text(repo_id: str, filename: str, commit: str) -> str:
-    return Path(hf_hub_download(repo_id, filename, revision=commit, etag_timeout=HUB_TIMEOUT_S)).read_text()
+    return small_text(Path(hf_hub_download(repo_id, filename, revision=commit, etag_timeout=HUB_TIMEOUT_S)))
+
+
+def small_text(path: Path) -> str:
+    """A config or index file's text; one far larger than any real one is refused, not read into memory."""
+    if path.stat().st_size > MAX_META_FILE_BYTES:
+        raise NoWeights(f"{path.name} is {path.stat().st_size} bytes: not a model's (at most {MAX_META_FILE_BYTES})")
+    return path.read_text()
 
 
 def local_card_facts(path: Path) -> CardFacts:
@@ -83,5 +96,5 @@ def local_card_facts(path: Path) -> CardFacts:
     size, as it loads). Raises OSError or NoWeights."""
     with os.scandir(path) as entries:
         sizes = {entry.name: entry.stat().st_size for entry in entries if entry.is_file()}
-    index = (path / INDEX_FILE).read_text() if INDEX_FILE in sizes else None
-    return CardFacts(config_text=(path / "config.json").read_text(), weight_bytes=weight_bytes(sizes, index))
+    index = small_text(path / INDEX_FILE) if INDEX_FILE in sizes else None
+    return CardFacts(config_text=small_text(path / "config.json"), weight_bytes=weight_bytes(sizes, index))
