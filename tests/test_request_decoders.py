@@ -41,3 +41,14 @@ def test_urls_in_messages_never_show_a_password():
     # A password holding a comma is split by the URL list: no piece may show any of it.
     pieces = split_urls('nats://exo:{"exo_password":"abc", "operator_password":"def"}@127.0.0.1:4300')
     assert all("abc" not in redact(p) and "def" not in redact(p) for p in pieces)
+
+
+def test_a_model_id_suggestion_names_a_near_one_and_skips_what_is_no_id():
+    from exo.api.context import closest_model_id
+
+    known = ["mlx-community/Qwen3-0.6B-4bit", "mlx-community/SmolLM2-135M-Instruct"]
+    assert closest_model_id("mlx-community/qwen3-0.6b-4bit", known) == known[0]  # case
+    assert closest_model_id("someone/SmolLM2-135M-Instruct", known) == known[1]  # another org
+    assert closest_model_id("mlx-community/SmolLM2-135M-Instruc", known) == known[1]  # spelling
+    assert closest_model_id("org/unrelated", known) is None
+    assert closest_model_id("a/" + "b" * 5000, known) is None

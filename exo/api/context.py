@@ -29,6 +29,8 @@ from exo.models.dirs import ModelDirs
 def closest_model_id(asked: str, known: list[str]) -> str | None:
     """The known id a typo most likely meant: the same but for case, else the same name in another
     org, else the closest spelling."""
+    if len(asked) > 200:  # no model id is that long: nothing to suggest, and no time spent comparing it
+        return None
     lower = {k.lower(): k for k in known}
     if asked.lower() in lower:
         return lower[asked.lower()]
