@@ -28,6 +28,10 @@ from exo.resources import streams_dir
 log = logging.getLogger(__name__)
 
 _STREAM_IN_USE = 10058  # "stream name already in use with a different configuration"
+# Deleting the last stream of an account (fit_divisor's probe) makes nats-server 2.15 remove the
+# account's empty streams directory in the background, racing the next CREATE ("error creating
+# store for stream", about 1 in 500 in a loop here): retried, then named.
+_STORE_FAILED, _STORE_RETRIES = 10049, 3
 _CONSUMER_EXISTS = 10148  # "consumer already exists" (with another config)
 # A JetStream cluster still forming (a server not yet up or not yet a meta-group member) has no
 # peers for a replicated stream: exo started with the cluster waits for it instead of exiting.
@@ -114,6 +118,12 @@ async def _create_stream(nc: Client, config: dict[str, Any], keep_replicas: bool
     """Make a stream that was missing (and check it, if another node made it meanwhile)."""
     name = config["name"]
     reply = await create_fitting(nc, config, divisor)
+    for _ in range(_STORE_RETRIES):
+        if (reply.get("error") or {}).get("err_code") != _STORE_FAILED:
+            break
+        log.warning("stream %s: %s; trying again", name, reply["error"].get("description"))
+        await asyncio.sleep(0.5)
+        reply = await create_fitting(nc, config, divisor)
     error = reply.get("error")
     if error and error.get("err_code") == _STREAM_IN_USE:  # made by another node meanwhile
         existing = (await jetstream_request(nc, f"$JS.API.STREAM.INFO.{name}", {})).get("config", {})
