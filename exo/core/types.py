@@ -280,6 +280,10 @@ class TokenChunk(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     stop_sequence: str = ""  # the stop string that ended generation, if one did
     cached_tokens: int = 0  # on the last chunk: prompt tokens reused from the runner's prompt cache
     error_code: str = ""  # with finish_reason "error": what kind, e.g. "context_length_exceeded" (a client's 400)
+    # The ids of the tokens whose text this chunk completes (every token since the previous chunk):
+    # a runner that takes over a generation (a migration) prefills the prompt plus these.
+    token_ids: list[int] = []
+    attempt: int = 0  # which run of the task sent it: 0 first, +1 per migration; older runs' late chunks are dropped
 
 
 class ToolCall(msgspec.Struct, frozen=True, kw_only=True):

@@ -33,11 +33,20 @@ class WarmUp(Request, frozen=True, tag="warm_up", kw_only=True):
     pass
 
 
+class Resume(msgspec.Struct, frozen=True, kw_only=True):
+    """A generation taken over from a runner that died (a migration): what its stored chunks say."""
+
+    token_ids: list[int]  # the tokens already streamed, in order: prefilled after the prompt
+    next_index: int  # the index of the first chunk this runner sends
+    attempt: int  # the task's run: len(task.migrations)
+
+
 class Generate(Request, frozen=True, tag="generate", kw_only=True):
     task_id: TaskId
     params: GenerationParams
     defaults: SamplingDefaults = SamplingDefaults()
     image_paths: dict[str, str] = {}  # sha256 -> file on this node, verified by the worker
+    resume: Resume | None = None  # continue after these tokens instead of starting afresh
 
 
 class Cancel(Request, frozen=True, tag="cancel", kw_only=True):
