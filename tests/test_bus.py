@@ -58,7 +58,7 @@ async def test_events_are_indexed_by_stream_sequence_and_deduplicated(nc):
     assert again == first and second == first + 1
     msg = await nc.jetstream().get_msg("EXO_EVENTS", first)
     assert msg.subject == "exo.events.task.started"
-    assert json.loads(msg.data) == {"kind": "task.started", "term": 0, "task_id": "a"}
+    assert json.loads(msg.data) == {"kind": "task.started", "term": 0, "task_id": "a", "attempt": 0}
     assert msg.headers["Nats-Msg-Id"] == "dedupe-1"
 
 

@@ -8,6 +8,8 @@ from exo.core.events import (
     CommandRejected,
     CustomCardAdded,
     CustomCardDeleted,
+    DesireEnded,
+    DesireSet,
     InstanceCreated,
     InstanceDeleted,
     NodeRegistered,
@@ -46,8 +48,9 @@ def rejection(events) -> tuple[str, str]:
 def test_place_puts_every_layer_on_the_node_with_most_memory():
     state = apply(with_node(), NodeRegistered(node=NodeInfo(node_id="n2", memory_available=20_000)), 2)
     state, events = run(state, PlaceInstance(command_id="c1", model_id="org/builtin"))
-    (created,) = events
-    assert isinstance(created, InstanceCreated) and created.command_id == "c1"
+    created, desire = events
+    assert isinstance(desire, DesireSet) and desire.desire.replicas == 1 and desire.desire.desire_id == "c1"
+    assert isinstance(created, InstanceCreated) and created.command_id == "c1" and created.instance.desire_id == "c1"
     assert created.instance.instance_id == "c1-1"
     (shard,) = created.instance.shards
     assert (shard.runner_id, shard.node_id, shard.start_layer, shard.end_layer) == ("c1-0", "n2", 0, 8)
@@ -88,7 +91,8 @@ def test_cancel_and_delete_instance_end_open_tasks():
     state, _ = run(state, GenerateText(command_id="g2", model_id="org/builtin"))
     instance_id = state.tasks["g2"].instance_id
     state, events = run(state, DeleteInstance(command_id="d1", instance_id=instance_id))
-    assert [type(e) for e in events] == [TaskFinished, TaskFinished, InstanceDeleted]
+    assert [type(e) for e in events] == [TaskFinished, TaskFinished, DesireEnded, InstanceDeleted]  # its last instance
+    assert state.desires == {}
     assert state.tasks["g2"].status == "cancelled" and state.instances == {}
     assert rejection(run(state, DeleteInstance(command_id="d2", instance_id=instance_id))[1])[0] == "not_found"
 

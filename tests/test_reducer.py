@@ -86,7 +86,7 @@ def test_finished_tasks_are_bounded():
 
 def test_wire_format_is_tagged_and_tolerates_unknown_fields():
     event = TaskStarted(task_id="t1")
-    assert msgspec.json.decode(encode_event(event)) == {"kind": "task.started", "term": 0, "task_id": "t1"}
+    assert msgspec.json.decode(encode_event(event)) == {"kind": "task.started", "term": 0, "task_id": "t1", "attempt": 0}
     assert decode_event(b'{"kind":"task.started","task_id":"t1","added_later":42}') == event
     with pytest.raises(msgspec.ValidationError):
         decode_event(b'{"kind":"no.such.event"}')

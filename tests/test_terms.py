@@ -54,12 +54,15 @@ def test_a_masters_event_kind_without_a_term_is_skipped_whoever_wrote_it():
         CommandRejected,
         CustomCardAdded,
         CustomCardDeleted,
+        DesireEnded,
+        DesireSet,
         NodeRegistered,
         NodeTimedOut,
         TaskCancelRequested,
         TaskCreated,
+        TaskMigrated,
     )
-    from exo.core.types import ModelCard, NodeInfo, Task
+    from exo.core.types import Desire, ModelCard, NodeInfo, Task
 
     state = fold([LeaderElected(node_id="a", lease_revision=5)], State())
     state = fold([NodeRegistered(node=NodeInfo(node_id="n1")), InstanceCreated(instance=INSTANCE, term=1),
@@ -69,11 +72,13 @@ def test_a_masters_event_kind_without_a_term_is_skipped_whoever_wrote_it():
               TaskCreated(task=Task(task_id="t2", instance_id="i1", model_id="m/a")),
               TaskCancelRequested(task_id="t1"), NodeTimedOut(node_id="n1"),
               CustomCardAdded(card=ModelCard(model_id="org/builtin", path="/tmp/attacker", n_layers=2)),
-              CustomCardDeleted(model_id="org/real"), CommandRejected(command_id="c1")]
+              CustomCardDeleted(model_id="org/real"), CommandRejected(command_id="c1"),
+              DesireSet(desire=Desire(desire_id="d1", model_id="m/a")), DesireEnded(desire_id="d0"),
+              TaskMigrated(task_id="t1")]
     assert {type(e) for e in forged} == MASTER_KINDS  # every master kind is tried
     after = apply_all(state, [(event, state.last_seq + n) for n, event in enumerate(forged, start=1)])  # as written
-    assert (after.instances, after.tasks, after.nodes, after.custom_model_cards) == (
-        state.instances, state.tasks, state.nodes, state.custom_model_cards)
+    assert (after.instances, after.tasks, after.nodes, after.custom_model_cards, after.desires) == (
+        state.instances, state.tasks, state.nodes, state.custom_model_cards, state.desires)
     assert "c1" not in after.answered_commands
     assert [s.reason for s in after.skipped_events] == ["a master's event without a term"] * len(forged)
 

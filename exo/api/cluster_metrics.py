@@ -41,6 +41,14 @@ class ClusterCollector(Collector):
         for status, count in sorted(Counter(r.status for r in state.runners.values()).items()):
             runners.add_metric([status], count)
         yield runners
+        yield CounterMetricFamily("exo_migrations", "generations moved off an instance that died (exo/master/heal.py)",
+                                  value=state.migrations_total)
+        waiting = GaugeMetricFamily("exo_desires_waiting", "desires short of their replicas, with why",
+                                    labels=["desire_id", "model_id", "reason"])
+        for desire in sorted(state.desires.values(), key=lambda d: d.desire_id):
+            if desire.waiting:
+                waiting.add_metric([desire.desire_id, desire.model_id, desire.waiting[:200]], 1)
+        yield waiting
         yield GaugeMetricFamily("exo_events_applied", "sequence of the last event folded into this node's State",
                                 value=state.last_seq)
         yield GaugeMetricFamily("exo_follower_lag_events",

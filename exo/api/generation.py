@@ -14,6 +14,8 @@ from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, nullcontext
 from dataclasses import dataclass, field
 
+import msgspec
+
 from exo.api.context import ApiContext
 from exo.api.errors import ApiError
 from exo.api.outcomes import COMMAND_TIMEOUT_S, new_command_id, raise_if_rejected
@@ -48,20 +50,41 @@ class Generation:
         self._last_at: float | None = None
         self._tokens_seen = 0
         self._next_index = 0  # the index of the next chunk this generation should see
+        self._runs = RunTracker()
         self.finished = False
         self._reading = True
         ctx.readers[command_id] += 1
 
     async def chunks(self) -> AsyncIterator[TokenChunk]:
         while not self.finished:
-            for chunk in await self._in_order(await self._next_chunk()):
+            arrived = await self._next_chunk()
+            if not self._of_current_run(arrived):
+                continue
+            for chunk in await self._in_order(arrived):
                 if chunk.finish_reason is None and chunk.index <= self._after:
                     continue
+                chunk = self._runs.trimmed(chunk)
                 self.finished = chunk.finish_reason is not None
                 self._measure(chunk)
                 yield chunk
                 if self.finished:
                     break
+
+    def _of_current_run(self, chunk: TokenChunk) -> bool:
+        """A chunk of the task's latest run (a migration starts a new one: exo/master/heal.py); an
+        earlier run's late chunk (its node paused, then woke) is dropped. The first chunk of a new
+        run may repeat indices this stream already gave (sent, but never stored): their text is
+        skipped once (RunTracker), so nothing is repeated."""
+        if chunk.index < 0 or chunk.attempt == self._runs.attempt and not chunk.attempt:
+            return True  # the common case: a task never moved
+        task = self._ctx.view.state.tasks.get(self.command_id)
+        current = max(self._runs.attempt, len(task.migrations) if task is not None else 0)
+        if chunk.attempt == self._runs.attempt and chunk.attempt >= current:
+            return True
+        if chunk.attempt < current:
+            return False
+        self._next_index = self._runs.begin(chunk.attempt, chunk.index, self._next_index)
+        return True
 
     async def _in_order(self, chunk: TokenChunk) -> list[TokenChunk]:
         """`chunk`, after the chunks before it that never reached this listener (a dropped
@@ -160,6 +183,40 @@ class Generation:
             readers[self.command_id] -= 1
             if readers[self.command_id] <= 0:
                 del readers[self.command_id]
+
+
+class RunTracker:
+    """What this stream gave of each chunk index (lengths), so that a new run of the task (a
+    migration) that resumes at an index the stream already gave skips that much of its text."""
+
+    KEPT = 4096  # indices remembered: a run resumes at most a few chunks back (what was never stored)
+
+    def __init__(self) -> None:
+        self.attempt = 0
+        self._given: dict[int, tuple[int, int, int]] = {}  # index -> (text, reasoning, logprobs) given
+        self._skip = [0, 0, 0]
+
+    def begin(self, attempt: int, first_index: int, next_index: int) -> int:
+        """Run `attempt` starts at `first_index`; returns the index this stream now expects next."""
+        self.attempt = attempt
+        repeated = [self._given[i] for i in range(first_index, next_index) if i in self._given]
+        self._skip = [sum(given[k] for given in repeated) for k in range(3)]
+        if repeated:
+            log.info("generation resumes %d chunk(s) back after a migration; skipping what was given",
+                     len(repeated))
+        return min(first_index, next_index)
+
+    def trimmed(self, chunk: TokenChunk) -> TokenChunk:
+        text, reasoning, logprobs = chunk.text, chunk.reasoning, chunk.logprobs
+        if any(self._skip):
+            cut = [min(self._skip[0], len(text)), min(self._skip[1], len(reasoning)), min(self._skip[2], len(logprobs))]
+            text, reasoning, logprobs = text[cut[0]:], reasoning[cut[1]:], logprobs[cut[2]:]
+            self._skip = [left - done for left, done in zip(self._skip, cut)]
+            chunk = msgspec.structs.replace(chunk, text=text, reasoning=reasoning, logprobs=logprobs)
+        if chunk.index >= 0:
+            self._given[chunk.index] = (len(text), len(reasoning), len(logprobs))
+            self._given.pop(chunk.index - self.KEPT, None)
+        return chunk
 
 
 async def _cancel_if_unread(ctx: ApiContext, command_id: CommandId) -> None:

@@ -14,6 +14,7 @@ from nats.aio.subscription import Subscription
 from nats.js import api
 
 from exo.bus.inbound import from_clients_only
+from exo.bus.jetstream_api import jetstream_request
 from exo.bus.publish import publish_durably
 from exo.bus.subjects import TOKENS_STREAM, token_subject
 from exo.core.ids import CommandId
@@ -48,13 +49,56 @@ async def stored_chunks(nc: Client, command_id: CommandId, first: int, stop: int
             chunk = await listener.next_within(deadline - loop.time())
             if chunk is None:
                 break
-            if chunk.index >= first and (stop is None or chunk.index < stop):
+            held = found.get(chunk.index)
+            if chunk.index >= first and (stop is None or chunk.index < stop) and (
+                    held is None or chunk.attempt >= held.attempt):  # a later run's chunk replaces an earlier's
                 found[chunk.index] = chunk
                 if stop is None and chunk.finish_reason is not None:
                     end = chunk.index + 1
     finally:
         await listener.close()
     return found
+
+
+async def resume_point(nc: Client, command_id: CommandId, attempt: int, timeout: float = 5.0) -> tuple[list[int], int]:
+    """For run `attempt` of a generation taking over from the runs before it: the token ids they
+    streamed, in order, and the index of the next chunk. Their stored chunks, each run's from the
+    index it resumed at, up to the first gap (what JetStream never stored is generated again)."""
+    last = await jetstream_request(nc, f"$JS.API.STREAM.MSG.GET.{TOKENS_STREAM}",
+                                   {"last_by_subj": token_subject(command_id)})
+    if last.get("error"):
+        return [], 0  # nothing stored: it starts from the beginning
+    last_seq = int(last["message"]["seq"])
+    listener = await TokenListener.from_stream(nc, command_id, with_sequence=True)
+    chunks: list[TokenChunk] = []
+    try:
+        while (found := await listener.next_with_sequence(timeout)) is not None:
+            seq, chunk = found
+            if chunk.attempt < attempt and chunk.finish_reason is None:
+                chunks.append(chunk)
+            if seq >= last_seq:
+                break
+    finally:
+        await listener.close()
+    return chain_of(chunks)
+
+
+def chain_of(chunks: list[TokenChunk]) -> tuple[list[int], int]:
+    """The token ids of one generation's chunks as its runs sent them (each run's chunks from its
+    first index on replace the runs before it), up to the first missing index; and that index."""
+    by_index: dict[int, TokenChunk] = {}
+    for chunk in chunks:
+        held = by_index.get(chunk.index)
+        if held is None or chunk.attempt >= held.attempt:
+            by_index[chunk.index] = chunk
+    starts = {c.attempt: min(i for i, k in by_index.items() if k.attempt == c.attempt) for c in by_index.values()}
+    token_ids: list[int] = []
+    index = 0
+    while (next_chunk := by_index.get(index)) is not None and not any(
+            a > next_chunk.attempt and start <= index for a, start in starts.items()):
+        token_ids += next_chunk.token_ids
+        index += 1
+    return token_ids, index
 
 
 class TokenListener:
@@ -67,6 +111,7 @@ class TokenListener:
 
     def __init__(self) -> None:
         self.queue: asyncio.Queue[TokenChunk] = asyncio.Queue()
+        self._sequenced: asyncio.Queue[tuple[int, TokenChunk]] = asyncio.Queue()  # (stream sequence, chunk)
         self._subscription: Subscription | None = None
 
     @classmethod
@@ -78,16 +123,25 @@ class TokenListener:
         return listener
 
     @classmethod
-    async def from_stream(cls, nc: Client, command_id: CommandId) -> "TokenListener":
+    async def from_stream(cls, nc: Client, command_id: CommandId, with_sequence: bool = False) -> "TokenListener":
         listener = cls()
         listener._subscription = await nc.jetstream().subscribe(
             token_subject(command_id),
             stream=TOKENS_STREAM,
             ordered_consumer=True,
             deliver_policy=api.DeliverPolicy.ALL,
-            cb=listener._on_msg,
+            cb=listener._on_stored if with_sequence else listener._on_msg,
         )
         return listener
+
+    async def next_with_sequence(self, seconds: float) -> tuple[int, TokenChunk] | None:
+        try:
+            return await asyncio.wait_for(self._sequenced.get(), seconds)
+        except asyncio.TimeoutError:
+            return None
+
+    async def _on_stored(self, msg) -> None:
+        self._sequenced.put_nowait((msg.metadata.sequence.stream, _decoder.decode(msg.data)))
 
     async def next_within(self, seconds: float) -> TokenChunk | None:
         try:

@@ -27,6 +27,8 @@ from exo.core.events import (
     CommandRejected,
     CustomCardAdded,
     CustomCardDeleted,
+    DesireEnded,
+    DesireSet,
     DownloadDeleted,
     DownloadFailed,
     DownloadProgressed,
@@ -40,19 +42,20 @@ from exo.core.events import (
     TaskCancelRequested,
     TaskCreated,
     TaskFinished,
+    TaskMigrated,
     TaskStarted,
     command_id_of,
 )
 from exo.core.ids import NodeId, TaskId
 from exo.core.state import MAX_ANSWERED_COMMANDS, MAX_FINISHED_TASKS, MAX_SKIPPED_KEPT, SkippedEvent, State
-from exo.core.types import DownloadProgress, RunnerInfo, Task
+from exo.core.types import DownloadProgress, Migration, RunnerInfo, Task
 
 # The kinds only a master appends (exo/master): each must carry the leading term. Workers' kinds
 # carry term 0 and are checked against what State knows instead (docs/reliability.md, "Who may
 # write what").
 MASTER_KINDS: frozenset[type] = frozenset({
     NodeTimedOut, InstanceCreated, InstanceDeleted, TaskCreated, TaskCancelRequested,
-    CustomCardAdded, CustomCardDeleted, CommandRejected,
+    CustomCardAdded, CustomCardDeleted, CommandRejected, DesireSet, DesireEnded, TaskMigrated,
 })
 
 
@@ -95,7 +98,7 @@ class Draft:
     __slots__ = (
         "_base", "_own_downloads_of", "last_seq", "leader_term", "leader_node", "leader_by_sequence", "nodes", "instances", "runners",
         "tasks", "custom_model_cards", "skipped_events", "finished_task_ids", "answered_commands", "downloads",
-        "instance_end_reasons", "cluster",
+        "instance_end_reasons", "cluster", "desires", "migrations_total",
     )
 
     def __init__(self, state: State) -> None:
@@ -116,6 +119,8 @@ class Draft:
         self.downloads = state.downloads
         self.instance_end_reasons = state.instance_end_reasons
         self.cluster = state.cluster
+        self.desires = state.desires
+        self.migrations_total = state.migrations_total
 
     def state(self) -> State:
         """The State so far. The draft can go on: from here it copies again what it changes."""
@@ -126,6 +131,7 @@ class Draft:
             custom_model_cards=self.custom_model_cards, skipped_events=self.skipped_events,
             finished_task_ids=self.finished_task_ids, answered_commands=self.answered_commands,
             downloads=self.downloads, instance_end_reasons=self.instance_end_reasons, cluster=self.cluster,
+            desires=self.desires, migrations_total=self.migrations_total,
         )
         self._base = state
         self._own_downloads_of = set()
@@ -258,13 +264,51 @@ def _on_task_cancel_requested(draft: Draft, event: TaskCancelRequested, seq: int
 
 def _on_task_started(draft: Draft, event: TaskStarted, seq: int) -> None:
     task = _open_task(draft, event.task_id)
+    _check_attempt(task, event.attempt, "start")
     draft.own("tasks")[event.task_id] = replace(task, status="running")
+
+
+def _check_attempt(task: Task, attempt: int, what: str) -> None:
+    """A worker speaks for the task's current run only: a run it migrated away from (a node that
+    paused, then woke) cannot start or end it."""
+    if attempt != len(task.migrations):
+        raise _Skip(f"task {task.task_id}: the {what} of run {attempt}, but it is on run {len(task.migrations)}")
+
+
+def _on_task_migrated(draft: Draft, event: TaskMigrated, seq: int) -> None:
+    task = _open_task(draft, event.task_id)
+    if event.to_instance and event.to_instance not in draft.instances:
+        raise _Skip(f"task {event.task_id}: unknown instance {event.to_instance}")
+    if event.to_instance and draft.instances[event.to_instance].model_id != task.model_id:
+        raise _Skip(f"task {event.task_id}: instance {event.to_instance} serves another model")
+    moved = Migration(from_instance=task.instance_id, to_instance=event.to_instance, reason=event.reason, at=event.at)
+    waiting_already = not task.instance_id and task.migrations  # from waiting to an instance: the same move
+    migrations = [*task.migrations[:-1], replace(task.migrations[-1], to_instance=event.to_instance)] \
+        if waiting_already else [*task.migrations, moved]
+    draft.own("tasks")[event.task_id] = replace(task, instance_id=event.to_instance, status="pending",
+                                                migrations=migrations)
+    if not waiting_already:
+        draft.migrations_total += 1
+
+
+def _on_desire_set(draft: Draft, event: DesireSet, seq: int) -> None:
+    if event.desire.replicas < 1:
+        raise _Skip(f"desire {event.desire.desire_id}: replicas must be at least 1")
+    draft.own("desires")[event.desire.desire_id] = event.desire
+
+
+def _on_desire_ended(draft: Draft, event: DesireEnded, seq: int) -> None:
+    if event.desire_id not in draft.desires:
+        raise _Skip(f"unknown desire {event.desire_id}")
+    del draft.own("desires")[event.desire_id]
 
 
 def _on_task_finished(draft: Draft, event: TaskFinished, seq: int) -> None:
     """Finish the task, and keep State bounded: only the most recent MAX_FINISHED_TASKS
     finished tasks stay."""
     task = _open_task(draft, event.task_id)
+    if not event.term:  # a worker's: the master ends a task whatever run it is on
+        _check_attempt(task, event.attempt, "end")
     tasks = draft.own("tasks")
     tasks[event.task_id] = replace(
         task, params=without_text(task.params),  # the text stays in the log; State keeps its digest
@@ -348,6 +392,9 @@ _HANDLERS: dict[type, Callable[[Draft, Any, int], None]] = {
     DownloadFailed: _on_download_failed,
     DownloadDeleted: _on_download_deleted,
     ClusterLayoutChanged: _on_cluster_layout,
+    DesireSet: _on_desire_set,
+    DesireEnded: _on_desire_ended,
+    TaskMigrated: _on_task_migrated,
 }
 # Checked once at import: a new event kind needs a handler, a new State field a place in the Draft.
 if set(_HANDLERS) != set(get_args(AnyEvent)):

@@ -21,6 +21,11 @@ class PlaceInstance(Command, frozen=True, tag="place_instance", kw_only=True):
     max_context: int = 0  # tokens of context to reserve KV cache for; 0: the most that fits, up to a default
     kv_bits: int = 0  # quantize the KV cache to this many bits (exo/core/kv_budget.py KV_BITS); 0: not quantized
     force: bool = False  # place without checking that it fits in memory (a card of unknown size, too)
+    replicas: int = 1  # instances of it kept running, on distinct nodes where memory allows
+
+
+class DeleteDesire(Command, frozen=True, tag="delete_desire", kw_only=True):
+    desire_id: str
 
 
 class DeleteInstance(Command, frozen=True, tag="delete_instance", kw_only=True):
@@ -45,7 +50,7 @@ class DeleteCustomCard(Command, frozen=True, tag="delete_card", kw_only=True):
     model_id: ModelId
 
 
-AnyCommand = PlaceInstance | DeleteInstance | GenerateText | CancelTask | AddCustomCard | DeleteCustomCard
+AnyCommand = PlaceInstance | DeleteInstance | DeleteDesire | GenerateText | CancelTask | AddCustomCard | DeleteCustomCard
 
 _decoder = msgspec.json.Decoder(AnyCommand)
 _encoder = msgspec.json.Encoder()

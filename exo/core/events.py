@@ -11,6 +11,7 @@ import msgspec
 from exo.core.ids import CommandId, InstanceId, ModelId, NodeId, RunnerId, TaskId
 from exo.core.types import (
     ClusterLayout,
+    Desire,
     DownloadProgress,
     Instance,
     ModelCard,
@@ -74,6 +75,28 @@ class InstanceDeleted(Event, frozen=True, tag="instance.deleted", kw_only=True):
     reason: str = ""
 
 
+class DesireSet(Event, frozen=True, tag="desire.set", kw_only=True):
+    """A desire made or changed (its replicas, why it waits, its back-off): the whole record."""
+
+    command_id: CommandId = CommandId("")
+    desire: Desire
+
+
+class DesireEnded(Event, frozen=True, tag="desire.ended", kw_only=True):
+    command_id: CommandId = CommandId("")
+    desire_id: str
+    reason: str = ""
+
+
+class TaskMigrated(Event, frozen=True, tag="task.migrated", kw_only=True):
+    """The task's instance died: it continues on `to_instance` ("": once one of its model is ready)."""
+
+    task_id: TaskId
+    to_instance: InstanceId = InstanceId("")
+    reason: str = ""
+    at: float = 0.0
+
+
 class RunnerStatusChanged(Event, frozen=True, tag="runner.status", kw_only=True):
     runner_id: RunnerId
     instance_id: InstanceId
@@ -95,6 +118,7 @@ class TaskCancelRequested(Event, frozen=True, tag="task.cancel_requested", kw_on
 
 class TaskStarted(Event, frozen=True, tag="task.started", kw_only=True):
     task_id: TaskId
+    attempt: int = 0  # the run that started (len(task.migrations)); an older run's is skipped
 
 
 class TaskFinished(Event, frozen=True, tag="task.finished", kw_only=True):
@@ -105,6 +129,7 @@ class TaskFinished(Event, frozen=True, tag="task.finished", kw_only=True):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens reused from the runner's prompt cache
+    attempt: int = 0  # the run that ended (len(task.migrations)); an older run's end is skipped (from workers)
 
 
 class CustomCardAdded(Event, frozen=True, tag="card.added", kw_only=True):
@@ -168,6 +193,9 @@ AnyEvent = (
     | DownloadFailed
     | DownloadDeleted
     | ClusterLayoutChanged
+    | DesireSet
+    | DesireEnded
+    | TaskMigrated
 )
 
 _decoder = msgspec.json.Decoder(AnyEvent)

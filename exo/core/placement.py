@@ -100,9 +100,10 @@ LOADED = ("warming_up", "ready")  # a runner past loading: its node's own report
 
 def place_instance(
     card: ModelCard, sharding: Sharding, min_nodes: int, state: State, ids: Iterator[str], max_context: int = 0,
-    kv_bits: int = 0, force: bool = False,
+    kv_bits: int = 0, force: bool = False, exclude: frozenset[str] = frozenset(),
 ) -> Instance | Unplaceable:
-    """Place one instance on the fewest nodes (at least min_nodes) that can hold it.
+    """Place one instance on the fewest nodes (at least min_nodes) that can hold it, none of them
+    in `exclude` (suspect nodes, or those its replicas use).
 
     Takes runner ids from `ids` first (one per rank, in rank order), then the instance id;
     takes nothing when the request cannot be placed.
@@ -113,11 +114,13 @@ def place_instance(
         return invalid
     if min_nodes > 1 and card.supports_images:
         return _ONE_NODE_ONLY
-    nodes = _nodes_by_free_memory(state)
+    nodes = [n for n in _nodes_by_free_memory(state) if n.node_id not in exclude]
     if not nodes:
-        return Unplaceable("unavailable", "no worker node has joined the cluster yet")
+        return Unplaceable("unavailable", "no worker node has joined the cluster yet" if not state.nodes
+                           else f"no node is free for it ({len(state.nodes)} in the cluster, none usable now)")
     if min_nodes > len(nodes):
-        return Unplaceable("conflict", f"min_nodes={min_nodes} but the cluster has {len(nodes)} node(s)")
+        usable = f"{len(nodes)} usable node(s)" if exclude & set(state.nodes) else f"{len(nodes)} node(s)"
+        return Unplaceable("conflict", f"min_nodes={min_nodes} but the cluster has {usable}")
     first_failure: Unplaceable | None = None
     for k in range(min_nodes, _most_nodes(card, nodes) + 1):
         planned = _plan(card, sharding, nodes[:k], state, max_context, kv_bits, force)

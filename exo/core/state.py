@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 
 from exo.core.ids import CommandId, InstanceId, ModelId, NodeId, RunnerId, TaskId
-from exo.core.types import ClusterLayout, DownloadProgress, Instance, ModelCard, NodeInfo, RunnerInfo, Task
+from exo.core.types import ClusterLayout, Desire, DownloadProgress, Instance, ModelCard, NodeInfo, RunnerInfo, Task
 
 MAX_SKIPPED_KEPT = 100
 MAX_FINISHED_TASKS = 1000
@@ -36,6 +36,8 @@ class State(msgspec.Struct, frozen=True, kw_only=True):
     # model id -> why its most recently deleted instance went away: a 503 says it to callers.
     instance_end_reasons: dict[ModelId, str] = {}
     cluster: ClusterLayout = ClusterLayout()  # a discovered cluster's servers and replicas (issue #21)
+    desires: dict[str, Desire] = {}  # desire id -> the placement the master keeps running (exo/master/heal.py)
+    migrations_total: int = 0  # tasks moved off a dead instance, ever (/metrics)
 
     def max_context_of(self, model_id: ModelId) -> int:
         """The most context any instance of the model has room for (0: none placed, or unknown)."""
@@ -46,6 +48,12 @@ class State(msgspec.Struct, frozen=True, kw_only=True):
             (i for i in self.instances.values() if i.model_id == model_id),
             key=lambda i: (i.created_seq, i.instance_id),
         )
+
+    def instances_of_desire(self, desire_id: str) -> list[Instance]:
+        return [i for i in self.instances_of_all() if i.desire_id == desire_id]
+
+    def instances_of_all(self) -> list[Instance]:
+        return sorted(self.instances.values(), key=lambda i: (i.created_seq, i.instance_id))
 
     def download_of(self, node_id: NodeId, model_id: ModelId) -> DownloadProgress | None:
         return self.downloads.get(node_id, {}).get(model_id)

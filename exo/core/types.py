@@ -137,6 +137,34 @@ class Instance(msgspec.Struct, frozen=True, kw_only=True):
     max_context: int = 0  # tokens of context (prompt + answer) it has room for; 0: as the model allows
     kv_bits: int = 0  # its KV cache quantized to this many bits (mlx-lm's quantized cache); 0: not quantized
     command_id: CommandId = CommandId("")  # the command that placed it: a retried Idempotency-Key finds it by this
+    desire_id: str = ""  # the Desire it serves (exo/master/heal.py keeps it placed); "": none (logs before #29)
+
+
+class Desire(msgspec.Struct, frozen=True, kw_only=True):
+    """A placement kept in force: the master keeps `replicas` instances of it running, placing a
+    replacement when one fails for good or loses a node (exo/master/heal.py)."""
+
+    desire_id: str  # the command id of the place_instance that made it
+    model_id: ModelId
+    sharding: Sharding = "pipeline"
+    min_nodes: int = 1
+    max_queue: int = 0
+    max_context: int = 0
+    kv_bits: int = 0
+    force: bool = False
+    replicas: int = 1
+    waiting: str = ""  # why it has fewer instances than replicas right now ("" : it has them, or is placing)
+    failures: int = 0  # its instances ended for failing since one last became ready: the back-off grows with it
+    retry_at: float = 0.0  # wall clock: no replacement before this (back-off after failures)
+
+
+class Migration(msgspec.Struct, frozen=True, kw_only=True):
+    """A task moved off an instance that died: it continues on `to_instance` from the tokens streamed."""
+
+    from_instance: InstanceId
+    to_instance: InstanceId = InstanceId("")  # "": waiting for an instance of its model
+    reason: str = ""
+    at: float = 0.0  # wall clock
 
 
 class RunnerInfo(msgspec.Struct, frozen=True, kw_only=True):
@@ -259,6 +287,7 @@ class Task(msgspec.Struct, frozen=True, kw_only=True):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens reused from the runner's prompt cache
+    migrations: list[Migration] = []  # its moves to other instances, oldest first: its run is len(migrations)
     # Set by the reducer: the prompt by digest. Once the task finishes, `params` loses its
     # messages, prompt, tools and stop strings, and this is what routing reads of it.
     conversation: ConversationDigest = ConversationDigest()

@@ -12,6 +12,7 @@ from exo.core.commands import (
     AnyCommand,
     CancelTask,
     DeleteCustomCard,
+    DeleteDesire,
     DeleteInstance,
     GenerateText,
     PlaceInstance,
@@ -21,6 +22,8 @@ from exo.core.events import (
     CommandRejected,
     CustomCardAdded,
     CustomCardDeleted,
+    DesireEnded,
+    DesireSet,
     Event,
     InstanceCreated,
     InstanceDeleted,
@@ -29,10 +32,13 @@ from exo.core.events import (
     TaskFinished,
 )
 from exo.core.ids import ModelId, TaskId
-from exo.core.placement import Unplaceable, node_label, place_instance
+from exo.core.placement import Unplaceable, node_label
 from exo.core.state import State
-from exo.core.types import Instance, ModelCard, RejectionCode, RunnerInfo, Task
+from exo.core.types import Desire, Instance, ModelCard, RejectionCode, RunnerInfo, Task
+from exo.master.heal import place_for
 from exo.master.routing import choose_instance
+
+MAX_REPLICAS = 64
 
 # Open (pending or running) tasks an instance admits, unless placed with its own max_queue.
 DEFAULT_MAX_QUEUE = 64
@@ -54,6 +60,8 @@ def decide(
             return _place(state, command, builtin_cards, ids)
         case DeleteInstance():
             return _delete_instance(state, command)
+        case DeleteDesire():
+            return _delete_desire(state, command)
         case GenerateText():
             return _generate(state, command, builtin_cards, default_max_queue, cache_routing)
         case CancelTask():
@@ -69,26 +77,72 @@ def _reject(command: AnyCommand, code: RejectionCode, reason: str) -> list[Event
 
 
 def _place(state: State, command: PlaceInstance, builtin: Mapping[ModelId, ModelCard], ids: Iterator[str]) -> list[Event]:
+    """A desire (kept placed by exo/master/heal.py) and its first instances, on distinct nodes where memory allows."""
+    if not 1 <= command.replicas <= MAX_REPLICAS:
+        return _reject(command, "invalid", f"replicas must be between 1 and {MAX_REPLICAS}, not {command.replicas}")
     card = find_card(state, builtin, command.model_id)
     if card is None:
         return _reject(command, "not_found", f"unknown model {command.model_id!r}")
-    placed = place_instance(card, command.sharding, command.min_nodes, state, ids, command.max_context, command.kv_bits,
-                             force=command.force)
+    desire = Desire(desire_id=command.command_id, model_id=command.model_id, sharding=command.sharding,
+                    min_nodes=command.min_nodes, max_queue=command.max_queue, max_context=command.max_context,
+                    kv_bits=command.kv_bits, force=command.force, replicas=command.replicas)
+    placed = place_for(state, desire, builtin, ids, frozenset())
     if isinstance(placed, Unplaceable):
         return _reject(command, placed.code, placed.reason)
-    return [InstanceCreated(command_id=command.command_id, instance=replace(placed, max_queue=command.max_queue,
-                                                                                command_id=command.command_id))]
+    # The instance first: its caller's answer is the first event naming the command.
+    events: list[Event] = [InstanceCreated(command_id=command.command_id, instance=placed),
+                           DesireSet(command_id=command.command_id, desire=desire)]
+    used = {s.node_id for s in placed.shards}
+    for _ in range(command.replicas - 1):  # the rest, each counting the memory the ones before it take
+        planned = _with_instance(state, placed)
+        placed_next = place_for(planned, desire, builtin, ids, frozenset(), frozenset(used))
+        if isinstance(placed_next, Unplaceable):
+            events.append(DesireSet(desire=replace(desire, waiting=placed_next.reason)))
+            break
+        placed, state = placed_next, planned
+        used |= {s.node_id for s in placed.shards}
+        events.append(InstanceCreated(command_id=command.command_id, instance=placed))
+    return events
+
+
+def _with_instance(state: State, instance: Instance) -> State:
+    """State as placement sees it once `instance` is in it (its memory reserved)."""
+    return replace(state, instances={**state.instances, instance.instance_id: instance})
 
 
 def _delete_instance(state: State, command: DeleteInstance) -> list[Event]:
-    if command.instance_id not in state.instances:
+    instance = state.instances.get(command.instance_id)
+    if instance is None:
         return _reject(command, "not_found", f"unknown instance {command.instance_id!r}")
     # Open tasks end with the instance, so no caller waits for an answer that cannot come.
     ended: list[Event] = [
         TaskFinished(task_id=t.task_id, status="cancelled", finish_reason="cancelled", error="instance deleted")
         for t in state.open_tasks_of(command.instance_id)
     ]
-    return [*ended, InstanceDeleted(command_id=command.command_id, instance_id=command.instance_id, reason="deleted on request")]
+    deleted = InstanceDeleted(command_id=command.command_id, instance_id=command.instance_id, reason="deleted on request")
+    return [*ended, *_fewer_replicas(state, instance, command), deleted]
+
+
+def _fewer_replicas(state: State, instance: Instance, command: DeleteInstance) -> list[Event]:
+    """Deleting an instance asks for one fewer: its desire ends with its last one."""
+    desire = state.desires.get(instance.desire_id)
+    if desire is None:
+        return []
+    if desire.replicas <= 1 or len(state.instances_of_desire(desire.desire_id)) <= 1:
+        return [DesireEnded(command_id=command.command_id, desire_id=desire.desire_id, reason="its last instance was deleted")]
+    return [DesireSet(command_id=command.command_id, desire=replace(desire, replicas=desire.replicas - 1))]
+
+
+def _delete_desire(state: State, command: DeleteDesire) -> list[Event]:
+    if command.desire_id not in state.desires:
+        return _reject(command, "not_found", f"unknown desire {command.desire_id!r}")
+    events: list[Event] = []
+    for instance in state.instances_of_desire(command.desire_id):
+        events += [TaskFinished(task_id=t.task_id, status="cancelled", finish_reason="cancelled", error="instance deleted")
+                   for t in state.open_tasks_of(instance.instance_id)]
+        events.append(InstanceDeleted(command_id=command.command_id, instance_id=instance.instance_id,
+                                      reason="its desire was deleted"))
+    return [*events, DesireEnded(command_id=command.command_id, desire_id=command.desire_id, reason="deleted on request")]
 
 
 def _generate(state: State, command: GenerateText, builtin: Mapping[ModelId, ModelCard], default_max_queue: int,

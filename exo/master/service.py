@@ -28,11 +28,23 @@ from exo.bus.snapshots import write_snapshot
 from exo.bus.state_view import StateView
 from exo.core.apply import apply
 from exo.core.commands import AnyCommand, command_tag
-from exo.core.events import AnyEvent, CommandRejected, Event, LeaderElected, NodeHeartbeat, NodeRegistered, NodeTimedOut
+from exo.core.events import (
+    AnyEvent,
+    CommandRejected,
+    Event,
+    InstanceDeleted,
+    LeaderElected,
+    NodeHeartbeat,
+    NodeRegistered,
+    NodeTimedOut,
+    TaskMigrated,
+    event_tag,
+)
 from exo.core.ids import CommandId, ModelId, NodeId
 from exo.core.state import State
 from exo.core.types import ModelCard
 from exo.master.decide import decide
+from exo.master.heal import HealLimits
 from exo.master.supervise import DEFAULT_NODE_TIMEOUT_S, supervise
 
 log = logging.getLogger(__name__)
@@ -60,6 +72,7 @@ class Master:
         self._node_id = node_id
         self._snapshotter = Snapshotter(nc, view, snapshot_every, snapshot_interval)
         self._node_timeout = node_timeout
+        self._heal = HealLimits.from_env()
         self._heard_at: dict[NodeId, float] = {}  # node id -> time.monotonic() of its latest heartbeat seen
         view.add_listener(self._on_event)
         self.term = 0
@@ -132,7 +145,9 @@ class Master:
             state, now = self._view.state, time.monotonic()
             for node_id in state.nodes:
                 self._heard_at.setdefault(node_id, now)  # first seen by this master: it gets a full timeout
-            events = supervise(state, self._heard_at, now, node_timeout=self._node_timeout)
+            events = supervise(state, self._heard_at, now, node_timeout=self._node_timeout, wall_now=time.time(),
+                               limits=self._heal, builtin=self._builtin_cards,
+                               ids=ids_for(CommandId(f"heal:{term}:{state.last_seq}")))
             try:
                 await self._append_all(events, term, f"supervise:{term}:{state.last_seq}")
             except (*BROKER_ERRORS, asyncio.TimeoutError, NotLeader) as error:  # type: ignore[misc]  # as above
@@ -141,6 +156,8 @@ class Master:
                 if isinstance(event, NodeTimedOut):
                     log.warning("master: %s", event.reason)
                     self._heard_at.pop(event.node_id, None)
+                elif isinstance(event, (InstanceDeleted, TaskMigrated)):
+                    log.warning("master: %s %s", event_tag(event), event.reason)
 
     async def _append_all(self, events: list[Event], term: int, id_prefix: str) -> None:
         appended = await self._append(events, term, id_prefix)

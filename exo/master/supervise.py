@@ -1,27 +1,22 @@
-"""What the master does unasked: time out silent nodes and retire instances that keep failing.
+"""What the master does unasked: time out silent nodes, end instances that lost a node or keep
+failing (moving their generations: exo/master/heal.py), and keep each desire placed.
 
 Pure: when each node was last heard from, the time now and the limits come in as arguments.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import itertools
+from collections.abc import Iterator, Mapping
 
-from exo.core.events import Event, InstanceDeleted, NodeTimedOut, TaskFinished
-from exo.core.ids import InstanceId, NodeId
+from exo.core.events import Event, NodeTimedOut
+from exo.core.ids import InstanceId, ModelId, NodeId
 from exo.core.state import State
+from exo.core.types import Instance, ModelCard
+from exo.master.heal import HealLimits, after_failure, end_instance, replace_missing, waiting_tasks
 
 DEFAULT_NODE_TIMEOUT_S = 30.0
 DEFAULT_MAX_RUNNER_FAILURES = 3
-
-
-def end_instance(state: State, instance_id: InstanceId, reason: str) -> list[Event]:
-    """Delete an instance; its open tasks fail first, so no caller waits for an answer that cannot come."""
-    ended: list[Event] = [
-        TaskFinished(task_id=t.task_id, status="failed", finish_reason="error", error=f"instance deleted: {reason}")
-        for t in state.open_tasks_of(instance_id)
-    ]
-    return [*ended, InstanceDeleted(instance_id=instance_id, reason=reason)]
 
 
 def silent_nodes(state: State, heard_at: Mapping[NodeId, float], now: float, timeout: float) -> list[NodeId]:
@@ -29,51 +24,84 @@ def silent_nodes(state: State, heard_at: Mapping[NodeId, float], now: float, tim
     return sorted(n for n in state.nodes if now - heard_at.get(n, now) >= timeout)
 
 
-def time_out_node(state: State, node_id: NodeId, timeout: float, skip: frozenset[InstanceId] = frozenset()) -> list[Event]:
-    """The node leaves State; instances using it (but those in `skip`, deleted already) go first."""
+def time_out_node(state: State, node_id: NodeId, timeout: float, now: float = 0.0,
+                  limits: HealLimits = HealLimits()) -> list[Event]:
+    """The node leaves State; instances using it go first (their generations move elsewhere)."""
     reason = f"node {node_id} timed out: no heartbeat for {timeout:g} s"
-    events: list[Event] = []
-    for instance in sorted(state.instances.values(), key=lambda i: i.instance_id):
-        if instance.instance_id not in skip and any(shard.node_id == node_id for shard in instance.shards):
-            events.extend(end_instance(state, instance.instance_id, reason))
-    return [*events, NodeTimedOut(node_id=node_id, reason=reason)]
+    ending = {i.instance_id: reason for i in _sorted(state) if any(s.node_id == node_id for s in i.shards)}
+    return [*_end_all(state, ending, set(), now, limits, frozenset({node_id})),
+            NodeTimedOut(node_id=node_id, reason=reason)]
 
 
-def _instances_on_missing_nodes(state: State, live: set[NodeId]) -> list[Event]:
-    """An instance placed on a node that timed out at the same moment: nothing else would delete it."""
-    events: list[Event] = []
-    for instance in sorted(state.instances.values(), key=lambda i: i.instance_id):
-        gone = sorted({s.node_id for s in instance.shards} - live)
-        if gone:
-            events.extend(end_instance(state, instance.instance_id, f"node {gone[0]} is no longer in the cluster"))
-    return events
-
-
-def failing_instances(state: State, max_failures: int, skip: frozenset[InstanceId] = frozenset()) -> list[Event]:
+def failing_instances(state: State, max_failures: int, skip: frozenset[InstanceId] = frozenset(), now: float = 0.0,
+                      limits: HealLimits = HealLimits()) -> list[Event]:
     """Instances with a runner that failed `max_failures` times in a row: the worker gave up restarting it."""
-    events: list[Event] = []
-    for instance in sorted(state.instances.values(), key=lambda i: i.instance_id):
-        if instance.instance_id in skip:
-            continue
-        runners = [state.runners.get(s.runner_id) for s in instance.shards]
-        worst = max((r for r in runners if r is not None and r.status == "failed"),
-                    key=lambda r: r.failures, default=None)
-        if worst is not None and worst.failures >= max_failures:
-            reason = f"runner {worst.runner_id} on node {worst.node_id} failed {worst.failures} times: {worst.error}"
-            events.extend(end_instance(state, instance.instance_id, reason))
-    return events
+    ending = {i.instance_id: why for i in _sorted(state)
+              if i.instance_id not in skip and (why := _failing(state, i, max_failures))}
+    return _end_all(state, ending, set(ending), now, limits, frozenset())
+
+
+def _failing(state: State, instance: Instance, max_failures: int) -> str:
+    runners = [state.runners.get(s.runner_id) for s in instance.shards]
+    worst = max((r for r in runners if r is not None and r.status == "failed"), key=lambda r: r.failures, default=None)
+    if worst is None or worst.failures < max_failures:
+        return ""
+    return f"runner {worst.runner_id} on node {worst.node_id} failed {worst.failures} times: {worst.error}"
 
 
 def supervise(
     state: State, heard_at: Mapping[NodeId, float], now: float, *,
     node_timeout: float = DEFAULT_NODE_TIMEOUT_S, max_runner_failures: int = DEFAULT_MAX_RUNNER_FAILURES,
+    wall_now: float | None = None, limits: HealLimits = HealLimits(),
+    builtin: Mapping[ModelId, ModelCard] | None = None, ids: Iterator[str] | None = None,
 ) -> list[Event]:
+    """Instances that lost a node or keep failing end first (their tasks move); once State has
+    that, waiting tasks find instances and desires short of replicas get new ones."""
+    wall = now if wall_now is None else wall_now
+    timed_out = silent_nodes(state, heard_at, now, node_timeout)
+    suspect = frozenset(silent_nodes(state, heard_at, now, min(limits.suspect_s, node_timeout)))
+    ending: dict[InstanceId, str] = {}
+    failed: set[InstanceId] = set()
+    for instance in _sorted(state):
+        if why := _lost_node(state, instance, timed_out, suspect, node_timeout, limits.suspect_s):
+            ending[instance.instance_id] = why
+        elif why := _failing(state, instance, max_runner_failures):
+            ending[instance.instance_id] = why
+            failed.add(instance.instance_id)
+    events = _end_all(state, ending, failed, wall, limits, suspect)
+    events += [NodeTimedOut(node_id=n, reason=f"node {n} timed out: no heartbeat for {node_timeout:g} s")
+               for n in timed_out]
+    if events:
+        return events
+    return [*waiting_tasks(state, wall, limits, suspect),
+            *replace_missing(state, builtin or {}, ids or _no_ids(), wall, avoid=suspect)]
+
+
+def _lost_node(state: State, instance: Instance, timed_out: list[NodeId], suspect: frozenset[NodeId],
+               node_timeout: float, suspect_s: float) -> str:
+    for shard in instance.shards:
+        if shard.node_id not in state.nodes:
+            return f"node {shard.node_id} is no longer in the cluster"
+        if shard.node_id in timed_out:
+            return f"node {shard.node_id} timed out: no heartbeat for {node_timeout:g} s"
+        if shard.node_id in suspect:
+            return f"node {shard.node_id} is suspect: no pulse for {suspect_s:g} s"
+    return ""
+
+
+def _end_all(state: State, ending: dict[InstanceId, str], failed: set[InstanceId], now: float, limits: HealLimits,
+             lost: frozenset[NodeId]) -> list[Event]:
     events: list[Event] = []
-    for node_id in silent_nodes(state, heard_at, now, node_timeout):
-        events.extend(time_out_node(state, node_id, node_timeout, _deleted_by(events)))
-    events.extend(_instances_on_missing_nodes(state, set(state.nodes)))
-    return [*events, *failing_instances(state, max_runner_failures, _deleted_by(events))]
+    for instance_id, reason in ending.items():
+        if instance_id in failed:
+            events += after_failure(state, instance_id, now, limits)
+        events += end_instance(state, instance_id, reason, now, limits, frozenset(ending), lost)
+    return events
 
 
-def _deleted_by(events: list[Event]) -> frozenset[InstanceId]:
-    return frozenset(e.instance_id for e in events if isinstance(e, InstanceDeleted))
+def _sorted(state: State) -> list[Instance]:
+    return sorted(state.instances.values(), key=lambda i: i.instance_id)
+
+
+def _no_ids() -> Iterator[str]:
+    return (f"unnamed-{n}" for n in itertools.count())

@@ -32,6 +32,15 @@ def heartbeat_interval() -> float:
     return float(os.environ.get("EXO_HEARTBEAT_S", DEFAULT_INTERVAL_S))
 
 
+# A pulse (one small core-NATS message, stored nowhere) more often than the heartbeat: the master
+# suspects a node whose pulses stop for EXO_SUSPECT_S and moves its generations (exo/master/heal.py).
+DEFAULT_PULSE_S = 1.0
+
+
+def pulse_interval() -> float:
+    return float(os.environ.get("EXO_PULSE_S", DEFAULT_PULSE_S))
+
+
 def worth_an_event(told: NodeInfo | None, now: NodeInfo) -> bool:
     """Whether State should hear `now`, having last been told `told` (None: nothing, or State
     dropped this node): what placement and routing read changed, memory by more than MEMORY_CHANGE."""
@@ -61,12 +70,17 @@ class Heartbeat:
         self._told: NodeInfo | None = None  # what State holds of this node, as this process last said it
 
     async def run(self) -> None:
+        last_beat = float("-inf")
         while True:
             try:
-                await self.beat()
+                if time.monotonic() - last_beat >= self._interval:
+                    last_beat = time.monotonic()
+                    await self.beat()
+                else:
+                    await self._pulse(self.incarnation)
             except Exception as error:  # the broker may be away; the next beat tries again
                 log.warning("heartbeat not sent: %r", error)
-            await asyncio.sleep(self._interval)
+            await asyncio.sleep(min(self._interval, pulse_interval()))
 
     async def beat(self) -> None:
         await self._pulse(self.incarnation)

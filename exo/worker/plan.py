@@ -57,6 +57,9 @@ class WorkerView(msgspec.Struct, frozen=True, kw_only=True):
     now: float = 0.0  # the worker's clock (time.monotonic()), for restart back-off
     max_failures: int = 3  # restarts stop here; the master then deletes the instance
     stall_after: float = 30.0  # a runner with work that is silent this long is hung (EXO_RUNNER_STALL_S)
+    # A multi-node instance's runner that failed may have lost a peer machine: its tasks wait this
+    # long for the master to move them (exo/master/heal.py) before this node ends them with the error.
+    migrate_grace: float = 0.0
 
 
 class Step(msgspec.Struct, frozen=True, kw_only=True, tag_field="step"):
@@ -146,7 +149,7 @@ def plan(view: WorkerView) -> list[Step]:
             continue
         steps.extend(_lifecycle_steps(view, instance, local))
         if shard.rank == 0:  # the other ranks follow rank 0; only it is given tasks
-            steps.extend(_task_steps(view, local, open_tasks.get(instance.instance_id, [])))
+            steps.extend(_task_steps(view, instance, local, open_tasks.get(instance.instance_id, [])))
     return steps
 
 
@@ -215,17 +218,19 @@ def _my_shards(view: WorkerView) -> list[tuple[Instance, ShardAssignment]]:
     return [(i, s) for i in view.state.instances.values() for s in i.shards if s.node_id == view.node_id]
 
 
-def _task_steps(view: WorkerView, local: LocalRunner, tasks: list[Task]) -> list[Step]:
+def _task_steps(view: WorkerView, instance: Instance, local: LocalRunner, tasks: list[Task]) -> list[Step]:
     steps: list[Step] = []
+    held = len(instance.shards) > 1 and local.failed_at > 0 and view.now - local.failed_at < view.migrate_grace
     for task in tasks:
         if task.task_id in view.ended_tasks:
             continue
         forwarded = task.task_id in local.forwarded
-        if local.phase == "failed":
-            reason = f"the runner serving it failed: {local.error}" if local.error else "the runner serving it failed"
+        if local.phase == "failed" or (task.status == "running" and not forwarded):
+            if held:  # the master may move it to another instance: its generation goes on there
+                continue
+            reason = ("its runner restarted mid-generation" if local.phase != "failed" else
+                      f"the runner serving it failed: {local.error}" if local.error else "the runner serving it failed")
             steps.append(EndTask(task_id=task.task_id, status="failed", reason=reason))
-        elif task.status == "running" and not forwarded:
-            steps.append(EndTask(task_id=task.task_id, status="failed", reason="its runner restarted mid-generation"))
         elif task.cancel_requested and not forwarded:
             steps.append(EndTask(task_id=task.task_id, status="cancelled", reason="cancelled before it started"))
         elif task.cancel_requested and task.task_id not in local.cancels_sent:

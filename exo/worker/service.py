@@ -21,7 +21,7 @@ from exo.bus.connection import Connection
 from exo.bus.event_log import EventLog
 from exo.bus.images import ImageUnavailable, fetch_image
 from exo.bus.state_view import StateView
-from exo.bus.tokens import publish_chunk
+from exo.bus.tokens import publish_chunk, resume_point
 from exo.core.catalogue import find_card
 from exo.core.events import AnyEvent, CustomCardAdded, CustomCardDeleted, Event, RunnerStatusChanged, TaskFinished, TaskStarted
 from exo.core.ids import InstanceId, ModelId, NodeId, RunnerId, TaskId
@@ -33,6 +33,7 @@ from exo.core.types import (
     PromptCacheStats,
     RunnerStatus,
     ShardAssignment,
+    Task,
     TaskStatus,
     TokenChunk,
 )
@@ -50,6 +51,9 @@ log = logging.getLogger(__name__)
 # A runner that has work and shows no progress this long (no Alive report: its model thread is
 # stuck, or the process is stopped) is hung. Longer than any one step: a prefill chunk of a big model.
 RUNNER_STALL_S = float(os.environ.get("EXO_RUNNER_STALL_S", "30"))
+# A multi-node instance's failed runner may have lost a peer machine: its tasks wait for the master
+# to suspect that machine (EXO_SUSPECT_S) and move them, before this node ends them with the error.
+MIGRATE_GRACE_S = float(os.environ.get("EXO_SUSPECT_S", "5")) + 3.0
 
 
 class Worker:
@@ -70,6 +74,7 @@ class Worker:
         self._new_runner = runner_factory or (lambda runner_id: RunnerHost(runner_id, nats_urls, data_dir / "logs"))
         self._model_paths: dict[RunnerId, Path] = {}
         self._ended: set[TaskId] = set()
+        self._attempts: dict[TaskId, int] = {}  # forwarded task -> its run (len(migrations)) as forwarded
         self._images = ImageCache(self.images_dir, limit_from_env())  # what is on disk: plan's local_images
         self._images_in_flight: set[str] = set()
         self._wake = asyncio.Event()
@@ -138,7 +143,7 @@ class Worker:
         return p.WorkerView(
             node_id=self.node_id, state=self._view.state, runners=dict(self._runners), ended_tasks=frozenset(self._ended),
             local_images=self._images.digests(), images_in_flight=frozenset(self._images_in_flight),
-            now=time.monotonic(), stall_after=RUNNER_STALL_S,
+            now=time.monotonic(), stall_after=RUNNER_STALL_S, migrate_grace=MIGRATE_GRACE_S,
         )
 
     def _on_event(self, seq: int, event: AnyEvent, state: State) -> None:
@@ -250,9 +255,10 @@ class Worker:
         over = self._images.total_bytes > self._images.limit_bytes
         self._images.trim(p.images_needed(self._worker_view()) if over else ())
 
-    async def _create_runner(self, step: p.CreateRunner | p.RestartRunner, failures: int = 0) -> None:
+    async def _create_runner(self, step: p.CreateRunner | p.RestartRunner, failures: int = 0,
+                             failed_at: float = 0.0) -> None:
         self._runners[step.runner_id] = p.LocalRunner(
-            runner_id=step.runner_id, instance_id=step.instance_id, failures=failures)
+            runner_id=step.runner_id, instance_id=step.instance_id, failures=failures, failed_at=failed_at)
         host = self._new_runner(step.runner_id)
         self._hosts[step.runner_id] = host
         await host.start(
@@ -301,10 +307,20 @@ class Worker:
         defaults = card.sampling_for(task.params.enable_thinking) if card else rp.SamplingDefaults()
         images = {d: str(self._images.path(d)) for d in p.images_of(task)}
         self._images.touch(images)
-        log.info("worker: task %s forwarded to runner %s", task.task_id, step.runner_id)
+        resume = await self._resume_of(task)
+        self._attempts[task.task_id] = len(task.migrations)
+        log.info("worker: task %s forwarded to runner %s%s", task.task_id, step.runner_id,
+                 f" (run {resume.attempt}, after {len(resume.token_ids)} streamed tokens)" if resume else "")
         await self._hosts[step.runner_id].send(
-            rp.Generate(task_id=task.task_id, params=task.params, defaults=defaults, image_paths=images)
+            rp.Generate(task_id=task.task_id, params=task.params, defaults=defaults, image_paths=images, resume=resume)
         )
+
+    async def _resume_of(self, task: Task) -> rp.Resume | None:
+        """A migrated task continues after the tokens its earlier runs streamed (EXO_TOKENS)."""
+        if not task.migrations:
+            return None
+        token_ids, next_index = await resume_point(self._nc, task.task_id, len(task.migrations))
+        return rp.Resume(token_ids=token_ids, next_index=next_index, attempt=len(task.migrations))
 
     async def _on_report(self, runner_id: RunnerId, report: rp.AnyReport) -> None:
         if runner_id in self._runners:
@@ -316,7 +332,7 @@ class Worker:
                 self._set_phase(runner_id, "ready", failures=0)
                 await self._publish_status(runner_id, "ready")
             case rp.Started():
-                await self._publish(TaskStarted(task_id=report.task_id))
+                await self._publish(TaskStarted(task_id=report.task_id, attempt=self._attempts.get(report.task_id, 0)))
             case rp.Done():
                 self._ended.add(report.task_id)
                 self._note_prompt_cache(runner_id, report.prompt_cache)
@@ -325,7 +341,7 @@ class Worker:
                 await self._publish(TaskFinished(
                     task_id=report.task_id, status=status, finish_reason=report.finish_reason, error=report.error,
                     prompt_tokens=report.prompt_tokens, completion_tokens=report.completion_tokens,
-                    cached_tokens=report.cached_tokens,
+                    cached_tokens=report.cached_tokens, attempt=self._attempts.pop(report.task_id, 0),
                 ))
             case rp.Failed():
                 await self._fail_runner(runner_id, report.error)
@@ -351,6 +367,7 @@ class Worker:
                         restartable=restartable)
         await self._publish_status(runner_id, "failed", error)
         self._wake_after(p.restart_due(self._runners[runner_id]) - time.monotonic())
+        self._wake_after(MIGRATE_GRACE_S)  # its tasks, if held for the master to move (plan.py), end then
 
     def _wake_after(self, delay: float) -> None:
         asyncio.get_running_loop().call_later(max(delay, 0.0) + 0.01, self._wake.set)
@@ -364,15 +381,16 @@ class Worker:
         self._set_phase(step.runner_id, "failed", error=step.reason, failed_at=time.monotonic())
         await self._publish_status(step.runner_id, "stopped", step.reason)
         self._wake_after(p.restart_due(self._runners[step.runner_id]) - time.monotonic())
+        self._wake_after(MIGRATE_GRACE_S)
 
     async def _restart_runner(self, step: p.RestartRunner) -> None:
-        failures = self._runners[step.runner_id].failures
+        failures, failed_at = self._runners[step.runner_id].failures, self._runners[step.runner_id].failed_at
         log.warning("worker: restarting runner %s (failures so far: %d)", step.runner_id, failures)
         host = self._hosts.pop(step.runner_id, None)
         if host is not None:
             host.kill()
         self._model_paths.pop(step.runner_id, None)
-        await self._create_runner(step, failures)
+        await self._create_runner(step, failures, failed_at)
 
     def _instance_of(self, runner_id: RunnerId) -> Instance | None:
         runner = self._view.state.runners.get(runner_id)
@@ -391,8 +409,12 @@ class Worker:
     async def _end_task(self, task_id: TaskId, status: TaskStatus, reason: str) -> None:
         self._ended.add(task_id)
         finish: FinishReason = "cancelled" if status == "cancelled" else "error"
-        await publish_chunk(self._nc, TokenChunk(command_id=task_id, index=0, finish_reason=finish, error=reason))
-        await self._publish(TaskFinished(task_id=task_id, status=status, finish_reason=finish, error=reason))
+        task = self._view.state.tasks.get(task_id)
+        attempt = len(task.migrations) if task is not None else 0
+        await publish_chunk(self._nc, TokenChunk(command_id=task_id, index=0, finish_reason=finish, error=reason,
+                                                 attempt=attempt))
+        await self._publish(TaskFinished(task_id=task_id, status=status, finish_reason=finish, error=reason,
+                                         attempt=attempt))
 
     async def _stop_runner(self, runner_id: RunnerId) -> None:
         host = self._hosts.pop(runner_id, None)
