@@ -16,7 +16,7 @@ from exo.api.outcomes import new_command_id
 from exo.api.request_body import decode_body, field_hint
 from exo.api.validate import check_kv_bits, check_max_context
 from exo.api.wire.cluster import DownloadReport, InstanceReport, PlaceInstanceRequest, RunnerReport
-from exo.core.commands import AddCustomCard, DeleteCustomCard, DeleteInstance, PlaceInstance
+from exo.core.commands import AddCustomCard, DeleteCustomCard, DeleteDesire, DeleteInstance, PlaceInstance
 from exo.core.events import InstanceCreated
 from exo.core.ids import InstanceId, ModelId, NodeId, RunnerId
 from exo.core.state import State, encode_state
@@ -25,6 +25,7 @@ from exo.core.types import Instance, ModelCard, is_valid_model_id
 # `wait` on POST /place_instance: true waits this long; a number of seconds, at most the bound.
 PLACE_WAIT_DEFAULT_S = 600.0
 PLACE_WAIT_MAX_S = 3600.0
+MAX_REPLICAS = 64  # as the master's (exo/master/decide.py)
 # How far a runner has come, least first: an instance is as far as its least advanced runner.
 _PROGRESS = ("created", "downloading", "downloaded", "loading", "warming_up", "ready")
 _DOWNLOAD_FAILED = "download failed:"  # how the worker starts the error of a runner whose download failed
@@ -93,13 +94,16 @@ async def place_instance(request: web.Request) -> web.Response:
         raise ApiError(400, "max_queue must be between 0 (the default) and 100000", param="max_queue")
     check_max_context(body.max_context, ctx.require_card(body.model_id))
     check_kv_bits(body.kv_bits)
+    if not 1 <= body.replicas <= MAX_REPLICAS:
+        raise ApiError(400, f"replicas must be between 1 and {MAX_REPLICAS}, not {body.replicas}", param="replicas")
     wait_s = _wait_seconds(request, body)
     command_id = command_id_for(request)
     instance = None if command_id is None else earlier_placement(ctx.view.state, command_id, body.model_id)
     if instance is None:
         command = PlaceInstance(command_id=command_id or new_command_id(), model_id=body.model_id,
                                 sharding=body.sharding, min_nodes=body.min_nodes, max_queue=body.max_queue,
-                                max_context=body.max_context, kv_bits=body.kv_bits, force=body.force)
+                                max_context=body.max_context, kv_bits=body.kv_bits, force=body.force,
+                                replicas=body.replicas)
         event = await ctx.outcomes.call(command)
         assert isinstance(event, InstanceCreated)
         instance = event.instance
@@ -166,6 +170,22 @@ async def delete_instance(request: web.Request) -> web.Response:
     command = DeleteInstance(command_id=new_command_id(), instance_id=instance_id)
     await context_of(request).outcomes.call(command)
     return web.json_response({"message": "instance deleted", "command_id": command.command_id, "instance_id": instance_id})
+
+
+async def delete_desire(request: web.Request) -> web.Response:
+    """End a desire: its instances go, and nothing places them again."""
+    desire_id = request.match_info["desire_id"]
+    command = DeleteDesire(command_id=new_command_id(), desire_id=desire_id)
+    await context_of(request).outcomes.call(command)
+    return web.json_response({"message": "desire deleted", "command_id": command.command_id, "desire_id": desire_id})
+
+
+async def list_desires(request: web.Request) -> web.Response:
+    """Each desire with its instances, and why it waits if it is short of its replicas."""
+    state = context_of(request).view.state
+    return web.json_response({"desires": [
+        {**msgspec.to_builtins(d), "instances": [i.instance_id for i in state.instances_of_desire(d.desire_id)]}
+        for d in sorted(state.desires.values(), key=lambda d: d.desire_id)]})
 
 
 async def add_model(request: web.Request) -> web.Response:

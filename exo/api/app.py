@@ -64,6 +64,8 @@ def _cluster(router: web.UrlDispatcher) -> None:
     router.add_get("/instance/previews", cluster.instance_previews)
     router.add_get("/instance/{instance_id}", admin.get_instance)
     router.add_delete("/instance/{instance_id}", admin.delete_instance)
+    router.add_get("/desires", admin.list_desires)
+    router.add_delete("/desire/{desire_id}", admin.delete_desire)
     router.add_post("/models/add", admin.add_model)
     router.add_delete("/models/custom/{model_id:.+}", admin.delete_custom_model)
     router.add_get("/state", admin.get_state)

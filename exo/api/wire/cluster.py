@@ -20,6 +20,7 @@ class PlaceInstanceRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=T
     kv_bits: int = 0  # quantize the instance's KV cache (2-8 bits); 0: not quantized
     wait: bool | float | None = None  # answer once the instance is ready or failed (seconds, or true)
     force: bool = False  # place without checking that it fits in memory (a card of unknown size, too)
+    replicas: int = 1  # instances kept running (a desire: replaced when one dies), on distinct nodes where memory allows
 
 
 class DownloadReport(msgspec.Struct, frozen=True, kw_only=True):
