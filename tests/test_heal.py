@@ -206,3 +206,16 @@ def test_the_resume_point_follows_each_run_from_where_it_resumed():
     mixed = [chunk(0, [1]), chunk(1, [2]), chunk(1, [20], attempt=1), chunk(2, [3]), chunk(2, [30], attempt=1),
              chunk(3, [4])]
     assert chain_of(mixed) == ([1, 20, 30], 3)
+
+
+def test_a_new_run_resuming_before_what_the_stream_gave_skips_that_text_once():
+    from exo.api.generation import RunTracker
+
+    runs = RunTracker()
+    given = [runs.trimmed(TokenChunk(command_id="c", index=i, text=t)) for i, t in enumerate(["Hel", "lo", " wo"])]
+    assert [c.text for c in given] == ["Hel", "lo", " wo"]
+    # Run 1 took over from index 1 (chunks 1 and 2 were given but never stored): it sends their text again.
+    assert runs.begin(1, first_index=1, next_index=3) == 1
+    again = [runs.trimmed(TokenChunk(command_id="c", index=i, text=t, attempt=1)) for i, t in ((1, "lo w"), (2, "orld"))]
+    assert [c.text for c in again] == ["", "rld"]
+    assert "".join(c.text for c in given + again) == "Hello world"

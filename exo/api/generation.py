@@ -75,9 +75,9 @@ class Generation:
         earlier run's late chunk (its node paused, then woke) is dropped. The first chunk of a new
         run may repeat indices this stream already gave (sent, but never stored): their text is
         skipped once (RunTracker), so nothing is repeated."""
-        if chunk.index < 0 or chunk.attempt == self._runs.attempt and not chunk.attempt:
-            return True  # the common case: a task never moved
         task = self._ctx.view.state.tasks.get(self.command_id)
+        if chunk.index < 0 or (task is None or not task.migrations) and not chunk.attempt and not self._runs.attempt:
+            return True  # the common case: a task never moved
         current = max(self._runs.attempt, len(task.migrations) if task is not None else 0)
         if chunk.attempt == self._runs.attempt and chunk.attempt >= current:
             return True
@@ -119,10 +119,15 @@ class Generation:
 
     async def _stored(self, first: int, stop: int | None) -> dict[int, TokenChunk]:
         try:
-            return await stored_chunks(self._ctx.nc, self.command_id, first, stop)
+            found = await stored_chunks(self._ctx.nc, self.command_id, first, stop)
         except Exception as error:  # JetStream unreachable right now: what is missing stays missing
             log.warning("generation %s: cannot read its chunks from JetStream: %r", self.command_id, error)
             return {}
+        # An earlier run's chunks past where the current run took over (a paused node's late ones) are not its text.
+        task = self._ctx.view.state.tasks.get(self.command_id)
+        current = max(self._runs.attempt, len(task.migrations) if task is not None else 0)
+        start = self._runs.start if self._runs.attempt == current else self._next_index
+        return {i: c for i, c in found.items() if c.attempt >= current or i < start}
 
     def _measure(self, chunk: TokenChunk) -> None:
         metrics, now = self._ctx.metrics, time.perf_counter()
@@ -193,12 +198,13 @@ class RunTracker:
 
     def __init__(self) -> None:
         self.attempt = 0
+        self.start = 0  # the index the current run began at
         self._given: dict[int, tuple[int, int, int]] = {}  # index -> (text, reasoning, logprobs) given
         self._skip = [0, 0, 0]
 
     def begin(self, attempt: int, first_index: int, next_index: int) -> int:
         """Run `attempt` starts at `first_index`; returns the index this stream now expects next."""
-        self.attempt = attempt
+        self.attempt, self.start = attempt, first_index
         repeated = [self._given[i] for i in range(first_index, next_index) if i in self._given]
         self._skip = [sum(given[k] for given in repeated) for k in range(3)]
         if repeated:

@@ -151,6 +151,11 @@ def _generate(state: State, command: GenerateText, builtin: Mapping[ModelId, Mod
         return _reject(command, "not_found", f"unknown model {command.model_id!r}")
     instances = state.instances_of(command.model_id)
     if not instances:
+        desire = next((d for d in state.desires.values() if d.model_id == command.model_id), None)
+        if desire is not None:  # exo/master/heal.py is placing one
+            return _reject(command, "unavailable", f"no instance of {command.model_id!r} is running; its placement "
+                                                   f"{desire.desire_id} is waiting for one: "
+                                                   f"{desire.waiting or 'a replacement is being placed'}")
         ended = state.instance_end_reasons.get(command.model_id)
         why = f" (its last instance was deleted: {ended})" if ended else ""
         return _reject(command, "unavailable", f"no instance of {command.model_id!r} is running{why}; place one first")

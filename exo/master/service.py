@@ -140,13 +140,18 @@ class Master:
 
     async def _supervise(self, term: int) -> None:
         """Time out silent nodes and retire failing instances, about once a second while leading."""
+        interval, last_tick = min(1.0, self._node_timeout / 4), time.monotonic()
         while self._lease.valid():
-            await asyncio.sleep(min(1.0, self._node_timeout / 4))
+            await asyncio.sleep(interval)
             state, now = self._view.state, time.monotonic()
+            # This loop itself stalled (a long GC, a starved machine): the pulses queued meanwhile
+            # are not read yet, so silence proves nothing this time round.
+            stalled, last_tick = now - last_tick > 2.5 * interval, now
             for node_id in state.nodes:
                 self._heard_at.setdefault(node_id, now)  # first seen by this master: it gets a full timeout
             events = supervise(state, self._heard_at, now, node_timeout=self._node_timeout, wall_now=time.time(),
-                               limits=self._heal, builtin=self._builtin_cards,
+                               limits=replace(self._heal, suspect_s=float("inf")) if stalled else self._heal,
+                               builtin=self._builtin_cards,
                                ids=ids_for(CommandId(f"heal:{term}:{state.last_seq}")))
             try:
                 await self._append_all(events, term, f"supervise:{term}:{state.last_seq}")
