@@ -10,10 +10,18 @@ import {bytes, confirmButton, duration, h, percent, replaceChildren, short} from
 
 export function renderInstances(container, state, ctx) {
   const instances = Object.values(state.instances).sort((a, b) => a.created_seq - b.created_seq);
-  if (!instances.length) {
+  const waiting = Object.values(state.desires ?? {}).filter((d) => d.waiting).map(waitingLine);
+  if (!instances.length && !waiting.length) {
     return replaceChildren(container, [h("p", {class: "empty"}, "No instances. Place one from the Place panel.")]);
   }
-  replaceChildren(container, instances.map((instance) => instanceCard(instance, state, ctx)));
+  replaceChildren(container, [...waiting, ...instances.map((instance) => instanceCard(instance, state, ctx))]);
+}
+
+// A placement short of its replicas (its instance died and no node can take a replacement yet): why.
+function waitingLine(desire) {
+  return h("p", {class: "error desire-waiting"},
+           `${desire.model_id}: waiting for ${desire.replicas > 1 ? `${desire.replicas} replicas` : "an instance"}: `
+           + desire.waiting);
 }
 
 // Numbers about the instance, each from State or measured by the page (tokens per second).

@@ -99,13 +99,14 @@ export class Live {
         tasks[data.task.task_id] = data.task;
         return true;
       case "task.started":
-        if (task) task.status = "running";
-        return Boolean(task);
+        if (!task || !ofCurrentRun(task, data)) return false; // an earlier run's (a paused node): the server skipped it
+        task.status = "running";
+        return true;
       case "task.cancel_requested":
         if (task) task.cancel_requested = true;
         return Boolean(task);
       case "task.finished":
-        if (!task) return false;
+        if (!task || (!data.term && !ofCurrentRun(task, data))) return false;
         Object.assign(task, {status: data.status, finish_reason: data.finish_reason, error: data.error,
                              prompt_tokens: data.prompt_tokens, completion_tokens: data.completion_tokens});
         trimFinished(tasks);
@@ -114,6 +115,11 @@ export class Live {
         return false;
     }
   }
+}
+
+// A task moved to another instance (a migration) starts a new run; workers speak for the current one.
+function ofCurrentRun(task, data) {
+  return (data.attempt ?? 0) === (task.migrations ?? []).length;
 }
 
 function trimFinished(tasks) {
