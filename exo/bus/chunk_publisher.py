@@ -34,7 +34,10 @@ _encoder = msgspec.json.Encoder()
 
 def chunk_msg_id(chunk: TokenChunk) -> str:
     end = f":{chunk.finish_reason}" if chunk.finish_reason else ""
-    return f"{chunk.command_id}:{chunk.index}{end}"
+    # A migrated task's later runs (attempt > 0) send indices an earlier run may have sent too:
+    # neither may be taken for a duplicate of the other.
+    run = f":a{chunk.attempt}" if chunk.attempt else ""
+    return f"{chunk.command_id}{run}:{chunk.index}{end}"
 
 
 @dataclass

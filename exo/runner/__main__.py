@@ -22,6 +22,7 @@ from exo import event_loop
 from exo.bus.chunk_publisher import ChunkPublisher
 from exo.bus.connection import connect, split_urls
 from exo.core.catalogue import is_vision_config
+from exo.core.ids import TaskId
 from exo.core.types import TokenChunk
 from exo.runner.batch import Batcher, BatchFailed, batchable, max_batch
 from exo.runner.coalesce import Coalescer, Piece
@@ -38,6 +39,7 @@ from exo.runner.protocol import (
     Load,
     Loaded,
     Report,
+    Resume,
     Shutdown,
     Started,
     WarmedUp,
@@ -143,7 +145,9 @@ class Runner:
 
     def _batched(self, request) -> bool:
         # A quantized KV cache takes the single path, as in mlx_lm.server (the batch keeps full caches).
+        # A resumed request too: its earlier tokens are prefilled on the single path (Engine.generate).
         return (self._batcher is not None and isinstance(request, Generate) and not self._engine.kv_bits
+                and request.resume is None
                 and batchable(request.params, request.image_paths, multi_node=self._engine.lockstep is not None))
 
     async def _serve(self, loop, request) -> None:
@@ -166,37 +170,14 @@ class Runner:
 
     async def _generate(self, loop, request: Generate) -> None:
         task_id = request.task_id
+        chunks = ChunkMaker(task_id, request.resume)
         if task_id in self._cancelled:
-            await self._finish(task_id, index=0, reason="cancelled", prompt=0, completion=0)
+            await self._finish(task_id, chunks.index, reason="cancelled", prompt=0, completion=0, attempt=chunks.attempt)
             return
-        index = 0
-        coalescer = Coalescer(STREAM_INTERVAL_S)
-        held = Output("", 0, 0, [], [])  # logprobs and tool calls ride with the text they came with
-
-        def chunk_of(piece: Piece | None, completion: int, prompt: int, cached: int) -> TokenChunk:
-            nonlocal index
-            index += 1
-            logprobs, tool_calls, held.logprobs, held.tool_calls = held.logprobs, held.tool_calls, [], []
-            text, reasoning = piece or ("", "")
-            return TokenChunk(command_id=task_id, index=index - 1, text=text, reasoning=reasoning, token_count=completion,
-                              prompt_tokens=prompt, logprobs=logprobs, tool_calls=tool_calls, cached_tokens=cached)
 
         def on_output(out: Output) -> None:  # on the model thread
-            held.logprobs.extend(out.logprobs)
-            now = time.perf_counter()
-
-            def send(piece: Piece | None) -> None:
-                loop.call_soon_threadsafe(self._chunks.put_nowait, chunk_of(piece, out.completion_tokens,
-                                                                            out.prompt_tokens, out.cached_tokens))
-
-            ready = coalescer.add(out.text, now, out.reasoning)
-            if out.tool_calls:  # a tool call is sent at once, with the text held before it
-                if ready:
-                    send(ready)
-                held.tool_calls.extend(out.tool_calls)
-                ready = coalescer.flush(now)
-            if ready or out.tool_calls:
-                send(ready)
+            for chunk in chunks.add(out, time.perf_counter()):
+                loop.call_soon_threadsafe(self._chunks.put_nowait, chunk)
 
         running = self._start(loop, request, on_output)
         self.report(Started(task_id=task_id))  # after the model thread has its work: off the first token's path
@@ -207,21 +188,22 @@ class Runner:
         except Exception as error:
             self._in_flight.discard(task_id)
             if isinstance(error, RequestRefused):  # the client's mistake, refused before any collective
-                await self._finish(task_id, index, "error", 0, 0, error=str(error), error_code=error.code)
+                await self._finish(task_id, chunks.index, "error", 0, 0, error=str(error), error_code=error.code,
+                                   attempt=chunks.attempt)
                 return
             traceback.print_exc()
-            await self._finish(task_id, index, "error", 0, 0, error=f"{type(error).__name__}: {error}")
+            await self._finish(task_id, chunks.index, "error", 0, 0, error=f"{type(error).__name__}: {error}",
+                               attempt=chunks.attempt)
             if self._engine.lockstep is not None and (isinstance(error, BatchFailed) or not self._batched(request)):
                 # The other ranks may still wait in a collective of this step: only a new group is sure to be in step.
                 self.report(Failed(error=f"{type(error).__name__}: {error}"))
             return
         self._in_flight.discard(task_id)
-        rest = coalescer.flush(time.perf_counter())
-        if rest or held.logprobs:  # on the loop thread, after every chunk the model thread scheduled
-            self._chunks.put_nowait(chunk_of(rest, result.completion_tokens, result.prompt_tokens,
-                                             result.cached_tokens))
-        await self._finish(task_id, index, result.finish_reason, result.prompt_tokens, result.completion_tokens,
-                           stop_sequence=result.stop_sequence, cached=result.cached_tokens)
+        rest = chunks.rest(result, time.perf_counter())
+        if rest is not None:  # on the loop thread, after every chunk the model thread scheduled
+            self._chunks.put_nowait(rest)
+        await self._finish(task_id, chunks.index, result.finish_reason, result.prompt_tokens, result.completion_tokens,
+                           stop_sequence=result.stop_sequence, cached=result.cached_tokens, attempt=chunks.attempt)
 
     def _start(self, loop, request: Generate, on_output) -> Awaitable[GenerationResult]:
         """Hands the generation to the model thread: into the batch, or alone (Engine.generate)."""
@@ -234,13 +216,13 @@ class Runner:
             return self._batcher.run(loop, request.params, request.defaults, on_output, is_cancelled, task_id)
         images = [request.image_paths[digest] for message in request.params.messages for digest in message.images]
         return loop.run_in_executor(self._mlx_thread, self._engine.generate, request.params, request.defaults,
-                                    on_output, is_cancelled, task_id, None, images)
+                                    on_output, is_cancelled, task_id, None, images, request.resume)
 
     async def _finish(self, task_id, index, reason, prompt, completion, error: str = "", stop_sequence: str = "",
-                      cached: int = 0, error_code: str = "") -> None:
+                      cached: int = 0, error_code: str = "", attempt: int = 0) -> None:
         final = TokenChunk(
-            command_id=task_id, index=index, token_count=completion, prompt_tokens=prompt,
-            finish_reason=reason, error=error, stop_sequence=stop_sequence, cached_tokens=cached, error_code=error_code,
+            command_id=task_id, index=index, token_count=completion, prompt_tokens=prompt, finish_reason=reason,
+            error=error, stop_sequence=stop_sequence, cached_tokens=cached, error_code=error_code, attempt=attempt,
         )
         published = asyncio.get_running_loop().create_future()
         self._chunks.put_nowait((final, published))
@@ -275,6 +257,53 @@ class Runner:
             else:
                 self._requests.put_nowait(request)
         self._requests.put_nowait(None)  # the worker went away
+
+
+class ChunkMaker:
+    """One generation's token chunks: its text coalesced (coalesce.py), with the logprobs, tool calls
+    and token ids that came with that text. A resumed request (a migration) goes on with the chunk
+    index where the earlier run's stopped, and every chunk says which run (attempt) sent it."""
+
+    def __init__(self, task_id: TaskId, resume: Resume | None = None) -> None:
+        self._task_id = task_id
+        self.index, self.attempt = (resume.next_index, resume.attempt) if resume is not None else (0, 0)
+        self._coalescer = Coalescer(STREAM_INTERVAL_S)
+        self._held = Output("", 0, 0, [], [])  # what goes with the text the coalescer holds
+
+    def add(self, out: Output, now: float) -> list[TokenChunk]:
+        """The chunks to send now (on the model thread)."""
+        sent: list[TokenChunk] = []
+        ready = self._coalescer.add(out.text, now, out.reasoning)
+        if ready is not None and out.reasoning and not ready.reasoning:
+            sent.append(self._chunk(ready, out))  # content held before this output's reasoning: not its ids
+            ready = None
+        self._held.logprobs.extend(out.logprobs)
+        self._held.tokens.extend(out.tokens)
+        if out.tool_calls:  # a tool call is sent at once, with the text held before it
+            if ready:
+                sent.append(self._chunk(ready, out))
+            self._held.tool_calls.extend(out.tool_calls)
+            ready = self._coalescer.flush(now)
+        if ready or out.tool_calls:
+            sent.append(self._chunk(ready, out))
+        return sent
+
+    def rest(self, result: GenerationResult, now: float) -> TokenChunk | None:
+        """What is still held once the generation ended (then comes the final chunk, at `index`)."""
+        rest = self._coalescer.flush(now)
+        if not rest and not self._held.logprobs:
+            return None
+        return self._chunk(rest, Output("", result.completion_tokens, result.prompt_tokens, [], [],
+                                        result.cached_tokens))
+
+    def _chunk(self, piece: Piece | None, out: Output) -> TokenChunk:
+        held, self._held = self._held, Output("", 0, 0, [], [])
+        text, reasoning = piece or ("", "")
+        self.index += 1
+        return TokenChunk(command_id=self._task_id, index=self.index - 1, text=text, reasoning=reasoning,
+                          token_count=out.completion_tokens, prompt_tokens=out.prompt_tokens, logprobs=held.logprobs,
+                          tool_calls=held.tool_calls, cached_tokens=out.cached_tokens, token_ids=held.tokens,
+                          attempt=self.attempt)
 
 
 def is_vision_model(model_path: str) -> bool:

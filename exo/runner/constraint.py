@@ -54,6 +54,12 @@ class GrammarConstraint:
         mask[:min(width, allowed.size)] = allowed[:width].astype(bool)
         return mx.where(mx.array(mask), logits, mx.array(-float("inf"), dtype=logits.dtype))
 
+    def advance(self, tokens: list[int]) -> None:
+        """Tokens chosen before this processor's first call (a resumed request's earlier ones): the
+        grammar consumes them as if it had masked their steps, so the first mask continues from them."""
+        for token in tokens:
+            self._take(token)
+
     def _take(self, token: int) -> None:
         if self._free:
             self._recent = (self._recent + [token])[-len(self._think_end):]

@@ -4,12 +4,12 @@ and logprobs become Outputs for the runner; the result says why the request ende
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from exo.core.ids import TaskId
 from exo.core.types import GenerationParams, TokenLogprob, ToolCall
-from exo.runner.splitter import OutputSplitter
+from exo.runner.splitter import OutputSplitter, Split
 from exo.runner.stops import StopMatcher
 
 if TYPE_CHECKING:
@@ -18,11 +18,12 @@ if TYPE_CHECKING:
 
 class Output:
     """What one decode step produced for the caller: text (content and reasoning), and tool calls /
-    logprobs if asked for."""
+    logprobs if asked for. `tokens`: the ids of every token since the previous Output, whose text
+    this one completes (a runner that takes the request over prefills them: see Decoding.replay)."""
 
     def __init__(self, text: str, completion_tokens: int, prompt_tokens: int,
                  logprobs: list[TokenLogprob], tool_calls: list[ToolCall], cached_tokens: int = 0,
-                 reasoning: str = "") -> None:
+                 reasoning: str = "", tokens: list[int] | None = None) -> None:
         self.text = text
         self.reasoning = reasoning
         self.cached_tokens = cached_tokens  # of prompt_tokens, reused from the prompt cache
@@ -30,6 +31,7 @@ class Output:
         self.prompt_tokens = prompt_tokens
         self.logprobs = logprobs
         self.tool_calls = tool_calls
+        self.tokens = tokens if tokens is not None else []
 
 
 OnOutput = Callable[[Output], None]
@@ -75,35 +77,99 @@ class Decoding:
                                         reasoning=params.prompt is None)
         self.prompt_tokens = self.completion_tokens = 0
         self.finish_reason = "length"
+        self._tokens: list[int] = []  # fed since the last Output: they go out with the next one
+        self._ended = False  # what was held back at the end went out
 
     def step(self, text: str, token: int | None, logprobs: Any, prompt_tokens: int, completion_tokens: int,
              finish_reason: str | None) -> GenerationResult | None:
-        """Sends what this step produced; returns the result once a stop string ends the request.
+        """Sends what this step produced; returns the result once the request ended: by a stop
+        string, or `finish_reason` (then what was held back goes out in this step's Output, so the
+        last Output carries the last token, EOS included: a resumed run knows the text was all out).
         `token` None: text with no new token (an engine's closing record)."""
         self._engine.beat()
         self.prompt_tokens, self.completion_tokens = prompt_tokens, completion_tokens
         self.finish_reason = finish_reason or self.finish_reason
+        if token is not None:
+            self._tokens.append(token)
         wanted = self._top_logprobs >= 0 and token is not None
         entries = [self._engine.logprob(token, logprobs, self._top_logprobs)] if wanted and token is not None else []
         split = self._splitter.feed(text)
-        text = self._stops.feed(split.text)  # stop strings end the answer, not the reasoning
-        if text or split.reasoning or split.calls or entries:
-            self._on_output(Output(text, completion_tokens, prompt_tokens, entries, split.calls, self.cached, split.reasoning))
-        return self._stopped() if self._stops.stopped else None
+        split = split._replace(text=self._stops.feed(split.text))  # stop strings end the answer, not the reasoning
+        if finish_reason is not None:
+            split = self._close(split)
+        if split.text or split.reasoning or split.calls or entries:
+            self._emit(Output(split.text, completion_tokens, prompt_tokens, entries, split.calls, self.cached,
+                              split.reasoning))
+        return self._stopped() if self._stops.stopped else self._result() if self._ended else None
+
+    def replay(self, steps: Iterable[tuple[int, str, str | None]], prompt_tokens: int) -> GenerationResult | None:
+        """A resumed request's earlier (token, text, finish reason) steps, as the earlier run fed them:
+        the splitter, the stop matcher and the tool parser end up where that run's stood after them.
+        Their output went out with that run, so nothing is sent (and no logprobs are computed).
+        Returns the result if they ended the request (a stop string, or a last step with a finish reason)."""
+        send, top = self._on_output, self._top_logprobs
+        self._on_output, self._top_logprobs = _discard, -1
+        try:
+            for count, (token, text, finish_reason) in enumerate(steps, 1):
+                if (result := self.step(text, token, None, prompt_tokens, count, finish_reason)) is not None:
+                    return result
+            return None
+        finally:
+            self._on_output, self._top_logprobs, self._tokens = send, top, []
 
     def cancelled(self) -> GenerationResult:
         return GenerationResult("cancelled", self.prompt_tokens, self.completion_tokens, cached_tokens=self.cached)
 
     def finish(self) -> GenerationResult:
-        """mlx-lm ended the request (EOS or max_tokens): what the tool parser and stop strings held back."""
-        split = self._splitter.finish(self.finish_reason)
-        text = self._stops.feed(split.text)
+        """The engine ended the request (EOS or max_tokens): what the tool parser and stop strings held
+        back, unless the step that said so sent it already."""
+        if not self._ended:
+            split = self._close(Split("", "", []))
+            if split.text or split.reasoning or split.calls:
+                self._emit(Output(split.text, self.completion_tokens, self.prompt_tokens, [], split.calls, self.cached,
+                                  split.reasoning))
+        return self._stopped() if self._stops.stopped else self._result()
+
+    def _close(self, split: Split) -> Split:
+        """`split` and, after it, what the splitter and the stop matcher held back at the end."""
+        self._ended = True
+        if self._stops.stopped:
+            return split
+        end = self._splitter.finish(self.finish_reason)
+        text = self._stops.feed(end.text)
         text += "" if self._stops.stopped else self._stops.flush()
-        if text or split.reasoning or split.calls:
-            self._on_output(Output(text, self.completion_tokens, self.prompt_tokens, [], split.calls, self.cached,
-                                   split.reasoning))
-        return self._stopped() if self._stops.stopped else GenerationResult(
-            self.finish_reason, self.prompt_tokens, self.completion_tokens, cached_tokens=self.cached)
+        return Split(split.text + text, split.reasoning + end.reasoning, split.calls + end.calls)
+
+    def _emit(self, output: Output) -> None:
+        output.tokens, self._tokens = self._tokens, []
+        self._on_output(output)
+
+    def _result(self) -> GenerationResult:
+        return GenerationResult(self.finish_reason, self.prompt_tokens, self.completion_tokens, cached_tokens=self.cached)
 
     def _stopped(self) -> GenerationResult:
         return GenerationResult("stop", self.prompt_tokens, self.completion_tokens, self._stops.matched, self.cached)
+
+
+def _discard(_: Output) -> None:
+    pass
+
+
+class TextStream:
+    """Token ids to text exactly as stream_generate streams it (mlx-lm's streaming detokenizer),
+    for a run that continues another: the earlier tokens go through first, so the first new
+    token's text keeps its leading space and a character split across tokens comes out whole.
+    (stream_generate's own text starts afresh at the first token it generates.)"""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._detokenizer = tokenizer.detokenizer  # a fresh copy, reset
+
+    def add(self, token: int, finish_reason: str | None = None) -> str:
+        """The text `token` completes; with a finish reason, everything still held (as stream_generate's last)."""
+        if finish_reason != "stop":  # "stop": an EOS, which stream_generate does not detokenize
+            self._detokenizer.add_token(token)
+        return self.finish() if finish_reason is not None else self._detokenizer.last_segment
+
+    def finish(self) -> str:
+        self._detokenizer.finalize()
+        return self._detokenizer.last_segment

@@ -87,6 +87,7 @@ class Announcement(msgspec.Struct, frozen=True, kw_only=True, tag="generate"):
     defaults: SamplingDefaults = SamplingDefaults()
     cached: int = 0  # prompt tokens rank 0 reuses from its prompt cache: every rank reuses as many
     cache_entries: int = 0  # rank 0's prompt-cache entries before this request: the others drop as many
+    resume_tokens: list[int] = []  # a resumed request's earlier tokens (protocol.Resume): every rank prefills them
 
 
 Sampling = tuple[float, float, int]  # temperature, top_p, top_k

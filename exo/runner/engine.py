@@ -17,10 +17,10 @@ from exo.core.kv_budget import kv_group_size
 from exo.core.types import GenerationParams, SamplingDefaults, TokenLogprob, TopLogprob
 from exo.memory import memory
 from exo.runner.constraint import GrammarConstraint
-from exo.runner.decoding import Decoding, GenerationResult, OnOutput, PromptTooLong, RequestRefused
+from exo.runner.decoding import Decoding, GenerationResult, OnOutput, PromptTooLong, RequestRefused, TextStream
 from exo.runner.distributed import Announcement, Lockstep, join_ring, load_shard
 from exo.runner.prompt_cache import FOLLOWER_BUDGET, PromptCache, Reuse, budget_bytes, entry_limit
-from exo.runner.protocol import RankSetup
+from exo.runner.protocol import RankSetup, Resume
 from exo.runner.splitter import starts_in_reasoning
 
 DEFAULT_MAX_TOKENS = 2048
@@ -87,43 +87,53 @@ class Engine:
         task_id: TaskId = TaskId(""),
         told: Announcement | None = None,
         images: Sequence[str] = (),
+        resume: Resume | None = None,
     ) -> GenerationResult:
-        """One request alone. `told`: rank 0's announcement of it, on the other ranks of an instance."""
+        """One request alone. `told`: rank 0's announcement of it, on the other ranks of an instance.
+        `resume`: a generation another runner began (a migration): its tokens so far are prefilled
+        after the prompt and it goes on from there, sending only what comes after their text."""
         if images:  # a card that says supports_images over a text-only model: say so, not answer blind
             raise RequestRefused("this model has no vision tower: it cannot take images (its card says it can)")
         tokens = self.encode(self.prompt_for(params))
-        max_tokens = self.max_tokens_for(params, len(tokens))
-        reuse = self._reuse(tokens, told)
-        decoding = Decoding(self, params, on_output, task_id, tokens, cached=reuse.cached)
-        sampler = sampler_of(params, defaults)
-        processors = [*logits_processors_of(params), *self.constraint_for(params, tokens)]
+        prior = list(told.resume_tokens if told is not None else resume.token_ids if resume is not None else [])
+        max_tokens = self.max_tokens_for(params, len(tokens)) - len(prior)  # what the whole request may still add
+        decoding = Decoding(self, params, on_output, task_id, tokens)
+        stream = TextStream(self.tokenizer) if prior else None  # resumed: its own text (see TextStream)
+        if stream is not None and (ended := _replay(decoding, stream, prior, len(tokens), max_tokens,
+                                                    set(self.tokenizer.eos_token_ids))) is not None:
+            return ended
+        reuse = self._reuse(tokens + prior, told)
+        decoding.cached = min(reuse.cached, len(tokens))
+        sampler = sampler_of(params, defaults, start=len(prior))
+        processors = [*logits_processors_of(params), *self.constraint_for(params, tokens, prior)]
         if self.lockstep is not None:  # every rank takes rank 0's tokens and stops when rank 0 does
             if self.lockstep.leads:
-                self.lockstep.announce(Announcement(task_id=task_id, params=params, defaults=defaults,
-                                                    cached=reuse.cached, cache_entries=self.prompt_cache.entries))
+                self.lockstep.announce(Announcement(task_id=task_id, params=params, defaults=defaults, cached=reuse.cached,
+                                                    cache_entries=self.prompt_cache.entries, resume_tokens=prior))
             sampler, is_cancelled = self.lockstep.start(sampler, is_cancelled)
         generated: list[int] = []
         result = None
         for response in stream_generate(
             self.model, self.tokenizer, mx.array(reuse.rest), max_tokens=max_tokens,
-            sampler=sampler, logits_processors=_seeing_prefix(processors, tokens[:reuse.cached]),
+            sampler=sampler, logits_processors=_seeing_prefix(processors, (tokens + prior)[:reuse.cached]),
             prompt_cache=reuse.cache, prompt_progress_callback=lambda *_: self.beat(), **self._quantized_cache(),
         ):
             generated.append(response.token)
-            result = decoding.step(response.text, response.token, response.logprobs,
-                                   len(tokens), response.generation_tokens, response.finish_reason)
+            text = response.text if stream is None else stream.add(response.token, response.finish_reason)
+            result = decoding.step(text, response.token, response.logprobs, len(tokens),
+                                   len(prior) + response.generation_tokens, response.finish_reason)
             if result is None and is_cancelled():
                 result = decoding.cancelled()
             if result is not None:
                 break
         # Every token stream_generate reported went through the model: the cache holds them all.
-        self.prompt_cache.keep(tokens + generated, reuse.cache)
+        self.prompt_cache.keep(tokens + prior + generated, reuse.cache)
         self._trim_cache()
         return result or decoding.finish()
 
-    def constraint_for(self, params: GenerationParams, prompt: list[int]) -> list[Callable]:
+    def constraint_for(self, params: GenerationParams, prompt: list[int], prior: Sequence[int] = ()) -> list[Callable]:
         """The request's response_format, or its required tool call, as a logits processor, on the
-        rank that samples (the others take its tokens)."""
+        rank that samples (the others take its tokens). `prior`: a resumed request's earlier tokens."""
         if self.lockstep is not None and not self.lockstep.leads:
             return []
         if params.response_format is not None:
@@ -133,7 +143,9 @@ class Engine:
         else:
             return []
         in_reasoning = params.prompt is None and starts_in_reasoning(self.tokenizer, prompt)
-        return [GrammarConstraint(self.tokenizer, grammar, in_reasoning)]
+        constraint = GrammarConstraint(self.tokenizer, grammar, in_reasoning)
+        constraint.advance(list(prior))
+        return [constraint]
 
     def _tool_call_grammar(self, tools: list[dict]) -> str:
         parser = getattr(getattr(self.tokenizer, "tool_parser", None), "__module__", "") or ""
@@ -196,6 +208,17 @@ class Engine:
         return self.tokenizer.decode([token])
 
 
+def _replay(decoding: Decoding, stream: TextStream, prior: list[int], prompt_tokens: int, left: int,
+            eos: set[int]) -> GenerationResult | None:
+    """A resumed request's earlier tokens through `decoding`, unsent; the result if they ended it: a
+    stop string, or the earlier run's last Output went out (its EOS, or the last token it was allowed)."""
+    end = "stop" if prior[-1] in eos else "length" if left <= 0 else None
+    last = len(prior) - 1
+    steps = ((token, stream.add(token, end if n == last else None), end if n == last else None)
+             for n, token in enumerate(prior))
+    return decoding.replay(steps, prompt_tokens)
+
+
 def max_tokens_of(params: GenerationParams) -> int:
     return params.max_tokens or DEFAULT_MAX_TOKENS
 
@@ -228,20 +251,24 @@ def sampling_of(params: GenerationParams, defaults: SamplingDefaults) -> tuple[f
     return temperature, top_p if top_p < 1.0 else 0.0, params.top_k or 0
 
 
-def sampler_of(params: GenerationParams, defaults: SamplingDefaults) -> Callable:
+def sampler_of(params: GenerationParams, defaults: SamplingDefaults, start: int = 0) -> Callable:
+    """`start`: how many tokens the request generated before (resumed), so a seed draws on from there."""
     temperature, top_p, top_k = sampling_of(params, defaults)
     if params.seed is not None:
-        return seeded_sampler(temperature, top_p, top_k, params.seed)
+        return seeded_sampler(temperature, top_p, top_k, params.seed, start)
     return make_sampler(temp=temperature, top_p=top_p, top_k=top_k)
 
 
-def seeded_sampler(temperature: float, top_p: float, top_k: int, seed: int) -> Callable:
+def seeded_sampler(temperature: float, top_p: float, top_k: int, seed: int, start: int = 0) -> Callable:
     """make_sampler's sampling with a random key of the request's own: the same tokens as
     `mx.random.seed(seed)` then make_sampler (mlx-lm's reference), however many other requests
-    draw from the global random state meanwhile. So a seeded request can share a batch."""
+    draw from the global random state meanwhile. So a seeded request can share a batch.
+    `start`: the draw to begin at (a resumed request's earlier tokens took the ones before)."""
     if temperature == 0:
         return make_sampler(temp=0.0)
     key = mx.random.key(seed)
+    for _ in range(start):  # each draw splits the key once: step along the same chain
+        key = mx.random.split(key)[0]
 
     def sample(logprobs: mx.array) -> mx.array:
         nonlocal key

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from exo.runner.decoding import GenerationResult, OnOutput
     from exo.runner.distributed import Announcement, Lockstep
     from exo.runner.prompt_cache import PromptCache
-    from exo.runner.protocol import RankSetup
+    from exo.runner.protocol import RankSetup, Resume
 
 
 class ModelEngine(Protocol):
@@ -41,6 +41,7 @@ class ModelEngine(Protocol):
     def generate(self, params: GenerationParams, defaults: SamplingDefaults, on_output: OnOutput,
                  is_cancelled: Callable[[], bool], task_id: TaskId = TaskId(""), told: Announcement | None = None,
                  images: Sequence[str] = (),  # files of the request's images, in the order its messages give them
+                 resume: Resume | None = None,  # continue a generation another runner began (a migration)
                  ) -> GenerationResult: ...
 
     # Batch hooks: a request's prompt tokens, its token budget, its constraint, its logprobs.

@@ -28,7 +28,7 @@ from exo.core.types import GenerationParams, SamplingDefaults
 from exo.runner.decoding import Decoding, GenerationResult, OnOutput, RequestRefused
 from exo.runner.distributed import Announcement
 from exo.runner.engine import Engine, logits_processors_of, sampler_of, template_messages
-from exo.runner.protocol import RankSetup
+from exo.runner.protocol import RankSetup, Resume
 
 # Image features kept per runner, for models mlx-vlm can encode apart (its VisionFeatureCache).
 VISION_CACHE_IMAGES = int(os.environ.get("EXO_VISION_CACHE_IMAGES", "8"))
@@ -91,7 +91,10 @@ class VisionEngine(Engine):
         task_id: TaskId = TaskId(""),
         told: Announcement | None = None,
         images: Sequence[str] = (),
+        resume: Resume | None = None,
     ) -> GenerationResult:
+        if resume is not None:  # its prompt is mlx-vlm's to build: no earlier tokens can be put after it
+            raise RuntimeError("a vision model cannot take over a generation another runner began")
         _readable(images)
         prompt = self.prompt_for(params)
         tokens = self.encode(prompt)  # the text's tokens: images add theirs inside mlx-vlm's processor
