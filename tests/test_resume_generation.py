@@ -9,18 +9,24 @@ each chunk carries the ids of the text it carries (ChunkMaker, checked here too)
 
 from __future__ import annotations
 
+import asyncio
+import io
 import json
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import mlx_lm
+import msgspec
 import pytest
 from mlx_lm.sample_utils import make_sampler
 
 from exo.bus.chunk_publisher import chunk_msg_id
+from exo.bus.subjects import token_subject
 from exo.core.types import ChatMessage, GenerationParams, ResponseFormat, SamplingDefaults, TokenChunk
 from exo.runner.__main__ import ChunkMaker, Runner
+from exo.runner.batch import Batcher
 from exo.runner.decoding import GenerationResult, Output, TextStream
 from exo.runner.engine import Engine
 from exo.runner.prompt_cache import PromptCache
@@ -92,11 +98,13 @@ def resume_after(k: int, outs: list[Output]) -> Resume:
     return Resume(token_ids=streamed(outs[:k]), next_index=k, attempt=1)
 
 
-def check_resumes(engine: Engine, params: GenerationParams, cuts: list[int]) -> tuple[list[Output], GenerationResult]:
-    """Every cut resumes into exactly the rest of the uninterrupted run: Outputs, ids and ending.
-    Also after the last Output: the earlier run sent all its text and lost only its end."""
+def check_resumes(engine: Engine, params: GenerationParams,
+                  cuts: list[int] | None = None) -> tuple[list[Output], GenerationResult]:
+    """Every cut (None: after every Output) resumes into exactly the rest of the uninterrupted run:
+    Outputs, ids and ending. Also after the last Output: the earlier run lost only its end."""
     outs, whole = run(engine, params)
-    assert len(outs) > max(cuts), "the run is shorter than the cuts"
+    cuts = list(range(1, len(outs))) if cuts is None else cuts
+    assert len(outs) > max(cuts, default=0), "the run is shorter than the cuts"
     for k in [*cuts, len(outs)]:
         rest, result = run(engine, params, resume_after(k, outs))
         assert [view(o) for o in rest] == [view(o) for o in outs[k:]], f"cut after {k} outputs"
@@ -150,6 +158,12 @@ def test_a_stop_string_cut_while_its_matcher_holds_text_back(engine):
     # The earlier run had sent the output that met the stop string, not its end: nothing more to say.
     rest, result = run(engine, params, resume_after(len(outs), outs))
     assert "".join(o.text for o in rest) == "" and ending(result) == ending(whole)
+    # max_tokens ends it while the matcher holds text: that goes out in the last token's Output.
+    plain, _ = run(engine, chat(max_tokens=60))
+    last = next(i for i, o in enumerate(plain) if len(o.text) > 1 and o.text[-1].isalpha() and i > 5)
+    params = chat(max_tokens=last + 1, stop=[plain[last].text[-1] + "~~"])
+    outs, whole = check_resumes(engine, params)
+    assert ending(whole)[0] == "length" and outs[-1].text == plain[last].text
 
 
 def test_resumed_text_keeps_the_leading_space_the_streaming_detokenizer_would_drop(bpe_engine):
@@ -234,11 +248,6 @@ def test_every_rank_prefills_what_rank_0_announces(engine):
 
 
 def test_the_batch_path_gives_the_same_token_ids(engine):
-    import asyncio
-    from concurrent.futures import ThreadPoolExecutor
-
-    from exo.runner.batch import Batcher
-
     params = chat(max_tokens=30, stop=["k~~"])
 
     async def batched() -> list[Output]:
@@ -291,3 +300,34 @@ def test_a_resumed_request_takes_the_single_path_and_its_chunk_ids_name_the_run(
     assert chunk_msg_id(chunk) == "cmd:3"  # a first run's ids as they always were
     assert chunk_msg_id(TokenChunk(command_id="cmd", index=3, attempt=1)) == "cmd:a1:3"
     assert chunk_msg_id(TokenChunk(command_id="cmd", index=3, attempt=2, finish_reason="stop")) == "cmd:a2:3:stop"
+
+
+async def test_a_runner_resumes_from_the_chunks_another_runner_streamed(nc, tmp_path, monkeypatch):
+    """The runner end to end, with a real NATS for its chunks: a second runner given the first k
+    chunks' ids (as a migration builds its Resume) sends the rest of the first run's text, its
+    chunks numbered on from k and marked with the attempt."""
+    monkeypatch.setattr("exo.runner.__main__.STREAM_INTERVAL_S", 0.0005)  # several chunks, coalesced or not
+    chunks: list[TokenChunk] = []
+
+    async def on_chunk(msg: Any) -> None:
+        chunks.append(msgspec.json.decode(msg.data, type=TokenChunk))
+
+    subscription = await nc.subscribe(token_subject("mig"), cb=on_chunk)
+    runner = Runner(nc, io.BytesIO())
+    runner._engine.load(str(make_tiny_model(tmp_path / "model")))
+    publisher = asyncio.create_task(runner._publish_chunks())
+    loop, params = asyncio.get_running_loop(), chat(max_tokens=40, temperature=0.8, seed=7, stop=["k~~"])
+    await runner._generate(loop, Generate(task_id="mig", params=params))
+    await nc.flush()
+    first, chunks[:] = list(chunks), []
+    assert first[-1].finish_reason == "length" and len(first) > 4
+    for k in (1, len(first) // 2, len(first) - 1):
+        resume = Resume(token_ids=[t for c in first[:k] for t in c.token_ids], next_index=k, attempt=k)
+        await runner._generate(loop, Generate(task_id="mig", params=params, resume=resume))
+        await nc.flush()
+        second, chunks[:] = list(chunks), []
+        assert "".join(c.text for c in first[:k] + second) == "".join(c.text for c in first)
+        assert [c.index for c in second] == list(range(k, k + len(second))) and {c.attempt for c in second} == {k}
+        assert (second[-1].finish_reason, second[-1].token_count) == (first[-1].finish_reason, first[-1].token_count)
+    publisher.cancel()
+    await subscription.unsubscribe()

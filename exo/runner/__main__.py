@@ -291,7 +291,7 @@ class ChunkMaker:
     def rest(self, result: GenerationResult, now: float) -> TokenChunk | None:
         """What is still held once the generation ended (then comes the final chunk, at `index`)."""
         rest = self._coalescer.flush(now)
-        if not rest and not self._held.logprobs:
+        if not rest and not self._held.logprobs and not self._held.tokens:
             return None
         return self._chunk(rest, Output("", result.completion_tokens, result.prompt_tokens, [], [],
                                         result.cached_tokens))

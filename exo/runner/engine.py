@@ -99,18 +99,16 @@ class Engine:
         max_tokens = self.max_tokens_for(params, len(tokens)) - len(prior)  # what the whole request may still add
         decoding = Decoding(self, params, on_output, task_id, tokens)
         stream = TextStream(self.tokenizer) if prior else None  # resumed: its own text (see TextStream)
-        if stream is not None and (ended := _replay(decoding, stream, prior, len(tokens), max_tokens,
-                                                    set(self.tokenizer.eos_token_ids))) is not None:
+        if stream is not None and (ended := self._replay(decoding, stream, prior, len(tokens), max_tokens)):
             return ended
         reuse = self._reuse(tokens + prior, told)
         decoding.cached = min(reuse.cached, len(tokens))
         sampler = sampler_of(params, defaults, start=len(prior))
         processors = [*logits_processors_of(params), *self.constraint_for(params, tokens, prior)]
         if self.lockstep is not None:  # every rank takes rank 0's tokens and stops when rank 0 does
-            if self.lockstep.leads:
-                self.lockstep.announce(Announcement(task_id=task_id, params=params, defaults=defaults, cached=reuse.cached,
-                                                    cache_entries=self.prompt_cache.entries, resume_tokens=prior))
-            sampler, is_cancelled = self.lockstep.start(sampler, is_cancelled)
+            sampler, is_cancelled = self._in_lockstep(sampler, is_cancelled, Announcement(
+                task_id=task_id, params=params, defaults=defaults, cached=reuse.cached,
+                cache_entries=self.prompt_cache.entries, resume_tokens=prior))
         generated: list[int] = []
         result = None
         for response in stream_generate(
@@ -130,6 +128,24 @@ class Engine:
         self.prompt_cache.keep(tokens + prior + generated, reuse.cache)
         self._trim_cache()
         return result or decoding.finish()
+
+    def _replay(self, decoding: Decoding, stream: TextStream, prior: list[int], prompt_tokens: int,
+                left: int) -> GenerationResult | None:
+        """A resumed request's earlier tokens through `decoding`, unsent; the result if they ended it: a
+        stop string, or the earlier run's last Output went out (its EOS, or the last token it was allowed)."""
+        end = "stop" if prior[-1] in self.tokenizer.eos_token_ids else "length" if left <= 0 else None
+        last = len(prior) - 1
+        steps = ((token, stream.add(token, end if n == last else None), end if n == last else None)
+                 for n, token in enumerate(prior))
+        return decoding.replay(steps, prompt_tokens)
+
+    def _in_lockstep(self, sampler: Callable, is_cancelled: Callable[[], bool],
+                     announcement: Announcement) -> tuple[Callable, Callable[[], bool]]:
+        """Rank 0 tells the other ranks what to run; every rank samples rank 0's tokens."""
+        assert self.lockstep is not None
+        if self.lockstep.leads:
+            self.lockstep.announce(announcement)
+        return self.lockstep.start(sampler, is_cancelled)
 
     def constraint_for(self, params: GenerationParams, prompt: list[int], prior: Sequence[int] = ()) -> list[Callable]:
         """The request's response_format, or its required tool call, as a logits processor, on the
@@ -206,17 +222,6 @@ class Engine:
 
     def _token_text(self, token: int) -> str:
         return self.tokenizer.decode([token])
-
-
-def _replay(decoding: Decoding, stream: TextStream, prior: list[int], prompt_tokens: int, left: int,
-            eos: set[int]) -> GenerationResult | None:
-    """A resumed request's earlier tokens through `decoding`, unsent; the result if they ended it: a
-    stop string, or the earlier run's last Output went out (its EOS, or the last token it was allowed)."""
-    end = "stop" if prior[-1] in eos else "length" if left <= 0 else None
-    last = len(prior) - 1
-    steps = ((token, stream.add(token, end if n == last else None), end if n == last else None)
-             for n, token in enumerate(prior))
-    return decoding.replay(steps, prompt_tokens)
 
 
 def max_tokens_of(params: GenerationParams) -> int:
