@@ -34,6 +34,7 @@ from exo.runner.protocol import Generate, Resume
 from tests.support.qwen_model import EOS_PROMPT, make_qwen3_model
 from tests.support.thinking_model import make_thinking_model
 from tests.support.tiny_model import make_tiny_model
+from tests.support.tool_model import WEATHER_TOOL, make_tool_model
 
 pytestmark = pytest.mark.slow  # real inference, though in process and in well under a second a run
 
@@ -196,6 +197,13 @@ def test_reasoning_resumes_in_its_block(tmp_path):
     thinking = engine_of(make_thinking_model(tmp_path / "model"))
     outs, _ = check_resumes(thinking, chat(max_tokens=30), [1, 2, 10])
     assert outs[0].reasoning and outs[-1].text
+
+
+def test_a_tool_call_resumes(tmp_path):
+    tools = engine_of(make_tool_model(tmp_path / "model"))
+    params = chat("What is the weather in Paris?", max_tokens=32, tools=[WEATHER_TOOL])
+    outs, whole = check_resumes(tools, params)
+    assert outs[-1].tool_calls and ending(whole)[0] == "stop"
 
 
 def test_an_eos_ends_a_resumed_run_whether_it_was_streamed_or_not(tmp_path):
