@@ -82,3 +82,7 @@ def test_coalescer_never_puts_content_before_reasoning_that_came_after_it():
     assert coalescer.add("c1", now=1.010) is None  # reasoning then content: one chunk, in that order
     assert coalescer.add("", now=1.012, reasoning="r3") == ("c1", "r2")  # ...but content held before reasoning leaves first
     assert coalescer.flush(now=1.013) == ("", "r3")
+    # A step with both (the thinking ends, the answer begins) while content is held: nothing is dropped.
+    assert coalescer.add("c2", now=1.014) is None
+    assert coalescer.add("c3", now=1.015, reasoning="r4") == ("c2", "")
+    assert coalescer.flush(now=1.016) == ("c3", "r4")

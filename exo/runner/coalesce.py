@@ -31,7 +31,7 @@ class Coalescer:
         """Returns what to send now, or None to hold it."""
         if reasoning and self._text:  # reasoning after content: the content goes first, alone
             held = self._take(now)
-            self._reasoning = reasoning
+            self._reasoning, self._text = reasoning, text  # this step's own content stays, after its reasoning
             return held
         self._text += text
         self._reasoning += reasoning
