@@ -151,13 +151,13 @@ def _generate(state: State, command: GenerateText, builtin: Mapping[ModelId, Mod
         return _reject(command, "not_found", f"unknown model {command.model_id!r}")
     instances = state.instances_of(command.model_id)
     if not instances:
-        desire = next((d for d in state.desires.values() if d.model_id == command.model_id), None)
-        if desire is not None:  # exo/master/heal.py is placing one
-            return _reject(command, "unavailable", f"no instance of {command.model_id!r} is running; its placement "
-                                                   f"{desire.desire_id} is waiting for one: "
-                                                   f"{desire.waiting or 'a replacement is being placed'}")
         ended = state.instance_end_reasons.get(command.model_id)
         why = f" (its last instance was deleted: {ended})" if ended else ""
+        desire = next((d for d in state.desires.values() if d.model_id == command.model_id), None)
+        if desire is not None:  # exo/master/heal.py is placing one
+            return _reject(command, "unavailable", f"no instance of {command.model_id!r} is running{why}; its "
+                                                   f"placement {desire.desire_id} is waiting for one: "
+                                                   f"{desire.waiting or 'a replacement is being placed'}")
         return _reject(command, "unavailable", f"no instance of {command.model_id!r} is running{why}; place one first")
     # A failed instance serves nothing until its runner restarts (the worker retries with back-off):
     # say so now, as a 503 with the reason, rather than queue the request for a failure.

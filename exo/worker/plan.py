@@ -220,7 +220,8 @@ def _my_shards(view: WorkerView) -> list[tuple[Instance, ShardAssignment]]:
 
 def _task_steps(view: WorkerView, instance: Instance, local: LocalRunner, tasks: list[Task]) -> list[Step]:
     steps: list[Step] = []
-    held = len(instance.shards) > 1 and local.failed_at > 0 and view.now - local.failed_at < view.migrate_grace
+    held = len(instance.shards) > 1 and local.failed_at > 0 and view.now - local.failed_at < view.migrate_grace \
+        and not _a_peer_failed(view, instance, local)
     for task in tasks:
         if task.task_id in view.ended_tasks:
             continue
@@ -238,6 +239,13 @@ def _task_steps(view: WorkerView, instance: Instance, local: LocalRunner, tasks:
         elif local.phase == "ready" and not forwarded and not missing_images(view, task):
             steps.append(ForwardTask(runner_id=local.runner_id, task_id=task.task_id))
     return steps
+
+
+def _a_peer_failed(view: WorkerView, instance: Instance, local: LocalRunner) -> bool:
+    """A peer rank's worker said its runner failed or stopped: that machine is alive, so the
+    failure is a runner's, not a lost machine's (whose worker would say nothing)."""
+    peers = (view.state.runners.get(s.runner_id) for s in instance.shards if s.runner_id != local.runner_id)
+    return any(p is not None and p.status in ("failed", "stopped") for p in peers)
 
 
 def nodes_concerned(state: State, event: AnyEvent) -> frozenset[NodeId] | None:
