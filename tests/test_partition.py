@@ -1,6 +1,7 @@
 """A worker partitioned away from NATS (its link through a loopback proxy cut) for longer than
-the node timeout: the master times it out and deletes the instance that used it; after the link
-heals, the worker comes back, its State converges to the log's, and the model serves again."""
+the node timeout: the master times it out and deletes the instance that used it, whose placement
+then waits (two nodes needed) with the reason; after the link heals, the worker comes back, its
+State converges to the log's, the placement is made again by itself and the model serves again."""
 
 from __future__ import annotations
 
@@ -46,20 +47,28 @@ def test_a_partitioned_worker_is_timed_out_then_rejoins_and_converges(tmp_path: 
         expected = Reference(model_dir).chat(PROMPT, 16)
         _place_on_both_and_chat(http, expected)
 
+        (old_instance,) = state_of(head).instances
         proxy.cut()
         wait_until(lambda: len(state_of(head).nodes) == 1, NODE_TIMEOUT_S + 15, what="the cut-off worker timed out")
         assert state_of(head).instances == {}
+        # Its placement waits, with the reason: two nodes needed, one left.
+        waiting = lambda: next(iter(state_of(head).desires.values())).waiting  # noqa: E731
+        wait_until(lambda: "min_nodes=2 but the cluster has 1 node(s)" in waiting(), 10, what="the desire waits")
         answer = http.post("/v1/chat/completions", json={"model": MODEL, "messages": PROMPT, "max_tokens": 4})
-        assert answer.status_code == 503 and "timed out" in answer.json()["error"]["message"]
+        message = answer.json()["error"]["message"]
+        assert answer.status_code == 503 and "timed out" in message and "min_nodes=2" in message, message
 
         proxy.heal()
         wait_until(lambda: len(state_of(head).nodes) == 2, 60, what="the worker back after the heal")
-        wait_until(lambda: not state_of(cut_off).runners and not state_of(head).runners, 60,
-                   what="the old instance's runners gone on the rejoined worker too")
+        old_runners = lambda state: [r for r in state.runners.values() if r.instance_id == old_instance]  # noqa: E731
+        wait_until(lambda: not old_runners(state_of(cut_off)) and state_of(cut_off).instances, 60,
+                   what="the old instance's runners gone on the rejoined worker, a new instance placed by itself")
         rejoined = state_of(cut_off)
         replayed, _ = replay(nats.url, rejoined.last_seq)
         assert encode_state(replayed) == encode_state(rejoined)  # converged: the log's State, exactly
-        _place_on_both_and_chat(http, expected)
+        wait_until(lambda: http.get(f"/instance/{next(iter(state_of(head).instances))}").json().get("status") == "ready",
+                   120, interval=0.5, what="the replacement ready")
+        _chat_exactly(http, expected)
     finally:
         http.close()
         for node in (cut_off, steady, head):
@@ -72,6 +81,10 @@ def test_a_partitioned_worker_is_timed_out_then_rejoins_and_converges(tmp_path: 
 def _place_on_both_and_chat(http: httpx.Client, expected: str) -> None:
     placed = http.post("/place_instance", json={"model_id": MODEL, "sharding": "tensor", "min_nodes": 2, "wait": 120})
     assert placed.status_code == 200, placed.text
+    _chat_exactly(http, expected)
+
+
+def _chat_exactly(http: httpx.Client, expected: str) -> None:
     answer = http.post("/v1/chat/completions", json={"model": MODEL, "messages": PROMPT, "max_tokens": 16,
                                                      "temperature": 0})
     assert answer.status_code == 200, answer.text
