@@ -278,3 +278,43 @@ class Cluster:
         wait_until(lambda: len((s := state_of(self.nodes[0])).nodes) == len(self.nodes)
                    and sum(server.online for server in s.cluster.servers) == len(self.nodes), 60, 0.5,
                    "every node and its nats-server back in State")
+
+
+class SharedNatsCluster(Cluster):
+    """A head (master and API, never killed) and three worker nodes on one nats-server of the
+    test's own: a node "dies" with its exo and runners (kill -9), which it can do as often as a
+    test wants; it is back in seconds. The cluster above kills nats-servers too, which a
+    discovered cluster survives once before it must rejoin."""
+
+    def __init__(self, root: Path, model_dir: Path, count: int = 3, env: dict[str, str] | None = None) -> None:
+        from tests.cluster import NatsServer
+
+        self.model_dir = model_dir
+        self.nats = NatsServer(root / "nats")
+        base = {"EXO_NATS_URL": self.nats.url, "EXO_SUSPECT_S": f"{SUSPECT_S:g}",
+                "EXO_ADVERTISE_ADDRESSES": "127.0.0.1", **(env or {})}
+        flags = ["--node-timeout", f"{NODE_TIMEOUT_S:g}"]
+        self.head = ExoProcess(root / "head", base, [*flags, "--no-worker"])
+        self.nodes = [ExoProcess(root / f"node-{n}", {**base, "EXO_RING_PORTS": ring_ports()}, [*flags, "--no-master"])
+                      for n in range(count)]
+
+    def start(self) -> "SharedNatsCluster":
+        start_together([self.head, *self.nodes])
+        wait_until(lambda: len(state_of(self.head).nodes) == len(self.nodes), 60, 0.3, "every node in State")
+        added = httpx.post(f"{self.head.url}/models/add", json={"model_id": MODEL, "path": str(self.model_dir)},
+                           timeout=60)
+        assert added.status_code == 200, added.text
+        return self
+
+    def stop(self) -> None:
+        stop_all([*self.nodes, self.head])
+        self.nats.stop()
+
+    def bring_back(self) -> None:
+        for node in self.nodes:
+            if node.process is None or node.process.poll() is not None:
+                restart(node)
+        wait_until(lambda: len(state_of(self.head).nodes) == len(self.nodes), 60, 0.3, "every node back in State")
+
+    def alive(self) -> list[ExoProcess]:
+        return [self.head, *super().alive()]

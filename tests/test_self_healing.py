@@ -1,13 +1,15 @@
-"""Self-healing (issue #29) on three discovered nodes, each with its own nats-server: a node dies
-(kill -9 of exo, its runners and its nats-server) or pauses (SIGSTOP) while it generates a
-~1,000-token streamed chat that a client reads from another node. The client's stream only
+"""Self-healing (issue #29) with nodes in their own processes: a node dies (kill -9 of exo and its
+runners, and on a discovered cluster its nats-server too) or pauses (SIGSTOP) while it generates
+a ~1,000-token streamed chat that a client reads from another node. The client's stream only
 pauses: the generation moves to a replacement instance the master places on its own, which
 prefills the prompt plus the tokens already streamed and goes on, so the whole text equals
 mlx-lm's uninterrupted run exactly (greedy and seeded sampling), nothing given twice. State
 shows the move, /metrics counts it; a pause shorter than EXO_SUSPECT_S moves nothing; with no
 room left the desire says why it waits, and the generation goes on once the node is back.
 
-One cluster for the module; a killed node is started again (it rejoins) before the next test.
+Most cases run on one nats-server of the test's own with a head node (master and API, never
+killed) and three workers: a killed worker is back in seconds for the next test. One case kills a
+whole machine of a three-node discovered cluster (exo, runners and its nats-server).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from tests.healing_support import (
     NODE_TIMEOUT_S,
     SUSPECT_S,
     Cluster,
+    SharedNatsCluster,
     Streamed,
     chat_body,
     kill_9,
@@ -62,8 +65,8 @@ def reference(model_dir) -> Reference:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory, model_dir) -> Iterator[Cluster]:
-    cluster = Cluster(tmp_path_factory.mktemp("healing"), model_dir)
+def cluster(tmp_path_factory, model_dir) -> Iterator[SharedNatsCluster]:
+    cluster = SharedNatsCluster(tmp_path_factory.mktemp("healing"), model_dir)
     try:
         yield cluster.start()
     finally:
@@ -72,10 +75,19 @@ def cluster(tmp_path_factory, model_dir) -> Iterator[Cluster]:
 
 @pytest.fixture
 def nodes(cluster) -> list[ExoProcess]:
-    """The three nodes, all up, with nothing placed."""
+    """The three worker nodes, all up, with nothing placed."""
     cluster.bring_back()
-    cluster.clear(cluster.nodes[0])
+    cluster.clear(cluster.head)
     return cluster.nodes
+
+
+@pytest.fixture
+def discovered(tmp_path_factory, model_dir) -> Iterator[Cluster]:
+    cluster = Cluster(tmp_path_factory.mktemp("discovered"), model_dir)
+    try:
+        yield cluster.start()
+    finally:
+        cluster.stop()
 
 
 def _finished(stream: Streamed, timeout: float = 60) -> Streamed:
@@ -123,10 +135,11 @@ def _kill_mid_stream(cluster: Cluster, nodes: list[ExoProcess], body: dict, plac
                      victim_rank: int = 0) -> tuple[Streamed, ExoProcess, ExoProcess, str, float, float]:
     """Place, stream `body` from a node that survives, kill -9 the node of `victim_rank` once
     the stream is under way. Returns (stream, api node, victim, instance id, metric before, kill time)."""
-    instance_id = cluster.place(nodes[0], **(placement or {}))["instance_id"]
-    hosts = cluster.hosts(instance_id)
+    via = getattr(cluster, "head", nodes[0])
+    instance_id = cluster.place(via, **(placement or {}))["instance_id"]
+    hosts = cluster.hosts(instance_id, via)
     victim = hosts[victim_rank]
-    api = next(n for n in [*hosts, *nodes] if n is not victim)  # another rank's node first: it survives
+    api = getattr(cluster, "head", None) or next(n for n in [*hosts, *nodes] if n is not victim)  # one that survives
     before = metric(api, "exo_migrations_total")
     stream = stream_chat(api.url, body)
     _mid_stream(stream)
@@ -135,6 +148,14 @@ def _kill_mid_stream(cluster: Cluster, nodes: list[ExoProcess], body: dict, plac
 
 
 def test_a_killed_node_s_generation_goes_on_elsewhere_with_the_exact_greedy_text(cluster, nodes, reference):
+    _killed_machine_goes_on(cluster, nodes, reference)
+
+
+def test_a_killed_machine_of_a_discovered_cluster_nats_server_included(discovered, reference):
+    _killed_machine_goes_on(discovered, discovered.nodes, reference)
+
+
+def _killed_machine_goes_on(cluster: Cluster, nodes: list[ExoProcess], reference: Reference) -> None:
     expected = reference.chat(SEA, MAX_TOKENS)
     stream, api, victim, instance_id, before, killed_at = _kill_mid_stream(cluster, nodes, chat_body(SEA, MAX_TOKENS))
     _finished(stream)
@@ -171,14 +192,14 @@ def test_a_pipeline_that_loses_a_rank_is_placed_again_on_the_two_survivors(clust
     assert _chat(api, AFTER, 40) == reference.chat(AFTER, 40)
 
 
-def _paused_mid_stream(cluster: Cluster, nodes: list[ExoProcess], body: dict, until, longest: float
+def _paused_mid_stream(cluster: SharedNatsCluster, nodes: list[ExoProcess], body: dict, until, longest: float
                        ) -> tuple[Streamed, ExoProcess, str, float]:
     """SIGSTOP every process of the generating node (exo, runner, nats-server) once the stream is
     under way, until `until(api, stream)` or `longest` seconds, then SIGCONT. Returns (stream,
     api node, instance id, seconds paused)."""
-    instance_id = cluster.place(nodes[0])["instance_id"]
-    host = cluster.hosts(instance_id)[0]
-    api = next(n for n in nodes if n is not host)
+    api = cluster.head
+    instance_id = cluster.place(api)["instance_id"]
+    host = cluster.hosts(instance_id, api)[0]
     stream = stream_chat(api.url, body)
     _mid_stream(stream)
     pids = pids_of(host)

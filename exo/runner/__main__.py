@@ -192,11 +192,14 @@ class Runner:
                                    attempt=chunks.attempt)
                 return
             traceback.print_exc()
-            await self._finish(task_id, chunks.index, "error", 0, 0, error=f"{type(error).__name__}: {error}",
-                               attempt=chunks.attempt)
             if self._engine.lockstep is not None and (isinstance(error, BatchFailed) or not self._batched(request)):
+                # The group broke (a peer's machine may be gone): the worker ends the task, or the master
+                # moves it to another instance first (exo/master/heal.py); no error chunk from here.
                 # The other ranks may still wait in a collective of this step: only a new group is sure to be in step.
                 self.report(Failed(error=f"{type(error).__name__}: {error}"))
+                return
+            await self._finish(task_id, chunks.index, "error", 0, 0, error=f"{type(error).__name__}: {error}",
+                               attempt=chunks.attempt)
             return
         self._in_flight.discard(task_id)
         rest = chunks.rest(result, time.perf_counter())

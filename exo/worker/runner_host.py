@@ -70,11 +70,17 @@ class RunnerHost:
         if process is None or process.returncode is not None:
             return
         try:
-            await self.send(Shutdown())
+            await asyncio.wait_for(self.send(Shutdown()), timeout)
             await asyncio.wait_for(process.wait(), timeout)
         except (asyncio.TimeoutError, ConnectionError, BrokenPipeError):
+            log.warning("runner %s did not stop within %.0f s (stuck in a collective whose peer is gone?): killed",
+                        self.runner_id, timeout)
             process.kill()
-            await process.wait()
+            try:  # asyncio's wait() also waits for its pipes: a child that inherited one would keep it open
+                await asyncio.wait_for(process.wait(), timeout)
+            except asyncio.TimeoutError:
+                log.error("runner %s (pid %d) killed, but its pipes are still open after %.0f s; going on",
+                          self.runner_id, process.pid, timeout)
 
     def kill(self) -> None:
         self._stopping = True
