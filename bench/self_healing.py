@@ -3,8 +3,11 @@ token, in one run for three placements side by side: a 1-node instance alone (re
 1-node instance with a replica on another node (replicas 2: the generation moves to it at once),
 and a 2-node pipeline instance losing its second rank.
 
-Three discovered nodes on this machine, each with its own nats-server (tests/healing_support.py);
-the node dies whole (exo, its runners, its nats-server), the client reads from a node that
+By default a head (master and API, never killed) and three worker nodes on one nats-server
+(`--cluster shared`): the worker dies whole (exo and its runners), and no master takeover is
+mixed into the numbers. `--cluster discovered`: three discovered nodes, each with its own
+nats-server (tests/healing_support.py); the node dies with its nats-server, and a sample whose
+node held the master lease also waits for the takeover. The client reads from a node that
 survives. Each sample is split where State shows it (polled every 50 ms from a survivor):
 
   detect   kill -> the task migrated or the instance deleted in State (EXO_SUSPECT_S, plus the
@@ -13,7 +16,7 @@ survives. Each sample is split where State shows it (polled every 50 ms from a s
            the replacement comes along for the next failure)
   load     -> that instance's runners ready
   token    kill -> the next token of the running stream
-  new req  kill -> a new (8-token) chat sent at the kill answered
+  new req  kill -> a new (8-token) chat sent at the kill answered (retried while refused with 503)
 
 Each sample ends by starting the killed node again (it rejoins). Medians with [min-max] and the
 sample count; `master` counts samples whose killed node held the master lease.
@@ -35,7 +38,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import httpx  # noqa: E402
 
-from tests.healing_support import SUSPECT_S, Cluster, chat_body, kill_9, node_id_of, state_of, stream_chat, wait_until  # noqa: E402
+from tests.healing_support import (  # noqa: E402
+    SUSPECT_S,
+    Cluster,
+    SharedNatsCluster,
+    chat_body,
+    kill_9,
+    node_id_of,
+    state_of,
+    stream_chat,
+    wait_until,
+)
 from tests.support.tiny_model import Dims, make_tiny_model  # noqa: E402
 
 PROMPT = [{"role": "user", "content": "tell me about the sea"}]
@@ -90,32 +103,41 @@ def state_of_url(url: str):
 
 
 def new_request(api_url: str, result: dict) -> None:
+    """A new chat sent at the kill, retried every 0.5 s while it is refused with 503 (the model's only
+    instance failed or is being replaced: a client retries), up to 120 s."""
     started = time.monotonic()
-    try:
-        reply = httpx.post(f"{api_url}/v1/chat/completions", json=chat_body(PROMPT, 8), timeout=180)
-        result["status"] = reply.status_code
-    except httpx.HTTPError as error:
-        result["status"] = repr(error)
+    result["refused"] = 0
+    while True:
+        try:
+            reply = httpx.post(f"{api_url}/v1/chat/completions", json=chat_body(PROMPT, 8), timeout=180)
+            result["status"] = reply.status_code
+        except httpx.HTTPError as error:
+            result["status"] = repr(error)
+        if result["status"] != 503 or time.monotonic() - started > 120:
+            break
+        result["refused"] += 1
+        time.sleep(0.5)
     result["at"] = time.monotonic()
     result["took"] = result["at"] - started
 
 
 def one_sample(cluster: Cluster, placement: dict, victim_rank: int, max_tokens: int) -> dict:
+    via = getattr(cluster, "head", cluster.nodes[0])
     cluster.bring_back()
-    cluster.clear(cluster.nodes[0])
-    placed = cluster.place(cluster.nodes[0], **placement)
+    cluster.clear(via)
+    placed = cluster.place(via, **placement)
     instance_id = placed["instance_id"]
-    state = cluster.state()
+    state = cluster.state(via)
     desire_id = state.instances[instance_id].desire_id
     replicas = placement.get("replicas", 1)
     if replicas > 1:  # the rest of the replicas ready too
-        wait_until(lambda: len([i for i in state_of(cluster.nodes[0]).instances.values()
-                                if i.desire_id == desire_id and cluster.ready(i.instance_id, cluster.nodes[0])])
+        wait_until(lambda: len([i for i in state_of(via).instances.values()
+                                if i.desire_id == desire_id and cluster.ready(i.instance_id, via)])
                    >= replicas, 90, 0.2, "every replica ready")
-        state = cluster.state()
-    hosts = cluster.hosts(instance_id)
+        state = cluster.state(via)
+    hosts = cluster.hosts(instance_id, via)
     victim = hosts[victim_rank]
-    api = next(n for n in [*hosts, *cluster.nodes] if n is not victim)
+    api = getattr(cluster, "head", None) or next(n for n in [*hosts, *cluster.nodes] if n is not victim)
     leader_killed = state.leader_node == node_id_of(victim)
     others = {i.instance_id for i in state.instances.values() if i.desire_id == desire_id}
     stream = stream_chat(api.url, chat_body(PROMPT, max_tokens))
@@ -165,13 +187,15 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--setups", nargs="*", default=[name for name, _, _ in SETUPS])
     parser.add_argument("--keep", type=Path, help="keep the nodes' data dirs and logs in this (new) directory")
+    parser.add_argument("--cluster", choices=["shared", "discovered"], default="shared")
     args = parser.parse_args()
     results: dict[str, list[dict]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         root = args.keep or Path(tmp)
         root.mkdir(parents=True, exist_ok=True)
         model_dir = make_tiny_model(root / "model", Dims(layers=args.layers))
-        cluster = Cluster(root, model_dir, env={"EXO_LOG_LEVEL": "INFO"})
+        kind = SharedNatsCluster if args.cluster == "shared" else Cluster
+        cluster = kind(root, model_dir, env={"EXO_LOG_LEVEL": "INFO"})
         try:
             cluster.start()
             for name, placement, rank in SETUPS:
@@ -186,7 +210,8 @@ def main() -> None:
                     print(f"{name} #{n + 1}: {rows[-1]}", file=sys.stderr, flush=True)
         finally:
             cluster.stop()
-    print(f"3 discovered nodes on one machine, EXO_SUSPECT_S={SUSPECT_S:g}, tiny model ({args.layers} layers), "
+    nodes = "a head and 3 workers on one nats-server" if args.cluster == "shared" else "3 discovered nodes"
+    print(f"{nodes} on one machine, EXO_SUSPECT_S={SUSPECT_S:g}, tiny model ({args.layers} layers), "
           f"a {args.max_tokens}-token greedy stream killed after 20 chunks; seconds, median [min-max] (n)")
     print("| setup | detect | place | load | next token | new request | ok | master killed |")
     print("|---|---|---|---|---|---|---|---|")

@@ -25,6 +25,7 @@ from tests.exo_process import ExoProcess, free_port_range
 
 MODEL = "local/tiny4"
 SUSPECT_S = 3.0  # EXO_SUSPECT_S: pulses (every second) silent this long and a node's instances are lost
+RING_JOIN_S = "15"  # EXO_RING_JOIN_TIMEOUT_S: a ring group that has not formed by then is formed again
 NODE_TIMEOUT_S = 20.0  # --node-timeout: silent this long and the node leaves State (a paused master: takeover + suspect fit under it)
 
 
@@ -35,7 +36,8 @@ def ring_ports() -> str:
 
 def node_env(namespace: str, extra: dict[str, str] | None = None) -> dict[str, str]:
     return {"EXO_DISCOVERY": "1", "EXO_DISCOVERY_ADDRESS": "127.0.0.1", "EXO_NAMESPACE": namespace,
-            "EXO_SUSPECT_S": f"{SUSPECT_S:g}", "EXO_RING_PORTS": ring_ports(), **(extra or {})}
+            "EXO_SUSPECT_S": f"{SUSPECT_S:g}", "EXO_RING_PORTS": ring_ports(), "EXO_RING_JOIN_TIMEOUT_S": RING_JOIN_S,
+            **(extra or {})}
 
 
 def node_id_of(node: ExoProcess) -> str:
@@ -291,7 +293,7 @@ class SharedNatsCluster(Cluster):
 
         self.model_dir = model_dir
         self.nats = NatsServer(root / "nats")
-        base = {"EXO_NATS_URL": self.nats.url, "EXO_SUSPECT_S": f"{SUSPECT_S:g}",
+        base = {"EXO_NATS_URL": self.nats.url, "EXO_SUSPECT_S": f"{SUSPECT_S:g}", "EXO_RING_JOIN_TIMEOUT_S": RING_JOIN_S,
                 "EXO_ADVERTISE_ADDRESSES": "127.0.0.1", **(env or {})}
         flags = ["--node-timeout", f"{NODE_TIMEOUT_S:g}"]
         self.head = ExoProcess(root / "head", base, [*flags, "--no-worker"])

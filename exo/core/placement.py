@@ -253,7 +253,11 @@ def _plan(card: ModelCard, sharding: Sharding, nodes: list[NodeInfo], state: Sta
     for node, (start, end), need, reserve in zip(nodes, blocks, needs, kv):
         ip = node.addresses[0]
         ports = range(node.ring_port_first, node.ring_port_first + node.ring_port_count)
-        port = next((p for p in ports if (ip, p) not in used), None)
+        # From a place that moves with the log: an instance placed right after one was deleted (a
+        # replacement) does not take the port the deleted one's runner may still hold while it stops,
+        # where a peer rank would connect to it.
+        turn = state.last_seq % len(ports)
+        port = next((p for p in [*ports[turn:], *ports[:turn]] if (ip, p) not in used), None)
         if port is None:
             return Unplaceable("conflict", f"no free ring port on node {node_label(node)}: ports {ports.start}-"
                                            f"{ports.stop - 1} on {ip} are all in use by other instances")

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import tempfile
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -39,13 +41,30 @@ def join_ring(rank: int, hosts: list[str]) -> mx.distributed.Group:
     hostfile.write_text(json.dumps([[host] for host in hosts]))
     os.environ["MLX_RANK"] = str(rank)
     os.environ["MLX_HOSTFILE"] = str(hostfile)
+    # init can block for good (seen when a peer first reached a stale process on its port, or the
+    # group formed while a replacement's ranks started seconds apart); it cannot be interrupted,
+    # so the process leaves with the reason and its worker restarts it (its peers rejoin).
+    watchdog = threading.Timer(RING_JOIN_TIMEOUT_S, _give_up_joining, args=(hosts,))
+    watchdog.daemon = True
+    watchdog.start()
     try:
         group = mx.distributed.init(strict=True, backend="ring")
     finally:
+        watchdog.cancel()
         hostfile.unlink(missing_ok=True)  # read once, by init
     if group.size() != len(hosts) or group.rank() != rank:
         raise RuntimeError(f"ring group is rank {group.rank()} of {group.size()}, expected {rank} of {len(hosts)}")
     return group
+
+
+RING_JOIN_TIMEOUT_S = float(os.environ.get("EXO_RING_JOIN_TIMEOUT_S", "60"))
+
+
+def _give_up_joining(hosts: list[str]) -> None:
+    sys.stderr.write(f"the ring group {hosts} did not form within {RING_JOIN_TIMEOUT_S:g} s "
+                     "(EXO_RING_JOIN_TIMEOUT_S); exiting so that it is formed again\n")
+    sys.stderr.flush()
+    os._exit(3)
 
 
 def load_shard(model_path: str, group: mx.distributed.Group, sharding: str, start: int, end: int) -> tuple[Any, Any]:

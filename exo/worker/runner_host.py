@@ -70,17 +70,20 @@ class RunnerHost:
         if process is None or process.returncode is not None:
             return
         try:
+            if timeout <= 0:
+                raise asyncio.TimeoutError  # no graceful stop asked for
             await asyncio.wait_for(self.send(Shutdown()), timeout)
             await asyncio.wait_for(process.wait(), timeout)
         except (asyncio.TimeoutError, ConnectionError, BrokenPipeError):
-            log.warning("runner %s did not stop within %.0f s (stuck in a collective whose peer is gone?): killed",
-                        self.runner_id, timeout)
+            if timeout > 0:
+                log.warning("runner %s did not stop within %.0f s (stuck in a collective whose peer is gone?): "
+                            "killed", self.runner_id, timeout)
             process.kill()
             try:  # asyncio's wait() also waits for its pipes: a child that inherited one would keep it open
-                await asyncio.wait_for(process.wait(), timeout)
+                await asyncio.wait_for(process.wait(), max(timeout, 5.0))
             except asyncio.TimeoutError:
                 log.error("runner %s (pid %d) killed, but its pipes are still open after %.0f s; going on",
-                          self.runner_id, process.pid, timeout)
+                          self.runner_id, process.pid, max(timeout, 5.0))
 
     def kill(self) -> None:
         self._stopping = True

@@ -223,8 +223,11 @@ class Worker:
                 self._hosts[step.runner_id].kill()
                 await self._fail_runner(step.runner_id, f"the runner was hung: {step.reason}")
             case p.StopRunner():
+                # Only a ready runner reads a Shutdown soon; one loading (its ring join may wait for a
+                # peer that is gone) is killed at once: its port must be free for a replacement's group.
+                graceful = self._runners[step.runner_id].phase == "ready"
                 self._set_phase(step.runner_id, "stopping")
-                self._in_background(self._stop_runner(step.runner_id))
+                self._in_background(self._stop_runner(step.runner_id, graceful))
 
     async def _fetch_images(self, digests: list[str]) -> None:
         for digest in digests:
@@ -430,14 +433,14 @@ class Worker:
         await self._publish(TaskFinished(task_id=task_id, status=status, finish_reason=finish, error=reason,
                                          attempt=attempt))
 
-    async def _stop_runner(self, runner_id: RunnerId) -> None:
+    async def _stop_runner(self, runner_id: RunnerId, graceful: bool = True) -> None:
         host = self._hosts.pop(runner_id, None)
         runner = self._runners.get(runner_id)
-        if host is not None and runner is not None:
+        if host is not None and runner is not None and graceful:
             for task_id in runner.forwarded - set(self._ended):  # stop a generation in progress first
                 await host.send(rp.Cancel(task_id=task_id))
         if host is not None:
-            await host.stop()
+            await host.stop(timeout=5.0 if graceful else 0.0)
         self._runners.pop(runner_id, None)
         self._model_paths.pop(runner_id, None)
         self._wake.set()  # a group waiting for this node's stopping runner to leave may form now (plan.py)
