@@ -219,3 +219,21 @@ def test_a_new_run_resuming_before_what_the_stream_gave_skips_that_text_once():
     again = [runs.trimmed(TokenChunk(command_id="c", index=i, text=t, attempt=1)) for i, t in ((1, "lo w"), (2, "orld"))]
     assert [c.text for c in again] == ["", "rld"]
     assert "".join(c.text for c in given + again) == "Hello world"
+
+
+def test_a_replacement_does_not_take_the_ring_port_its_predecessor_held():
+    """The old instance's runner on a surviving node may still hold its port while it stops: a peer
+    of the replacement connecting there would join the stale process (seen: the group never formed)."""
+    nodes = [NodeRegistered(node=NodeInfo(node_id=n, memory_available=10_000, addresses=[f"10.0.0.{i}"],
+                                          ring_port_first=5000, ring_port_count=21)) for i, n in enumerate("abc")]
+    state = fold(with_leader(), nodes)
+    state, _ = command(state, PlaceInstance(command_id="p", model_id="org/m", sharding="pipeline", min_nodes=2))
+    (old,) = state.instances.values()
+    ports = {s.node_id: s.ring_address for s in old.shards}
+    dead = old.shards[1].node_id
+    heard = {n: (0.0 if n == dead else 6.0) for n in "abc"}
+    state, _ = tick(state, heard, now=6.0)
+    state, (created,) = tick(state, heard, now=7.0)
+    survivor = old.shards[0].node_id
+    again = next(s for s in created.instance.shards if s.node_id == survivor)
+    assert again.ring_address != ports[survivor], (again.ring_address, ports)
