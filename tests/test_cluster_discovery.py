@@ -12,12 +12,9 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
-import os
-import signal
 import subprocess
 import time
 import uuid
-from pathlib import Path
 
 import httpx
 import pytest
@@ -30,6 +27,7 @@ from exo.core.state import encode_state
 from tests.cluster import state_of, wait_until
 from tests.e2e_support import Reference
 from tests.exo_process import ExoProcess, free_port_range
+from tests.healing_support import kill_9
 from tests.support.exo_tools import run_tool
 from tests.support.fake_hub import FakeHub
 from tests.support.sharded_model import make_sharded_model
@@ -60,26 +58,6 @@ def start_together(nodes: list[ExoProcess], timeout: float = 150.0) -> list[ExoP
     return nodes
 
 
-def kill_9(node: ExoProcess) -> None:
-    """The machine is gone: exo, its runners and its nats-servers (their own sessions), all at once."""
-    alive = node.process.poll() is None  # else its pid may belong to someone else by now
-    doomed = {node.process.pid} if alive else set()
-    for pid in map(int, filter(str.isdigit, os.listdir("/proc"))):
-        try:
-            command = Path(f"/proc/{pid}/cmdline").read_bytes()
-            parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        if f"{node.data_dir}/".encode() in command or (alive and parent == node.process.pid):
-            doomed.add(pid)
-    for pid in doomed:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    node.process.wait()
-    if not node.log.closed:
-        node.log.close()
 
 
 def cluster_of(node: ExoProcess) -> str:

@@ -44,16 +44,10 @@ class State(msgspec.Struct, frozen=True, kw_only=True):
         return max((i.max_context for i in self.instances.values() if i.model_id == model_id), default=0)
 
     def instances_of(self, model_id: ModelId) -> list[Instance]:
-        return sorted(
-            (i for i in self.instances.values() if i.model_id == model_id),
-            key=lambda i: (i.created_seq, i.instance_id),
-        )
+        return sorted((i for i in self.instances.values() if i.model_id == model_id), key=_placed_order)
 
     def instances_of_desire(self, desire_id: str) -> list[Instance]:
-        return [i for i in self.instances_of_all() if i.desire_id == desire_id]
-
-    def instances_of_all(self) -> list[Instance]:
-        return sorted(self.instances.values(), key=lambda i: (i.created_seq, i.instance_id))
+        return sorted((i for i in self.instances.values() if i.desire_id == desire_id), key=_placed_order)
 
     def download_of(self, node_id: NodeId, model_id: ModelId) -> DownloadProgress | None:
         return self.downloads.get(node_id, {}).get(model_id)
@@ -69,6 +63,10 @@ class State(msgspec.Struct, frozen=True, kw_only=True):
             if task.status == "pending" or task.status == "running":
                 found.setdefault(task.instance_id, []).append(task)
         return found
+
+
+def _placed_order(instance: Instance) -> tuple[int, str]:
+    return instance.created_seq, instance.instance_id
 
 
 _state_encoder = msgspec.json.Encoder()

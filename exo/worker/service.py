@@ -45,6 +45,7 @@ from exo.worker import plan as p
 from exo.worker.downloads import DownloadCoordinator
 from exo.worker.image_cache import ImageCache, limit_from_env
 from exo.worker.runner_host import RunnerFactory, RunnerHost, RunnerLink
+from exo.worker.task_runs import TaskRuns, run_of
 
 log = logging.getLogger(__name__)
 
@@ -73,10 +74,7 @@ class Worker:
         self._hosts: dict[RunnerId, RunnerLink] = {}
         self._new_runner = runner_factory or (lambda runner_id: RunnerHost(runner_id, nats_urls, data_dir / "logs"))
         self._model_paths: dict[RunnerId, Path] = {}
-        # Tasks whose end this node reported -> the run it ended (a task moved back onto this node
-        # after an earlier run of it ended here is a new run: exo/master/heal.py).
-        self._ended: dict[TaskId, int] = {}
-        self._attempts: dict[tuple[RunnerId, TaskId], int] = {}  # (runner, task forwarded to it) -> the run forwarded
+        self._runs = TaskRuns()  # which run of each task this node forwarded and ended
         self._images = ImageCache(self.images_dir, limit_from_env())  # what is on disk: plan's local_images
         self._images_in_flight: set[str] = set()
         self._wake = asyncio.Event()
@@ -135,15 +133,14 @@ class Worker:
             host.kill()
 
     def _forget_settled(self) -> None:
-        done = p.settled(self._view.state, set(self._ended))
+        done = self._runs.forget_settled(self._view.state)
         if done:
-            self._ended = {t: run for t, run in self._ended.items() if t not in done}
             self._runners = {runner_id: replace(r, forwarded=r.forwarded - done, cancels_sent=r.cancels_sent - done)
                              for runner_id, r in self._runners.items()}
 
     def _worker_view(self) -> p.WorkerView:
         return p.WorkerView(
-            node_id=self.node_id, state=self._view.state, runners=dict(self._runners), ended_tasks=self._ended_runs(),
+            node_id=self.node_id, state=self._view.state, runners=dict(self._runners), ended_tasks=self._runs.current_ends(self._view.state),
             local_images=self._images.digests(), images_in_flight=frozenset(self._images_in_flight),
             now=time.monotonic(), stall_after=RUNNER_STALL_S, migrate_grace=MIGRATE_GRACE_S,
         )
@@ -251,7 +248,7 @@ class Worker:
 
     def _fail_tasks_needing(self, digest: str, reason: str) -> None:
         for task_id in p.tasks_needing(self._worker_view(), digest):
-            self._end_run(task_id)  # now, not when _end_task runs: the next plan must not fetch it again
+            self._runs.ended(self._view.state, task_id)  # now, not when _end_task runs: the next plan must not fetch it again
             self._in_background(self._end_task(task_id, "failed", reason))
 
     def _trim_images(self) -> None:
@@ -313,7 +310,7 @@ class Worker:
         images = {d: str(self._images.path(d)) for d in p.images_of(task)}
         self._images.touch(images)
         resume = await self._resume_of(task)
-        self._attempts[step.runner_id, task.task_id] = len(task.migrations)
+        self._runs.forwarded(step.runner_id, task.task_id, len(task.migrations))
         log.info("worker: task %s forwarded to runner %s%s", task.task_id, step.runner_id,
                  f" (run {resume.attempt}, after {len(resume.token_ids)} streamed tokens)" if resume else "")
         await self._hosts[step.runner_id].send(
@@ -338,10 +335,9 @@ class Worker:
                 await self._publish_status(runner_id, "ready")
             case rp.Started():
                 await self._publish(TaskStarted(task_id=report.task_id,
-                                                attempt=self._attempts.get((runner_id, report.task_id), 0)))
+                                                attempt=self._runs.run_given(runner_id, report.task_id)))
             case rp.Done():
-                run = self._attempts.pop((runner_id, report.task_id), 0)
-                self._ended[report.task_id] = max(run, self._ended.get(report.task_id, 0))
+                run = self._runs.finished(runner_id, report.task_id)
                 self._note_prompt_cache(runner_id, report.prompt_cache)
                 statuses: dict[str, TaskStatus] = {"error": "failed", "cancelled": "cancelled"}
                 status = statuses.get(report.finish_reason, "completed")
@@ -413,21 +409,10 @@ class Worker:
         return rp.RankSetup(rank=mine.rank, ring_hosts=[s.ring_address for s in shards], sharding=instance.sharding,
                             start_layer=mine.start_layer, end_layer=mine.end_layer)
 
-    def _end_run(self, task_id: TaskId) -> None:
-        task = self._view.state.tasks.get(task_id)
-        self._ended[task_id] = len(task.migrations) if task is not None else 0
-
-    def _ended_runs(self) -> frozenset[TaskId]:
-        """Tasks whose current run this node ended (an earlier run's end does not stop a new run here)."""
-        tasks = self._view.state.tasks
-        return frozenset(t for t, run in self._ended.items() if (task := tasks.get(t)) is None
-                         or run >= len(task.migrations))
-
     async def _end_task(self, task_id: TaskId, status: TaskStatus, reason: str) -> None:
-        self._end_run(task_id)
+        self._runs.ended(self._view.state, task_id)
         finish: FinishReason = "cancelled" if status == "cancelled" else "error"
-        task = self._view.state.tasks.get(task_id)
-        attempt = len(task.migrations) if task is not None else 0
+        attempt = run_of(self._view.state, task_id)
         await publish_chunk(self._nc, TokenChunk(command_id=task_id, index=0, finish_reason=finish, error=reason,
                                                  attempt=attempt))
         await self._publish(TaskFinished(task_id=task_id, status=status, finish_reason=finish, error=reason,
@@ -437,7 +422,7 @@ class Worker:
         host = self._hosts.pop(runner_id, None)
         runner = self._runners.get(runner_id)
         if host is not None and runner is not None and graceful:
-            for task_id in runner.forwarded - set(self._ended):  # stop a generation in progress first
+            for task_id in runner.forwarded - self._runs.ended_ids():  # stop a generation in progress first
                 await host.send(rp.Cancel(task_id=task_id))
         if host is not None:
             await host.stop(timeout=5.0 if graceful else 0.0)
