@@ -339,3 +339,14 @@ async def test_a_runner_resumes_from_the_chunks_another_runner_streamed(nc, tmp_
         assert (second[-1].finish_reason, second[-1].token_count) == (first[-1].finish_reason, first[-1].token_count)
     publisher.cancel()
     await subscription.unsubscribe()
+
+
+def test_token_ids_that_are_not_the_models_are_refused_before_any_work(engine):
+    """Resume tokens come back from JetStream, where any holder of exo's credential could have
+    written them: an id outside the vocabulary (or negative) is a 400 naming it, not a crash."""
+    from exo.runner.decoding import RequestRefused
+
+    vocab = engine.model.args.vocab_size
+    for bad in (vocab, -1, 10**12):
+        with pytest.raises(RequestRefused, match=f"token id {bad}"):
+            run(engine, chat(max_tokens=8), Resume(token_ids=[1, bad], next_index=1, attempt=1))

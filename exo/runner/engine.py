@@ -96,6 +96,8 @@ class Engine:
             raise RequestRefused("this model has no vision tower: it cannot take images (its card says it can)")
         tokens = self.encode(self.prompt_for(params))
         prior = list(told.resume_tokens if told is not None else resume.token_ids if resume is not None else [])
+        if told is None:  # rank 0, before any collective: read back from JetStream, so anyone's to write
+            self._check_token_ids(prior)
         max_tokens = self.max_tokens_for(params, len(tokens)) - len(prior)  # what the whole request may still add
         decoding = Decoding(self, params, on_output, task_id, tokens)
         stream = TextStream(self.tokenizer) if prior else None  # resumed: its own text (see TextStream)
@@ -146,6 +148,13 @@ class Engine:
         if self.lockstep.leads:
             self.lockstep.announce(announcement)
         return self.lockstep.start(sampler, is_cancelled)
+
+    def _check_token_ids(self, ids: list[int]) -> None:
+        vocab = int(getattr(getattr(self.model, "args", None), "vocab_size", 0) or 0)
+        bad = next((i for i in ids if i < 0 or (vocab and i >= vocab)), None)
+        if bad is not None:
+            raise RequestRefused(f"the streamed tokens read back for this generation are not this model's "
+                                 f"(token id {bad}; its vocabulary has {vocab}): it cannot be continued")
 
     def constraint_for(self, params: GenerationParams, prompt: list[int], prior: Sequence[int] = ()) -> list[Callable]:
         """The request's response_format, or its required tool call, as a logits processor, on the
