@@ -1,4 +1,6 @@
-"""CI's short soak: bench/soak.py for 3 minutes with a NATS server killed every minute."""
+"""CI's short soak: bench/soak.py for 100 s, the NATS server leading the event stream killed
+twice and kept down 25 s each time, longer than the 15 s recovery allowed: the criteria fail with
+one replica (compose's --replicas 3 changed to 1; see bench/soak.py for each criterion)."""
 
 import subprocess
 import sys
@@ -11,17 +13,18 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.timeout(420)
-def test_three_minutes_of_load_with_a_nats_server_killed_every_minute():
+@pytest.mark.timeout(360)
+def test_load_with_the_event_stream_leader_killed_twice_and_kept_down():
     result = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "soak.py"), "--duration", "180", "--fault-every", "60"],
-        capture_output=True, text=True, timeout=400,
+        [sys.executable, str(ROOT / "bench" / "soak.py"), "--duration", "100", "--fault-every", "45",
+         "--restart-after", "25"],
+        capture_output=True, text=True, timeout=340,
     )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "State equals a replay of the log: True; hung requests: 0" in result.stdout
     verdicts = [line for line in result.stdout.splitlines() if line.startswith(("PASS: ", "FAIL: "))]
+    assert result.returncode == 0, "\n".join(verdicts) or result.stdout[-3000:] + result.stderr[-3000:]
+    assert "State equals a replay of the log: True; hung requests: 0" in result.stdout
     assert not [v for v in verdicts if v.startswith("FAIL")], verdicts
-    # Each criterion was checked: a recovery per kill (two in 3 minutes), throughput, failures,
-    # cards, exact text, replay, hangs.
+    # Each criterion was checked: replicas, a recovery per kill (two), throughput, failures, cards,
+    # exact text, replay, hangs.
     kills = sum(v.startswith("PASS: kill -9 nats-") for v in verdicts)
-    assert kills == 2 and len(verdicts) == kills + 6, verdicts
+    assert kills == 2 and len(verdicts) == kills + 7, verdicts
