@@ -4,7 +4,9 @@ longest cached token prefix and processes only the rest, on the single path and 
 The reference is mlx-lm itself. On these CPU models a cached turn's greedy output (and its
 logprobs) equals the uncached one exactly, so the in-process tests compare an engine with the
 cache on to one with it off, output by output. End to end, a multi-turn session is sent to exo and
-to mlx_lm.server (which caches too) on the same model and must give the same text turn by turn."""
+to mlx_lm.server (which caches too) on the same model and must give the same text turn by turn.
+A prompt equal to a stored key (a prompt plus its generated tokens: the previous completion's
+prompt and text, sent back) is mlx-lm's exact hit, which the cache trims back by one token."""
 
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from exo.core.types import ChatMessage, GenerationParams, SamplingDefaults
 from exo.runner.batch import Batcher
 from exo.runner.decoding import GenerationResult, Output
 from exo.runner.engine import Engine
-from exo.runner.prompt_cache import OutOfStep, PromptCache
+from exo.runner.prompt_cache import _MODEL_KEY, OutOfStep, PromptCache, tokens_held
 from tests.e2e_support import exo_serving, place
 from tests.support.tiny_model import TINY_MODEL_ID, Dims, make_tiny_model
 
@@ -97,6 +99,43 @@ def test_a_growing_conversation_reuses_each_turn_and_equals_the_uncached_output(
     stats = engine.prompt_cache.stats()
     assert (stats.hits, stats.misses, stats.entries) == (4, 1, 1)  # a longer entry replaces its prefix
     assert stats.tokens_reused > 4 * len(SYSTEM) // 8 and stats.bytes > 0
+
+
+def completion(prompt: str) -> GenerationParams:
+    return GenerationParams(prompt=prompt, temperature=0, max_tokens=12, logprobs=True, top_logprobs=2)
+
+
+def generated_ids(engine: Engine, params: GenerationParams) -> tuple[str, list[int]]:
+    out: list[Output] = []
+    engine.generate(params, SamplingDefaults(), out.append, lambda: False)
+    return "".join(o.text for o in out), [t for o in out for t in o.tokens]
+
+
+def test_a_prompt_equal_to_a_stored_key_is_trimmed_back_by_one_token_and_equals_the_uncached_output(
+        model_dir, uncached):
+    # A stored key is a prompt plus its generated tokens, so only a prompt that repeats both is an
+    # exact hit: mlx-lm hands back the entry with nothing left to process, and the cache trims it
+    # back by one token so the model computes the first logits from the last one again.
+    engine = loaded(model_dir)
+    cache = engine.prompt_cache
+    prompt = "Write a story about a robot"
+    text, ids = generated_ids(engine, completion(prompt))
+    for path, run in (("alone", lambda p: run_alone(engine, p)), ("batched", lambda p: run_batched(engine, [p])[0])):
+        key = engine.encode(prompt) + ids  # what the last request stored
+        prompt += text
+        assert engine.encode(prompt) == key, path  # the completion's text re-encodes to its tokens
+        assert cache.stats().entries == 1  # a longer entry replaced its prefix: the key is the only one
+        assert cache._lru.fetch_nearest_cache(_MODEL_KEY, key)[1] == [], path  # mlx-lm: an exact hit, no rest
+        reuse = cache.take(key)
+        assert (reuse.rest, reuse.cached, tokens_held(reuse.cache)) == (key[-1:], len(key) - 1, len(key) - 1), path
+        hits = cache.stats().hits
+        got, done = run(completion(prompt))
+        want, reference = run_alone(uncached, completion(prompt))
+        assert got == want, path  # text, logprobs and counts, output by output
+        assert (done.finish_reason, done.prompt_tokens, done.completion_tokens) == (
+            reference.finish_reason, reference.prompt_tokens, reference.completion_tokens)
+        assert (done.prompt_tokens, done.cached_tokens, cache.stats().hits) == (len(key), len(key) - 1, hits + 1), path
+        text, ids = text_of(got), generated_ids(uncached, completion(prompt))[1]  # (equal to got: asserted above)
 
 
 def test_penalties_see_the_cached_prompt_tokens_as_they_see_uncached_ones(model_dir, uncached):
@@ -260,6 +299,34 @@ def test_multi_turn_sessions_give_mlx_lm_servers_text_turn_by_turn(http, node, m
             messages.append({"role": "assistant", "content": ours})
     assert cached_turns[0] == 0 and cached_turns[1] < 8  # first turns: at most the template's shared start
     assert all(c > 20 for c in cached_turns[2:])
+
+
+def complete(client: httpx.Client, model: str, prompt: str, **extra) -> dict:
+    answer = client.post("/v1/completions", json={"model": model, "prompt": prompt, "temperature": 0,
+                                                  "max_tokens": 12, **extra})
+    assert answer.status_code == 200, answer.text
+    return answer.json()
+
+
+def test_a_completion_of_the_previous_prompt_and_its_completion_is_an_exact_hit(http, node, mlx_lm_server, model_dir,
+                                                                                uncached):
+    if not any(i["model_id"] == TINY_MODEL_ID for i in http.get("/state").json()["instances"].values()):
+        place(http, TINY_MODEL_ID)
+    prompt = "Write a story about a robot who learns to paint."
+    first = complete(http, TINY_MODEL_ID, prompt)
+    follow_up = prompt + first["choices"][0]["text"]  # re-encodes to the key the first request stored
+    second = complete(http, TINY_MODEL_ID, follow_up, logprobs=2)
+    usage = second["usage"]
+    assert usage["prompt_tokens"] == first["usage"]["prompt_tokens"] + first["usage"]["completion_tokens"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"] - 1
+    want, _ = run_alone(uncached, completion(follow_up))
+    assert second["choices"][0]["text"] == text_of(want)
+    assert second["choices"][0]["logprobs"]["token_logprobs"] == [lp.logprob for o in want for lp in o[3]]
+    # mlx_lm.server's own exact hit kills its generation thread ("Sequence 1 has an empty prompt"):
+    # it is asked the follow-up before the prompt it extends, so neither is a stored key there.
+    with httpx.Client(base_url=mlx_lm_server, timeout=300) as server:
+        for asked, ours in ((follow_up, second), (prompt, first)):
+            assert complete(server, str(model_dir), asked)["choices"][0]["text"] == ours["choices"][0]["text"]
 
 
 def test_with_two_instances_each_conversation_stays_where_its_cache_is(http, node):
