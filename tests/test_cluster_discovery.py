@@ -127,26 +127,52 @@ def full_layout(node: ExoProcess, servers: set[str]) -> bool:
             and all(s.replicas == 3 and len({s.leader, *s.followers} & servers) == 3 for s in layout.streams))
 
 
-def test_three_nodes_with_no_flags_form_one_cluster_that_survives_a_kill_takes_a_fourth_and_the_dead_one_back(tmp_path, page):  # noqa: F811
-    model_dir = make_tiny_model(tmp_path / "model")
-    expected = Reference(model_dir).chat(MESSAGES, max_tokens=12)
-    # a server silent for 5 s is gone for good here (an hour by default)
-    env = {**discovering(f"test-{uuid.uuid4().hex[:8]}"), "EXO_PEER_REMOVE_AFTER_S": "5"}
-    nodes = [ExoProcess(tmp_path / f"node-{n}", env) for n in range(3)]
-    late = ExoProcess(tmp_path / "node-late", env)
-    try:
+class ThreeNodes:
+    """Three discovered nodes (and one to start late) with every stream on their three servers."""
+
+    def __init__(self, root, model_dir) -> None:
+        self.model_dir = model_dir
+        self.expected = Reference(model_dir).chat(MESSAGES, max_tokens=12)
+        # a server silent for 5 s is gone for good here (an hour by default)
+        env = {**discovering(f"test-{uuid.uuid4().hex[:8]}"), "EXO_PEER_REMOVE_AFTER_S": "5"}
+        self.nodes = [ExoProcess(root / f"node-{n}", env) for n in range(3)]
+        self.late = ExoProcess(root / "node-late", env)
+
+    def form(self) -> None:
+        nodes = self.nodes
         start_together(nodes)
         assert len({cluster_of(node) for node in nodes}) == 1
         wait_until(lambda: all_streams_on_three(nodes[0]), 60, 1.0, "every stream on three servers")
         seed = next(node for node in nodes if load_membership(node.data_dir / "nats").seeded)
         wait_until(lambda: load_membership(seed.data_dir / "nats").witness_retired, 30, 0.5, "the witness retired")
         assert all(not name.endswith("-witness") for servers in stream_layout(nodes[0]).values() for name in servers)
-        servers = {f"exo-{_node_id(node)}" for node in nodes}
-        wait_until(lambda: full_layout(nodes[2], servers), 30, 0.5, "the layout in State")
-        page.goto(nodes[1].url + "/")
+        self.servers = {f"exo-{_node_id(node)}" for node in nodes}
+        wait_until(lambda: full_layout(nodes[2], self.servers), 30, 0.5, "the layout in State")
+
+
+@pytest.fixture(scope="class")
+def three_nodes(tmp_path_factory):
+    root = tmp_path_factory.mktemp("three-nodes")
+    cluster = ThreeNodes(root, make_tiny_model(root / "model"))
+    try:
+        cluster.form()
+        yield cluster
+    finally:
+        stop_all([*cluster.nodes, cluster.late])
+
+
+class TestThreeNodesWithNoFlags:
+    """One cluster of three: its dashboard first (needs a browser), then, in order and without one,
+    a kill, a fourth node and the dead one back."""
+
+    def test_the_dashboard_shows_every_stream_on_three_online_servers(self, three_nodes, page):  # noqa: F811
+        page.goto(three_nodes.nodes[1].url + "/")
         page.wait_for_selector('#replicas tr[data-replicas="3"]')
         assert page.locator('#replicas tr[data-replicas="3"]').count() == len(stream_configs())
         assert page.locator('#replicas [data-online="true"]').count() == 3 and not page.errors
+
+    def test_they_serve_survive_a_kill_take_a_fourth_and_the_dead_one_back(self, three_nodes):
+        nodes, late, expected, model_dir = three_nodes.nodes, three_nodes.late, three_nodes.expected, three_nodes.model_dir
         inspected = run_tool(["inspect"], nodes[0].nats_url("operator"))
         assert inspected.returncode == 0, inspected.stderr
         assert f"JetStream cluster {cluster_of(nodes[0])}: 3 server(s) hold streams" in inspected.stdout
@@ -191,8 +217,6 @@ def test_three_nodes_with_no_flags_form_one_cluster_that_survives_a_kill_takes_a
         assert chat(victim) == expected
         wait_until(lambda: same_state([*survivors, late, victim]), 30, 0.5, "State identical on the returned node")
         assert full_layout(victim, now_serving)
-    finally:
-        stop_all([*nodes, late])
 
 
 def test_four_nodes_started_at_once_form_exactly_one_cluster_and_another_namespace_stays_apart(tmp_path):
@@ -250,9 +274,15 @@ def test_nodes_with_different_secrets_never_pair_and_a_route_without_the_secret_
         config.write_text(json.dumps({"cluster": {"name": membership.cluster, "listen": "127.0.0.1:-1", "routes": [
             f"nats-route://exo-route:wrong@127.0.0.1:{membership.port}",
             f"nats-route://127.0.0.1:{membership.port}"]}}))
-        intruder = subprocess.Popen([nats_server_binary(), "-c", str(config), "-p", "-1", "--server_name", "intruder"],
-                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        time.sleep(5)
+        intruder_log = tmp_path / "intruder.log"
+        with open(intruder_log, "wb") as log:
+            intruder = subprocess.Popen([nats_server_binary(), "-c", str(config), "-p", "-1", "--server_name", "intruder"],
+                                        stdout=log, stderr=subprocess.STDOUT)
+        # both of its routes (a wrong password, none at all) were tried and refused by the seed
+        refused = f"127.0.0.1:{membership.port} - rid:"
+        wait_until(lambda: sum(refused in line and "Route Error 'Authorization Violation'" in line
+                               for line in intruder_log.read_text().splitlines()) >= 2, 30, 0.2,
+                   "the seed refusing both of the intruder's routes (its log)")
         assert routes_of(first) == before and "intruder" not in before
     finally:
         if intruder is not None:
