@@ -3,7 +3,6 @@ read-only `operator` reads everything exo's tools read and writes nothing (exo/b
 
 from __future__ import annotations
 
-import asyncio
 import os
 import uuid
 
@@ -23,6 +22,7 @@ from exo.bus.snapshots import read_latest_snapshot, write_snapshot
 from exo.bus.subjects import COMMANDS_STREAM, EVENTS_STREAM, IMAGES_STREAM, MASTER_CONSUMER, TOKENS_STREAM
 from exo.core.commands import PlaceInstance
 from exo.core.events import TaskStarted
+from tests.conftest import eventually
 
 
 async def test_a_client_without_credentials_or_with_wrong_ones_cannot_connect(fresh_server: EmbeddedNats):
@@ -81,14 +81,16 @@ async def test_the_operator_reads_everything_and_changes_nothing(fresh_server: E
         for subject in WRITES:
             await operator.publish(subject, b'{"kind":"leader.elected","node_id":"x"}', reply=operator.new_inbox())
         await operator.flush()
-        await asyncio.sleep(0.5)  # the server's refusals arrive as asynchronous errors
-        refused = [v for v in violations if "permissions violation for publish" in v.lower()]
-        assert len(refused) == len(WRITES), violations
+        # the server's refusals arrive as asynchronous errors: wait for them, then count exactly
+        refused = lambda: [v for v in violations if "permissions violation for publish" in v.lower()]  # noqa: E731
+        await eventually(lambda: len(refused()) >= len(WRITES), timeout=10)
+        assert len(refused()) == len(WRITES), violations
         await operator.subscribe("$JS.API.>")  # to answer JetStream's requests in the server's place
         await operator.subscribe("exo.models.>")  # to serve forged model files to peers
         await operator.flush()
-        await asyncio.sleep(0.5)
-        assert sum("permissions violation for subscription" in v.lower() for v in violations) == 2, violations
+        subscriptions = lambda: sum("permissions violation for subscription" in v.lower() for v in violations)  # noqa: E731
+        await eventually(lambda: subscriptions() >= 2, timeout=10)
+        assert subscriptions() == 2, violations
         assert await _counts(exo.jetstream()) == before
         still = await exo.jetstream().consumer_info(COMMANDS_STREAM, MASTER_CONSUMER)
         assert (still.num_pending, still.num_ack_pending) == (1, 0)
