@@ -7,11 +7,15 @@ on the prompt the chat template renders from the same conversation."""
 
 from __future__ import annotations
 
+import copy
 import json
 
+import httpx
+import jsonschema
 import pytest
 
 from tests.e2e_support import Reference, one_model_node, place
+from tests.support.llguidance_reference import Constrained, tool_call_grammar
 from tests.support.tool_model import CALL_ARGUMENTS, CALL_NAME, TOOL_MODEL_ID, WEATHER_TOOL, make_tool_model
 
 pytestmark = pytest.mark.slow
@@ -149,21 +153,36 @@ CITY_TOOL = {"type": "function", "function": {"name": CALL_NAME, "description": 
     "additionalProperties": False}}}
 
 
+# The model's own call (Paris) is not among this tool's cities: a constraint that let it through
+# would be seen. With none valid to write, the tiny model pads the call with JSON's free whitespace.
+NOT_PARIS_TOOL = copy.deepcopy(CITY_TOOL)
+NOT_PARIS_TOOL["function"]["parameters"]["properties"]["city"]["enum"] = ["Oslo", "Lima"]
+
+
+def assert_valid(calls: list[tuple[str, dict]], tool: dict = CITY_TOOL) -> None:
+    for name, arguments in calls:
+        assert name == tool["function"]["name"]
+        jsonschema.validate(arguments, tool["function"]["parameters"])
+
+
+def required_call_of(ref: Reference, tool: dict) -> tuple[str, list[tuple[str, dict]]]:
+    """mlx-lm's output after the tool's result, constrained by llguidance itself (not exo's grammar)
+    to calls of `tool`, and its complete calls: (the raw text, [(name, arguments)])."""
+    prompt = after_the_call(ref, "call_0", tool)
+    raw = ref.generate(prompt, 64, logits_processors=[Constrained(ref.tokenizer, tool_call_grammar([tool]))])
+    calls = [json.loads(part.split("</tool_call>")[0]) for part in raw.split("<tool_call>")[1:] if "</tool_call>" in part]
+    return raw, [(c["name"], c["arguments"]) for c in calls]
+
+
 @pytest.fixture(scope="module")
 def required_call(ref) -> tuple[str, list[tuple[str, dict]]]:
-    """After the tool's result the model answers in text; with a call required, mlx-lm with the same
-    constraint processor writes this call: (the id of the earlier call, [(name, arguments)])."""
-    from exo.core.grammar import tool_call_grammar
-    from exo.runner.constraint import GrammarConstraint
-
-    prompt = after_the_call(ref, "call_0", CITY_TOOL)
-    assert "<tool_call>" not in ref.generate(prompt, 16)  # unconstrained: text, not a call
-    grammar = tool_call_grammar([CITY_TOOL], list(ref.tokenizer.tool_call_start_tokens),
-                                list(ref.tokenizer.tool_call_end_tokens))
-    raw = ref.generate(prompt, 64, logits_processors=[GrammarConstraint(ref.tokenizer, grammar)])
-    calls = [json.loads(part.split("</tool_call>")[0]) for part in raw.split("<tool_call>")[1:]]
-    assert calls and all(c["arguments"]["city"] in ("Paris", "Oslo", "Lima") for c in calls), raw
-    return "call_0", [(c["name"], c["arguments"]) for c in calls]
+    """After the tool's result the model answers in text; with a call required, mlx-lm constrained
+    by llguidance writes this call: (the id of the earlier call, [(name, arguments)])."""
+    assert "<tool_call>" not in ref.generate(after_the_call(ref, "call_0", CITY_TOOL), 16)  # unconstrained: text
+    raw, calls = required_call_of(ref, CITY_TOOL)
+    assert calls, raw
+    assert_valid(calls)
+    return "call_0", calls
 
 
 def chat_after_the_call(call_id: str) -> list[dict]:
@@ -177,9 +196,23 @@ def test_chat_tool_choice_required_or_named_is_enforced(client, required_call, c
     call_id, expected = required_call
     reply = client.chat.completions.create(model=TOOL_MODEL_ID, messages=chat_after_the_call(call_id), tools=[CITY_TOOL],
                                            tool_choice=choice, temperature=0, max_tokens=64)
-    calls = reply.choices[0].message.tool_calls
-    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == expected
+    calls = [(c.function.name, json.loads(c.function.arguments)) for c in reply.choices[0].message.tool_calls or []]
+    assert_valid(calls)
+    assert calls == expected
     assert reply.choices[0].finish_reason == "tool_calls"
+
+
+def test_a_required_call_is_never_one_the_schema_forbids(client, ref):
+    """The model's favourite call is invalid for this tool: exo writes what llguidance allows (no
+    complete call in 64 tokens, as the reference), never that call."""
+    raw, expected = required_call_of(ref, NOT_PARIS_TOOL)
+    assert not expected and raw.startswith("<tool_call>"), raw
+    reply = client.chat.completions.create(model=TOOL_MODEL_ID, messages=chat_after_the_call("call_0"),
+                                           tools=[NOT_PARIS_TOOL], tool_choice="required", temperature=0, max_tokens=64)
+    calls = [(c.function.name, json.loads(c.function.arguments)) for c in reply.choices[0].message.tool_calls or []]
+    assert_valid(calls, NOT_PARIS_TOOL)
+    assert calls == expected and reply.choices[0].finish_reason == "length"
+    assert not reply.choices[0].message.content  # an unfinished call, not text: the model was constrained
 
 
 @pytest.mark.parametrize("choice", [{"type": "any"}, {"type": "tool", "name": CALL_NAME}])
@@ -190,7 +223,9 @@ def test_anthropic_any_or_named_tool_is_enforced(claude, required_call, choice):
         {"role": "user", "content": ASK},
         {"role": "assistant", "content": [{"type": "tool_use", "id": call_id, "name": CALL_NAME, "input": CALL_ARGUMENTS}]},
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call_id, "content": RESULT}]}])
-    assert [(b.name, b.input) for b in message.content if b.type == "tool_use"] == expected
+    calls = [(b.name, b.input) for b in message.content if b.type == "tool_use"]
+    assert_valid(calls)
+    assert calls == expected
     assert message.stop_reason == "tool_use"
 
 
@@ -203,10 +238,12 @@ def test_responses_tool_choice_required_is_enforced(client, required_call):
                                            {"type": "function_call", "call_id": call_id, "name": CALL_NAME,
                                             "arguments": json.dumps(CALL_ARGUMENTS)},
                                            {"type": "function_call_output", "call_id": call_id, "output": RESULT}])
-    assert [(o.name, json.loads(o.arguments)) for o in response.output if o.type == "function_call"] == expected
+    calls = [(o.name, json.loads(o.arguments)) for o in response.output if o.type == "function_call"]
+    assert_valid(calls)
+    assert calls == expected
 
 
-# -- bad requests: a 400 in each surface's shape, nothing run ------------------------------------
+# -- bad requests: a 400 in each surface's shape, no task created ---------------------------------
 
 @pytest.mark.parametrize(("path", "body", "says"), [
     ("/v1/messages", {"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "server tool"),
@@ -234,8 +271,24 @@ def test_responses_tool_choice_required_is_enforced(client, required_call):
 def test_bad_tool_requests_are_400(http, ref, path, body, says):
     base = {"/v1/messages": {"max_tokens": 8, "messages": [{"role": "user", "content": ASK}]},
             "/v1/responses": {"input": ASK}, "/api/chat": {"messages": [{"role": "user", "content": ASK}], "stream": False}}
+    before = tasks_of(http)
     response = http.post(path, json={"model": TOOL_MODEL_ID, **base[path], **body})
     assert response.status_code == 400, response.text
     assert says in response.text, response.text
-    assert http.get("/health").status_code == 200
+    assert tasks_of(http) == before  # refused before the master: no task was created
+
+
+def tasks_of(http: httpx.Client) -> set[str]:
+    """The ids of the tasks in this node's State (an accepted request's task is there before the
+    API hears that the master accepted it)."""
+    return set(http.get("/state").json()["tasks"])
+
+
+def test_a_good_request_is_a_task(http, ref):
+    """What the bad requests' check looks for is there when a request does reach the master."""
+    before = tasks_of(http)
+    response = http.post("/v1/messages", json={"model": TOOL_MODEL_ID, "max_tokens": 1, "tools": [CLAUDE_TOOL],
+                                               "messages": [{"role": "user", "content": "Hi"}]})
+    assert response.status_code == 200, response.text
+    assert len(tasks_of(http) - before) == 1
 
