@@ -5,6 +5,7 @@ from exo.core.events import (
     InstanceCreated,
     InstanceDeleted,
     LeaderElected,
+    NodeRegistered,
     NodeTimedOut,
     RunnerStatusChanged,
     TaskCancelRequested,
@@ -13,7 +14,7 @@ from exo.core.events import (
     TaskStarted,
 )
 from exo.core.state import State
-from exo.core.types import Instance, ShardAssignment, Task
+from exo.core.types import Instance, NodeInfo, ShardAssignment, Task
 from exo.worker.plan import (
     CancelForwardedTask,
     CreateRunner,
@@ -164,3 +165,33 @@ def test_only_the_nodes_an_instance_runs_on_plan_again_for_its_task_and_runner_e
     assert nodes_concerned(after, TaskFinished(task_id="t1", status="completed")) is None  # its instance is gone
     assert nodes_concerned(state, TaskStarted(task_id="unknown")) is None
     assert nodes_concerned(state, LeaderElected(node_id="x")) is None
+
+
+def test_a_failed_runner_is_restarted_below_the_limit_and_left_to_the_master_at_it():
+    """The worker's restart limit and the master's deletion bound are one number: below it the
+    worker restarts a failed runner (once its back-off is over) and the master keeps the instance;
+    at it the worker never restarts it again and the master deletes the instance. End to end only
+    the deletion shows (tests/test_runner_lifecycle.py): the worker's own limit is checked here."""
+    from exo.master.supervise import DEFAULT_MAX_RUNNER_FAILURES, supervise
+    from exo.worker.plan import RestartRunner, restart_due
+
+    state = state_with(InstanceCreated(instance=MINE))
+    limit = WorkerView(node_id="me", state=state).max_failures  # the worker's default, as exo runs it
+    assert limit == DEFAULT_MAX_RUNNER_FAILURES, (limit, DEFAULT_MAX_RUNNER_FAILURES)
+    for failures in range(1, limit + 1):
+        failed = LocalRunner(runner_id="r1", instance_id="i1", phase="failed", failures=failures, failed_at=100.0)
+
+        def at(now: float, failed: LocalRunner = failed) -> list:
+            return plan(WorkerView(node_id="me", state=state, runners={"r1": failed}, now=now))
+
+        due = restart_due(failed)
+        assert due > 100.0 and at(due - 0.01) == [], failures  # backing off
+        restarts = at(due) == [RestartRunner(runner_id="r1", instance_id="i1")]
+        assert restarts or at(due + 3600.0) == [], failures  # not restarted now: nor ever
+        reported = state_with(NodeRegistered(node=NodeInfo(node_id="me")), InstanceCreated(instance=MINE),
+                              RunnerStatusChanged(runner_id="r1", instance_id="i1", node_id="me", status="failed",
+                                                  error="boom", failures=failures))
+        deletes = any(isinstance(e, InstanceDeleted) and e.instance_id == "i1" and f"failed {failures} times" in e.reason
+                      for e in supervise(reported, {}, 0.0))  # the master as exo runs it: its default bound
+        assert (restarts, deletes) == (failures < limit, failures >= limit), \
+            f"after {failures} failures (worker's limit {limit}): worker restarts {restarts}, master deletes {deletes}"

@@ -1,14 +1,18 @@
 """A one-node runner's life end to end, through `exo` as a user runs it: killed mid-stream, its
-client gets an error at once and the runner is back after its back-off, serving exact text;
+client gets an error well before the rest of the answer could have been generated (at the pace
+measured before the kill) and the runner is back after its back-off, serving exact text;
 killed three times in a row before it is ready, the worker stops restarting it and the master
 deletes the instance, which a chat's 503 names; a non-streaming request whose client leaves is
 cancelled."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import httpx
 import pytest
@@ -32,6 +36,95 @@ def chat_until_served(http: httpx.Client, max_tokens: int, within: float) -> htt
         time.sleep(0.2)
 
 
+@dataclass
+class KilledStream:
+    """A stream whose generation was killed after some tokens, measured: its pace before the kill,
+    and when and how it ended after it."""
+
+    max_tokens: int
+    task_id: str
+    tokens_before: int  # tokens streamed before the kill
+    per_token: float  # seconds per token while it streamed, before the kill
+    tokens_after: int = 0
+    ended_after: float = 0.0  # seconds from the kill to the stream's end
+    finish: str | None = None
+    error: str | None = None
+    last_lines: list[str] = field(default_factory=list)
+
+    @property
+    def rest_would_take(self) -> float:
+        """What the tokens left would have taken at the pace measured before the kill."""
+        return (self.max_tokens - self.tokens_before) * self.per_token
+
+    @property
+    def bound(self) -> float:
+        """Well before the rest could have been generated: the stream ended because of the kill."""
+        return self.rest_would_take / 2
+
+    def numbers(self) -> str:
+        return (f"{self.tokens_before} tokens at {self.per_token * 1000:.2f} ms/token before the kill, "
+                f"{self.tokens_after} after it; the {self.max_tokens - self.tokens_before} left would take "
+                f"{self.rest_would_take:.1f} s (bound: half that, {self.bound:.1f} s); the stream ended "
+                f"{self.ended_after:.1f} s after the kill with finish {self.finish!r}, error {self.error!r}")
+
+    def assert_ended_by_the_kill(self) -> None:
+        assert self.error is not None and self.finish != "length", \
+            f"the killed generation did not end with an error: {self.numbers()}; {self.last_lines}"
+        assert self.ended_after < self.bound, f"the stream ended too late after the kill: {self.numbers()}"
+        assert self.tokens_after < (self.max_tokens - self.tokens_before) / 2, \
+            f"the generation went on after the kill: {self.numbers()}"
+
+
+def stream_and_kill(http: httpx.Client, body: dict, kill: Callable[[], object], warm_up: int = 16,
+                    paced: int = 128) -> KilledStream:
+    """Stream `body` (with logprobs: every chunk says how many tokens it carries), call `kill` once
+    `paced` tokens came after the first `warm_up` ones (their pace is measured: the first tokens'
+    chunks can come late, then in a burst), and read the rest: it fails (with the numbers) as soon
+    as the stream runs past the bound derived from that pace."""
+    body = {**body, "stream": True, "logprobs": True}
+    pace_from, pace_tokens, tokens, task_id = None, 0, 0, ""
+    with http.stream("POST", "/v1/chat/completions", json=body) as response:
+        lines = response.iter_lines()
+        for line in lines:
+            if not line.startswith("data: {") or not (counted := _tokens_in(data := json.loads(line[6:]))):
+                continue
+            task_id = task_id or data["id"]
+            tokens += counted
+            if pace_from is None and tokens >= warm_up:
+                pace_from, pace_tokens = time.monotonic(), tokens
+            elif pace_from is not None and tokens - pace_tokens >= paced:
+                break
+        assert pace_from is not None and tokens - pace_tokens >= paced, f"the stream ended after {tokens} tokens"
+        kill()
+        killed_at = time.monotonic()
+        measured = KilledStream(max_tokens=body["max_tokens"], task_id=task_id.removeprefix("chatcmpl-"),
+                                tokens_before=tokens, per_token=(killed_at - pace_from) / (tokens - pace_tokens))
+        try:
+            for line in lines:
+                if line.startswith("data: {"):
+                    data = json.loads(line[6:])
+                    if "error" in data:
+                        measured.error = data["error"]["message"]
+                    elif data.get("choices"):
+                        measured.tokens_after += _tokens_in(data)
+                        measured.finish = data["choices"][0]["finish_reason"] or measured.finish
+                    measured.last_lines = [*measured.last_lines[-2:], line[:300]]
+                measured.ended_after = time.monotonic() - killed_at
+                if measured.ended_after >= measured.bound:
+                    raise AssertionError(f"the stream still runs after the kill: {measured.numbers()}")
+        except httpx.ReadTimeout:
+            measured.ended_after = time.monotonic() - killed_at
+            raise AssertionError(f"the stream neither went on nor ended after the kill: {measured.numbers()}") from None
+    measured.ended_after = time.monotonic() - killed_at
+    print(measured.numbers())
+    return measured
+
+
+def _tokens_in(data: dict) -> int:
+    choices = data.get("choices") or [{}]
+    return len((choices[0].get("logprobs") or {}).get("content") or [])
+
+
 def next_runner(parent: int, seen: set[int], within: float) -> int:
     deadline = time.monotonic() + within
     while time.monotonic() < deadline:
@@ -51,15 +144,8 @@ def test_a_runner_killed_mid_stream_then_three_times_in_a_row(tmp_path):
         place(http, TINY_MODEL_ID)
         assert chat_until_served(http, 4, 30).status_code == 200
         (runner,) = runner_pids(node.process.pid)
-        with http.stream("POST", "/v1/chat/completions", json={**ASK, "max_tokens": 30_000, "stream": True}) as response:
-            lines = response.iter_lines()
-            next(line for line in lines if '"content"' in line and '"content": ""' not in line)
-            os.kill(runner, signal.SIGKILL)
-            killed_at = time.monotonic()
-            rest = list(lines)
-        assert time.monotonic() - killed_at < 5
-        errors = [line for line in rest if '"error"' in line]
-        assert errors and not any('"finish_reason": "length"' in line for line in rest), rest[-3:]
+        killed = stream_and_kill(http, {**ASK, "max_tokens": 30_000}, lambda: os.kill(runner, signal.SIGKILL))
+        killed.assert_ended_by_the_kill()
 
         # Back after its back-off (1 s after a first failure), with exact text.
         reply = chat_until_served(http, 8, 60)
