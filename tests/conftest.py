@@ -91,3 +91,13 @@ def claude(node) -> anthropic.Anthropic:
 @pytest.fixture(scope="module")
 def llama(node) -> ollama.Client:
     return ollama.Client(host=node.url, timeout=120)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Longest files first (tests/file_durations.json), each file's tests in their own order: with
+    pytest-xdist's per-file scheduling the two workers then finish close together."""
+    from tests.support.file_durations import load
+
+    seconds = load()
+    position = {id(item): n for n, item in enumerate(items)}
+    items.sort(key=lambda item: (-seconds.get(item.nodeid.split("::")[0], 0.0), position[id(item)]))
