@@ -203,16 +203,15 @@ def test_chat_tool_choice_required_or_named_is_enforced(client, required_call, c
 
 
 def test_a_required_call_is_never_one_the_schema_forbids(client, ref):
-    """The model's favourite call is invalid for this tool: exo writes what llguidance allows (no
-    complete call in 64 tokens, as the reference), never that call."""
+    """The model's favourite call (Paris) is invalid for this tool: exo writes the call llguidance
+    allows instead (compact JSON leaves no whitespace to stall in), as the reference does."""
     raw, expected = required_call_of(ref, NOT_PARIS_TOOL)
-    assert not expected and raw.startswith("<tool_call>"), raw
+    assert expected and all(arguments["city"] != "Paris" for _, arguments in expected), raw
     reply = client.chat.completions.create(model=TOOL_MODEL_ID, messages=chat_after_the_call("call_0"),
                                            tools=[NOT_PARIS_TOOL], tool_choice="required", temperature=0, max_tokens=64)
     calls = [(c.function.name, json.loads(c.function.arguments)) for c in reply.choices[0].message.tool_calls or []]
     assert_valid(calls, NOT_PARIS_TOOL)
-    assert calls == expected and reply.choices[0].finish_reason == "length"
-    assert not reply.choices[0].message.content  # an unfinished call, not text: the model was constrained
+    assert calls == expected and reply.choices[0].finish_reason == "tool_calls"
 
 
 @pytest.mark.parametrize("choice", [{"type": "any"}, {"type": "tool", "name": CALL_NAME}])

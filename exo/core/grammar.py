@@ -27,7 +27,7 @@ def tool_call_grammar(tools: list[dict[str, Any]], start: list[int], end: list[i
     calls = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]},
                                                 "arguments": t["function"].get("parameters") or {"type": "object"}},
               "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
-    schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    schema = (calls[0] if len(calls) == 1 else {"anyOf": calls}) | {"x-guidance": _COMPILE}  # compact, as above
     marks = ["".join(f"<[{token}]>" for token in ids) for ids in (start, end)]
     return LLMatcher.grammar_from_lark(f'start: call+\ncall: {marks[0]} "\\n"? %json {json.dumps(schema)} "\\n"? {marks[1]} "\\n"?\n')
 

@@ -43,14 +43,14 @@ def json_grammar(schema: dict | None) -> str:
 def tool_call_grammar(tools: list[dict]) -> str:
     """One or more `<tool_call>` JSON `</tool_call>` calls (the markers are the tokenizer's special
     tokens), each an object of exactly `name` (one tool's) and `arguments` (valid for its parameters),
-    with JSON's free whitespace (Lark's %json default), which json_tools reads as well."""
+    written compactly (no free whitespace, which a weak model can repeat until max_tokens)."""
     rules = []
     for n, tool in enumerate(tools):
         function = tool["function"]
         schema = {"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
                   "properties": {"name": {"const": function["name"]},
                                  "arguments": function.get("parameters") or {"type": "object"}}}
-        rules.append(f"tool{n}: %json {json.dumps(schema)}")
+        rules.append(f"tool{n}: %json {json.dumps(schema | COMPACT)}")
     tool_names = " | ".join(f"tool{n}" for n in range(len(tools)))
     return LLMatcher.grammar_from_lark("\n".join([
         "start: call+",
