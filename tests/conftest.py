@@ -101,3 +101,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     seconds = load()
     position = {id(item): n for n, item in enumerate(items)}
     items.sort(key=lambda item: (-seconds.get(item.nodeid.split("::")[0], 0.0), position[id(item)]))
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: absent with `-p no:xdist`
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    from tests.support.scheduling import ClusterTestsInOneQueue
+
+    return ClusterTestsInOneQueue(config, log)
