@@ -26,6 +26,7 @@ from exo.core.types import Instance, ModelCard, is_valid_model_id
 PLACE_WAIT_DEFAULT_S = 600.0
 PLACE_WAIT_MAX_S = 3600.0
 MAX_REPLICAS = 64  # as the master's (exo/master/decide.py)
+FOLD_WAIT_S = 10.0  # a command's later events follow its answer in the same append: at once, unless the node stalls
 # How far a runner has come, least first: an instance is as far as its least advanced runner.
 _PROGRESS = ("created", "downloading", "downloaded", "loading", "warming_up", "ready")
 _DOWNLOAD_FAILED = "download failed:"  # how the worker starts the error of a runner whose download failed
@@ -168,7 +169,12 @@ async def get_instance(request: web.Request) -> web.Response:
 async def delete_instance(request: web.Request) -> web.Response:
     instance_id = InstanceId(request.match_info["instance_id"])
     command = DeleteInstance(command_id=new_command_id(), instance_id=instance_id)
-    await context_of(request).outcomes.call(command)
+    outcomes = context_of(request).outcomes
+    await outcomes.call(command)
+    # The answer can be the first of several events (its desire's end comes first): answer once
+    # this node's State has the instance gone, so the caller's next request (a retried placement
+    # with the same Idempotency-Key) sees it gone.
+    await outcomes.until(lambda state: True if instance_id not in state.instances else None, FOLD_WAIT_S)
     return web.json_response({"message": "instance deleted", "command_id": command.command_id, "instance_id": instance_id})
 
 
@@ -176,7 +182,9 @@ async def delete_desire(request: web.Request) -> web.Response:
     """End a desire: its instances go, and nothing places them again."""
     desire_id = request.match_info["desire_id"]
     command = DeleteDesire(command_id=new_command_id(), desire_id=desire_id)
-    await context_of(request).outcomes.call(command)
+    outcomes = context_of(request).outcomes
+    await outcomes.call(command)  # answered by its first instance's deletion: wait for the desire's end too
+    await outcomes.until(lambda state: True if desire_id not in state.desires else None, FOLD_WAIT_S)
     return web.json_response({"message": "desire deleted", "command_id": command.command_id, "desire_id": desire_id})
 
 
