@@ -71,6 +71,9 @@ def signal_all(pids: set[int], signum: int) -> None:
 def kill_9(node: ExoProcess) -> None:
     """The machine is gone: all of its processes at once, nothing of it left."""
     pids = pids_of(node)
+    # Frozen first, then killed: killed one by one, a worker could see its runner die (exit -9) and
+    # report that failure to the client before its own SIGKILL, which a lost machine never does.
+    signal_all(pids, signal.SIGSTOP)
     signal_all(pids, signal.SIGKILL)
     if node.process is not None:
         node.process.wait()
