@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import httpx  # noqa: E402
 
 from exo.bus.connection import connect  # noqa: E402
-from exo.bus.server_config import NODE_TAG  # noqa: E402
+from exo.bus.server.server_config import NODE_TAG  # noqa: E402
 from tests.exo_process import ExoProcess  # noqa: E402
 from tests.test_cluster_discovery import kill_9, stop_all  # noqa: E402
 

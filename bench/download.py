@@ -25,9 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from exo import event_loop  # noqa: E402
 from exo.bus.connection import connect  # noqa: E402
-from exo.bus.embedded import EmbeddedNats  # noqa: E402
 from exo.bus.event_log import EventLog  # noqa: E402
 from exo.bus.provision import provision  # noqa: E402
+from exo.bus.server.embedded import EmbeddedNats  # noqa: E402
 from exo.bus.state_view import StateView  # noqa: E402
 from exo.core.state import State  # noqa: E402
 from exo.core.types import ModelCard  # noqa: E402

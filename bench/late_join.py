@@ -19,9 +19,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from exo.bus.catch_up import catch_up  # noqa: E402
 from exo.bus.connection import connect  # noqa: E402
-from exo.bus.embedded import EmbeddedNats  # noqa: E402
 from exo.bus.images import fetch_image, store_image  # noqa: E402
 from exo.bus.provision import provision  # noqa: E402
+from exo.bus.server.embedded import EmbeddedNats  # noqa: E402
 from exo.bus.snapshots import write_snapshot  # noqa: E402
 from exo.bus.subjects import IMAGES_BUCKET, event_subject  # noqa: E402
 from exo.core.events import NodeRegistered, TaskCreated, TaskFinished, TaskStarted, encode_event, event_tag  # noqa: E402

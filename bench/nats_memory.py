@@ -22,9 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.summary import alternating, print_medians  # noqa: E402
 from exo.bus.connection import connect  # noqa: E402
-from exo.bus.embedded import EmbeddedNats  # noqa: E402
 from exo.bus.images import fetch_image, store_image  # noqa: E402
 from exo.bus.provision import provision  # noqa: E402
+from exo.bus.server.embedded import EmbeddedNats  # noqa: E402
 
 
 def rss_mb(pid: int) -> int:

@@ -32,8 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from exo import event_loop  # noqa: E402
 from exo.bus.connection import connect  # noqa: E402
-from exo.bus.embedded import EmbeddedNats  # noqa: E402
 from exo.bus.provision import provision  # noqa: E402
+from exo.bus.server.embedded import EmbeddedNats  # noqa: E402
 from exo.bus.subjects import EVENTS_STREAM, event_subject  # noqa: E402
 from exo.bus.tooling.log_reader import log_bounds, read_log, read_log_batches, read_log_fetching, read_log_ordered  # noqa: E402
 from exo.core.events import (  # noqa: E402
@@ -52,7 +52,7 @@ from exo.core.events import (  # noqa: E402
 from exo.core.types import ChatMessage, GenerationParams, Instance, ModelCard, NodeInfo, ShardAssignment, Task  # noqa: E402
 from exo.tools.export_format import encode_line, read_lines  # noqa: E402
 from exo.tools.replay import BatchReplayer, _fold_file  # noqa: E402
-from exo.tools.replayer import Replayer  # noqa: E402
+from exo.tools.replay_fold import Replayer  # noqa: E402
 
 PUBLISH_BATCH = 5000
 ACK_TIMEOUT_S = 30.0

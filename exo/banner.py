@@ -10,8 +10,8 @@ from __future__ import annotations
 import ipaddress
 from typing import TYPE_CHECKING
 
-from exo.bus.cluster_secret import SECRET_FILE
-from exo.bus.embedded import CREDENTIALS_FILE
+from exo.bus.server.cluster_secret import SECRET_FILE
+from exo.bus.server.embedded import CREDENTIALS_FILE
 
 if TYPE_CHECKING:
     from exo.node import Node

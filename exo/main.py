@@ -21,7 +21,7 @@ from exo.defaults import DEFAULT_API_PORT, DEFAULT_DATA_DIR, DEFAULT_NATS_PORT
 from exo.tools import TOOLS
 
 if TYPE_CHECKING:
-    from exo.bus.cluster_node import DiscoverySettings
+    from exo.bus.server.cluster_node import DiscoverySettings
     from exo.node import NodeConfig
 
 
@@ -195,8 +195,8 @@ def _add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _discovery_settings(args) -> tuple[DiscoverySettings, bool]:
     """The discovery settings, and whether they trust the LAN (no cluster secret)."""
-    from exo.bus.cluster_node import DiscoverySettings
-    from exo.bus.cluster_secret import lan_address, resolve_secret
+    from exo.bus.server.cluster_node import DiscoverySettings
+    from exo.bus.server.cluster_secret import lan_address, resolve_secret
 
     secret = resolve_secret(Path(args.data_dir).expanduser() / "nats", args.cluster_secret, args.namespace)
     return DiscoverySettings(address=args.discovery_address or lan_address(), secret=secret.value,

@@ -19,16 +19,16 @@ from exo.api.app import build_app
 from exo.api.context import ApiContext
 from exo.api.outcomes import CommandOutcomes
 from exo.bus.catch_up import catch_up
-from exo.bus.cluster_node import ClusterNode, DiscoverySettings
 from exo.bus.connection import Connection, connect, redact
 from exo.bus.disk_watch import DiskWatch
-from exo.bus.embedded import EmbeddedNats
 from exo.bus.errors import LogGap
 from exo.bus.event_log import EventLog
 from exo.bus.liveness import Pulse, send_pulse
 from exo.bus.provision import Overrides, event_retention, placed_on, provision
 from exo.bus.readers import ReaderPresence
-from exo.bus.server_config import NODE_TAG
+from exo.bus.server.cluster_node import ClusterNode, DiscoverySettings
+from exo.bus.server.embedded import EmbeddedNats
+from exo.bus.server.server_config import NODE_TAG
 from exo.bus.state_view import StateView
 from exo.core.events import ClusterLayoutChanged, Event, NodeRegistered
 from exo.core.types import ClusterLayout

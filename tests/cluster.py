@@ -10,8 +10,8 @@ from pathlib import Path
 import httpx
 
 from exo.bus.connection import connect
-from exo.bus.embedded import EmbeddedNats
 from exo.bus.event_log import EventFollower
+from exo.bus.server.embedded import EmbeddedNats
 from exo.core.apply import apply, skip_event, was_skipped
 from exo.core.events import AnyEvent
 from exo.core.state import State, decode_state

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import yaml
 
-from exo.bus.embedded import nats_server_binary
+from exo.bus.server.embedded import nats_server_binary
 from tests.exo_process import free_port
 
 REPO = Path(__file__).resolve().parent.parent

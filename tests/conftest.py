@@ -14,8 +14,8 @@ import pytest
 import pytest_asyncio
 
 from exo.bus.connection import connect
-from exo.bus.embedded import EmbeddedNats
 from exo.bus.provision import provision
+from exo.bus.server.embedded import EmbeddedNats
 from tests.e2e_support import start_exo
 
 # Every exo the tests start is standalone unless a test asks for discovery (tests/test_cluster_*.py):

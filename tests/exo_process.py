@@ -12,8 +12,8 @@ import sys
 import time
 from pathlib import Path
 
-from exo.bus.embedded import load_credentials, with_user
-from exo.bus.permissions import EXO_USER, OPERATOR_USER
+from exo.bus.server.embedded import load_credentials, with_user
+from exo.bus.server.permissions import EXO_USER, OPERATOR_USER
 
 
 def free_port() -> int:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import httpx
 
-from exo.bus.cluster_node import load_membership
+from exo.bus.server.cluster_node import load_membership
 from exo.core.state import State, decode_state
 from tests.exo_process import ExoProcess, free_port_range
 

@@ -13,7 +13,7 @@ from exo.api.generation import Generation
 from exo.api.metrics import Metrics
 from exo.bus.publish import publish_durably
 from exo.bus.subjects import TOKENS_STREAM, token_subject
-from exo.bus.tokens import TokenListener
+from exo.bus.token_stream import TokenListener
 from exo.core.events import TaskFinished
 from exo.core.state import State
 from exo.core.types import TokenChunk

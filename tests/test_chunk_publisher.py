@@ -9,11 +9,11 @@ import signal
 import msgspec
 from nats.js import api
 
-from exo.bus.chunk_publisher import ChunkPublisher
 from exo.bus.connection import connect
-from exo.bus.embedded import EmbeddedNats
 from exo.bus.provision import provision
+from exo.bus.server.embedded import EmbeddedNats
 from exo.bus.subjects import TOKENS_STREAM, token_subject
+from exo.bus.token_publisher import ChunkPublisher
 from exo.core.types import TokenChunk
 
 

@@ -19,10 +19,10 @@ import uuid
 import httpx
 import pytest
 
-from exo.bus.cluster_node import load_membership
 from exo.bus.connection import connect
-from exo.bus.embedded import nats_server_binary
 from exo.bus.provision import stream_configs
+from exo.bus.server.cluster_node import load_membership
+from exo.bus.server.embedded import nats_server_binary
 from exo.core.state import encode_state
 from tests.cluster import state_of, wait_until
 from tests.e2e_support import Reference

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
-from exo.bus.cluster_formation import Announcement, Join, Seed, Wait, choose_role
-from exo.bus.discovery import Discovery
+from exo.bus.server.cluster_formation import Announcement, Join, Seed, Wait, choose_role
+from exo.bus.server.discovery import Discovery
 
 
 def peer(node_id: str, state="ready", cluster="exo-a", namespace="default", port=6222) -> Announcement:

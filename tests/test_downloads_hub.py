@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
-from exo.bus.download_control import NodeUnreachable, request_download_action
 from exo.bus.event_log import EventLog
+from exo.bus.peers.download_control import NodeUnreachable, request_download_action
 from exo.bus.state_view import StateView
 from exo.core.events import DownloadFailed, DownloadProgressed, Event
 from exo.core.state import State

@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from exo.bus.connection import connect
-from exo.bus.tokens import TokenListener
+from exo.bus.token_stream import TokenListener
 from exo.core.types import TokenChunk
 from tests.e2e_support import Reference
 from tests.exo_process import ExoProcess

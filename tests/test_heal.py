@@ -4,7 +4,7 @@ deadlines, back-off, and the reducer's rules for a task's runs."""
 
 import itertools
 
-from exo.bus.tokens import chain_of
+from exo.bus.token_stream import chain_of
 from exo.core.apply import apply
 from exo.core.commands import DeleteDesire, DeleteInstance, GenerateText, PlaceInstance
 from exo.core.events import (

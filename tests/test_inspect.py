@@ -14,10 +14,10 @@ import pytest
 
 from exo.bus.command_queue import send_command
 from exo.bus.connection import connect, redact
-from exo.bus.embedded import EmbeddedNats, nats_server_binary
 from exo.bus.event_log import EventLog
 from exo.bus.images import store_image
 from exo.bus.provision import provision
+from exo.bus.server.embedded import EmbeddedNats, nats_server_binary
 from exo.bus.snapshots import write_snapshot
 from exo.core.commands import PlaceInstance
 from exo.core.events import TaskStarted

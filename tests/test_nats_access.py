@@ -1,5 +1,5 @@
 """The embedded nats-server admits only its credentials: a stray client cannot connect, and the
-read-only `operator` reads everything exo's tools read and writes nothing (exo/bus/permissions.py)."""
+read-only `operator` reads everything exo's tools read and writes nothing (exo/bus/server/permissions.py)."""
 
 from __future__ import annotations
 
@@ -12,12 +12,12 @@ import pytest
 from exo.bus.catch_up import catch_up
 from exo.bus.command_queue import send_command
 from exo.bus.connection import connect
-from exo.bus.embedded import EmbeddedNats, with_user
 from exo.bus.errors import BusError
 from exo.bus.event_log import EventLog
 from exo.bus.images import fetch_image, store_image
-from exo.bus.permissions import EXO_USER
 from exo.bus.provision import provision
+from exo.bus.server.embedded import EmbeddedNats, with_user
+from exo.bus.server.permissions import EXO_USER
 from exo.bus.snapshots import read_latest_snapshot, write_snapshot
 from exo.bus.subjects import COMMANDS_STREAM, EVENTS_STREAM, IMAGES_STREAM, MASTER_CONSUMER, TOKENS_STREAM
 from exo.core.commands import PlaceInstance
@@ -100,7 +100,7 @@ async def test_the_operator_reads_everything_and_changes_nothing(fresh_server: E
 
 
 def test_the_deploy_docs_give_exactly_the_embedded_servers_permissions():
-    from exo.bus.permissions import authorization_block
+    from exo.bus.server.permissions import authorization_block
     from exo.resources import streams_dir
 
     docs = (streams_dir().parent / "docs" / "deploy.md").read_text()

@@ -22,10 +22,10 @@ import pytest
 
 from exo.bus.command_queue import send_command
 from exo.bus.connection import connect
-from exo.bus.embedded import EmbeddedNats
 from exo.bus.event_log import EventLog
 from exo.bus.images import store_image
 from exo.bus.provision import provision
+from exo.bus.server.embedded import EmbeddedNats
 from exo.bus.snapshots import write_snapshot
 from exo.core.commands import PlaceInstance
 from exo.core.events import TaskStarted, decode_event, encode_event
@@ -86,7 +86,7 @@ def in_a_terminal(command: list[str], timeout: float = 30) -> str:
 
 @pytest.fixture
 def operator_url(fresh_server: EmbeddedNats) -> str:
-    """What an operator's `nats` commands use: read-only (exo/bus/permissions.py)."""
+    """What an operator's `nats` commands use: read-only (exo/bus/server/permissions.py)."""
     return fresh_server.operator_url
 
 

@@ -18,11 +18,11 @@ import pytest
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from exo.bus.connection import connect
-from exo.bus.embedded import EmbeddedNats
 from exo.bus.event_log import EventLog
 from exo.bus.provision import provision
+from exo.bus.server.embedded import EmbeddedNats
 from exo.bus.subjects import EVENTS_STREAM, download_control_subject, model_share_subject, pulse_subject, token_subject
-from exo.bus.tokens import TokenListener
+from exo.bus.token_stream import TokenListener
 from exo.core.events import CustomCardDeleted, DownloadDeleted, TaskStarted
 from exo.core.types import TokenChunk
 from tests.cluster import NatsServer, start_node, state_of, wait_until

@@ -19,8 +19,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from exo.bus.connection import connect
-from exo.bus.permissions import OPERATOR_USER
 from exo.bus.provision import provision
+from exo.bus.server.permissions import OPERATOR_USER
 from exo.bus.snapshots import write_snapshot
 from exo.bus.tooling.log_reader import LogRecord
 from exo.core.events import encode_event
@@ -29,7 +29,7 @@ from exo.core.types import NodeInfo, Task
 from exo.tools.event_view import EventFilter, describe, event_refs, matches, parse_filters
 from exo.tools.export_format import decode_line, encode_line, format_time_ns, parse_time_ns
 from exo.tools.replay import BatchReplayer
-from exo.tools.replayer import Checkpoint, Replayer
+from exo.tools.replay_fold import Checkpoint, Replayer
 from exo.tools.state_diff import Change, format_change, state_changes
 from tests.exo_process import ExoProcess, exo_command
 from tests.support.exo_tools import (
@@ -391,7 +391,7 @@ def _run_session(http: httpx.Client, model_dir: Path) -> list[dict]:
 async def test_tools_find_their_nodes_server_from_exo_home_alone(tmp_path: Path):
     """A node whose embedded server is not on 4222: `exo replay` with only EXO_HOME set reads that
     node's ports file (it used to dial 127.0.0.1:4222 and fail)."""
-    from exo.bus.embedded import EmbeddedNats
+    from exo.bus.server.embedded import EmbeddedNats
 
     server = EmbeddedNats(tmp_path / "home" / "nats", port=0)
     url = await server.start()

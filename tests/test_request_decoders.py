@@ -6,8 +6,8 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from exo.bus.download_control import DownloadRequest
-from exo.bus.model_share import MAX_CHUNK, ShareRequest
+from exo.bus.peers.download_control import DownloadRequest
+from exo.bus.peers.model_share import MAX_CHUNK, ShareRequest
 from exo.core.events import CustomCardDeleted, DownloadFailed, encode_event
 
 

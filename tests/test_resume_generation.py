@@ -22,8 +22,8 @@ import msgspec
 import pytest
 from mlx_lm.sample_utils import make_sampler
 
-from exo.bus.chunk_publisher import chunk_msg_id
 from exo.bus.subjects import token_subject
+from exo.bus.token_publisher import chunk_msg_id
 from exo.core.types import ChatMessage, GenerationParams, ResponseFormat, SamplingDefaults, TokenChunk
 from exo.runner.__main__ import ChunkMaker, Runner
 from exo.runner.batch import Batcher

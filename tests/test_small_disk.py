@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from exo.bus.connection import connect
-from exo.bus.embedded import EmbeddedNats
 from exo.bus.errors import BusError
 from exo.bus.provision import provision, stream_configs
+from exo.bus.server.embedded import EmbeddedNats
 from exo.bus.stream_fit import FITTED_TO_DISK, MIN_STREAM_BYTES
 from tests.support.mounts import mounted_tmpfs
 

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from exo.bus.cluster_formation import Announcement
-from exo.bus.cluster_node import ClusterNode, DiscoverySettings, load_membership
-from exo.bus.discovery import Discovery
+from exo.bus.server.cluster_formation import Announcement
+from exo.bus.server.cluster_node import ClusterNode, DiscoverySettings, load_membership
+from exo.bus.server.discovery import Discovery
 
 pytestmark = pytest.mark.slow  # starts JetStream cluster servers
 

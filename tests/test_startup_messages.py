@@ -15,9 +15,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from exo.bus.cluster_secret import lan_address
-from exo.bus.embedded import EmbeddedNats
 from exo.bus.errors import BusError
+from exo.bus.server.cluster_secret import lan_address
+from exo.bus.server.embedded import EmbeddedNats
 from exo.defaults import DEFAULT_API_PORT, DEFAULT_NATS_PORT
 from tests.exo_process import ExoProcess, exo_command
 

@@ -22,7 +22,7 @@ from exo.api.outcomes import COMMAND_TIMEOUT_S, new_command_id, raise_if_rejecte
 from exo.api.validate import check_limits
 from exo.bus.command_queue import send_command
 from exo.bus.readers import read_anywhere
-from exo.bus.tokens import TokenListener, stored_chunks
+from exo.bus.token_stream import TokenListener, stored_chunks
 from exo.core.commands import CancelTask, GenerateText
 from exo.core.events import TaskFinished
 from exo.core.ids import CommandId, ModelId

@@ -17,7 +17,7 @@ import shutil
 import signal
 from pathlib import Path
 
-from exo.bus.embedded import EmbeddedNats
+from exo.bus.server.embedded import EmbeddedNats
 
 log = logging.getLogger(__name__)
 

@@ -41,7 +41,7 @@ FORMING_WAIT_S = float(os.environ.get("EXO_CLUSTER_FORMING_WAIT_S", "60"))
 
 
 # Fields a discovered cluster sets by itself: replicas (raised to 3 at three nodes) and the first
-# sequence of a log carried over from a standalone store (exo/bus/migration.py).
+# sequence of a log carried over from a standalone store (exo/bus/server/migration.py).
 CLUSTER_MANAGED = ("num_replicas", "first_seq")
 
 Overrides = dict[str, dict[str, Any]]  # stream name -> fields that replace the file's

@@ -15,7 +15,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 
-from exo.bus.responders import Responders
+from exo.bus.peers.responders import Responders
 from exo.bus.subjects import ALL_READERS, readers_subject
 from exo.core.ids import CommandId
 

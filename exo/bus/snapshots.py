@@ -15,7 +15,7 @@ from nats.aio.client import Client
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NoKeysError
 from nats.js.kv import KeyValue
 
-from exo.bus.embedded import MAX_PAYLOAD_BYTES
+from exo.bus.server.embedded import MAX_PAYLOAD_BYTES
 from exo.bus.subjects import EVENTS_STREAM, SNAPSHOT_KEY, STATE_BUCKET
 from exo.core.state import State, decode_state, encode_state
 

@@ -34,8 +34,8 @@ def image_chunks_subject(nuid: str) -> str:
     return f"$O.{IMAGES_BUCKET}.C.{nuid}"
 
 
-# Core NATS request/reply between nodes (no stream keeps these): see exo/bus/model_share.py and
-# exo/bus/download_control.py.
+# Core NATS request/reply between nodes (no stream keeps these): see exo/bus/peers/model_share.py and
+# exo/bus/peers/download_control.py.
 def model_share_subject(node_id: NodeId, what: str) -> str:
     """A node serving its models to peers: `what` is "manifest" or "chunk"."""
     return f"exo.models.{node_id}.{what}"

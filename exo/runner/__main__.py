@@ -19,8 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from exo import event_loop
-from exo.bus.chunk_publisher import ChunkPublisher
 from exo.bus.connection import connect, split_urls
+from exo.bus.token_publisher import ChunkPublisher
 from exo.core.catalogue import is_vision_config
 from exo.core.ids import TaskId
 from exo.core.types import TokenChunk

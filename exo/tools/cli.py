@@ -12,9 +12,9 @@ from typing import Any
 
 from exo import event_loop
 from exo.bus.connection import Connection, connect, split_urls
-from exo.bus.embedded import CREDENTIALS_FILE, load_credentials, with_user
 from exo.bus.errors import BusError
-from exo.bus.permissions import OPERATOR_USER
+from exo.bus.server.embedded import CREDENTIALS_FILE, load_credentials, with_user
+from exo.bus.server.permissions import OPERATOR_USER
 from exo.tools.export_format import ExportFormatError
 
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"

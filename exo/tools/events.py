@@ -24,7 +24,7 @@ from exo.tools.cli import EXIT_OK, Output, add_nats_option, open_nats, run_tool
 from exo.tools.event_view import EventFilter, describe, kind_of, matches, parse_filters
 from exo.tools.export_format import encode_line
 from exo.tools.render import step_text
-from exo.tools.replayer import Step
+from exo.tools.replay_fold import Step
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

@@ -6,7 +6,7 @@ The embedded server admits only the users in `<data dir>/nats/credentials.json`.
 context (the CLI's saved connection settings) with the running node's URL and the `operator`
 user's password, so that `nats --context exo stream ls` works; `--select` makes it the CLI's
 default, so that plain `nats stream ls` does. The operator reads everything and changes nothing
-(exo/bus/permissions.py).
+(exo/bus/server/permissions.py).
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ import sys
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
-from exo.bus.embedded import CREDENTIALS_FILE, load_credentials
 from exo.bus.errors import BusError
-from exo.bus.permissions import OPERATOR_USER
+from exo.bus.server.embedded import CREDENTIALS_FILE, load_credentials
+from exo.bus.server.permissions import OPERATOR_USER
 from exo.tools.cli import EXIT_ERROR, EXIT_OK, ToolError, running_server_url
 
 # Every field `nats context save` writes (natscli v0.5.0), so the file reads like one it made.

@@ -8,7 +8,7 @@ import msgspec
 
 from exo.core.state import SkippedEvent
 from exo.tools.export_format import format_time_ns
-from exo.tools.replayer import CheckResult, Step
+from exo.tools.replay_fold import CheckResult, Step
 from exo.tools.state_diff import format_change
 
 _INDENT = " " * 10

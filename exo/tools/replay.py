@@ -32,7 +32,7 @@ from exo.tools.cli import EXIT_FAILED, EXIT_OK, Output, ToolError, add_nats_opti
 from exo.tools.event_view import parse_filters
 from exo.tools.export_format import read_lines
 from exo.tools.render import check_text, skipped_text, step_json, step_text
-from exo.tools.replayer import Checkpoint, Replayer
+from exo.tools.replay_fold import Checkpoint, Replayer
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

@@ -17,8 +17,8 @@ from pathlib import Path
 
 from exo.background import Background
 from exo.bus.connection import Connection
-from exo.bus.download_control import Action, DownloadControlServer, DownloadReply
-from exo.bus.model_share import IN_FLIGHT, ModelShareServer
+from exo.bus.peers.download_control import Action, DownloadControlServer, DownloadReply
+from exo.bus.peers.model_share import IN_FLIGHT, ModelShareServer
 from exo.core.events import DownloadDeleted, DownloadFailed, DownloadProgressed, Event
 from exo.core.ids import ModelId, NodeId
 from exo.core.state import State

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from exo.bus.connection import Connection
-from exo.bus.model_share import PeerError, fetch_from_peer, peer_manifest
+from exo.bus.peers.model_share import PeerError, fetch_from_peer, peer_manifest
 from exo.core.ids import NodeId
 from exo.core.types import ModelCard
 from exo.models.dirs import DownloadSettings, choose_target, free_bytes, read_manifest, write_manifest

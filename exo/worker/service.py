@@ -21,7 +21,7 @@ from exo.bus.connection import Connection
 from exo.bus.event_log import EventLog
 from exo.bus.images import ImageUnavailable, fetch_image
 from exo.bus.state_view import StateView
-from exo.bus.tokens import publish_chunk, resume_point
+from exo.bus.token_stream import publish_chunk, resume_point
 from exo.core.catalogue import find_card
 from exo.core.events import AnyEvent, CustomCardAdded, CustomCardDeleted, Event, RunnerStatusChanged, TaskFinished, TaskStarted
 from exo.core.ids import InstanceId, ModelId, NodeId, RunnerId, TaskId

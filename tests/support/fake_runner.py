@@ -11,7 +11,7 @@ import asyncio
 
 from nats.aio.client import Client
 
-from exo.bus.chunk_publisher import ChunkPublisher
+from exo.bus.token_publisher import ChunkPublisher
 from exo.core.ids import RunnerId, TaskId
 from exo.core.types import TokenChunk
 from exo.runner import protocol as rp

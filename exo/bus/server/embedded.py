@@ -16,8 +16,8 @@ from pathlib import Path
 import msgspec
 
 from exo.bus.errors import BusError
-from exo.bus.permissions import EXO_USER, OPERATOR_USER
-from exo.bus.server_config import SYSTEM_USER, ClusterLink, server_config
+from exo.bus.server.permissions import EXO_USER, OPERATOR_USER
+from exo.bus.server.server_config import SYSTEM_USER, ClusterLink, server_config
 
 log = logging.getLogger(__name__)
 
@@ -105,10 +105,10 @@ def with_user(url: str, user: str, password: str) -> str:
 
 class EmbeddedNats:
     """A nats-server with JetStream and a file store under `store_dir`, refusing clients
-    without credentials (see exo/bus/permissions.py).
+    without credentials (see exo/bus/server/permissions.py).
 
     port 0 lets the server pick a free port; we read it back from its ports file. With a
-    `cluster` link it is one server of a JetStream cluster (exo/bus/server_config.py).
+    `cluster` link it is one server of a JetStream cluster (exo/bus/server/server_config.py).
     """
 
     def __init__(self, store_dir: Path, host: str = "127.0.0.1", port: int = 4222,

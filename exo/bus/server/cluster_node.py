@@ -2,7 +2,7 @@
 JetStream cluster, and keep it healthy while the node runs.
 
 Start: announce "starting" over mDNS, listen `browse_s` (2 s), then follow
-exo/bus/cluster_formation.py's decision. A seed runs its embedded server with a witness (a lone
+exo/bus/server/cluster_formation.py's decision. A seed runs its embedded server with a witness (a lone
 server in cluster mode has no JetStream); a joiner routes to the ready members. The node says
 "ready" once its server is a working member of the meta group. What it chose is kept in
 `cluster.json` beside the server's store, so a restart rejoins the same cluster at once.
@@ -23,12 +23,12 @@ from pathlib import Path
 
 import msgspec
 
-from exo.bus.cluster_formation import Announcement, Join, NodeState, Seed, Wait, choose_role
 from exo.bus.connection import Connection, connect
-from exo.bus.discovery import Discovery
-from exo.bus.embedded import EmbeddedNats
 from exo.bus.errors import BusError
-from exo.bus.jetstream_cluster import (
+from exo.bus.server.cluster_formation import Announcement, Join, NodeState, Seed, Wait, choose_role
+from exo.bus.server.discovery import Discovery
+from exo.bus.server.embedded import EmbeddedNats
+from exo.bus.server.jetstream_cluster import (
     FULL_REPLICAS,
     cluster_layout,
     consumers_replicated,
@@ -39,8 +39,8 @@ from exo.bus.jetstream_cluster import (
     step_down_if_leader,
     stream_replicas,
 )
-from exo.bus.migration import has_standalone_store, migrate_standalone_store, set_aside, undo_migration
-from exo.bus.server_config import ClusterLink, route_url
+from exo.bus.server.migration import has_standalone_store, migrate_standalone_store, set_aside, undo_migration
+from exo.bus.server.server_config import ClusterLink, route_url
 from exo.core.types import ClusterLayout
 
 log = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """Finding the other exo nodes on the LAN: mDNS (zeroconf) service `_exo._tcp`, one record per
 node, its Announcement in the TXT record. What a node does with what it finds is
-exo/bus/cluster_formation.py's to decide.
+exo/bus/server/cluster_formation.py's to decide.
 
 Bound to the addresses given (127.0.0.1 alone keeps it on this machine: tests). Registering
 takes ~1.1 s (mDNS probing); a browser hears a registered peer in ~0.1 s, and TXT changes and
@@ -17,7 +17,7 @@ import msgspec
 from zeroconf import IPVersion, ServiceStateChange, Zeroconf
 from zeroconf.asyncio import AsyncServiceBrowser, AsyncServiceInfo, AsyncZeroconf
 
-from exo.bus.cluster_formation import Announcement
+from exo.bus.server.cluster_formation import Announcement
 
 log = logging.getLogger(__name__)
 

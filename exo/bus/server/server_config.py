@@ -17,7 +17,7 @@ import json
 
 import msgspec
 
-from exo.bus.permissions import authorization_block
+from exo.bus.server.permissions import authorization_block
 
 SYSTEM_ACCOUNT = "SYS"
 SYSTEM_USER = "exo-system"

@@ -19,7 +19,7 @@ NodeState = Literal["starting", "joining", "ready"]
 
 
 class Announcement(msgspec.Struct, frozen=True, kw_only=True):
-    """What a node says of itself on the LAN (mDNS TXT record, exo/bus/discovery.py)."""
+    """What a node says of itself on the LAN (mDNS TXT record, exo/bus/server/discovery.py)."""
 
     node_id: str
     namespace: str = "default"  # two clusters on one LAN stay apart

@@ -18,7 +18,7 @@ from nats.errors import Error as NatsError
 from nats.errors import NoRespondersError
 
 from exo.bus.errors import BusError
-from exo.bus.responders import OnRequest, Responders
+from exo.bus.peers.responders import OnRequest, Responders
 from exo.bus.subjects import download_control_subject
 from exo.core.ids import ModelId, NodeId
 

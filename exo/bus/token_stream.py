@@ -1,6 +1,6 @@
 """The data plane: generated text on exo.tokens.<command_id>, captured by the EXO_TOKENS stream.
 
-Runners publish with exo/bus/chunk_publisher.py (every chunk acked, resent if not); here: a
+Runners publish with exo/bus/token_publisher.py (every chunk acked, resent if not); here: a
 single last chunk from a worker (its runner died), and reading chunks back.
 """
 

@@ -24,7 +24,7 @@ from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 
 from exo.bus.errors import BusError
-from exo.bus.responders import Responders
+from exo.bus.peers.responders import Responders
 from exo.bus.subjects import model_share_subject
 from exo.core.ids import ModelId, NodeId
 from exo.core.manifest import Manifest, decode_manifest, encode_manifest

@@ -4,7 +4,7 @@ scaling every stream to three replicas once three real nodes are members, and re
 seed's witness once it is no longer needed for a quorum.
 
 The meta group's view comes from the local server's monitoring endpoint (/jsz, on loopback);
-changes to the meta group need the system account (exo/bus/server_config.py).
+changes to the meta group need the system account (exo/bus/server/server_config.py).
 """
 
 from __future__ import annotations

@@ -22,10 +22,10 @@ from typing import Any
 from nats.aio.client import Client
 
 from exo.bus.connection import connect
-from exo.bus.embedded import EmbeddedNats
 from exo.bus.errors import BusError
 from exo.bus.jetstream_api import jetstream_request
-from exo.bus.server_config import NODE_TAG
+from exo.bus.server.embedded import EmbeddedNats
+from exo.bus.server.server_config import NODE_TAG
 from exo.bus.subjects import EVENTS_STREAM, IMAGES_STREAM, STATE_BUCKET
 
 log = logging.getLogger(__name__)

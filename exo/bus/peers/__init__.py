@@ -1,0 +1,1 @@
+"""Node-to-node request/reply over NATS: sharing model files, download control, responders."""
