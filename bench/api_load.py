@@ -14,9 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -26,8 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import httpx  # noqa: E402
 
-from tests.exo_process import ExoProcess, free_port  # noqa: E402
+from tests.support.exo_process import ExoProcess  # noqa: E402
 from tests.support.fake_hub import FakeHub  # noqa: E402
+from tests.support.mlx_lm_server import start_mlx_lm_server  # noqa: E402, F401 (the benches' reference)
 from tests.support.tiny_model import TINY_MODEL_ID, make_tiny_model  # noqa: E402
 
 MESSAGES = [{"role": "user", "content": "Write a short story about a lighthouse keeper and the sea."}]
@@ -87,24 +86,6 @@ def start_exo(model_dir: Path, root: Path, max_batch: int | None = None,
         http.post("/models/add", json={"model_id": model_id}).raise_for_status()
         http.post("/place_instance", json={"model_id": model_id, "max_queue": 1000}).raise_for_status()
     return hub, exo
-
-
-def start_mlx_lm_server(model_dir: Path, log: Path) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "mlx_lm", "server", "--model", str(model_dir), "--port", str(port)],
-        stdout=open(log, "wb"), stderr=subprocess.STDOUT, env={**os.environ},
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/v1/models", timeout=1).status_code == 200:
-                return process, url
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    process.kill()
-    raise RuntimeError(f"mlx_lm.server did not start: {log.read_text()[-2000:]}")
 
 
 def main() -> None:

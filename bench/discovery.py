@@ -29,8 +29,8 @@ import httpx  # noqa: E402
 
 from exo.bus.connection import connect  # noqa: E402
 from exo.bus.server.server_config import NODE_TAG  # noqa: E402
-from tests.exo_process import ExoProcess  # noqa: E402
-from tests.test_cluster_discovery import kill_9, stop_all  # noqa: E402
+from tests.support.exo_process import ExoProcess  # noqa: E402
+from tests.support.healing import kill_9, stop_all  # noqa: E402
 
 
 def env(namespace: str) -> dict[str, str]:

@@ -27,7 +27,7 @@ from exo.runner.batch import Batcher  # noqa: E402
 from exo.runner.engine import Engine  # noqa: E402
 from exo.runner.follower import follow  # noqa: E402
 from exo.runner.protocol import RankSetup  # noqa: E402
-from tests.exo_process import free_port  # noqa: E402
+from tests.support.exo_process import free_port  # noqa: E402
 from tests.support.tiny_model import Dims, make_tiny_model  # noqa: E402
 
 PROMPT = "Write a short story about a lighthouse keeper and the sea."

@@ -25,8 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import httpx  # noqa: E402
 
 from bench.api_load import load, start_mlx_lm_server  # noqa: E402
-from tests.cluster import NatsServer, start_node, state_of, wait_until  # noqa: E402
-from tests.exo_process import free_port  # noqa: E402
+from tests.support.cluster import NatsServer, start_node, state_of, wait_until  # noqa: E402
+from tests.support.exo_process import free_port  # noqa: E402
 from tests.support.tiny_model import Dims, make_tiny_model  # noqa: E402
 
 MODEL = "local/bench"

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import httpx  # noqa: E402
 import mlx_lm  # noqa: E402
 
-from tests.exo_process import ExoProcess  # noqa: E402
+from tests.support.exo_process import ExoProcess  # noqa: E402
 from tests.support.fake_hub import FakeHub  # noqa: E402
 from tests.support.tiny_model import TINY_MODEL_ID, Dims, make_tiny_model  # noqa: E402
 

@@ -35,9 +35,9 @@ from exo.bus.connection import connect  # noqa: E402
 from exo.bus.event_log import EventLog  # noqa: E402
 from exo.bus.subjects import ALL_EVENTS  # noqa: E402
 from exo.core.state import encode_state  # noqa: E402
-from tests.cluster import NatsServer, start_node, state_of  # noqa: E402
+from tests.support.cluster import NatsServer, start_node, state_of  # noqa: E402
 from tests.support.simulated_nodes import SEQ_PROBE  # noqa: E402
-from tests.test_scale import FAKE_MODEL, SimulatorProcess, fake_model_dir  # noqa: E402
+from tests.support.simulator import FAKE_MODEL, SimulatorProcess, fake_model_dir  # noqa: E402
 
 TICK = os.sysconf("SC_CLK_TCK")
 

@@ -6,7 +6,7 @@ and a 2-node pipeline instance losing its second rank.
 By default a head (master and API, never killed) and three worker nodes on one nats-server
 (`--cluster shared`): the worker dies whole (exo and its runners), and no master takeover is
 mixed into the numbers. `--cluster discovered`: three discovered nodes, each with its own
-nats-server (tests/healing_support.py); the node dies with its nats-server, and a sample whose
+nats-server (tests/support/healing.py); the node dies with its nats-server, and a sample whose
 node held the master lease also waits for the takeover. The client reads from a node that
 survives. Each sample is split where State shows it (polled every 50 ms from a survivor):
 
@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import httpx  # noqa: E402
 
-from tests.healing_support import (  # noqa: E402
+from tests.support.healing import (  # noqa: E402
     SUSPECT_S,
     Cluster,
     SharedNatsCluster,

@@ -33,8 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import httpx  # noqa: E402
 
 from exo.bus.connection import connect  # noqa: E402
-from tests.cluster import replay, state_of_url  # noqa: E402
-from tests.compose_topology import LocalTopology  # noqa: E402
+from tests.support.cluster import replay, state_of_url  # noqa: E402
+from tests.support.compose_topology import LocalTopology  # noqa: E402
 from tests.support.fake_hub import FakeHub  # noqa: E402
 from tests.support.tiny_model import TINY_MODEL_ID, make_tiny_model  # noqa: E402
 
@@ -261,7 +261,7 @@ def unexplained_failures_check(load: Load, faults: list) -> tuple[bool, str]:
 
 
 def exact_text_check(load: Load, model_dir: Path) -> tuple[bool, str]:
-    from tests.e2e_support import Reference
+    from tests.support.e2e import Reference
 
     reference = Reference(model_dir)
     wrong = [n for n, text in sorted(load.texts.items())

@@ -33,7 +33,7 @@ from mlx_vlm.prompt_utils import apply_chat_template  # noqa: E402
 from bench.overhead import decode_rate, timed_chat_stream  # noqa: E402
 from exo.bus.connection import connect  # noqa: E402
 from exo.bus.subjects import IMAGES_STREAM  # noqa: E402
-from tests.exo_process import ExoProcess  # noqa: E402
+from tests.support.exo_process import ExoProcess  # noqa: E402
 from tests.support.fake_hub import FakeHub  # noqa: E402
 from tests.support.tiny_model import Dims  # noqa: E402
 from tests.support.vision_model import VISION_MODEL_ID, make_vision_model, png  # noqa: E402

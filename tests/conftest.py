@@ -16,7 +16,7 @@ import pytest_asyncio
 from exo.bus.connection import connect
 from exo.bus.provision import provision
 from exo.bus.server.embedded import EmbeddedNats
-from tests.e2e_support import start_exo
+from tests.support.e2e import start_exo
 
 # Every exo the tests start is standalone unless a test asks for discovery (tests/test_cluster_*.py):
 # nodes of unrelated tests on one machine must not find each other and form a cluster.

@@ -7,7 +7,7 @@ import anthropic
 import ollama
 import pytest
 
-from tests.e2e_support import Reference, one_model_node, place
+from tests.support.e2e import Reference, one_model_node, place
 from tests.support.tiny_model import TINY_MODEL_ID, make_tiny_model
 
 pytestmark = pytest.mark.slow

@@ -14,7 +14,7 @@ import pytest
 from exo.api.app import build_app
 from exo.api.auth import is_open_path
 from exo.api.context import ApiContext
-from tests.e2e_support import start_exo
+from tests.support.e2e import start_exo
 from tests.support.fake_hub import FakeHub
 
 pytestmark = pytest.mark.slow

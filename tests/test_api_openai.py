@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from mlx_lm.sample_utils import make_logits_processors
 
-from tests.e2e_support import Reference, place
+from tests.support.e2e import Reference, place
 from tests.support.fake_hub import FakeHub
 from tests.support.tiny_model import TINY_MODEL_ID, make_tiny_model
 from tests.support.tool_model import CALL_ARGUMENTS, CALL_NAME, TOOL_MODEL_ID, WEATHER_TOOL, make_tool_model
@@ -284,7 +284,7 @@ def test_images_for_a_model_with_no_instance_are_refused_before_anything_is_stor
     from exo.bus.connection import connect
     from exo.bus.images import image_digest
     from exo.bus.subjects import IMAGES_BUCKET
-    from tests.e2e_support import nats_url_of
+    from tests.support.e2e import nats_url_of
 
     card = {"model_id": "local/vision-idle", "path": str(models[TINY_MODEL_ID]), "supports_images": True}
     assert http.post("/models/add", json=card).status_code == 200

@@ -13,8 +13,8 @@ import httpx
 import openai
 import pytest
 
-from tests.cluster import wait_until
-from tests.e2e_support import Reference, exo_serving, place
+from tests.support.cluster import wait_until
+from tests.support.e2e import Reference, exo_serving, place
 from tests.support.tiny_model import TINY_MODEL_ID, make_tiny_model
 
 pytestmark = pytest.mark.slow
@@ -158,8 +158,8 @@ def test_a_reader_keeps_a_generation_that_another_resumed_reader_left(http, tiny
 def test_a_stream_resumed_on_another_api_node_keeps_its_generation(http, node, tiny, tmp_path):
     """The client drops on one API node and comes back on another: the first node's grace timer
     must not cancel what the second one is streaming (it asks on exo.readers.<id> first)."""
-    from tests.cluster import start_node
-    from tests.e2e_support import nats_url_of
+    from tests.support.cluster import start_node
+    from tests.support.e2e import nats_url_of
 
     other = start_node(tmp_path, "api-b", nats_url_of(node), "--no-master", "--no-worker")
     try:

@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.e2e_support import Reference, exo_serving, place
+from tests.support.e2e import Reference, exo_serving, place
 from tests.support.tiny_model import TINY_MODEL_ID, make_tiny_model
 
 pytestmark = pytest.mark.slow

@@ -15,7 +15,7 @@ import pytest
 
 from exo.bus.connection import redact
 from exo.tools import TOOLS
-from tests.exo_process import ExoProcess, exo_command
+from tests.support.exo_process import ExoProcess, exo_command
 
 pytestmark = pytest.mark.slow
 

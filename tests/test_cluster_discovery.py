@@ -24,12 +24,12 @@ from exo.bus.provision import stream_configs
 from exo.bus.server.cluster_node import load_membership
 from exo.bus.server.embedded import nats_server_binary
 from exo.core.state import encode_state
-from tests.cluster import state_of, wait_until
-from tests.e2e_support import Reference
-from tests.exo_process import ExoProcess, free_port_range
-from tests.healing_support import kill_9
+from tests.support.cluster import state_of, wait_until
+from tests.support.e2e import Reference
+from tests.support.exo_process import ExoProcess, free_port_range
 from tests.support.exo_tools import run_tool
 from tests.support.fake_hub import FakeHub
+from tests.support.healing import kill_9, stop_all
 from tests.support.sharded_model import make_sharded_model
 from tests.support.tiny_model import Dims, make_tiny_model
 from tests.test_dashboard import page  # noqa: F401 (the browser fixture)
@@ -101,18 +101,6 @@ def chat(node: ExoProcess) -> str:
     reply = httpx.post(f"{node.url}/v1/chat/completions", json=body, timeout=120)
     assert reply.status_code == 200, reply.text
     return reply.json()["choices"][0]["message"]["content"]
-
-
-def stop_all(nodes: list[ExoProcess]) -> None:
-    """Ctrl-C each node; whatever outlives that (a node stuck stopping, its servers) is killed."""
-    try:
-        for node in nodes:
-            if node.process is not None and node.process.poll() is None:
-                node.interrupt()
-    finally:
-        for node in nodes:
-            if node.process is not None:
-                kill_9(node)
 
 
 def layout_in_state(node: ExoProcess):

@@ -23,8 +23,8 @@ from exo.bus.server.embedded import EmbeddedNats
 from exo.bus.server.migration import BACKUP_DIR, migrate_standalone_store
 from exo.bus.subjects import EVENTS_STREAM
 from exo.core.events import TaskStarted
-from tests.cluster import state_of, wait_until
-from tests.exo_process import ExoProcess
+from tests.support.cluster import state_of, wait_until
+from tests.support.exo_process import ExoProcess
 from tests.support.tiny_model import make_tiny_model
 
 pytestmark = pytest.mark.slow

@@ -14,11 +14,12 @@ import httpx
 import pytest
 
 from exo.bus.provision import stream_configs
-from tests.cluster import state_of, wait_until
-from tests.e2e_support import Reference
-from tests.exo_process import ExoProcess, exo_command
+from tests.support.cluster import state_of, wait_until
+from tests.support.e2e import Reference
+from tests.support.exo_process import ExoProcess, exo_command
+from tests.support.healing import stop_all
 from tests.support.tiny_model import make_tiny_model
-from tests.test_cluster_discovery import MESSAGES, chat, cluster_of, start_together, stop_all
+from tests.test_cluster_discovery import MESSAGES, chat, cluster_of, start_together
 
 pytestmark = pytest.mark.slow
 

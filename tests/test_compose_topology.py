@@ -14,8 +14,8 @@ import httpx
 import pytest
 
 from exo.bus.connection import connect
-from tests.compose_topology import LocalTopology
 from tests.support.ack_recorder import AckRecorder
+from tests.support.compose_topology import LocalTopology
 from tests.support.fake_hub import FakeHub
 from tests.support.tiny_model import TINY_MODEL_ID, make_tiny_model
 

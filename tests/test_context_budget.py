@@ -8,7 +8,7 @@ import mlx_lm
 import pytest
 
 from exo.core.placement import human_bytes
-from tests.e2e_support import Reference, one_model_node, place
+from tests.support.e2e import Reference, one_model_node, place
 from tests.support.tiny_model import TINY_MODEL_ID, Dims, make_tiny_model
 
 pytestmark = pytest.mark.slow

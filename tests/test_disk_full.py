@@ -20,8 +20,8 @@ import pytest
 
 from exo.bus.connection import connect
 from exo.bus.subjects import event_subject
-from tests.cluster import wait_until
-from tests.exo_process import ExoProcess
+from tests.support.cluster import wait_until
+from tests.support.exo_process import ExoProcess
 from tests.support.mounts import mounted_tmpfs
 
 pytestmark = pytest.mark.slow  # an exo process

@@ -13,8 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.cluster import NatsServer, start_node, state_of, wait_until
-from tests.exo_process import ExoProcess
+from tests.support.cluster import NatsServer, start_node, state_of, wait_until
+from tests.support.exo_process import ExoProcess
 from tests.support.fake_hub import FakeHub
 from tests.support.sharded_model import make_sharded_model
 

@@ -10,8 +10,8 @@ import time
 import httpx
 import pytest
 
-from tests.exo_process import ExoProcess
 from tests.support.ack_recorder import AckRecorder
+from tests.support.exo_process import ExoProcess
 from tests.support.tiny_model import make_tiny_model
 from tests.test_compose_topology import stream_events
 

@@ -16,8 +16,8 @@ import pytest
 from exo.bus.connection import connect
 from exo.bus.token_stream import TokenListener
 from exo.core.types import TokenChunk
-from tests.e2e_support import Reference
-from tests.exo_process import ExoProcess
+from tests.support.e2e import Reference
+from tests.support.exo_process import ExoProcess
 from tests.support.fake_hub import FakeHub
 from tests.support.tiny_model import TINY_MODEL_ID, make_tiny_model
 

@@ -18,7 +18,7 @@ from exo.bus.provision import provision
 from exo.bus.subjects import EVENTS_STREAM
 from exo.core.events import NodeRegistered, TaskCreated, TaskStarted, encode_event
 from exo.core.types import NodeInfo, Task
-from tests.exo_process import exo_command
+from tests.support.exo_process import exo_command
 from tests.support.exo_tools import GARBAGE, in_thread, json_lines, run_tool
 
 pytestmark = pytest.mark.slow  # every test starts `exo events` processes

@@ -13,8 +13,8 @@ import httpx
 import pytest
 
 from exo.core.events import CustomCardAdded, LeaderElected
-from tests.cluster import NatsServer, replay, start_node, state_of, wait_until
-from tests.exo_process import ExoProcess
+from tests.support.cluster import NatsServer, replay, start_node, state_of, wait_until
+from tests.support.exo_process import ExoProcess
 from tests.support.tiny_model import make_tiny_model
 
 pytestmark = pytest.mark.slow

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from exo.memory import memory
-from tests.exo_process import exo_command, free_port
+from tests.support.exo_process import exo_command, free_port
 from tests.support.fake_hub import FakeHub
 from tests.support.tiny_model import make_tiny_model
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.cluster import wait_until
-from tests.e2e_support import exo_serving, place
+from tests.support.cluster import wait_until
+from tests.support.e2e import exo_serving, place
 from tests.support.tiny_model import TINY_MODEL_ID, make_tiny_model
 
 pytestmark = pytest.mark.slow

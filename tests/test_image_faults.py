@@ -21,8 +21,8 @@ import pytest
 from exo.bus.connection import connect
 from exo.bus.images import delete_image
 from exo.bus.subjects import IMAGES_BUCKET
-from tests.cluster import NatsServer, start_node, state_of, wait_until
-from tests.exo_process import ExoProcess
+from tests.support.cluster import NatsServer, start_node, state_of, wait_until
+from tests.support.exo_process import ExoProcess
 from tests.support.images import random_png
 from tests.support.tiny_model import make_tiny_model
 

@@ -23,8 +23,8 @@ from exo.bus.connection import connect
 from exo.bus.images import image_digest
 from exo.bus.subjects import IMAGES_BUCKET
 from exo.core.events import TaskCreated
-from tests.cluster import replay
-from tests.e2e_support import nats_url_of, one_model_node, place
+from tests.support.cluster import replay
+from tests.support.e2e import nats_url_of, one_model_node, place
 from tests.support.images import random_png
 from tests.support.tiny_model import TINY_MODEL_ID, make_tiny_model
 

@@ -22,7 +22,7 @@ from exo.bus.snapshots import write_snapshot
 from exo.core.commands import PlaceInstance
 from exo.core.events import TaskStarted
 from exo.core.state import State
-from tests.exo_process import free_port
+from tests.support.exo_process import free_port
 from tests.support.exo_tools import in_thread, run_tool
 
 pytestmark = pytest.mark.slow  # starts `exo inspect` processes

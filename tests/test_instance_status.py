@@ -16,7 +16,7 @@ from exo.api.admin import report_of
 from exo.bus.subjects import download_control_subject, model_share_subject
 from exo.core.state import State
 from exo.core.types import DownloadProgress, Instance, RunnerInfo, ShardAssignment
-from tests.cluster import wait_until
+from tests.support.cluster import wait_until
 from tests.support.fake_hub import FakeHub
 from tests.support.sharded_model import make_sharded_model
 

@@ -23,8 +23,8 @@ from exo.core.commands import AddCustomCard
 from exo.core.events import CustomCardAdded, LeaderElected
 from exo.core.types import ModelCard
 from exo.master.service import Master
-from tests.cluster import replay
 from tests.conftest import eventually
+from tests.support.cluster import replay
 
 HELD = "fence/held"
 

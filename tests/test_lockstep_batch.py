@@ -14,7 +14,7 @@ import pytest
 
 from exo.core.types import SamplingDefaults
 from exo.runner.engine import Engine
-from tests.exo_process import free_port_range
+from tests.support.exo_process import free_port_range
 from tests.support.lockstep_ranks import params_of
 from tests.support.tiny_model import Dims, make_tiny_model
 

@@ -15,7 +15,7 @@ import pytest
 
 from exo.core.placement import human_bytes
 from exo.memory import memory
-from tests.e2e_support import start_exo
+from tests.support.e2e import start_exo
 from tests.support.fake_hub import FakeHub
 from tests.support.tiny_model import make_tiny_model
 

@@ -16,9 +16,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.cluster import NatsServer, start_node, state_of, wait_until
-from tests.e2e_support import Reference
-from tests.exo_process import ExoProcess, free_port_range
+from tests.support.cluster import NatsServer, start_node, state_of, wait_until
+from tests.support.e2e import Reference
+from tests.support.exo_process import ExoProcess, free_port_range
 from tests.support.tiny_model import Dims, make_tiny_model
 from tests.test_runner_lifecycle import stream_and_kill
 

@@ -32,7 +32,7 @@ from exo.core.events import TaskStarted, decode_event, encode_event
 from exo.core.state import State, encode_state
 from exo.core.types import NodeInfo
 from exo.resources import streams_dir
-from tests.exo_process import ExoProcess, exo_command
+from tests.support.exo_process import ExoProcess, exo_command
 from tests.support.exo_tools import SCRIPT, append_script, in_thread
 
 pytestmark = pytest.mark.slow  # starts `nats` CLI processes

@@ -8,7 +8,7 @@ import os
 import subprocess
 from pathlib import Path
 
-from tests.exo_process import exo_command
+from tests.support.exo_process import exo_command
 
 
 def nats_context(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:

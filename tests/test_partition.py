@@ -12,9 +12,9 @@ import httpx
 import pytest
 
 from exo.core.state import encode_state
-from tests.cluster import NatsServer, replay, start_node, state_of, wait_until
-from tests.e2e_support import Reference
-from tests.exo_process import free_port_range
+from tests.support.cluster import NatsServer, replay, start_node, state_of, wait_until
+from tests.support.e2e import Reference
+from tests.support.exo_process import free_port_range
 from tests.support.tcp_proxy import TcpProxy
 from tests.support.tiny_model import Dims, make_tiny_model
 

@@ -24,7 +24,7 @@ from exo.runner.batch import Batcher
 from exo.runner.decoding import GenerationResult, Output
 from exo.runner.engine import Engine
 from exo.runner.prompt_cache import _MODEL_KEY, OutOfStep, PromptCache, tokens_held
-from tests.e2e_support import exo_serving, place
+from tests.support.e2e import exo_serving, place
 from tests.support.tiny_model import TINY_MODEL_ID, Dims, make_tiny_model
 
 pytestmark = pytest.mark.slow  # real inference
@@ -256,7 +256,7 @@ def node(tmp_path_factory, model_dir):
 
 @pytest.fixture(scope="module")
 def mlx_lm_server(tmp_path_factory, model_dir):
-    from bench.api_load import start_mlx_lm_server
+    from tests.support.mlx_lm_server import start_mlx_lm_server
 
     server, url = start_mlx_lm_server(model_dir, tmp_path_factory.mktemp("server") / "log")
     yield url

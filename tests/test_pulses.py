@@ -15,8 +15,8 @@ from exo.core.events import NodeHeartbeat, NodeTimedOut
 from exo.core.ids import NodeId
 from exo.core.types import NodeInfo, PromptCacheStats
 from exo.worker.heartbeat import Heartbeat, worth_an_event
-from tests.cluster import NatsServer, start_node, state_of, wait_until
 from tests.support.as_master import stamped, with_leader
+from tests.support.cluster import NatsServer, start_node, state_of, wait_until
 
 GB = 1_000_000_000
 TOLD = NodeInfo(node_id="n", hostname="h", memory_total=100 * GB, memory_available=50 * GB, cpu_count=8,

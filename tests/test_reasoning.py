@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from tests.e2e_support import Reference, one_model_node, place
+from tests.support.e2e import Reference, one_model_node, place
 from tests.support.thinking_model import THINK_END, THINKING_MODEL_ID, THOUGHT, make_thinking_model
 
 pytestmark = pytest.mark.slow

@@ -31,7 +31,7 @@ from exo.tools.export_format import decode_line, encode_line, format_time_ns, pa
 from exo.tools.replay import BatchReplayer
 from exo.tools.replay_fold import Checkpoint, Replayer
 from exo.tools.state_diff import Change, format_change, state_changes
-from tests.exo_process import ExoProcess, exo_command
+from tests.support.exo_process import ExoProcess, exo_command
 from tests.support.exo_tools import (
     GARBAGE,
     GARBAGE_SEQ,

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import httpx
 import pytest
 
-from tests.e2e_support import Reference, exo_serving, place
+from tests.support.e2e import Reference, exo_serving, place
 from tests.support.tiny_model import TINY_MODEL_ID, make_tiny_model
 from tests.test_hung_runner import runner_pids
 

@@ -22,9 +22,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e_support import Reference
-from tests.exo_process import ExoProcess
-from tests.healing_support import (
+from tests.support.e2e import Reference
+from tests.support.exo_process import ExoProcess
+from tests.support.healing import (
     MODEL,
     NODE_TIMEOUT_S,
     SUSPECT_S,

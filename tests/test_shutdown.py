@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from tests.exo_process import ExoProcess
+from tests.support.exo_process import ExoProcess
 
 pytestmark = pytest.mark.slow
 

@@ -19,7 +19,7 @@ from exo.bus.errors import BusError
 from exo.bus.server.cluster_secret import lan_address
 from exo.bus.server.embedded import EmbeddedNats
 from exo.defaults import DEFAULT_API_PORT, DEFAULT_NATS_PORT
-from tests.exo_process import ExoProcess, exo_command
+from tests.support.exo_process import ExoProcess, exo_command
 
 pytestmark = pytest.mark.slow
 

@@ -16,7 +16,7 @@ import mlx_lm
 import ollama
 import pytest
 
-from tests.e2e_support import Reference, one_model_node, place
+from tests.support.e2e import Reference, one_model_node, place
 from tests.support.llguidance_reference import Constrained, json_grammar
 from tests.support.tiny_model import TINY_MODEL_ID, make_tiny_model
 

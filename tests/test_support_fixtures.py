@@ -107,7 +107,7 @@ def test_fake_hub_download_then_cache_then_unknown_repo(tmp_path):
 
 
 def test_replay_stops_at_the_sequence_asked_for_while_the_log_goes_on(tmp_path):
-    """tests.cluster.replay compares a node's State with the log up to that State's sequence;
+    """tests.support.cluster.replay compares a node's State with the log up to that State's sequence;
     events appended meanwhile (heartbeats) must not slip in (the cause of the soak's one
     'State differs from the replay')."""
     from exo.bus.connection import connect
@@ -115,7 +115,7 @@ def test_replay_stops_at_the_sequence_asked_for_while_the_log_goes_on(tmp_path):
     from exo.bus.provision import provision
     from exo.core.events import NodeHeartbeat
     from exo.core.types import NodeInfo
-    from tests.cluster import NatsServer, replay
+    from tests.support.cluster import NatsServer, replay
 
     nats = NatsServer(tmp_path / "nats")
 

@@ -14,7 +14,7 @@ import httpx
 import jsonschema
 import pytest
 
-from tests.e2e_support import Reference, one_model_node, place
+from tests.support.e2e import Reference, one_model_node, place
 from tests.support.llguidance_reference import Constrained, tool_call_grammar
 from tests.support.tool_model import CALL_ARGUMENTS, CALL_NAME, TOOL_MODEL_ID, WEATHER_TOOL, make_tool_model
 

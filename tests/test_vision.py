@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from tests.e2e_support import one_model_node, place
+from tests.support.e2e import one_model_node, place
 from tests.support.vision_model import VISION_MODEL_ID, VisionReference, make_vision_model, png
 
 pytestmark = pytest.mark.slow

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from tests.e2e_support import start_exo
-from tests.exo_process import ExoProcess
+from tests.support.e2e import start_exo
+from tests.support.exo_process import ExoProcess
 from tests.support.fake_hub import FakeHub
 
 CHROMIUM = Path("/usr/bin/chromium")

@@ -29,7 +29,7 @@ from exo.core.events import (
 )
 from exo.core.state import State
 from exo.core.types import Instance, ModelCard, ShardAssignment, Task
-from tests.exo_process import exo_command
+from tests.support.exo_process import exo_command
 
 GARBAGE = b"this is not an event {"
 

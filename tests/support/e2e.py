@@ -14,7 +14,7 @@ import mlx_lm
 import pytest
 from mlx_lm.sample_utils import make_sampler
 
-from tests.exo_process import ExoProcess
+from tests.support.exo_process import ExoProcess
 from tests.support.fake_hub import FakeHub
 
 

@@ -15,7 +15,7 @@ from exo.bus.server.embedded import EmbeddedNats
 from exo.core.apply import apply, skip_event, was_skipped
 from exo.core.events import AnyEvent
 from exo.core.state import State, decode_state
-from tests.exo_process import ExoProcess
+from tests.support.exo_process import ExoProcess
 
 
 class NatsServer:

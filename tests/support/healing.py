@@ -21,7 +21,7 @@ import httpx
 
 from exo.bus.server.cluster_node import load_membership
 from exo.core.state import State, decode_state
-from tests.exo_process import ExoProcess, free_port_range
+from tests.support.exo_process import ExoProcess, free_port_range
 
 MODEL = "local/tiny4"
 SUSPECT_S = 3.0  # EXO_SUSPECT_S: pulses (every second) silent this long and a node's instances are lost
@@ -292,7 +292,7 @@ class SharedNatsCluster(Cluster):
     discovered cluster survives once before it must rejoin."""
 
     def __init__(self, root: Path, model_dir: Path, count: int = 3, env: dict[str, str] | None = None) -> None:
-        from tests.cluster import NatsServer
+        from tests.support.cluster import NatsServer
 
         self.model_dir = model_dir
         self.nats = NatsServer(root / "nats")

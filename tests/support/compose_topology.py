@@ -15,7 +15,7 @@ import httpx
 import yaml
 
 from exo.bus.server.embedded import nats_server_binary
-from tests.exo_process import free_port
+from tests.support.exo_process import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 
