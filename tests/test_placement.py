@@ -10,7 +10,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
 
-from exo.api import cluster
+from exo.api import instances
 from exo.api.context import CONTEXT_KEY, ApiContext
 from exo.api.errors import STATUS_FOR_REJECTION, ApiError
 from exo.core.placement import Unplaceable, place_instance, placement_previews, split_layers
@@ -284,7 +284,7 @@ def _previews_request(state: State, model_id: str) -> web.Request:
 
 async def test_previews_route_answers_every_placement_and_creates_nothing():
     state = cluster_of(node("n1", 6 * GB), node("n2", 4 * GB))
-    response = await cluster.instance_previews(_previews_request(state, "org/m"))
+    response = await instances.instance_previews(_previews_request(state, "org/m"))
     previews = json.loads(response.body)["previews"]
     assert [(p["sharding"], p["min_nodes"], p["node_count"], p["error"] is None) for p in previews] == [
         ("pipeline", 1, 1, False), ("pipeline", 2, 2, True), ("tensor", 1, 1, False), ("tensor", 2, 2, True)]
@@ -294,7 +294,7 @@ async def test_previews_route_answers_every_placement_and_creates_nothing():
         ("n1", 0, 5, "10.0.0.1:5000"), ("n2", 5, 8, "10.0.0.2:5000")]
     assert state.instances == {}
     with pytest.raises(ApiError) as unknown:
-        await cluster.instance_previews(_previews_request(state, "no/such"))
+        await instances.instance_previews(_previews_request(state, "no/such"))
     assert unknown.value.status == 404
 
 

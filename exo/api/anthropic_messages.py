@@ -14,9 +14,8 @@ from exo.api.context import context_of
 from exo.api.errors import ApiError
 from exo.api.generation import Generation, collect, generating
 from exo.api.images import NO_FETCHING, USER_ONLY, ImageUploads
-from exo.api.openai_tools import FUNCTION_NAME, offered_tools, required_call
 from exo.api.request_body import decode_body
-from exo.api.tool_conversation import Conversation, arguments_text, function_tool
+from exo.api.tool_conversation import FUNCTION_NAME, Conversation, arguments_text, function_tool, offered_tools, required_call
 from exo.api.validate import at_least_one, in_range
 from exo.api.wire.anthropic import ContentBlock, Message, MessagesRequest
 from exo.api.wire.openai_chat import NamedFunction, ToolChoice

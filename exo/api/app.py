@@ -5,13 +5,14 @@ from __future__ import annotations
 from aiohttp import web
 
 from exo.api import (
-    admin,
     anthropic_messages,
-    cluster,
+    cancel,
     dashboard,
     downloads,
     events_sse,
-    model_list,
+    instances,
+    models,
+    node_status,
     ollama,
     openai_chat,
     openai_chat_stream,
@@ -43,10 +44,10 @@ def _openai(router: web.UrlDispatcher) -> None:
     router.add_get("/v1/chat/completions/{id}/stream", openai_chat_stream.resume_chat_route)
     router.add_post("/v1/completions", openai_completions.completions)
     router.add_post("/v1/responses", openai_responses.responses)
-    router.add_get("/v1/models", model_list.list_models)
-    router.add_get("/v1/models/{model_id:.+}", cluster.get_model)
-    router.add_get("/models", model_list.list_models)
-    router.add_post("/v1/cancel/{command_id}", cluster.cancel)
+    router.add_get("/v1/models", models.list_models)
+    router.add_get("/v1/models/{model_id:.+}", models.get_model)
+    router.add_get("/models", models.list_models)
+    router.add_post("/v1/cancel/{command_id}", cancel.cancel)
 
 
 def _anthropic_and_ollama(router: web.UrlDispatcher) -> None:
@@ -60,18 +61,18 @@ def _anthropic_and_ollama(router: web.UrlDispatcher) -> None:
 
 
 def _cluster(router: web.UrlDispatcher) -> None:
-    router.add_post("/place_instance", admin.place_instance)
-    router.add_get("/instance/previews", cluster.instance_previews)
-    router.add_get("/instance/{instance_id}", admin.get_instance)
-    router.add_delete("/instance/{instance_id}", admin.delete_instance)
-    router.add_get("/desires", admin.list_desires)
-    router.add_delete("/desire/{desire_id}", admin.delete_desire)
-    router.add_post("/models/add", admin.add_model)
-    router.add_delete("/models/custom/{model_id:.+}", admin.delete_custom_model)
-    router.add_get("/state", admin.get_state)
+    router.add_post("/place_instance", instances.place_instance)
+    router.add_get("/instance/previews", instances.instance_previews)
+    router.add_get("/instance/{instance_id}", instances.get_instance)
+    router.add_delete("/instance/{instance_id}", instances.delete_instance)
+    router.add_get("/desires", instances.list_desires)
+    router.add_delete("/desire/{desire_id}", instances.delete_desire)
+    router.add_post("/models/add", models.add_model)
+    router.add_delete("/models/custom/{model_id:.+}", models.delete_custom_model)
+    router.add_get("/state", node_status.get_state)
     router.add_get("/events", events_sse.events)
-    router.add_get("/node_id", admin.get_node_id)
-    router.add_get("/health", admin.health)
+    router.add_get("/node_id", node_status.get_node_id)
+    router.add_get("/health", node_status.health)
     router.add_get("/metrics", prometheus.metrics)
     router.add_post("/download/start", downloads.start)
     router.add_post("/download/cancel", downloads.cancel)

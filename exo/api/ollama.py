@@ -17,12 +17,11 @@ from exo.api.context import context_of
 from exo.api.errors import ApiError
 from exo.api.generation import Generation, collect, generating
 from exo.api.images import USER_ONLY, ImageUploads
-from exo.api.model_list import NOWHERE, availability
-from exo.api.openai_tools import offered_tools
+from exo.api.models import NOWHERE, availability
 from exo.api.request_body import decode_body
 from exo.api.structured import ollama_format
 from exo.api.thinking import from_ollama
-from exo.api.tool_conversation import Conversation, arguments_object, arguments_text
+from exo.api.tool_conversation import Conversation, arguments_object, arguments_text, offered_tools
 from exo.api.validate import at_least_one, in_range, stop_list
 from exo.api.wire.ollama import ChatRequest, GenerateRequest, ModelRequest, OllamaMessage, Options
 from exo.core.ids import ModelId

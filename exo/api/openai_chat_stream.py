@@ -16,10 +16,9 @@ from aiohttp import web
 from exo.api.context import context_of
 from exo.api.errors import ApiError
 from exo.api.generation import Generation, collect, resume_generation
-from exo.api.openai_tools import logprobs_json, tool_calls_json
 from exo.api.sse import SseStream
 from exo.core.ids import CommandId
-from exo.core.types import TokenChunk
+from exo.core.types import TokenChunk, TokenLogprob, ToolCall
 
 ID_PREFIX = "chatcmpl-"
 
@@ -130,3 +129,20 @@ async def resume_chat_route(request: web.Request) -> web.StreamResponse:
             raise ApiError(400, "after must be a chunk index (an integer)", param="after") from None
     include_usage = request.query.get("include_usage", "false").lower() in ("1", "true")
     return await resume_chat(request, command_id, after, include_usage)
+
+
+def tool_calls_json(calls: list[ToolCall], first_index: int | None = None) -> list[dict[str, Any]]:
+    """OpenAI's tool_calls; streamed deltas also carry each call's index."""
+    out = []
+    for n, call in enumerate(calls):
+        entry = {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+        out.append(entry if first_index is None else {"index": first_index + n, **entry})
+    return out
+
+
+def logprobs_json(entries: list[TokenLogprob]) -> dict[str, Any]:
+    return {"content": [
+        {"token": e.token, "logprob": e.logprob, "bytes": list(e.token.encode()),
+         "top_logprobs": [{"token": t.token, "logprob": t.logprob, "bytes": list(t.token.encode())} for t in e.top_logprobs]}
+        for e in entries
+    ], "refusal": None}

@@ -11,9 +11,9 @@ from exo.api.context import context_of
 from exo.api.errors import ApiError
 from exo.api.generation import Generation, collect, generating
 from exo.api.openai_chat_stream import usage
-from exo.api.openai_tools import check_penalty
 from exo.api.request_body import decode_body
 from exo.api.sse import SseStream
+from exo.api.validate import check_penalty
 from exo.api.wire.openai_chat import CompletionRequest
 from exo.core.types import GenerationParams, TokenLogprob
 

@@ -14,11 +14,10 @@ from exo.api.errors import ApiError
 from exo.api.generation import collect, generating
 from exo.api.images import USER_ONLY, ImageUploads
 from exo.api.openai_responses_stream import Answer, response_body, stream_response
-from exo.api.openai_tools import offered_tools, required_call
 from exo.api.request_body import decode_body
 from exo.api.structured import responses_format
 from exo.api.thinking import from_effort
-from exo.api.tool_conversation import Conversation, function_tool
+from exo.api.tool_conversation import Conversation, function_tool, offered_tools, required_call
 from exo.api.validate import at_least_one, in_range
 from exo.api.wire.openai_chat import NamedFunction, ToolChoice
 from exo.api.wire.openai_responses import ContentPart, InputItem, NamedTool, ResponsesRequest

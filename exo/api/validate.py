@@ -70,3 +70,22 @@ def check_kv_bits(kv_bits: int) -> int:
 
 def stop_list(stop: str | list[str] | None) -> list[str]:
     return [stop] if isinstance(stop, str) else list(stop or [])
+
+
+MAX_TOP_LOGPROBS = 20
+
+
+def check_logprobs(logprobs: bool, top_logprobs: int | None) -> int:
+    if top_logprobs is None:
+        return 0
+    if not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
+        raise ApiError(400, f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}", param="top_logprobs")
+    if top_logprobs and not logprobs:
+        raise ApiError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
+    return top_logprobs
+
+
+def check_penalty(value: float | None, name: str) -> float | None:
+    if value is not None and not -2 <= value <= 2:
+        raise ApiError(400, f"{name} must be between -2 and 2", param=name)
+    return value

@@ -1,4 +1,5 @@
-"""Cluster routes (exo's names): instances, custom model cards, State, node id, health, model list."""
+"""Instances and their desires (exo's routes): place one (with previews beforehand and an
+Idempotency-Key for retries), report how far it is, delete it; list and end desires."""
 
 from __future__ import annotations
 
@@ -8,19 +9,19 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from exo.api.card_source import complete_card
 from exo.api.context import context_of
 from exo.api.errors import ApiError, error_body
 from exo.api.idempotency import command_id_for, earlier_placement
 from exo.api.outcomes import new_command_id
-from exo.api.request_body import decode_body, field_hint
+from exo.api.request_body import decode_body
 from exo.api.validate import check_kv_bits, check_max_context
 from exo.api.wire.cluster import DownloadReport, InstanceReport, PlaceInstanceRequest, RunnerReport
-from exo.core.commands import AddCustomCard, DeleteCustomCard, DeleteDesire, DeleteInstance, PlaceInstance
+from exo.core.commands import DeleteDesire, DeleteInstance, PlaceInstance
 from exo.core.events import InstanceCreated
 from exo.core.ids import InstanceId, ModelId, NodeId, RunnerId
-from exo.core.state import State, encode_state
-from exo.core.types import Instance, ModelCard, is_valid_model_id
+from exo.core.placement import human_bytes, node_label, placement_previews
+from exo.core.state import State
+from exo.core.types import Instance
 
 # `wait` on POST /place_instance: true waits this long; a number of seconds, at most the bound.
 PLACE_WAIT_DEFAULT_S = 600.0
@@ -196,58 +197,57 @@ async def list_desires(request: web.Request) -> web.Response:
         for d in sorted(state.desires.values(), key=lambda d: d.desire_id)]})
 
 
-async def add_model(request: web.Request) -> web.Response:
-    raw = await decode_body(request, dict)
-    model_id = raw.get("model_id")
-    if not isinstance(model_id, str) or not is_valid_model_id(model_id) or "/" not in model_id:
-        raise ApiError(400, "model_id must look like 'org/name' without path tricks: a Hub repository id such as "
-                            "'mlx-community/SmolLM2-135M-Instruct', or e.g. 'local/<name>' with \"path\" for a model "
-                            f"directory; got {model_id!r}", param="model_id")
+
+
+
+
+
+
+
+
+
+
+
+
+async def instance_previews(request: web.Request) -> web.Response:
+    """GET /instance/previews?model_id=X: each sharding on each node count 1..N, or why not; places nothing."""
+    ctx = context_of(request)
+    model_id = ModelId(request.query.get("model_id", ""))
+    card = ctx.card_or_404(model_id)
+    max_context = check_max_context(_query_int(request, "max_context"), card)
+    kv_bits = check_kv_bits(_query_int(request, "kv_bits"))
+    force = request.query.get("force", "").strip().lower() in ("1", "true", "yes")
+    state = ctx.view.state
+    previews = []
+    for preview in placement_previews(card, state, max_context, kv_bits, force):
+        # min_nodes: what to send to POST /place_instance to get this placement.
+        shown: dict[str, object] = {"model_id": model_id, "sharding": preview.sharding, "min_nodes": preview.node_count,
+                 "node_count": preview.node_count, "max_context": preview.instance.max_context if preview.instance else None}
+        if preview.rejection is not None or preview.instance is None:
+            assert preview.rejection is not None
+            previews.append(shown | {"instance": None, "error": preview.rejection.reason,
+                                     "code": preview.rejection.code})
+        else:
+            previews.append(shown | {"instance": msgspec.to_builtins(preview.instance), "error": None, "code": None,
+                                     "ranks": _ranks_shown(preview.instance, state)})
+    return web.json_response({"previews": previews})
+
+
+def _ranks_shown(instance: Instance, state: State) -> list[dict[str, object]]:
+    """Per rank, what a person checks before placing: where, which layers, memory for weights and KV cache."""
+    ranks: list[dict[str, object]] = []
+    for shard in instance.shards:
+        node = state.nodes.get(shard.node_id)
+        ranks.append({"rank": shard.rank, "node_id": shard.node_id, "node": node_label(node) if node else shard.node_id,
+                      "layers": [shard.start_layer, shard.end_layer], "weights_bytes": shard.memory_bytes,
+                      "kv_bytes": shard.kv_bytes, "max_context": instance.max_context,
+                      "memory": f"{human_bytes(shard.memory_bytes)} weights + {human_bytes(shard.kv_bytes)} KV cache",
+                      "free_bytes": node.memory_available if node else 0})
+    return ranks
+
+
+def _query_int(request: web.Request, name: str) -> int:
     try:
-        card = msgspec.convert(raw, ModelCard)
-    except msgspec.ValidationError as error:
-        raise ApiError(400, f"invalid model card: {error}{field_hint(str(error), ModelCard)}") from None
-    ctx = context_of(request)
-    if model_id in ctx.builtin_cards:
-        raise ApiError(409, f"{model_id!r} is a built-in model card", param="model_id")
-    same = next((known for known in ctx.all_cards() if known.lower() == model_id.lower() and known != model_id), None)
-    if same is not None:  # Hub ids ignore case: this would be the same model under a second name
-        raise ApiError(409, f"{model_id!r} is already known as {same!r}; use that id", param="model_id")
-    _refuse_bad_card(card)
-    card = await complete_card(card, ctx.model_dirs)
-    _refuse_bad_card(card)
-    await ctx.outcomes.call(AddCustomCard(command_id=new_command_id(), card=card))
-    return web.json_response({"message": "model card added", "card": msgspec.to_builtins(card)})
-
-
-def _refuse_bad_card(card: ModelCard) -> None:
-    problem = card.problem()
-    if problem:
-        named = problem.split(" ", 1)[0].split(".", 1)[0].rstrip(",;")
-        param = named if named in ModelCard.__struct_fields__ else "model_id"
-        raise ApiError(400, f"invalid model card: {problem}", param=param)
-
-
-async def delete_custom_model(request: web.Request) -> web.Response:
-    model_id = ModelId(request.match_info["model_id"])
-    if not is_valid_model_id(model_id):
-        raise ApiError(400, f"invalid model id {model_id!r}", param="model_id")
-    await context_of(request).outcomes.call(DeleteCustomCard(command_id=new_command_id(), model_id=model_id))
-    return web.json_response({"message": "model card deleted", "model_id": model_id})
-
-
-async def get_state(request: web.Request) -> web.Response:
-    return web.Response(body=encode_state(context_of(request).view.state), content_type="application/json")
-
-
-async def get_node_id(request: web.Request) -> web.Response:
-    return web.json_response(context_of(request).node_id)
-
-
-async def health(request: web.Request) -> web.Response:
-    """200 "ok"; 503 "degraded" with the reason while this node cannot store anything (a full disk)."""
-    ctx = context_of(request)
-    problem = ctx.storage_problem()
-    body = {"status": "degraded" if problem else "ok", "node_id": ctx.node_id, "last_seq": ctx.view.state.last_seq,
-            "nats_connected": ctx.nc.is_connected}
-    return web.json_response({**body, "problem": problem} if problem else body, status=503 if problem else 200)
+        return int(request.query.get(name, "0"))
+    except ValueError:
+        raise ApiError(400, f"{name} must be a whole number", param=name) from None

@@ -1,0 +1,118 @@
+"""Models: the list (GET /v1/models, GET /models), one card (GET /v1/models/{id}), and custom cards
+added or deleted (POST /models/add, DELETE /models/custom/{id}).
+
+The list has every card, built-in and custom, each with where it can be used now. Every card
+stays listed, since clients pick models from this list; the extra fields (`ready_on`,
+`downloaded_on`) tell which are on a node, and OpenAI clients ignore them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from exo.api.card_source import complete_card
+from exo.api.context import context_of
+from exo.api.errors import ApiError
+from exo.api.instances import report_of
+from exo.api.outcomes import new_command_id
+from exo.api.request_body import decode_body, field_hint
+from exo.core.commands import AddCustomCard, DeleteCustomCard
+from exo.core.ids import ModelId, NodeId
+from exo.core.state import State
+from exo.core.types import ModelCard, is_valid_model_id
+
+
+class Availability(msgspec.Struct, frozen=True, kw_only=True):
+    """Where a model is now: node ids, sorted."""
+
+    ready_on: list[NodeId] = []  # nodes with a rank of an instance whose every runner is ready
+    downloaded_on: list[NodeId] = []  # nodes whose download of the model completed
+
+    def fields(self) -> dict[str, Any]:
+        return {"ready_on": list(self.ready_on), "downloaded_on": list(self.downloaded_on)}
+
+
+NOWHERE = Availability()
+
+
+def availability(state: State) -> dict[ModelId, Availability]:
+    """Every model that is ready or downloaded somewhere; models absent from it are on no node."""
+    ready: dict[ModelId, set[NodeId]] = {}
+    for instance in state.instances.values():
+        if report_of(state, instance).status == "ready":
+            ready.setdefault(instance.model_id, set()).update(s.node_id for s in instance.shards)
+    downloaded: dict[ModelId, set[NodeId]] = {}
+    for node_id, records in state.downloads.items():
+        for model_id, record in records.items():
+            if record.status == "completed":
+                downloaded.setdefault(model_id, set()).add(node_id)
+    return {model_id: Availability(ready_on=sorted(ready.get(model_id, ())),
+                                   downloaded_on=sorted(downloaded.get(model_id, ())))
+            for model_id in ready.keys() | downloaded.keys()}
+
+
+def openai_entry(card: ModelCard, state: State, where: Availability) -> dict[str, Any]:
+    return {"id": card.model_id, "object": "model", "created": 0, "owned_by": "exo", "name": card.name or card.model_id,
+            "context_length": card.context_length, "max_context": state.max_context_of(card.model_id) or None,
+            **where.fields()}
+
+
+async def list_models(request: web.Request) -> web.Response:
+    ctx = context_of(request)
+    state = ctx.view.state
+    where = availability(state)
+    data = [openai_entry(card, state, where.get(card.model_id, NOWHERE))
+            for card in sorted(ctx.all_cards().values(), key=lambda c: c.model_id)]
+    return web.json_response({"object": "list", "data": data})
+
+
+async def get_model(request: web.Request) -> web.Response:
+    """GET /v1/models/{model_id}: OpenAI's model object, with the card beside it."""
+    ctx = context_of(request)
+    model_id = ModelId(request.match_info["model_id"])
+    card = ctx.require_card(model_id)
+    state = ctx.view.state
+    where = availability(state).get(card.model_id, NOWHERE)
+    return web.json_response({**openai_entry(card, state, where), "card": msgspec.to_builtins(card)})
+
+
+async def add_model(request: web.Request) -> web.Response:
+    raw = await decode_body(request, dict)
+    model_id = raw.get("model_id")
+    if not isinstance(model_id, str) or not is_valid_model_id(model_id) or "/" not in model_id:
+        raise ApiError(400, "model_id must look like 'org/name' without path tricks: a Hub repository id such as "
+                            "'mlx-community/SmolLM2-135M-Instruct', or e.g. 'local/<name>' with \"path\" for a model "
+                            f"directory; got {model_id!r}", param="model_id")
+    try:
+        card = msgspec.convert(raw, ModelCard)
+    except msgspec.ValidationError as error:
+        raise ApiError(400, f"invalid model card: {error}{field_hint(str(error), ModelCard)}") from None
+    ctx = context_of(request)
+    if model_id in ctx.builtin_cards:
+        raise ApiError(409, f"{model_id!r} is a built-in model card", param="model_id")
+    same = next((known for known in ctx.all_cards() if known.lower() == model_id.lower() and known != model_id), None)
+    if same is not None:  # Hub ids ignore case: this would be the same model under a second name
+        raise ApiError(409, f"{model_id!r} is already known as {same!r}; use that id", param="model_id")
+    _refuse_bad_card(card)
+    card = await complete_card(card, ctx.model_dirs)
+    _refuse_bad_card(card)
+    await ctx.outcomes.call(AddCustomCard(command_id=new_command_id(), card=card))
+    return web.json_response({"message": "model card added", "card": msgspec.to_builtins(card)})
+
+
+def _refuse_bad_card(card: ModelCard) -> None:
+    problem = card.problem()
+    if problem:
+        named = problem.split(" ", 1)[0].split(".", 1)[0].rstrip(",;")
+        param = named if named in ModelCard.__struct_fields__ else "model_id"
+        raise ApiError(400, f"invalid model card: {problem}", param=param)
+
+
+async def delete_custom_model(request: web.Request) -> web.Response:
+    model_id = ModelId(request.match_info["model_id"])
+    if not is_valid_model_id(model_id):
+        raise ApiError(400, f"invalid model id {model_id!r}", param="model_id")
+    await context_of(request).outcomes.call(DeleteCustomCard(command_id=new_command_id(), model_id=model_id))
+    return web.json_response({"message": "model card deleted", "model_id": model_id})

@@ -1,0 +1,25 @@
+"""This node's view: its State (GET /state), its id (GET /node_id), and whether it is up (GET /health)."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from exo.api.context import context_of
+from exo.core.state import encode_state
+
+
+async def get_state(request: web.Request) -> web.Response:
+    return web.Response(body=encode_state(context_of(request).view.state), content_type="application/json")
+
+
+async def get_node_id(request: web.Request) -> web.Response:
+    return web.json_response(context_of(request).node_id)
+
+
+async def health(request: web.Request) -> web.Response:
+    """200 "ok"; 503 "degraded" with the reason while this node cannot store anything (a full disk)."""
+    ctx = context_of(request)
+    problem = ctx.storage_problem()
+    body = {"status": "degraded" if problem else "ok", "node_id": ctx.node_id, "last_seq": ctx.view.state.last_seq,
+            "nats_connected": ctx.nc.is_connected}
+    return web.json_response({**body, "problem": problem} if problem else body, status=503 if problem else 200)
