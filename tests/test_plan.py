@@ -24,7 +24,7 @@ from exo.worker.plan import (
     LoadModel,
     LocalRunner,
     StopRunner,
-    WarmUp,
+    WarmUpRunner,
     WorkerView,
     busy,
     nodes_concerned,
@@ -54,7 +54,7 @@ def test_lifecycle_runs_create_download_load_warm_up_in_order():
     assert plan(view(state)) == [CreateRunner(runner_id="r1", instance_id="i1")]
     assert plan(view(state, "spawned")) == [DownloadModel(runner_id="r1", model_id="m/a")]
     assert plan(view(state, "downloaded")) == [LoadModel(runner_id="r1", model_id="m/a")]
-    assert plan(view(state, "loaded")) == [WarmUp(runner_id="r1")]
+    assert plan(view(state, "loaded")) == [WarmUpRunner(runner_id="r1")]
     for phase in ("spawning", "downloading", "loading", "warming_up", "ready"):
         assert plan(view(state, phase)) == []
 

@@ -1,7 +1,7 @@
 """One instance across several runners: an MLX ring group over TCP, and lockstep generation.
 
 Rank 0 is the only rank the worker gives requests to. It tells the other ranks what to run, one
-message at a time: a request for the single path (`Announcement`), after which every sampled
+message at a time: a request for the single path (`StepAnnouncement`), after which every sampled
 token is broadcast with its cancel flag, or a step of the batch (`BatchStep`: who joins, who
 leaves, then one BatchGenerator step whose sampled tokens are broadcast too). So all ranks take
 the same tokens, make the same stop decisions and end at the same step. Only rank 0 publishes text.
@@ -98,7 +98,7 @@ def broadcast_bytes(group: mx.distributed.Group, data: bytes | None) -> bytes:
         return data if is_root and data else bytes(memoryview(received.astype(mx.uint8)))  # type: ignore[arg-type]
 
 
-class Announcement(msgspec.Struct, frozen=True, kw_only=True, tag="generate"):
+class StepAnnouncement(msgspec.Struct, frozen=True, kw_only=True, tag="generate"):
     """Rank 0 runs this request on the single path: run it too."""
 
     task_id: TaskId
@@ -120,7 +120,7 @@ class BatchJoin(msgspec.Struct, frozen=True, kw_only=True):
     sampling: Sampling
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    cached: int = 0  # prompt tokens reused from rank 0's prompt cache (see Announcement)
+    cached: int = 0  # prompt tokens reused from rank 0's prompt cache (see StepAnnouncement)
 
 
 class BatchStep(msgspec.Struct, frozen=True, kw_only=True, tag="step"):
@@ -130,10 +130,10 @@ class BatchStep(msgspec.Struct, frozen=True, kw_only=True, tag="step"):
     new_batch: int = 0
     leaves: list[int] = []
     joins: list[BatchJoin] = []
-    cache_entries: int = 0  # rank 0's prompt-cache entries before the joins (see Announcement)
+    cache_entries: int = 0  # rank 0's prompt-cache entries before the joins (see StepAnnouncement)
 
 
-Message = Announcement | BatchStep
+Message = StepAnnouncement | BatchStep
 _message = msgspec.json.Decoder(Message)
 
 

@@ -18,7 +18,7 @@ from exo.core.types import GenerationParams, SamplingDefaults, TokenLogprob, Top
 from exo.memory import memory
 from exo.runner.constraint import GrammarConstraint
 from exo.runner.decoding import Decoding, GenerationResult, OnOutput, PromptTooLong, RequestRefused, TextStream
-from exo.runner.distributed import Announcement, Lockstep, join_ring, load_shard
+from exo.runner.distributed import Lockstep, StepAnnouncement, join_ring, load_shard
 from exo.runner.prompt_cache import FOLLOWER_BUDGET, PromptCache, Reuse, budget_bytes, entry_limit
 from exo.runner.protocol import RankSetup, Resume
 from exo.runner.splitter import starts_in_reasoning
@@ -85,7 +85,7 @@ class Engine:
         on_output: OnOutput,
         is_cancelled: Callable[[], bool],
         task_id: TaskId = TaskId(""),
-        told: Announcement | None = None,
+        told: StepAnnouncement | None = None,
         images: Sequence[str] = (),
         resume: Resume | None = None,
     ) -> GenerationResult:
@@ -108,7 +108,7 @@ class Engine:
         sampler = sampler_of(params, defaults, start=len(prior))
         processors = [*logits_processors_of(params), *self.constraint_for(params, tokens, prior)]
         if self.lockstep is not None:  # every rank takes rank 0's tokens and stops when rank 0 does
-            sampler, is_cancelled = self._in_lockstep(sampler, is_cancelled, Announcement(
+            sampler, is_cancelled = self._in_lockstep(sampler, is_cancelled, StepAnnouncement(
                 task_id=task_id, params=params, defaults=defaults, cached=reuse.cached,
                 cache_entries=self.prompt_cache.entries, resume_tokens=prior))
         generated: list[int] = []
@@ -142,7 +142,7 @@ class Engine:
         return decoding.replay(steps, prompt_tokens)
 
     def _in_lockstep(self, sampler: Callable, is_cancelled: Callable[[], bool],
-                     announcement: Announcement) -> tuple[Callable, Callable[[], bool]]:
+                     announcement: StepAnnouncement) -> tuple[Callable, Callable[[], bool]]:
         """Rank 0 tells the other ranks what to run; every rank samples rank 0's tokens."""
         assert self.lockstep is not None
         if self.lockstep.leads:
@@ -203,7 +203,7 @@ class Engine:
         """The model thread made progress (a token, a prefill chunk, a batch step)."""
         self.pulse = time.monotonic()
 
-    def _reuse(self, tokens: list[int], told: Announcement | None) -> Reuse:
+    def _reuse(self, tokens: list[int], told: StepAnnouncement | None) -> Reuse:
         if told is None:
             return self.prompt_cache.take(tokens)
         self.prompt_cache.trim(entries=told.cache_entries)  # drop what rank 0 dropped before it took this

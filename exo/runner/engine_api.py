@@ -17,7 +17,7 @@ from exo.core.ids import TaskId
 if TYPE_CHECKING:
     from exo.core.types import GenerationParams, SamplingDefaults, TokenLogprob
     from exo.runner.decoding import GenerationResult, OnOutput
-    from exo.runner.distributed import Announcement, Lockstep
+    from exo.runner.distributed import Lockstep, StepAnnouncement
     from exo.runner.prompt_cache import PromptCache
     from exo.runner.protocol import RankSetup, Resume
 
@@ -39,7 +39,7 @@ class ModelEngine(Protocol):
 
     # The single path: one request alone, start to end (on a follower rank, as rank 0 announced it).
     def generate(self, params: GenerationParams, defaults: SamplingDefaults, on_output: OnOutput,
-                 is_cancelled: Callable[[], bool], task_id: TaskId = TaskId(""), told: Announcement | None = None,
+                 is_cancelled: Callable[[], bool], task_id: TaskId = TaskId(""), told: StepAnnouncement | None = None,
                  images: Sequence[str] = (),  # files of the request's images, in the order its messages give them
                  resume: Resume | None = None,  # continue a generation another runner began (a migration)
                  ) -> GenerationResult: ...

@@ -13,7 +13,7 @@ import logging
 from mlx_lm.generate import BatchGenerator
 
 from exo.runner.batch import insert, keep_caches, new_generator
-from exo.runner.distributed import AgreedSamplers, Announcement, BatchStep, Lockstep
+from exo.runner.distributed import AgreedSamplers, BatchStep, Lockstep, StepAnnouncement
 from exo.runner.engine_api import ModelEngine
 
 log = logging.getLogger(__name__)
@@ -25,7 +25,7 @@ def follow(engine: ModelEngine) -> None:
     assert lockstep is not None and not lockstep.leads
     batch = BatchFollower(engine, lockstep)
     while (message := lockstep.next_message()) is not None:
-        if isinstance(message, Announcement):
+        if isinstance(message, StepAnnouncement):
             engine.generate(message.params, message.defaults, lambda _: None, lambda: False, message.task_id, message)
         elif isinstance(message, BatchStep):
             batch.step(message)

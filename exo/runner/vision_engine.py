@@ -26,7 +26,7 @@ from mlx_vlm.vision_cache import VisionFeatureCache
 from exo.core.ids import TaskId
 from exo.core.types import GenerationParams, SamplingDefaults
 from exo.runner.decoding import Decoding, GenerationResult, OnOutput, RequestRefused
-from exo.runner.distributed import Announcement
+from exo.runner.distributed import StepAnnouncement
 from exo.runner.engine import Engine, logits_processors_of, sampler_of, template_messages
 from exo.runner.protocol import RankSetup, Resume
 
@@ -89,7 +89,7 @@ class VisionEngine(Engine):
         on_output: OnOutput,
         is_cancelled: Callable[[], bool],
         task_id: TaskId = TaskId(""),
-        told: Announcement | None = None,
+        told: StepAnnouncement | None = None,
         images: Sequence[str] = (),
         resume: Resume | None = None,
     ) -> GenerationResult:

@@ -85,7 +85,7 @@ class LoadModel(Step, frozen=True, tag="load_model", kw_only=True):
     model_id: ModelId
 
 
-class WarmUp(Step, frozen=True, tag="warm_up", kw_only=True):
+class WarmUpRunner(Step, frozen=True, tag="warm_up", kw_only=True):
     runner_id: RunnerId
 
 
@@ -133,7 +133,7 @@ class EndTask(Step, frozen=True, tag="end_task", kw_only=True):
     reason: str
 
 
-_NEXT_LIFECYCLE_STEP = {"spawned": DownloadModel, "downloaded": LoadModel, "loaded": WarmUp}
+_NEXT_LIFECYCLE_STEP = {"spawned": DownloadModel, "downloaded": LoadModel, "loaded": WarmUpRunner}
 
 
 def plan(view: WorkerView) -> list[Step]:
@@ -173,8 +173,8 @@ def _lifecycle_steps(view: WorkerView, instance: Instance, local: LocalRunner) -
             return [RestartRunner(runner_id=local.runner_id, instance_id=instance.instance_id)]
         return []
     lifecycle = _NEXT_LIFECYCLE_STEP.get(local.phase)
-    if lifecycle is WarmUp:
-        return [WarmUp(runner_id=local.runner_id)]
+    if lifecycle is WarmUpRunner:
+        return [WarmUpRunner(runner_id=local.runner_id)]
     if lifecycle is LoadModel and peers and not _can_form_group(view, peers):
         return []
     if lifecycle is not None:

@@ -40,10 +40,50 @@ from exo.core.types import (
 from exo.models.cards import reconcile_custom_card, reconcile_custom_cards
 from exo.models.dirs import DownloadSettings
 from exo.models.transfer import DownloadCancelled, DownloadError
-from exo.runner import protocol as rp
-from exo.worker import plan as p
+from exo.runner.protocol import (
+    AnyReport,
+    Cancel,
+    Done,
+    Failed,
+    Generate,
+    Load,
+    Loaded,
+    RankSetup,
+    Request,
+    Resume,
+    SamplingDefaults,
+    Started,
+    WarmedUp,
+    WarmUp,
+)
 from exo.worker.downloads import DownloadCoordinator
 from exo.worker.image_cache import ImageCache, limit_from_env
+from exo.worker.plan import (
+    AbandonRunner,
+    CancelForwardedTask,
+    CreateRunner,
+    DownloadModel,
+    EndTask,
+    FetchImages,
+    ForwardTask,
+    KillHungRunner,
+    LoadModel,
+    LocalPhase,
+    LocalRunner,
+    RestartRunner,
+    Step,
+    StopRunner,
+    WarmUpRunner,
+    WorkerView,
+    busy,
+    images_needed,
+    images_of,
+    images_to_fetch,
+    nodes_concerned,
+    plan,
+    restart_due,
+    tasks_needing,
+)
 from exo.worker.runner_host import RunnerFactory, RunnerHost, RunnerLink
 from exo.worker.task_runs import TaskRuns, run_of
 
@@ -69,7 +109,7 @@ class Worker:
         self._log = EventLog(nc)
         self._data_dir = data_dir
         self._builtin_cards = builtin_cards
-        self._runners: dict[RunnerId, p.LocalRunner] = {}
+        self._runners: dict[RunnerId, LocalRunner] = {}
         self._prompt_cache_stats: dict[InstanceId, PromptCacheStats] = {}  # by instance id, from runners' Done reports
         self._hosts: dict[RunnerId, RunnerLink] = {}
         self._new_runner = runner_factory or (lambda runner_id: RunnerHost(runner_id, nats_urls, data_dir / "logs"))
@@ -98,7 +138,7 @@ class Worker:
         # tasks need); only then does it plan anything.
         reconcile_custom_cards(self.custom_cards_dir, self._view.state.custom_model_cards)
         await self.downloads.start()
-        await self._fetch_images(p.images_to_fetch(self._worker_view()))
+        await self._fetch_images(images_to_fetch(self._worker_view()))
         self._trim_images()
         log.info("worker: disk reconciled with State at sequence %d; planning starts", self._view.state.last_seq)
         self._in_background(self._watch_busy_runners())
@@ -108,7 +148,7 @@ class Worker:
             self._wake.clear()
             self._forget_settled()
             self._trim_images()
-            for step in p.plan(self._worker_view()):
+            for step in plan(self._worker_view()):
                 try:
                     await self._execute(step)
                 except Exception:  # one failed step must not stop the worker; the next plan retries
@@ -120,7 +160,7 @@ class Worker:
         while True:
             await asyncio.sleep(1.0)
             view = self._worker_view()
-            if any(p.busy(view, runner) for runner in view.runners.values()):
+            if any(busy(view, runner) for runner in view.runners.values()):
                 self._wake.set()
 
     async def stop(self) -> None:
@@ -138,8 +178,8 @@ class Worker:
             self._runners = {runner_id: replace(r, forwarded=r.forwarded - done, cancels_sent=r.cancels_sent - done)
                              for runner_id, r in self._runners.items()}
 
-    def _worker_view(self) -> p.WorkerView:
-        return p.WorkerView(
+    def _worker_view(self) -> WorkerView:
+        return WorkerView(
             node_id=self.node_id, state=self._view.state, runners=dict(self._runners), ended_tasks=self._runs.current_ends(self._view.state),
             local_images=self._images.digests(), images_in_flight=frozenset(self._images_in_flight),
             now=time.monotonic(), stall_after=RUNNER_STALL_S, migrate_grace=MIGRATE_GRACE_S,
@@ -153,11 +193,11 @@ class Worker:
         if isinstance(event, (CustomCardAdded, CustomCardDeleted)):
             model_id = event.card.model_id if isinstance(event, CustomCardAdded) else event.model_id
             reconcile_custom_card(self.custom_cards_dir, model_id, state.custom_model_cards.get(model_id))
-        concerned = p.nodes_concerned(state, event)
+        concerned = nodes_concerned(state, event)
         if concerned is None or self.node_id in concerned:
             self._wake.set()
 
-    def _set_phase(self, runner_id: RunnerId, phase: p.LocalPhase, **changes) -> bool:
+    def _set_phase(self, runner_id: RunnerId, phase: LocalPhase, **changes) -> bool:
         """False when the runner failed meanwhile: a step planned before it died (a download that
         finished, a load) must not hide the failure, or nothing would ever restart it."""
         runner = self._runners.get(runner_id)
@@ -184,42 +224,42 @@ class Worker:
     def _in_background(self, coroutine) -> None:
         self._background.start(coroutine)
 
-    async def _execute(self, step: p.Step) -> None:
+    async def _execute(self, step: Step) -> None:
         log.debug("step %s", step)
         match step:
-            case p.CreateRunner():
+            case CreateRunner():
                 await self._create_runner(step)
-            case p.DownloadModel():
+            case DownloadModel():
                 if self._set_phase(step.runner_id, "downloading"):
                     self._in_background(self._download(step))
-            case p.LoadModel():
+            case LoadModel():
                 instance = self._instance_of(step.runner_id)
-                load = rp.Load(model_path=str(self._model_paths[step.runner_id]), shard=self._rank_setup(step.runner_id),
+                load = Load(model_path=str(self._model_paths[step.runner_id]), shard=self._rank_setup(step.runner_id),
                                max_context=instance.max_context if instance else 0,
                                kv_bits=instance.kv_bits if instance else 0)
                 await self._send_lifecycle(step.runner_id, "loading", load)
-            case p.WarmUp():
-                await self._send_lifecycle(step.runner_id, "warming_up", rp.WarmUp())
-            case p.ForwardTask():
+            case WarmUpRunner():
+                await self._send_lifecycle(step.runner_id, "warming_up", WarmUp())
+            case ForwardTask():
                 await self._forward(step)
-            case p.CancelForwardedTask():
+            case CancelForwardedTask():
                 runner = self._runners[step.runner_id]
                 self._runners[step.runner_id] = replace(runner, cancels_sent=runner.cancels_sent | {step.task_id})
-                await self._hosts[step.runner_id].send(rp.Cancel(task_id=step.task_id))
-            case p.FetchImages():
+                await self._hosts[step.runner_id].send(Cancel(task_id=step.task_id))
+            case FetchImages():
                 self._images_in_flight.update(step.digests)
                 self._in_background(self._fetch_images(step.digests))
-            case p.EndTask():
+            case EndTask():
                 await self._end_task(step.task_id, step.status, step.reason)
-            case p.RestartRunner():
+            case RestartRunner():
                 await self._restart_runner(step)
-            case p.AbandonRunner():
+            case AbandonRunner():
                 await self._abandon_runner(step)
-            case p.KillHungRunner():
+            case KillHungRunner():
                 log.error("worker: runner %s is hung (%s): killing it", step.runner_id, step.reason)
                 self._hosts[step.runner_id].kill()
                 await self._fail_runner(step.runner_id, f"the runner was hung: {step.reason}")
-            case p.StopRunner():
+            case StopRunner():
                 # Only a ready runner reads a Shutdown soon; one loading (its ring join may wait for a
                 # peer that is gone) is killed at once: its port must be free for a replacement's group.
                 graceful = self._runners[step.runner_id].phase == "ready"
@@ -247,7 +287,7 @@ class Worker:
         self._wake.set()
 
     def _fail_tasks_needing(self, digest: str, reason: str) -> None:
-        for task_id in p.tasks_needing(self._worker_view(), digest):
+        for task_id in tasks_needing(self._worker_view(), digest):
             self._runs.ended(self._view.state, task_id)  # now, not when _end_task runs: the next plan must not fetch it again
             self._in_background(self._end_task(task_id, "failed", reason))
 
@@ -255,11 +295,11 @@ class Worker:
         """Keep the image folder within EXO_IMAGE_CACHE_BYTES; what the open tasks need stays.
         It runs on every wake: what the tasks need is listed only when something must go."""
         over = self._images.total_bytes > self._images.limit_bytes
-        self._images.trim(p.images_needed(self._worker_view()) if over else ())
+        self._images.trim(images_needed(self._worker_view()) if over else ())
 
-    async def _create_runner(self, step: p.CreateRunner | p.RestartRunner, failures: int = 0,
+    async def _create_runner(self, step: CreateRunner | RestartRunner, failures: int = 0,
                              failed_at: float = 0.0) -> None:
-        self._runners[step.runner_id] = p.LocalRunner(
+        self._runners[step.runner_id] = LocalRunner(
             runner_id=step.runner_id, instance_id=step.instance_id, failures=failures, failed_at=failed_at)
         host = self._new_runner(step.runner_id)
         self._hosts[step.runner_id] = host
@@ -269,7 +309,7 @@ class Worker:
         )
         self._set_phase(step.runner_id, "spawned")
 
-    async def _download(self, step: p.DownloadModel) -> None:
+    async def _download(self, step: DownloadModel) -> None:
         """The coordinator fetches only the files this runner's layers need (see exo/models/files)."""
         await self._publish_status(step.runner_id, "downloading")
         card = find_card(self._view.state, self._builtin_cards, step.model_id)
@@ -294,49 +334,49 @@ class Worker:
         shards = [s for s in instance.shards if s.runner_id == runner_id] if instance else []
         return shards[0] if shards else ShardAssignment(runner_id=runner_id, node_id=self.node_id)  # all layers
 
-    async def _send_lifecycle(self, runner_id: RunnerId, phase: p.LocalPhase, request: rp.Request) -> None:
+    async def _send_lifecycle(self, runner_id: RunnerId, phase: LocalPhase, request: Request) -> None:
         runner = self._runners.get(runner_id)
         if runner is None or runner.phase == "stopping" or not self._set_phase(runner_id, phase):
             return  # it failed or is being stopped since this step was planned: the next plan decides
         await self._publish_status(runner_id, phase)  # type: ignore[arg-type]
         await self._hosts[runner_id].send(request)
 
-    async def _forward(self, step: p.ForwardTask) -> None:
+    async def _forward(self, step: ForwardTask) -> None:
         runner = self._runners[step.runner_id]
         self._runners[step.runner_id] = replace(runner, forwarded=runner.forwarded | {step.task_id})
         task = self._view.state.tasks[step.task_id]
         card = find_card(self._view.state, self._builtin_cards, task.model_id)
-        defaults = card.sampling_for(task.params.enable_thinking) if card else rp.SamplingDefaults()
-        images = {d: str(self._images.path(d)) for d in p.images_of(task)}
+        defaults = card.sampling_for(task.params.enable_thinking) if card else SamplingDefaults()
+        images = {d: str(self._images.path(d)) for d in images_of(task)}
         self._images.touch(images)
         resume = await self._resume_of(task)
         self._runs.forwarded(step.runner_id, task.task_id, len(task.migrations))
         log.info("worker: task %s forwarded to runner %s%s", task.task_id, step.runner_id,
                  f" (run {resume.attempt}, after {len(resume.token_ids)} streamed tokens)" if resume else "")
         await self._hosts[step.runner_id].send(
-            rp.Generate(task_id=task.task_id, params=task.params, defaults=defaults, image_paths=images, resume=resume)
+            Generate(task_id=task.task_id, params=task.params, defaults=defaults, image_paths=images, resume=resume)
         )
 
-    async def _resume_of(self, task: Task) -> rp.Resume | None:
+    async def _resume_of(self, task: Task) -> Resume | None:
         """A migrated task continues after the tokens its earlier runs streamed (EXO_TOKENS)."""
         if not task.migrations:
             return None
         token_ids, next_index = await resume_point(self._nc, task.task_id, len(task.migrations))
-        return rp.Resume(token_ids=token_ids, next_index=next_index, attempt=len(task.migrations))
+        return Resume(token_ids=token_ids, next_index=next_index, attempt=len(task.migrations))
 
-    async def _on_report(self, runner_id: RunnerId, report: rp.AnyReport) -> None:
+    async def _on_report(self, runner_id: RunnerId, report: AnyReport) -> None:
         if runner_id in self._runners:
             self._runners[runner_id] = replace(self._runners[runner_id], heard_at=time.monotonic())
         match report:
-            case rp.Loaded():
+            case Loaded():
                 self._set_phase(runner_id, "loaded")
-            case rp.WarmedUp():
+            case WarmedUp():
                 self._set_phase(runner_id, "ready", failures=0)
                 await self._publish_status(runner_id, "ready")
-            case rp.Started():
+            case Started():
                 await self._publish(TaskStarted(task_id=report.task_id,
                                                 attempt=self._runs.run_given(runner_id, report.task_id)))
-            case rp.Done():
+            case Done():
                 run = self._runs.finished(runner_id, report.task_id)
                 self._note_prompt_cache(runner_id, report.prompt_cache)
                 statuses: dict[str, TaskStatus] = {"error": "failed", "cancelled": "cancelled"}
@@ -346,7 +386,7 @@ class Worker:
                     prompt_tokens=report.prompt_tokens, completion_tokens=report.completion_tokens,
                     cached_tokens=report.cached_tokens, attempt=run,
                 ))
-            case rp.Failed():
+            case Failed():
                 await self._fail_runner(runner_id, report.error)
 
     def _note_prompt_cache(self, runner_id: RunnerId, stats: PromptCacheStats | None) -> None:
@@ -369,13 +409,13 @@ class Worker:
         self._set_phase(runner_id, "failed", error=error, failures=runner.failures + 1, failed_at=time.monotonic(),
                         restartable=restartable)
         await self._publish_status(runner_id, "failed", error)
-        self._wake_after(p.restart_due(self._runners[runner_id]) - time.monotonic())
+        self._wake_after(restart_due(self._runners[runner_id]) - time.monotonic())
         self._wake_after(MIGRATE_GRACE_S)  # its tasks, if held for the master to move (plan.py), end then
 
     def _wake_after(self, delay: float) -> None:
         asyncio.get_running_loop().call_later(max(delay, 0.0) + 0.01, self._wake.set)
 
-    async def _abandon_runner(self, step: p.AbandonRunner) -> None:
+    async def _abandon_runner(self, step: AbandonRunner) -> None:
         """A peer rank failed: stop ours too (not our failure) and rejoin when the peer is back."""
         log.warning("worker: runner %s stops: %s", step.runner_id, step.reason)
         host = self._hosts.get(step.runner_id)
@@ -383,10 +423,10 @@ class Worker:
             host.kill()
         self._set_phase(step.runner_id, "failed", error=step.reason, failed_at=time.monotonic())
         await self._publish_status(step.runner_id, "stopped", step.reason)
-        self._wake_after(p.restart_due(self._runners[step.runner_id]) - time.monotonic())
+        self._wake_after(restart_due(self._runners[step.runner_id]) - time.monotonic())
         self._wake_after(MIGRATE_GRACE_S)
 
-    async def _restart_runner(self, step: p.RestartRunner) -> None:
+    async def _restart_runner(self, step: RestartRunner) -> None:
         failures, failed_at = self._runners[step.runner_id].failures, self._runners[step.runner_id].failed_at
         log.warning("worker: restarting runner %s (failures so far: %d)", step.runner_id, failures)
         host = self._hosts.pop(step.runner_id, None)
@@ -399,14 +439,14 @@ class Worker:
         runner = self._view.state.runners.get(runner_id)
         return self._view.state.instances.get(runner.instance_id) if runner else None
 
-    def _rank_setup(self, runner_id: RunnerId) -> rp.RankSetup | None:
+    def _rank_setup(self, runner_id: RunnerId) -> RankSetup | None:
         """Where this runner sits in its instance's ring group; None for a one-node instance."""
         instance = self._instance_of(runner_id)
         if instance is None or len(instance.shards) < 2:
             return None
         shards = sorted(instance.shards, key=lambda s: s.rank)
         mine = next(s for s in shards if s.runner_id == runner_id)
-        return rp.RankSetup(rank=mine.rank, ring_hosts=[s.ring_address for s in shards], sharding=instance.sharding,
+        return RankSetup(rank=mine.rank, ring_hosts=[s.ring_address for s in shards], sharding=instance.sharding,
                             start_layer=mine.start_layer, end_layer=mine.end_layer)
 
     async def _end_task(self, task_id: TaskId, status: TaskStatus, reason: str) -> None:
@@ -423,7 +463,7 @@ class Worker:
         runner = self._runners.get(runner_id)
         if host is not None and runner is not None and graceful:
             for task_id in runner.forwarded - self._runs.ended_ids():  # stop a generation in progress first
-                await host.send(rp.Cancel(task_id=task_id))
+                await host.send(Cancel(task_id=task_id))
         if host is not None:
             await host.stop(timeout=5.0 if graceful else 0.0)
         self._runners.pop(runner_id, None)

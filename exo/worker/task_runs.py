@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from exo.core.ids import RunnerId, TaskId
 from exo.core.state import State
-from exo.worker import plan as p
+from exo.worker.plan import settled
 
 
 def run_of(state: State, task_id: TaskId) -> int:
@@ -45,6 +45,6 @@ class TaskRuns:
 
     def forget_settled(self, state: State) -> set[TaskId]:
         """Drop the ends State has too (it no longer needs this node's memory of them); returns them."""
-        done = p.settled(state, set(self._ended))
+        done = settled(state, set(self._ended))
         self._ended = {t: run for t, run in self._ended.items() if t not in done}
         return done
