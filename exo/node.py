@@ -33,13 +33,13 @@ from exo.bus.state_view import StateView
 from exo.core.events import ClusterLayoutChanged, Event, NodeRegistered
 from exo.core.types import ClusterLayout
 from exo.defaults import DEFAULT_API_PORT, DEFAULT_NATS_PORT
+from exo.identity import IdentityError, load_node_id, lock_data_dir
 from exo.master.service import Master
 from exo.models.cards import load_builtin_cards
 from exo.models.dirs import DownloadSettings
 from exo.models.hub import set_offline
 from exo.resources import builtin_cards_dir
 from exo.worker.heartbeat import Heartbeat
-from exo.worker.identity import IdentityError, load_node_id, lock_data_dir
 from exo.worker.node_info import NodeIdentity, describe_this_node
 from exo.worker.service import Worker
 

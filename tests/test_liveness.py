@@ -21,9 +21,9 @@ from exo.core.events import (
 )
 from exo.core.state import State
 from exo.core.types import Instance, NodeInfo, ShardAssignment, Task
+from exo.identity import IdentityError, load_node_id, lock_data_dir
 from exo.master.decide import decide
 from exo.master.supervise import failing_instances, silent_nodes, supervise, time_out_node
-from exo.worker.identity import IdentityError, load_node_id, lock_data_dir
 from exo.worker.plan import (
     AbandonRunner,
     DownloadModel,
