@@ -52,7 +52,8 @@ class NodeHeartbeat(Event, frozen=True, tag="node.heartbeat", kw_only=True):
 
 class ClusterLayoutChanged(Event, frozen=True, tag="cluster.layout", kw_only=True):
     """A discovered cluster's servers, meta leader or stream placement changed; written by the
-    node whose server leads the meta group (exo/bus/server/cluster_node.py), only on change."""
+    node whose server leads the meta group (exo/node.py's layout recorder, called from
+    exo/bus/server/cluster_node.py), only on change."""
 
     layout: ClusterLayout
 
