@@ -35,7 +35,7 @@ class State(msgspec.Struct, frozen=True, kw_only=True):
     downloads: dict[NodeId, dict[ModelId, DownloadProgress]] = {}  # node id -> model id -> latest progress
     # model id -> why its most recently deleted instance went away: a 503 says it to callers.
     instance_end_reasons: dict[ModelId, str] = {}
-    cluster: ClusterLayout = ClusterLayout()  # a discovered cluster's servers and replicas (issue #21)
+    cluster: ClusterLayout = ClusterLayout()  # a discovered cluster's servers and replicas
     desires: dict[str, Desire] = {}  # desire id -> the placement the master keeps running (exo/master/heal.py)
     migrations_total: int = 0  # tasks moved off a dead instance, ever (/metrics)
 

@@ -342,7 +342,7 @@ class TokenLogprob(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class ClusterServer(msgspec.Struct, frozen=True, kw_only=True):
-    """One nats-server of a discovered cluster (issue #21), as the meta leader sees it."""
+    """One nats-server of a discovered cluster, as the meta leader sees it."""
 
     name: str
     online: bool = True

@@ -6,7 +6,7 @@ starting: that one seeds, and this one joins it once it is ready. Joins happen o
 smallest node id first: a node goes only when no peer is "joining" (seeding or joining now) and
 no smaller one is still "starting", and it announces "ready" only once it is a member of the
 JetStream meta group (four nodes joining at once once outvoted the seed, and its streams
-vanished: issue #21).
+vanished).
 """
 
 from __future__ import annotations

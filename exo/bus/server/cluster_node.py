@@ -1,4 +1,4 @@
-"""One node of a discovered cluster (issue #21): find the peers on the LAN, seed or join their
+"""One node of a discovered cluster: find the peers on the LAN, seed or join their
 JetStream cluster, and keep it healthy while the node runs.
 
 Start: announce "starting" over mDNS, listen `browse_s` (2 s), then follow

@@ -1,5 +1,5 @@
 """The JetStream cluster under a discovered exo cluster: who is in the meta group, how many
-replicas exo's streams have, and the two changes exo makes to it by itself (issue #21):
+replicas exo's streams have, and the two changes exo makes to it by itself:
 scaling every stream to three replicas once three real nodes are members, and retiring the
 seed's witness once it is no longer needed for a quorum.
 

@@ -1,4 +1,4 @@
-"""Bringing a standalone node's data into the cluster layout (issue #21), once, at its first
+"""Bringing a standalone node's data into the cluster layout, once, at its first
 start with discovery.
 
 A standalone JetStream store cannot be reused in cluster mode: the server restores the streams
