@@ -36,8 +36,10 @@ import httpx  # noqa: E402
 from bench.api_load import start_exo, start_mlx_lm_server  # noqa: E402
 from tests.support.tiny_model import TINY_MODEL_ID, Dims, make_tiny_model  # noqa: E402
 
-WORDS = ("the quick brown fox jumps over the lazy dog while the old fisherman mends his nets by the sea and "
-         "tells stories of rivers mountains cities and friends ").split()
+WORDS = [
+    "the", "quick", "brown", "fox", "jumps", "over", "the", "lazy", "dog", "while", "the", "old", "fisherman", "mends",
+    "his", "nets", "by", "the", "sea", "and", "tells", "stories", "of", "rivers", "mountains", "cities", "and", "friends",
+]
 QUESTIONS = ["Tell me about the sea.", "And the river?", "What about the hills?", "Tell me a joke.",
              "Summarize this text.", "What is the capital of France?", "Write a story about a robot.", "Thank you."]
 

@@ -103,7 +103,7 @@ async def one_request(http: aiohttp.ClientSession, url: str, n: int, delay_s: fl
             async for line in response.content:
                 if first is None and line.startswith(b"data: {") and _has_content(line):
                     first = time.perf_counter()
-    except (aiohttp.ClientError, asyncio.TimeoutError):
+    except (TimeoutError, aiohttp.ClientError):
         return None
     return None if first is None else first - sent - delay_s
 

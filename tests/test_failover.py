@@ -52,7 +52,7 @@ class CardSender:
             self.results.append((model_id, response.status_code, time.monotonic() - started))
             n += 1
 
-    def __enter__(self) -> "CardSender":
+    def __enter__(self) -> CardSender:
         self._thread.start()
         return self
 

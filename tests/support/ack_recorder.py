@@ -47,7 +47,7 @@ class AckRecorder:
         finally:
             await nc.close()
 
-    def __enter__(self) -> "AckRecorder":
+    def __enter__(self) -> AckRecorder:
         self._thread.start()
         return self
 

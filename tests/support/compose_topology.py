@@ -25,7 +25,7 @@ class Service:
         self.name, self.args, self.env, self.log_path = name, args, env, log
         self.process: subprocess.Popen | None = None
 
-    def start(self) -> "Service":
+    def start(self) -> Service:
         self.log = open(self.log_path, "ab")
         self.process = subprocess.Popen(self.args, stdout=self.log, stderr=subprocess.STDOUT, env=self.env)
         return self

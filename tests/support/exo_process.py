@@ -67,7 +67,7 @@ class ExoProcess:
         self.log_path = data_dir.parent / f"{data_dir.name}-exo.log"
         self.process: subprocess.Popen | None = None
 
-    def start(self, timeout: float = 90.0) -> "ExoProcess":
+    def start(self, timeout: float = 90.0) -> ExoProcess:
         self.log = open(self.log_path, "wb")
         self.process = subprocess.Popen(self.args, stdout=self.log, stderr=subprocess.STDOUT, env=self.env)
         deadline = time.monotonic() + timeout

@@ -164,7 +164,7 @@ class FakeHub:
             self._thread.join(timeout=5)
             self._thread = None
 
-    def __enter__(self) -> "FakeHub":
+    def __enter__(self) -> FakeHub:
         self.start()
         return self
 

@@ -226,7 +226,7 @@ class Cluster:
         self.nodes = [ExoProcess(root / f"node-{n}", node_env(self.namespace, env),
                                  ["--node-timeout", f"{NODE_TIMEOUT_S:g}"]) for n in range(count)]
 
-    def start(self) -> "Cluster":
+    def start(self) -> Cluster:
         start_together(self.nodes)
         wait_until(lambda: len(state_of(self.nodes[0]).nodes) == len(self.nodes), 60, 0.5, "every node in State")
         # until the witness retires, the seed's machine holds two of the four meta votes: killing it
@@ -303,7 +303,7 @@ class SharedNatsCluster(Cluster):
         self.nodes = [ExoProcess(root / f"node-{n}", {**base, "EXO_RING_PORTS": ring_ports()}, [*flags, "--no-master"])
                       for n in range(count)]
 
-    def start(self) -> "SharedNatsCluster":
+    def start(self) -> SharedNatsCluster:
         start_together([self.head, *self.nodes])
         wait_until(lambda: len(state_of(self.head).nodes) == len(self.nodes), 60, 0.3, "every node in State")
         added = httpx.post(f"{self.head.url}/models/add", json={"model_id": MODEL, "path": str(self.model_dir)},

@@ -20,7 +20,7 @@ class TcpProxy:
         self._cut = False
         self.port = 0
 
-    def start(self) -> "TcpProxy":
+    def start(self) -> TcpProxy:
         self._thread.start()
         server = asyncio.run_coroutine_threadsafe(asyncio.start_server(self._accept, "127.0.0.1", 0), self._loop).result()
         self._server = server
