@@ -41,7 +41,7 @@ def fingerprint(data_dir: Path) -> str:
 
 def lock_data_dir(data_dir: Path) -> IO[bytes]:
     """Hold an exclusive lock on the data dir for the life of the process (the file object keeps it)."""
-    handle = open(data_dir / "node.lock", "wb")
+    handle = open(data_dir / "node.lock", "wb")  # noqa: SIM115  # held for the process
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

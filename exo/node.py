@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import platform
@@ -280,10 +281,8 @@ class Node:
         if self._view is not None:
             await self._view.stop()
         if self._nc is not None and not self._nc.is_closed:
-            try:
+            with contextlib.suppress(Exception):  # the server may be gone already; we are leaving anyway
                 await asyncio.wait_for(self._nc.drain(), 5)
-            except Exception:  # the server may be gone already; we are leaving anyway
-                pass
         if self.cluster is not None:
             await self.cluster.stop()
         elif self.embedded is not None:

@@ -30,7 +30,7 @@ async def cancel(request: web.Request) -> web.Response:
         try:
             await cancel_generation(ctx, command_id)
             await asyncio.wait_for(asyncio.shield(ended), CANCEL_WAIT_S)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass  # still ending; the answer says so
         finally:
             ctx.outcomes.forget_task_end(command_id, ended)

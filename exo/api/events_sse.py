@@ -47,7 +47,7 @@ async def events(request: web.Request) -> web.StreamResponse:
         while True:
             try:
                 seq, tag, data = await asyncio.wait_for(queue.get(), KEEP_ALIVE_S)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 await sse.response.write(b": keep-alive\n\n")
                 continue
             await sse.send(data, event=tag, event_id=str(seq))

@@ -154,7 +154,7 @@ class Generation:
             getter.cancel()
         try:
             return await asyncio.wait_for(queue.get(), TASK_END_GRACE_S)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             end = self._ended.result()
             if end.status == "completed":  # its text is gone (EXO_TOKENS keeps it ten minutes)
                 reason = end.finish_reason if end.finish_reason in ("stop", "length") else "stop"
@@ -217,7 +217,7 @@ class RunTracker:
         if any(self._skip):
             cut = [min(self._skip[0], len(text)), min(self._skip[1], len(reasoning)), min(self._skip[2], len(logprobs))]
             text, reasoning, logprobs = text[cut[0]:], reasoning[cut[1]:], logprobs[cut[2]:]
-            self._skip = [left - done for left, done in zip(self._skip, cut)]
+            self._skip = [left - done for left, done in zip(self._skip, cut, strict=True)]
             chunk = msgspec.structs.replace(chunk, text=text, reasoning=reasoning, logprobs=logprobs)
         if chunk.index >= 0:
             self._given[chunk.index] = (len(text), len(reasoning), len(logprobs))
@@ -251,7 +251,7 @@ async def start_generation(ctx: ApiContext, model_id: ModelId, params: Generatio
     try:
         await send_command(ctx.nc, GenerateText(command_id=command_id, model_id=model_id, params=params, at=time.time()))
         raise_if_rejected(await asyncio.wait_for(answer, COMMAND_TIMEOUT_S))
-    except asyncio.TimeoutError:
+    except TimeoutError:
         ctx.outcomes.forget_task_end(command_id, ended)
         await listener.close()
         raise ApiError(504, "the master did not answer in time; is it running?") from None

@@ -8,7 +8,7 @@ import hashlib
 import json
 import time
 from collections.abc import Callable
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from aiohttp import web
@@ -137,7 +137,7 @@ async def _run(request: web.Request, model: ModelId, params: GenerationParams, s
 
 
 def _head(model: str) -> dict[str, Any]:
-    return {"model": model, "created_at": datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")}
+    return {"model": model, "created_at": datetime.now(UTC).isoformat().replace("+00:00", "Z")}
 
 
 def _done(final: TokenChunk, started_ns: int) -> dict[str, Any]:

@@ -71,7 +71,7 @@ class CommandOutcomes:
         self._watches.append(watch)
         try:
             return await asyncio.wait_for(watch[1], timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return None
         finally:
             self._watches.remove(watch)
@@ -82,7 +82,7 @@ class CommandOutcomes:
         try:
             await send_command(self._nc, command)
             event = await asyncio.wait_for(future, COMMAND_TIMEOUT_S)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise ApiError(504, "the master did not answer in time; is it running?") from None
         finally:
             self.forget(command.command_id, future)

@@ -18,7 +18,7 @@ class ApiSettings:
     max_body_bytes: int = MAX_BODY_BYTES
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] = os.environ) -> "ApiSettings":
+    def from_env(cls, environ: Mapping[str, str] = os.environ) -> ApiSettings:
         keys = frozenset(k.strip() for k in environ.get("EXO_API_KEYS", "").split(",") if k.strip())
         return cls(
             api_keys=keys,

@@ -13,7 +13,7 @@ class SseStream:
         self.response = response
 
     @classmethod
-    async def open(cls, request: web.Request) -> "SseStream":
+    async def open(cls, request: web.Request) -> SseStream:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                                "X-Accel-Buffering": "no"})
         await response.prepare(request)

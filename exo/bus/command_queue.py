@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 
@@ -53,7 +54,7 @@ async def consume_commands(nc: Client, on_command: OnCommand, still_leader: Call
         while still_leader():
             try:
                 messages = await subscription.fetch(batch=BATCH, timeout=1)  # returns what is there: no wait for a full batch
-            except (NatsTimeout, asyncio.TimeoutError):  # nothing waiting; nats-py's batch fetch can raise the bare one
+            except (TimeoutError, NatsTimeout):  # nothing waiting; nats-py's batch fetch can raise the bare one
                 continue
             except NatsError as error:  # a reconnect or a stream leader change: ask again
                 log.info("fetching commands: %r", error)
@@ -62,10 +63,8 @@ async def consume_commands(nc: Client, on_command: OnCommand, still_leader: Call
             if not await _handle_batch(messages, on_command, still_leader, on_poison, confirm):
                 return
     finally:
-        try:  # bounded: a fetch cancelled mid-request must not hold up shutdown
+        with contextlib.suppress(TimeoutError, NatsError):  # bounded: a fetch cancelled mid-request must not hold up shutdown
             await asyncio.wait_for(subscription.unsubscribe(), 5)
-        except (asyncio.TimeoutError, NatsError):
-            pass
 
 
 async def _handle_batch(messages: list, on_command: OnCommand, still_leader: Callable[[], bool],
@@ -100,10 +99,8 @@ async def _handle_batch(messages: list, on_command: OnCommand, still_leader: Cal
 
 async def _nak_all(messages: list) -> None:
     for msg in messages:
-        try:
+        with contextlib.suppress(NatsError):  # the connection is away: the server redelivers after its ack wait anyway
             await msg.nak()
-        except NatsError:  # the connection is away: the server redelivers after its ack wait anyway
-            pass
 
 
 async def _handle(msg, on_command: OnCommand, still_leader: Callable[[], bool], on_poison: OnPoison | None) -> str:

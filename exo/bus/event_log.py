@@ -6,6 +6,7 @@ deduplicated by the server; the PubAck's sequence is the event's index.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 
@@ -78,10 +79,8 @@ class EventFollower:
 
     async def stop(self) -> None:
         if self._subscription is not None:
-            try:
+            with contextlib.suppress(Exception):  # the connection may already be closed on shutdown
                 await self._subscription.unsubscribe()
-            except Exception:  # the connection may already be closed on shutdown
-                pass
             self._subscription = None
 
     async def _deliver(self, msg: Msg) -> None:

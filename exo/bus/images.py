@@ -8,6 +8,7 @@ large objects. Every fetch is verified against the name.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 
 from nats.aio.client import Client
@@ -72,10 +73,8 @@ async def store_image(nc: Client, data: bytes, digest: str = "") -> tuple[str, b
 async def delete_image(nc: Client, digest: str) -> None:
     """Remove an image stored for a request that was then refused (nothing else refers to it)."""
     store = _store(nc)
-    try:
+    with contextlib.suppress(ObjectNotFoundError):
         await store.delete(digest)
-    except ObjectNotFoundError:
-        pass
 
 
 async def fetch_image(nc: Client, digest: str, timeout: float = 60.0) -> bytes:

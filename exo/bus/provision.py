@@ -104,8 +104,9 @@ async def provision(nc: Client, replicas: int | None = None, overrides: Override
 async def _provision_once(nc: Client, replicas: int | None, overrides: Overrides | None, keep_replicas: bool) -> None:
     configs = stream_configs(replicas=replicas, overrides=overrides)
     infos = [await jetstream_request(nc, f"$JS.API.STREAM.INFO.{c['name']}", {}) for c in configs]
-    divisor = await fit_divisor(nc, [c for c, info in zip(configs, infos) if info.get("error")])  # the missing share the disk alike
-    for config, info in zip(configs, infos):
+    missing = [c for c, info in zip(configs, infos, strict=True) if info.get("error")]
+    divisor = await fit_divisor(nc, missing)  # the missing share the disk alike
+    for config, info in zip(configs, infos, strict=True):
         if info.get("error"):
             await _create_stream(nc, config, keep_replicas, divisor)
         else:  # never CREATE an existing stream again: on a small disk the server checks the storage

@@ -8,7 +8,6 @@ node that has a reader of that generation answers. Silence (within `ASK_TIMEOUT_
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 
 from nats.aio.client import Client
@@ -45,6 +44,6 @@ async def read_anywhere(nc: Client, command_id: CommandId) -> bool:
     """Whether any API node (this one included) has a reader of the generation now."""
     try:
         await nc.request(readers_subject(command_id), b"", timeout=ASK_TIMEOUT_S)
-    except (NatsError, asyncio.TimeoutError):  # no responders, or none reading: nobody answered
+    except (TimeoutError, NatsError):  # no responders, or none reading: nobody answered
         return False
     return True

@@ -55,7 +55,7 @@ async def create_fitting(nc: Client, config: dict[str, Any], divisor: int = 1) -
     while True:
         reply = await jetstream_request(nc, f"$JS.API.STREAM.CREATE.{name}", attempt)
         error = reply.get("error") or {}
-        if error.get("err_code") != NO_STORAGE or not 0 < attempt.get("max_bytes", -1):
+        if error.get("err_code") != NO_STORAGE or not attempt.get("max_bytes", -1) > 0:
             break
         if attempt["max_bytes"] // 2 < MIN_STREAM_BYTES:
             reply["error"]["description"] = (

@@ -12,6 +12,7 @@ logged and dropped: the API then finds the gap and ends the response with an err
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 from dataclasses import dataclass
@@ -108,10 +109,8 @@ class ChunkPublisher:
 
     async def _wait_for_change(self, timeout: float) -> None:
         self._changed.clear()
-        try:
+        with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._changed.wait(), timeout)
-        except asyncio.TimeoutError:
-            pass
 
     async def _resend_forever(self) -> None:
         loop = asyncio.get_running_loop()

@@ -7,6 +7,7 @@ single last chunk from a worker (its runner died), and reading chunks back.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import msgspec
 from nats.aio.client import Client
@@ -115,7 +116,7 @@ class TokenListener:
         self._subscription: Subscription | None = None
 
     @classmethod
-    async def live(cls, nc: Client, command_id: CommandId) -> "TokenListener":
+    async def live(cls, nc: Client, command_id: CommandId) -> TokenListener:
         listener = cls()
         # A runner's publish, never a JetStream delivery: a push consumer aimed at this subject
         # could otherwise put stored chunks of another generation into this one.
@@ -123,7 +124,7 @@ class TokenListener:
         return listener
 
     @classmethod
-    async def from_stream(cls, nc: Client, command_id: CommandId, with_sequence: bool = False) -> "TokenListener":
+    async def from_stream(cls, nc: Client, command_id: CommandId, with_sequence: bool = False) -> TokenListener:
         listener = cls()
         listener._subscription = await nc.jetstream().subscribe(
             token_subject(command_id),
@@ -137,7 +138,7 @@ class TokenListener:
     async def next_with_sequence(self, seconds: float) -> tuple[int, TokenChunk] | None:
         try:
             return await asyncio.wait_for(self._sequenced.get(), seconds)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return None
 
     async def _on_stored(self, msg) -> None:
@@ -146,7 +147,7 @@ class TokenListener:
     async def next_within(self, seconds: float) -> TokenChunk | None:
         try:
             return await asyncio.wait_for(self.queue.get(), seconds)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return None
 
     async def _on_msg(self, msg) -> None:
@@ -154,8 +155,6 @@ class TokenListener:
 
     async def close(self) -> None:
         if self._subscription is not None:
-            try:
+            with contextlib.suppress(Exception):  # already closed with its connection
                 await self._subscription.unsubscribe()
-            except Exception:  # already closed with its connection
-                pass
             self._subscription = None

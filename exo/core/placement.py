@@ -230,7 +230,7 @@ def _plan(card: ModelCard, sharding: Sharding, nodes: list[NodeInfo], state: Sta
         return split
     blocks, needs = split
     if card.storage_bytes > 0 and not force:
-        for rank, (node, need) in enumerate(zip(nodes, needs)):
+        for rank, (node, need) in enumerate(zip(nodes, needs, strict=True)):
             if node.memory_available and need > node.memory_available:
                 return Unplaceable("conflict", _memory_reason(card, sharding, nodes, rank, need, blocks[rank]))
     context = (max_context or default_context(card)) if force else \
@@ -250,7 +250,7 @@ def _plan(card: ModelCard, sharding: Sharding, nodes: list[NodeInfo], state: Sta
                                            f"so it cannot take part in an instance across {k} nodes")
     used = _used_ring_ports(state)
     ranks = []
-    for node, (start, end), need, reserve in zip(nodes, blocks, needs, kv):
+    for node, (start, end), need, reserve in zip(nodes, blocks, needs, kv, strict=True):
         ip = node.addresses[0]
         ports = range(node.ring_port_first, node.ring_port_first + node.ring_port_count)
         # From a place that moves with the log: an instance placed right after one was deleted (a
@@ -301,7 +301,7 @@ def _context(card: ModelCard, sharding: Sharding, nodes: list[NodeInfo], blocks:
     else (not asked) the most that fits, up to the default."""
     want = asked or default_context(card)
     fits = [(tokens_that_fit(card, sharding, len(nodes), block, node.memory_available - need, kv_bits), rank)
-            for rank, (node, block, need) in enumerate(zip(nodes, blocks, needs)) if node.memory_available]
+            for rank, (node, block, need) in enumerate(zip(nodes, blocks, needs, strict=True)) if node.memory_available]
     most, rank = min(fits, default=(want, 0))
     if want <= most:
         return want
@@ -324,10 +324,7 @@ def _memory_reason(card: ModelCard, sharding: Sharding, nodes: list[NodeInfo], r
     if k == 1:
         return (f"{card.model_id} needs {needed}; the node with the most free memory "
                 f"({node_label(node)}, {free} free) cannot hold it")
-    if sharding == "tensor":
-        share = f"{needed} on each node"
-    else:
-        share = f"{needed} for layers {block[0]}-{block[1] - 1} on rank {rank}"
+    share = f"{needed} on each node" if sharding == "tensor" else f"{needed} for layers {block[0]}-{block[1] - 1} on rank {rank}"
     return (f"{card.model_id} needs {human_bytes(card.storage_bytes)}; with {sharding} sharding over {k} nodes that "
             f"is {share}, but {node_label(node)} has {free} free (the {k} nodes with "
             f"the most free memory have {human_bytes(sum(n.memory_available for n in nodes))} in all, the most on "

@@ -33,7 +33,7 @@ class HealLimits(msgspec.Struct, frozen=True, kw_only=True):
     backoff_max_s: float = 60.0  # the longest wait before replacing an instance that kept failing
 
     @classmethod
-    def from_env(cls) -> "HealLimits":
+    def from_env(cls) -> HealLimits:
         return cls(suspect_s=float(os.environ.get("EXO_SUSPECT_S", "5")),
                    deadline_s=float(os.environ.get("EXO_MIGRATION_DEADLINE_S", "120")),
                    max_migrations=int(os.environ.get("EXO_MAX_MIGRATIONS", "2")))

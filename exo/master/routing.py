@@ -50,7 +50,7 @@ def shared_conversation(earlier: ConversationDigest, later: ConversationDigest, 
     if earlier.tools != later.tools:  # tool definitions are rendered ahead of the messages
         return 0
     shared, past_system = 0, False
-    for mine, theirs, chars, role in zip(earlier.messages, later.messages, later.chars, later.roles):
+    for mine, theirs, chars, role in zip(earlier.messages, later.messages, later.chars, later.roles, strict=False):
         if mine != theirs:
             break
         shared += chars

@@ -8,6 +8,7 @@ once State holds its events and still names this master's term."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import os
@@ -96,7 +97,7 @@ class Master:
                         await asyncio.sleep(self._lease.ttl / 5)
                         continue
                     await self._lead()
-                except (*BROKER_ERRORS, asyncio.TimeoutError) as error:  # type: ignore[misc]  # a tuple of exception types
+                except (TimeoutError, *BROKER_ERRORS) as error:  # type: ignore[misc]  # a tuple of exception types
                     # The broker is changing leaders or we are reconnecting: campaign again.
                     log.warning("master: %r; campaigning again", error)
                     await asyncio.sleep(1)
@@ -135,7 +136,7 @@ class Master:
         return self._lease.valid() and self._view.state.leader_term == term
 
     async def _keep_lease(self) -> None:
-        while await self._lease.renew():
+        while await self._lease.renew():  # noqa: ASYNC110  # periodic renewal, not polling
             await asyncio.sleep(self._lease.ttl / 5)
 
     async def _supervise(self, term: int) -> None:
@@ -155,7 +156,7 @@ class Master:
                                ids=ids_for(CommandId(f"heal:{term}:{state.last_seq}")))
             try:
                 await self._append_all(events, term, f"supervise:{term}:{state.last_seq}")
-            except (*BROKER_ERRORS, asyncio.TimeoutError, NotLeader) as error:  # type: ignore[misc]  # as above
+            except (TimeoutError, *BROKER_ERRORS, NotLeader) as error:  # type: ignore[misc]  # as above
                 log.warning("master: supervision events not appended: %r", error)
             for event in events:
                 if isinstance(event, NodeTimedOut):
@@ -245,10 +246,8 @@ class Snapshotter:
 
     async def run(self, still_leader: Callable[[], bool]) -> None:
         while still_leader():
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._due.wait(), self._interval)
-            except asyncio.TimeoutError:
-                pass
             self._due.clear()
             state = self._view.state
             if state.last_seq > self._written_seq and still_leader():

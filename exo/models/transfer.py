@@ -65,7 +65,7 @@ class PartialFile:
             while block := existing.read(_READ_BLOCK):
                 self._hash(block)
         self.size = have
-        self._file = open(self.partial, "ab")
+        self._file = open(self.partial, "ab")  # noqa: SIM115  # closed by close()
         return have
 
     def reset(self) -> None:

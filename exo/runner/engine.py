@@ -225,7 +225,7 @@ class Engine:
         top = min(top, logprobs.size - 1)
         if top > 0:
             ids = mx.argpartition(-logprobs, kth=top - 1)[:top]
-            ranked: list[Any] = sorted(zip(ids.tolist(), logprobs[ids].tolist()), key=lambda pair: -pair[1])  # type: ignore[arg-type]
+            ranked: list[Any] = sorted(zip(ids.tolist(), logprobs[ids].tolist(), strict=True), key=lambda pair: -pair[1])  # type: ignore[arg-type]
             alternatives = [TopLogprob(token=self._token_text(i), logprob=v) for i, v in ranked]
         return TokenLogprob(token=self._token_text(token), logprob=logprobs[token].item(), top_logprobs=alternatives)
 

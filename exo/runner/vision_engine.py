@@ -73,7 +73,7 @@ class VisionEngine(Engine):
     def _messages(self, params: GenerationParams) -> list[dict[str, Any]]:
         model_type = self.model.config.model_type
         messages = template_messages(params)
-        for entry, message in zip(messages, params.messages):
+        for entry, message in zip(messages, params.messages, strict=True):
             if not message.images:
                 continue
             if message.role != "user":  # mlx-vlm puts image tokens in user turns only

@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import signal
 import sys
+from typing import BinaryIO
 
 import msgspec
 
@@ -66,7 +67,7 @@ async def _export(args: argparse.Namespace) -> int:
         first = max(args.from_seq, bounds.first_seq, 1)
         if bounds.first_seq > args.from_seq:
             print(f"exo events: the log now starts at sequence {bounds.first_seq}", file=sys.stderr)
-        sink = open(args.output, "wb") if args.output else sys.stdout.buffer
+        sink = await asyncio.to_thread(_open_output, args.output) if args.output else sys.stdout.buffer
         try:
             count = await read_log(nc, lambda record: None if sink.write(encode_line(record)) else None, first, args.until)
         finally:
@@ -77,6 +78,10 @@ async def _export(args: argparse.Namespace) -> int:
         await nc.close()
     print(f"exo events: exported {count} events", file=sys.stderr)
     return EXIT_OK
+
+
+def _open_output(path: str) -> BinaryIO:
+    return open(path, "wb")  # _export closes it
 
 
 class _Tail:

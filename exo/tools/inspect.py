@@ -95,7 +95,8 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     if not rows:
         return ["  (empty)"]
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
-    return ["  " + "  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in [header, *rows]]
+    return ["  " + "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=False)).rstrip()
+            for row in [header, *rows]]
 
 
 def _size(count: int) -> str:

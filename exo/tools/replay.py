@@ -135,7 +135,7 @@ def _new_replayer(args: argparse.Namespace, out: Output, state: State,
 
 
 def _fold_file(path: str, replayer: BatchReplayer, until: int | None) -> None:
-    source = sys.stdin.buffer if path == "-" else open(path, "rb")
+    source = sys.stdin.buffer if path == "-" else open(path, "rb")  # noqa: SIM115  # the with below
     with source:
         batch: list[LogRecord] = []
         for record in read_lines(source, "stdin" if path == "-" else path):

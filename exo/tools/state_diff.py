@@ -82,7 +82,7 @@ def _list_changes(path: Path, old: list, new: list, changes: list[Change]) -> No
             changes.extend(Change(op="added", path=(*path, i), after=new[i]) for i in range(len(kept), len(new)))
             return
     if len(old) == len(new):
-        for index, (a, b) in enumerate(zip(old, new)):
+        for index, (a, b) in enumerate(zip(old, new, strict=True)):
             _value_changes((*path, index), a, b, changes)
         return
     changes.append(Change(op="changed", path=path, before=old, after=new))

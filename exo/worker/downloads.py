@@ -7,6 +7,7 @@ node's complete models served to peers (exo/bus/model_share).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import sys
 import time
@@ -131,10 +132,8 @@ class DownloadCoordinator:
         return DownloadReply(ok=True, message=f"{model_id} is already downloading" if job else f"download of {model_id} started")
 
     async def _ensure_quietly(self, card: ModelCard) -> None:
-        try:
+        with contextlib.suppress(DownloadError, DownloadCancelled):  # already published as an event
             await self.ensure(card)
-        except (DownloadError, DownloadCancelled):
-            pass  # already published as an event
 
     def _launch(self, card: ModelCard, start: int, end: int) -> _Job:
         peers = lambda: peers_with(self._state(), card.model_id, self.node_id)  # noqa: E731

@@ -8,6 +8,7 @@ survives a restart through the files' mtimes (a use touches the file).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -93,10 +94,8 @@ class ImageCache:
         for digest in digests:
             if digest in self._sizes:
                 self._sizes.move_to_end(digest)
-                try:
+                with contextlib.suppress(OSError):
                     os.utime(self.path(digest))
-                except OSError:
-                    pass
 
     def trim(self, needed: Iterable[str]) -> list[str]:
         """Evict least recently used files, except `needed`, until within the limit; the evicted."""

@@ -8,7 +8,7 @@ import os
 import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Protocol
+from typing import BinaryIO, Protocol
 
 from exo.core.ids import RunnerId
 from exo.runner.protocol import AnyReport, Request, Shutdown, encode_line, report_decoder
@@ -48,16 +48,20 @@ class RunnerHost:
         self._log_start = 0  # where this process's part of the (appended) log file begins
 
     async def start(self, on_report: OnReport, on_exit: OnExit) -> None:
-        self._log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log_start = self._log_path.stat().st_size if self._log_path.exists() else 0
         env = {**os.environ, "EXO_RUNNER_NATS": ",".join(self._nats_urls)}
-        with open(self._log_path, "ab") as log:
+        with await asyncio.to_thread(self._open_log) as log:  # a slow disk must not hold up the event loop
             self._process = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "exo.runner",
                 stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=log,
                 env=env, start_new_session=True,  # Ctrl-C reaches the node, which stops runners itself
             )
         self._reader = asyncio.create_task(self._read(on_report, on_exit))
+
+    def _open_log(self) -> BinaryIO:
+        """The log file, opened for appending; notes where this process's part of it begins."""
+        self._log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log_start = self._log_path.stat().st_size if self._log_path.exists() else 0
+        return open(self._log_path, "ab")
 
     async def send(self, request: Request) -> None:
         assert self._process is not None and self._process.stdin is not None
@@ -71,17 +75,17 @@ class RunnerHost:
             return
         try:
             if timeout <= 0:
-                raise asyncio.TimeoutError  # no graceful stop asked for
+                raise TimeoutError  # no graceful stop asked for
             await asyncio.wait_for(self.send(Shutdown()), timeout)
             await asyncio.wait_for(process.wait(), timeout)
-        except (asyncio.TimeoutError, ConnectionError, BrokenPipeError):
+        except (TimeoutError, ConnectionError, BrokenPipeError):
             if timeout > 0:
                 log.warning("runner %s did not stop within %.0f s (stuck in a collective whose peer is gone?): "
                             "killed", self.runner_id, timeout)
             process.kill()
             try:  # asyncio's wait() also waits for its pipes: a child that inherited one would keep it open
                 await asyncio.wait_for(process.wait(), max(timeout, 5.0))
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 log.error("runner %s (pid %d) killed, but its pipes are still open after %.0f s; going on",
                           self.runner_id, process.pid, max(timeout, 5.0))
 
@@ -99,7 +103,7 @@ class RunnerHost:
                 log.exception("runner %s: report not handled: %r", self.runner_id, line[:200])
         code = await self._process.wait()
         if not self._stopping:
-            await on_exit(code, self._log_tail())
+            await on_exit(code, await asyncio.to_thread(self._log_tail))
 
     def _log_tail(self, lines: int = 5) -> str:
         """The end of what this process wrote: an earlier run's traceback is not its cause."""

@@ -7,7 +7,6 @@ the caller hears as "unreachable" instead of a request queued for a node that ma
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Literal
 
@@ -79,6 +78,6 @@ async def request_download_action(nc: Client, node_id: NodeId, action: Action, m
                                msgspec.json.encode(DownloadRequest(model_id=model_id)), timeout=timeout)
     except NoRespondersError:
         raise NodeUnreachable(f"node {node_id} is not running a worker (no answer)") from None
-    except (NatsError, asyncio.TimeoutError) as error:
+    except (TimeoutError, NatsError) as error:
         raise NodeUnreachable(f"node {node_id} did not answer: {type(error).__name__}") from None
     return msgspec.json.decode(msg.data, type=DownloadReply)

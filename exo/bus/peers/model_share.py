@@ -119,7 +119,7 @@ class ModelShareServer:
 async def _request(nc: Client, subject: str, request: ShareRequest, timeout: float) -> bytes:
     try:
         reply = await nc.request(subject, msgspec.json.encode(request), timeout=timeout)
-    except (NatsError, asyncio.TimeoutError) as error:
+    except (TimeoutError, NatsError) as error:
         raise PeerError(f"no answer on {subject}: {type(error).__name__}") from None
     if reply.headers and _ERROR_HEADER in reply.headers:
         raise PeerError(reply.headers[_ERROR_HEADER])

@@ -3,6 +3,7 @@ flushed, so requests reach them as soon as `start` returns, and unsubscribed tog
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Awaitable, Callable, Mapping
 
 from nats.aio.client import Client
@@ -26,8 +27,6 @@ class Responders:
 
     async def stop(self) -> None:
         for subscription in self._subscriptions:
-            try:
+            with contextlib.suppress(NatsError):  # the connection may be closing already
                 await subscription.unsubscribe()
-            except NatsError:  # the connection may be closing already
-                pass
         self._subscriptions = []

@@ -15,6 +15,7 @@ removed from the meta group), so that the quorum is counted over real nodes only
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import shutil
 import socket
@@ -201,10 +202,8 @@ class ClusterNode:
                 return Seed(cluster=f"exo-{self.node_id}")
             log.info("discovery: waiting: %s", role.reason)
             self.discovery.changed.clear()
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.discovery.changed.wait(), 1.0)
-            except TimeoutError:
-                pass
             waited += 1.0
 
     def _choose(self, role: Seed | Join) -> Membership:

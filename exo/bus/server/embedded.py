@@ -82,6 +82,21 @@ def _write_private(path: Path, content: bytes) -> None:
     partial.replace(path)
 
 
+def _ports_files(ports_dir: Path) -> list[str]:
+    """What the server's ports files hold so far (one, once it listens; maybe not all written yet)."""
+    return [ports_file.read_text() for ports_file in ports_dir.glob("*.ports")]
+
+
+def _end(process: subprocess.Popen[bytes], timeout: float) -> None:
+    """SIGTERM, then SIGKILL if it has not exited within `timeout` s."""
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
 def _port_of(url: str) -> int:
     return int(url.rsplit(":", 1)[1])
 
@@ -143,8 +158,15 @@ class EmbeddedNats:
         return with_user(self.address, SYSTEM_USER, load_credentials(self.store_dir).system_password)
 
     async def start(self, timeout: float = 10.0) -> str:
-        self.store_dir.mkdir(parents=True, exist_ok=True)
         ports_dir = self.store_dir / "ports"
+        await asyncio.to_thread(self._spawn, ports_dir, self._stopping)  # files and fork/exec: off the event loop
+        self.port = await self._read_port(ports_dir, timeout)
+        return self.url
+
+    def _spawn(self, ports_dir: Path, stopped_before: bool) -> None:
+        """Write the config and start the server (self.process), in a worker thread: a stop() or
+        kill() meanwhile either finds the new process or is seen here, so no server outlives it."""
+        self.store_dir.mkdir(parents=True, exist_ok=True)
         ports_dir.mkdir(exist_ok=True)
         for stale in ports_dir.glob("*.ports"):
             stale.unlink()
@@ -160,12 +182,12 @@ class EmbeddedNats:
             "--ports_file_dir", str(ports_dir), "--server_name", self.server_name,
             "--http_port", "-1",  # monitoring (varz, jsz) on a free loopback port: see its ports file
         ]
-        log = open(self.store_dir / "nats-server.log", "ab")
         # A session of its own: a Ctrl-C in the terminal reaches exo, which stops the server last.
         env = {"GOMEMLIMIT": MEMORY_LIMIT, **os.environ}
-        self.process = subprocess.Popen(args, stdout=log, stderr=log, start_new_session=True, env=env)
-        self.port = await self._read_port(ports_dir, timeout)
-        return self.url
+        with open(self.store_dir / "nats-server.log", "ab") as server_log:  # the child holds its own copy
+            self.process = subprocess.Popen(args, stdout=server_log, stderr=server_log, start_new_session=True, env=env)
+        if self._stopping and not stopped_before:  # stop() or kill() came meanwhile and found the old process
+            _end(self.process, 10.0)
 
     async def _read_port(self, ports_dir: Path, timeout: float) -> int:
         deadline = asyncio.get_running_loop().time() + timeout
@@ -173,9 +195,9 @@ class EmbeddedNats:
             assert self.process is not None
             if self.process.poll() is not None:
                 raise BusError(self._exit_reason())
-            for ports_file in ports_dir.glob("*.ports"):
+            for text in await asyncio.to_thread(_ports_files, ports_dir):
                 try:
-                    ports = json.loads(ports_file.read_text())
+                    ports = json.loads(text)
                     client_port = _port_of(ports["nats"][0])
                     self.monitor_url = ports["monitoring"][0]
                     if self.cluster is not None:  # a restart must listen where the members dial
@@ -219,12 +241,7 @@ class EmbeddedNats:
         self._stopping = True
         if self.process is None or self.process.poll() is not None:
             return
-        self.process.send_signal(signal.SIGTERM)
-        try:
-            self.process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        _end(self.process, timeout)
 
     def kill(self) -> None:
         self._stopping = True

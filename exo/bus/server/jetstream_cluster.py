@@ -61,9 +61,9 @@ class StreamReplicas(msgspec.Struct, frozen=True):
 async def meta_group(monitor_url: str) -> MetaGroup | None:
     """The local server's view of the meta group; None when it cannot say (yet)."""
     try:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=_API_TIMEOUT_S)) as session:
-            async with session.get(f"{monitor_url}/jsz") as response:
-                body = await response.json(content_type=None)
+        async with (aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=_API_TIMEOUT_S)) as session,
+                    session.get(f"{monitor_url}/jsz") as response):
+            body = await response.json(content_type=None)
     except (aiohttp.ClientError, TimeoutError, ValueError):
         return None
     meta = body.get("meta_cluster")

@@ -93,7 +93,7 @@ async def _copy_stream(old_nc: Client, new_nc: Client, name: str) -> int:
         return 0
     for start in range(first, last + 1, _READ_AHEAD):
         batch = await asyncio.gather(*(_message(old_nc, name, seq) for seq in range(start, min(start + _READ_AHEAD, last + 1))))
-        for seq, message in zip(range(start, last + 1), batch):
+        for seq, message in zip(range(start, last + 1), batch, strict=False):
             if message is None:
                 if name == EVENTS_STREAM:  # the log's sequences are its index: a hole cannot be copied
                     raise BusError(f"migration: event {seq} is missing from the old log; it cannot keep its sequences")

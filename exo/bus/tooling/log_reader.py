@@ -187,7 +187,7 @@ class _RangeReader:
             seen = self.delivered
             try:
                 await asyncio.wait_for(self._done.wait(), stall_timeout)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 continue
         if self.error is not None:
             raise self.error

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import msgspec
@@ -29,7 +30,5 @@ OnBatch = Callable[[list[LogRecord]], None]
 
 
 async def unsubscribe_quietly(subscription) -> None:
-    try:
+    with contextlib.suppress(Exception):  # the connection may be closing already; the server drops the consumer itself
         await subscription.unsubscribe()
-    except Exception:  # the connection may be closing already; the server drops the consumer itself
-        pass

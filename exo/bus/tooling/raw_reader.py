@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import re
@@ -200,7 +201,7 @@ class RawRangeReader:
                 seen = self.delivered
                 try:
                     await asyncio.wait_for(self._wake.wait(), stall_timeout)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     if self.delivered == seen:
                         raise BusError(f"the event stream stopped sending after {seen} events "
                                        f"({stall_timeout} s without one)") from None
@@ -242,10 +243,8 @@ class RawRangeReader:
             await unsubscribe_quietly(subscription)
         if self._consumer:
             consumer, self._consumer = self._consumer, ""
-            try:
+            with contextlib.suppress(Exception):  # gone already, or the server goes away: it expires on its own
                 await self._js.delete_consumer(EVENTS_STREAM, consumer)
-            except Exception:  # gone already, or the server goes away: it expires on its own
-                pass
 
     async def _not_raw(self, msg: Msg) -> None:
         if self._subscription is not None and msg.sid == self._subscription._id:  # cannot happen; never silently
