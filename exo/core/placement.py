@@ -2,44 +2,8 @@
 
 No I/O and no clocks: the same card, request and State always give the same placement, so
 the master's decision replays exactly and `GET /instance/previews` shows what placing would do.
-
-How an instance is placed (`place_instance`):
-
-- Candidates are the live nodes sorted by free memory (most first, then node id). For
-  k = min_nodes, min_nodes + 1, ... up to the node count, the top k nodes are tried; the first k
-  that works wins, so fewer nodes are preferred. Rank 0 is the node with the most free memory.
-- Tensor sharding: every rank holds every layer and 1/k of the weights; k must divide the
-  attention heads and the key/value heads (where the card gives them). One node always works.
-- Pipeline sharding: rank r holds a contiguous block of layers, rank 0 the first ones; layers
-  are split in proportion to each node's free memory (largest-remainder rounding, every rank at
-  least one layer), so k can be at most the layer count; a card without a layer count can only
-  be placed on one node.
-- Context: each rank also keeps room for the KV cache of the instance's `max_context` tokens
-  (exo/core/kv_budget.py): the context asked for, refused with the numbers when it does not fit,
-  or else the most that fits up to the model's context and DEFAULT_MAX_CONTEXT (refused below
-  MIN_AUTO_CONTEXT). Every instance's reservation is taken off its nodes' free memory, loaded or
-  not: a runner's KV cache grows with its requests, after the node reported. An instance whose
-  cache is quantized (`kv_bits`) reserves that much less per token.
-- Memory: unless forced (`force`: the operator knows better), every rank needs its share of
-  `storage_bytes` (tensor: storage / k; pipeline:
-  storage * its layers / n_layers, rounded up) within its node's `memory_available`. There is
-  no margin on top: `memory_available` is what the node itself reports as free (MemAvailable),
-  and adding a guess here would only make small clusters refuse models that fit. What a node
-  reports counts only what its runners have loaded, so the shares of instances placed on it
-  whose runners are not loaded yet (not `warming_up` or `ready`: just placed, downloading,
-  loading, or failed and due to restart) are taken off it first; each shard records its share
-  (`memory_bytes`). A card of unknown size (`storage_bytes` 0) is refused, saying so, unless the
-  request forces it. A forced placement checks neither memory nor context room (it reserves the
-  context asked for, else the default) but still records each rank's shares. A node reporting
-  `memory_available` 0 does not constrain either (such a node weighs nothing in the pipeline
-  split and so gets one layer).
-- Refusals speak to people: sizes in GB/MB (`human_bytes`), nodes by name (`node_label`).
-- Several nodes: every rank gets `ring_address` "<its first address>:<port>", the lowest port
-  of the node's ring range not used by another instance's shard on the same IP nor by an earlier
-  rank of this placement. A node without an address or ring ports cannot join a multi-node
-  instance. One node: `ring_address` is "".
-
-Checks for one k run in this order: heads / layers, memory, context, addresses and ring ports.
+The rules (candidates, tensor and pipeline splits, context, memory, ring ports, the order of the
+checks) are written out in docs/multinode.md, "Placement".
 """
 
 from __future__ import annotations
