@@ -222,7 +222,7 @@ def test_the_batch_limit_comes_from_the_environment(monkeypatch):
 
 
 def test_a_batch_limit_of_one_keeps_every_request_on_the_single_path(monkeypatch):
-    from exo.runner.__main__ import Runner
+    from exo.runner.process import Runner
     from exo.runner.protocol import Generate
 
     request = Generate(task_id="t", params=chat("x"))

@@ -25,10 +25,10 @@ from mlx_lm.sample_utils import make_sampler
 from exo.bus.subjects import token_subject
 from exo.bus.token_publisher import chunk_msg_id
 from exo.core.types import ChatMessage, GenerationParams, ResponseFormat, SamplingDefaults, TokenChunk
-from exo.runner.__main__ import ChunkMaker, Runner
 from exo.runner.batch import Batcher
 from exo.runner.decoding import GenerationResult, Output, TextStream
 from exo.runner.engine import Engine
+from exo.runner.process import ChunkMaker, Runner
 from exo.runner.prompt_cache import PromptCache
 from exo.runner.protocol import Generate, Resume
 from tests.support.qwen_model import EOS_PROMPT, make_qwen3_model
@@ -314,7 +314,7 @@ async def test_a_runner_resumes_from_the_chunks_another_runner_streamed(nc, tmp_
     """The runner end to end, with a real NATS for its chunks: a second runner given the first k
     chunks' ids (as a migration builds its Resume) sends the rest of the first run's text, its
     chunks numbered on from k and marked with the attempt."""
-    monkeypatch.setattr("exo.runner.__main__.STREAM_INTERVAL_S", 0.0005)  # several chunks, coalesced or not
+    monkeypatch.setattr("exo.runner.process.STREAM_INTERVAL_S", 0.0005)  # several chunks, coalesced or not
     chunks: list[TokenChunk] = []
 
     async def on_chunk(msg: Any) -> None:

@@ -14,8 +14,8 @@ import pytest
 from mlx_lm.generate import BatchGenerator
 
 from exo.core.types import ChatMessage, GenerationParams
-from exo.runner.__main__ import Runner
 from exo.runner.distributed import Lockstep
+from exo.runner.process import Runner
 from exo.runner.protocol import Done, Failed, Generate, report_decoder
 from tests.support.tiny_model import make_tiny_model
 

@@ -1,0 +1,313 @@
+"""The runner's work, apart from its entry point (exo/runner/__main__.py): `Runner` reads requests
+from the worker on stdin, serves them on one model thread (load, warm up, generate: alone or in a
+batch) and reports back on stdout (JSON lines); `ChunkMaker` turns one generation's output into the
+token chunks published on exo.tokens.<command_id>.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import sys
+import time
+import traceback
+from collections.abc import Awaitable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from exo.bus.token_publisher import ChunkPublisher
+from exo.core.catalogue import is_vision_config
+from exo.core.ids import TaskId
+from exo.core.types import TokenChunk
+from exo.runner.batch import Batcher, BatchFailed, batchable, max_batch
+from exo.runner.coalesce import Coalescer, Piece
+from exo.runner.decoding import GenerationResult, Output, RequestRefused
+from exo.runner.engine import Engine
+from exo.runner.engine_api import ModelEngine
+from exo.runner.follower import follow
+from exo.runner.protocol import (
+    Alive,
+    Cancel,
+    Done,
+    Failed,
+    Generate,
+    Load,
+    Loaded,
+    Report,
+    Resume,
+    Shutdown,
+    Started,
+    WarmedUp,
+    WarmUp,
+    encode_line,
+    request_decoder,
+)
+
+# Text that comes faster than this is sent in one message per interval (see coalesce.py).
+STREAM_INTERVAL_S = float(os.environ.get("EXO_STREAM_INTERVAL_MS", "20")) / 1000
+PULSE_S = 1.0  # how often the runner tells the worker it is alive (protocol.Alive)
+WORKER_GONE_GRACE_S = 5.0  # stdin closed: how long running generations get to end before the runner exits
+
+
+class Runner:
+    def __init__(self, nc, reports) -> None:
+        self._nc = nc
+        self._reports = reports
+        self._engine: ModelEngine = Engine()
+        self._mlx_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlx")
+        self._cancelled: set[str] = set()  # written by the loop, read by the model thread between decode steps
+        self._requests: asyncio.Queue = asyncio.Queue()
+        self._chunks: asyncio.Queue = asyncio.Queue()
+        limit = max_batch()
+        self._batcher = Batcher(self._engine, limit, self._mlx_thread) if limit > 1 else None
+        self._generating: dict[str, asyncio.Task] = {}  # batched generations in flight, by task id
+        self._in_flight: set[str] = set()  # generations the model thread has not finished yet
+
+    def report(self, message: Report) -> None:
+        self._reports.write(encode_line(message))
+        self._reports.flush()
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        reader = asyncio.create_task(self._read_stdin(loop))
+        publisher = asyncio.create_task(self._publish_chunks())
+        pulse = asyncio.create_task(self._pulse())
+        while True:
+            request = await self._requests.get()
+            if request is None:  # the worker went away: nobody is left to want the batch's text
+                self._cancelled.update(self._generating)
+            if request is None or isinstance(request, Shutdown):
+                break
+            if self._batched(request):  # runs alongside the next requests: they may join its batch
+                self._start_batched(loop, request)
+            else:  # in order: on the model thread it waits for the batch in progress to finish
+                await self._serve(loop, request)
+        if self._generating:
+            # Cancelled generations end at their next step; with the worker gone, one blocked in a
+            # collective whose peer went too never will: do not wait for it forever.
+            await asyncio.wait(list(self._generating.values()), timeout=None if request is not None else WORKER_GONE_GRACE_S)
+        await self._leave_group(loop)
+        await self._chunks.join()
+        publisher.cancel()
+        reader.cancel()
+        pulse.cancel()
+
+    async def _pulse(self) -> None:
+        """Alive every PULSE_S while idle or while the model thread has moved since the last one:
+        a model thread stuck in a step (or a stopped process) goes quiet, and the worker acts."""
+        last = self._engine.pulse
+        while True:
+            await asyncio.sleep(PULSE_S)
+            if not self._in_flight or self._engine.pulse != last:
+                self.report(Alive())
+            last = self._engine.pulse
+
+    def _start_batched(self, loop, request: Generate) -> None:
+        task = asyncio.create_task(self._serve(loop, request))
+        self._generating[request.task_id] = task
+        task.add_done_callback(lambda _: self._generating.pop(request.task_id, None))
+
+    def _follow(self, loop) -> None:
+        """A rank other than 0: from now on the model thread runs what rank 0 announces."""
+        def on_end(done: asyncio.Future) -> None:
+            error = done.exception()
+            self.report(Failed(error=f"lost rank 0: {type(error).__name__}: {error}" if error else "rank 0 left"))
+
+        loop.run_in_executor(self._mlx_thread, follow, self._engine).add_done_callback(on_end)
+
+    async def _leave_group(self, loop) -> None:
+        """Rank 0 tells the followers it is leaving; a follower cannot finish its thread, so it just exits."""
+        lockstep = self._engine.lockstep
+        if lockstep is None:
+            return
+        try:
+            if lockstep.leads:
+                try:
+                    await asyncio.wait_for(loop.run_in_executor(self._mlx_thread, self._engine.release_followers), 5)
+                except Exception:
+                    logging.exception("could not tell the other ranks that rank 0 is leaving")
+            await self._chunks.join()
+            self._reports.flush()  # raises if the worker is gone (its pipe closed)
+        finally:
+            os._exit(0)  # whatever happened: the model thread may be blocked in a collective that never ends
+
+    def _choose_engine(self, model_path: str) -> None:
+        """mlx-vlm for a vision-language checkpoint (one request at a time), else mlx-lm."""
+        if is_vision_model(model_path):
+            from exo.runner.vision_engine import VisionEngine  # mlx-vlm: imported only where it serves
+
+            self._engine, self._batcher = VisionEngine(), None
+
+    def _batched(self, request) -> bool:
+        # A quantized KV cache takes the single path, as in mlx_lm.server (the batch keeps full caches).
+        # A resumed request too: its earlier tokens are prefilled on the single path (Engine.generate).
+        return (self._batcher is not None and isinstance(request, Generate) and not self._engine.kv_bits
+                and request.resume is None
+                and batchable(request.params, request.image_paths, multi_node=self._engine.lockstep is not None))
+
+    async def _serve(self, loop, request) -> None:
+        try:
+            if isinstance(request, Load):
+                self._choose_engine(request.model_path)
+                await loop.run_in_executor(self._mlx_thread, self._engine.load, request.model_path, request.shard,
+                                           request.max_context, request.kv_bits)
+                self.report(Loaded())
+            elif isinstance(request, WarmUp):
+                await loop.run_in_executor(self._mlx_thread, self._engine.warm_up)
+                self.report(WarmedUp())
+                if self._engine.lockstep is not None and not self._engine.lockstep.leads:
+                    self._follow(loop)
+            elif isinstance(request, Generate):
+                await self._generate(loop, request)
+        except Exception as error:  # a broken model must be reported, not kill silently
+            traceback.print_exc()
+            self.report(Failed(error=f"{type(error).__name__}: {error}"))
+
+    async def _generate(self, loop, request: Generate) -> None:
+        task_id = request.task_id
+        chunks = ChunkMaker(task_id, request.resume)
+        if task_id in self._cancelled:
+            await self._finish(task_id, chunks.index, reason="cancelled", prompt=0, completion=0, attempt=chunks.attempt)
+            return
+
+        def on_output(out: Output) -> None:  # on the model thread
+            for chunk in chunks.add(out, time.perf_counter()):
+                loop.call_soon_threadsafe(self._chunks.put_nowait, chunk)
+
+        running = self._start(loop, request, on_output)
+        self.report(Started(task_id=task_id))  # after the model thread has its work: off the first token's path
+        self._in_flight.add(task_id)
+        self._engine.beat()  # waiting for the model thread counts from here
+        try:
+            result = await running
+        except Exception as error:
+            self._in_flight.discard(task_id)
+            if isinstance(error, RequestRefused):  # the client's mistake, refused before any collective
+                await self._finish(task_id, chunks.index, "error", 0, 0, error=str(error), error_code=error.code,
+                                   attempt=chunks.attempt)
+                return
+            traceback.print_exc()
+            if self._engine.lockstep is not None and (isinstance(error, BatchFailed) or not self._batched(request)):
+                # The group broke (a peer's machine may be gone): the worker ends the task, or the master
+                # moves it to another instance first (exo/master/heal.py); no error chunk from here.
+                # The other ranks may still wait in a collective of this step: only a new group is sure to be in step.
+                self.report(Failed(error=f"{type(error).__name__}: {error}"))
+                return
+            await self._finish(task_id, chunks.index, "error", 0, 0, error=f"{type(error).__name__}: {error}",
+                               attempt=chunks.attempt)
+            return
+        self._in_flight.discard(task_id)
+        rest = chunks.rest(result, time.perf_counter())
+        if rest is not None:  # on the loop thread, after every chunk the model thread scheduled
+            self._chunks.put_nowait(rest)
+        await self._finish(task_id, chunks.index, result.finish_reason, result.prompt_tokens, result.completion_tokens,
+                           stop_sequence=result.stop_sequence, cached=result.cached_tokens, attempt=chunks.attempt)
+
+    def _start(self, loop, request: Generate, on_output) -> Awaitable[GenerationResult]:
+        """Hands the generation to the model thread: into the batch, or alone (Engine.generate)."""
+        task_id = request.task_id
+
+        def is_cancelled() -> bool:
+            return task_id in self._cancelled
+
+        if self._batcher is not None and self._batched(request):
+            return self._batcher.run(loop, request.params, request.defaults, on_output, is_cancelled, task_id)
+        images = [request.image_paths[digest] for message in request.params.messages for digest in message.images]
+        return loop.run_in_executor(self._mlx_thread, self._engine.generate, request.params, request.defaults,
+                                    on_output, is_cancelled, task_id, None, images, request.resume)
+
+    async def _finish(self, task_id, index, reason, prompt, completion, error: str = "", stop_sequence: str = "",
+                      cached: int = 0, error_code: str = "", attempt: int = 0) -> None:
+        final = TokenChunk(
+            command_id=task_id, index=index, token_count=completion, prompt_tokens=prompt, finish_reason=reason,
+            error=error, stop_sequence=stop_sequence, cached_tokens=cached, error_code=error_code, attempt=attempt,
+        )
+        published = asyncio.get_running_loop().create_future()
+        self._chunks.put_nowait((final, published))
+        await published  # this generation's chunks are all out (one publisher, in order); others may still run
+        self.report(Done(task_id=task_id, finish_reason=reason, prompt_tokens=prompt, completion_tokens=completion,
+                         error=error, cached_tokens=cached, prompt_cache=self._engine.prompt_cache.stats()))
+
+    async def _publish_chunks(self) -> None:
+        # One publisher keeps chunks in order on the wire; each is acked by JetStream (resent if not).
+        publisher = ChunkPublisher(self._nc)
+        await publisher.start()
+        while True:
+            chunk = await self._chunks.get()
+            chunk, published = chunk if isinstance(chunk, tuple) else (chunk, None)
+            try:
+                await publisher.publish(chunk)
+            except Exception:
+                logging.exception("cannot publish a token chunk")
+            finally:
+                self._chunks.task_done()
+                if published is not None and not published.done():
+                    published.set_result(None)
+
+    async def _read_stdin(self, loop) -> None:
+        # Read on the event loop itself (not a thread): one thread hop less per request.
+        stdin = asyncio.StreamReader(limit=64 * 1024 * 1024)
+        await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(stdin), sys.stdin.buffer)
+        while line := await stdin.readline():
+            request = request_decoder.decode(line)
+            if isinstance(request, Cancel):
+                self._cancelled.add(request.task_id)  # the model thread sees it at its next decode step
+            else:
+                self._requests.put_nowait(request)
+        self._requests.put_nowait(None)  # the worker went away
+
+
+class ChunkMaker:
+    """One generation's token chunks: its text coalesced (coalesce.py), with the logprobs, tool calls
+    and token ids that came with that text. A resumed request (a migration) goes on with the chunk
+    index where the earlier run's stopped, and every chunk says which run (attempt) sent it."""
+
+    def __init__(self, task_id: TaskId, resume: Resume | None = None) -> None:
+        self._task_id = task_id
+        self.index, self.attempt = (resume.next_index, resume.attempt) if resume is not None else (0, 0)
+        self._coalescer = Coalescer(STREAM_INTERVAL_S)
+        self._held = Output("", 0, 0, [], [])  # what goes with the text the coalescer holds
+
+    def add(self, out: Output, now: float) -> list[TokenChunk]:
+        """The chunks to send now (on the model thread)."""
+        sent: list[TokenChunk] = []
+        ready = self._coalescer.add(out.text, now, out.reasoning)
+        if ready is not None and out.reasoning and not ready.reasoning:
+            sent.append(self._chunk(ready, out))  # content held before this output's reasoning: not its ids
+            ready = None
+        self._held.logprobs.extend(out.logprobs)
+        self._held.tokens.extend(out.tokens)
+        if out.tool_calls:  # a tool call is sent at once, with the text held before it
+            if ready:
+                sent.append(self._chunk(ready, out))
+            self._held.tool_calls.extend(out.tool_calls)
+            ready = self._coalescer.flush(now)
+        if ready or out.tool_calls:
+            sent.append(self._chunk(ready, out))
+        return sent
+
+    def rest(self, result: GenerationResult, now: float) -> TokenChunk | None:
+        """What is still held once the generation ended (then comes the final chunk, at `index`)."""
+        rest = self._coalescer.flush(now)
+        if not rest and not self._held.logprobs and not self._held.tokens:
+            return None
+        return self._chunk(rest, Output("", result.completion_tokens, result.prompt_tokens, [], [],
+                                        result.cached_tokens))
+
+    def _chunk(self, piece: Piece | None, out: Output) -> TokenChunk:
+        held, self._held = self._held, Output("", 0, 0, [], [])
+        text, reasoning = piece or ("", "")
+        self.index += 1
+        return TokenChunk(command_id=self._task_id, index=self.index - 1, text=text, reasoning=reasoning,
+                          token_count=out.completion_tokens, prompt_tokens=out.prompt_tokens, logprobs=held.logprobs,
+                          tool_calls=held.tool_calls, cached_tokens=out.cached_tokens, token_ids=held.tokens,
+                          attempt=self.attempt)
+
+
+def is_vision_model(model_path: str) -> bool:
+    try:
+        return is_vision_config(json.loads((Path(model_path) / "config.json").read_text()))
+    except (OSError, ValueError):
+        return False
