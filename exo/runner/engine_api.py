@@ -1,4 +1,4 @@
-"""What the runner needs of an engine: the interface its process loop (__main__.py), its batch
+"""What the runner needs of an engine: the interface its process loop (process.py), its batch
 (batch.py) and a follower rank (follower.py) use, and nothing else.
 
 Two implementations: exo/runner/engine.py (mlx-lm: text models, batches, lockstep ranks) and
