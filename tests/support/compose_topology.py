@@ -17,7 +17,7 @@ import yaml
 from exo.bus.server.embedded import nats_server_binary
 from tests.support.exo_process import free_port
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]  # tests/support/ -> the repository
 
 
 class Service:
