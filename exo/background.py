@@ -14,15 +14,15 @@ log = logging.getLogger(__name__)
 class Background:
     def __init__(self, owner: str) -> None:
         self._owner = owner
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()
 
-    def start(self, coroutine: Coroutine[Any, Any, Any]) -> asyncio.Task:
+    def start(self, coroutine: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
         task = asyncio.get_running_loop().create_task(coroutine)
         self._tasks.add(task)
         task.add_done_callback(self._done)
         return task
 
-    def _done(self, task: asyncio.Task) -> None:
+    def _done(self, task: asyncio.Task[Any]) -> None:
         self._tasks.discard(task)
         if not task.cancelled() and task.exception() is not None:
             log.error("%s: a background task failed", self._owner, exc_info=task.exception())

@@ -11,9 +11,10 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Callable, Sequence
 from importlib import metadata
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from exo import event_loop
 from exo.bus.connection import SECURITY_ENV, split_urls
@@ -37,7 +38,8 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescrip
 class _Given(argparse.Action):
     """Stores the value and notes that it was asked for: only a default port is replaced when taken."""
 
-    def __call__(self, parser, namespace, values, option_string=None) -> None:
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: str | Sequence[Any] | None, option_string: str | None = None) -> None:
         setattr(namespace, self.dest, values)
         setattr(namespace, f"{self.dest}_given", True)
 
@@ -193,7 +195,7 @@ def _add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
                               "without that cluster (a stale or spoofed announcement; env EXO_JOIN_TIMEOUT_S)")
 
 
-def _discovery_settings(args) -> tuple[DiscoverySettings, bool]:
+def _discovery_settings(args: argparse.Namespace) -> tuple[DiscoverySettings, bool]:
     """The discovery settings, and whether they trust the LAN (no cluster secret)."""
     from exo.bus.server.cluster_node import DiscoverySettings
     from exo.bus.server.cluster_secret import lan_address, resolve_secret
@@ -208,7 +210,7 @@ def _env_flag(name: str) -> bool:
     return os.environ.get(name, "").lower() in ("1", "true", "yes", "on")
 
 
-def _env_number(name: str, kind=float):
+def _env_number(name: str, kind: Callable[[str], float] = float) -> float | None:
     value = os.environ.get(name)
     return kind(value) if value else None
 

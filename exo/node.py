@@ -27,7 +27,7 @@ from exo.bus.event_log import EventLog
 from exo.bus.liveness import Pulse, send_pulse
 from exo.bus.provision import Overrides, event_retention, placed_on, provision
 from exo.bus.readers import ReaderPresence
-from exo.bus.server.cluster_node import ClusterNode, DiscoverySettings
+from exo.bus.server.cluster_node import ClusterNode, DiscoverySettings, LayoutSink
 from exo.bus.server.embedded import EmbeddedNats
 from exo.bus.server.server_config import NODE_TAG
 from exo.bus.state_view import StateView
@@ -130,7 +130,7 @@ class Node:
         self.embedded: EmbeddedNats | None = None
         self.cluster: ClusterNode | None = None
         self.worker: Worker | None = None
-        self._tasks: list[asyncio.Task] = []
+        self._tasks: list[asyncio.Task[None]] = []
         self._nc: Connection | None = None
         self._view: StateView | None = None
         self._site_runner: web.AppRunner | None = None
@@ -224,7 +224,7 @@ class Node:
         return self.embedded.url
 
     @staticmethod
-    def _layout_recorder(nc: Connection, view: StateView):
+    def _layout_recorder(nc: Connection, view: StateView) -> LayoutSink:
         events = EventLog(nc)
 
         async def record(layout: ClusterLayout) -> None:
@@ -232,7 +232,7 @@ class Node:
                 await events.append(ClusterLayoutChanged(layout=layout), uuid.uuid4().hex)
         return record
 
-    async def _catch_up(self, nc) -> StateView:
+    async def _catch_up(self, nc: Connection) -> StateView:
         try:
             view, self.caught_up_from = await catch_up(nc)
         except LogGap as gap:

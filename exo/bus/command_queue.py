@@ -9,6 +9,7 @@ from collections.abc import Awaitable, Callable
 
 import msgspec
 from nats.aio.client import Client
+from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 from nats.errors import TimeoutError as NatsTimeout
 
@@ -67,10 +68,10 @@ async def consume_commands(nc: Client, on_command: OnCommand, still_leader: Call
             await asyncio.wait_for(subscription.unsubscribe(), 5)
 
 
-async def _handle_batch(messages: list, on_command: OnCommand, still_leader: Callable[[], bool],
+async def _handle_batch(messages: list[Msg], on_command: OnCommand, still_leader: Callable[[], bool],
                         on_poison: OnPoison | None, confirm: Confirm | None) -> bool:
     """False when this master must stop consuming; what it did not settle goes back (nak)."""
-    handled: list = []
+    handled: list[Msg] = []
     done = 0  # messages handled or settled so far
     keep_going = True
     try:
@@ -97,13 +98,13 @@ async def _handle_batch(messages: list, on_command: OnCommand, still_leader: Cal
     return keep_going
 
 
-async def _nak_all(messages: list) -> None:
+async def _nak_all(messages: list[Msg]) -> None:
     for msg in messages:
         with contextlib.suppress(NatsError):  # the connection is away: the server redelivers after its ack wait anyway
             await msg.nak()
 
 
-async def _handle(msg, on_command: OnCommand, still_leader: Callable[[], bool], on_poison: OnPoison | None) -> str:
+async def _handle(msg: Msg, on_command: OnCommand, still_leader: Callable[[], bool], on_poison: OnPoison | None) -> str:
     """"handled" (ack it once the batch is confirmed), "settled" (acked, nak'ed or dropped here) or
     "stop" (this master must stop consuming)."""
     if not still_leader():
@@ -133,7 +134,7 @@ async def _handle(msg, on_command: OnCommand, still_leader: Callable[[], bool], 
     return "handled"
 
 
-async def _give_up(msg, command: AnyCommand, error: str, on_poison: OnPoison) -> bool:
+async def _give_up(msg: Msg, command: AnyCommand, error: str, on_poison: OnPoison) -> bool:
     try:
         await on_poison(command, error)
     except NotLeader:

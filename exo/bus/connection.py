@@ -53,7 +53,7 @@ SECURITY_ENV = {
 }
 
 
-def security_options() -> dict:
+def security_options() -> dict[str, Any]:
     """nats.connect keyword arguments for auth and TLS, from the environment."""
     values: dict[str, Any] = {key: os.environ[env] for key, env in SECURITY_ENV.items() if os.environ.get(env)}
     tls_ca, tls_cert, tls_key = values.pop("tls_ca", None), values.pop("tls_cert", None), values.pop("tls_key", None)

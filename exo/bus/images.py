@@ -12,7 +12,8 @@ import contextlib
 import hashlib
 
 from nats.aio.client import Client
-from nats.js import api
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext, api
 from nats.js.errors import APIError, ObjectNotFoundError
 from nats.js.object_store import ObjectStore
 
@@ -100,11 +101,11 @@ async def _fetch(nc: Client, digest: str, timeout: float) -> bytes:
     return data
 
 
-async def _read_chunks(js, info, timeout: float) -> bytes:
+async def _read_chunks(js: JetStreamContext, info: api.ObjectInfo, timeout: float) -> bytes:
     chunks: list[bytes] = []
-    done = asyncio.get_running_loop().create_future()
+    done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
-    async def on_chunk(msg) -> None:
+    async def on_chunk(msg: Msg) -> None:
         chunks.append(msg.data)
         if len(chunks) == info.chunks and not done.done():
             done.set_result(None)

@@ -22,4 +22,5 @@ async def jetstream_request(nc: Client, subject: str, body: dict[str, Any] | Non
         msg = await nc.request(subject, json.dumps(body or {}).encode(), timeout=5)
     except (NoRespondersError, NatsTimeoutError) as error:  # JetStream not answering: a cluster between leaders
         raise ClusterForming(f"JetStream did not answer {subject}: {error!r}") from None
-    return json.loads(msg.data)
+    answer: dict[str, Any] = json.loads(msg.data)  # the JetStream API answers with a JSON object
+    return answer

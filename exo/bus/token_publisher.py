@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import msgspec
 from nats.aio.client import Client
+from nats.aio.msg import Msg
 
 from exo.bus.inbound import from_clients_only
 from exo.bus.subjects import token_subject
@@ -57,7 +58,7 @@ class ChunkPublisher:
         self._sent = 0
         self._prefix = ""
         self._changed = asyncio.Event()
-        self._resender: asyncio.Task | None = None
+        self._resender: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         self._prefix = self._nc.new_inbox()
@@ -87,7 +88,7 @@ class ChunkPublisher:
         except Exception as error:  # reconnecting, buffer full: the resender tries again
             log.info("token chunk %s not sent (%r); will resend", entry.msg_id, error)
 
-    async def _on_ack(self, msg) -> None:
+    async def _on_ack(self, msg: Msg) -> None:
         try:
             seq = int(msg.subject.rsplit(".", 1)[1])
             ack = json.loads(msg.data)

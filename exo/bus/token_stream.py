@@ -11,6 +11,7 @@ import contextlib
 
 import msgspec
 from nats.aio.client import Client
+from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js import api
 
@@ -141,7 +142,7 @@ class TokenListener:
         except TimeoutError:
             return None
 
-    async def _on_stored(self, msg) -> None:
+    async def _on_stored(self, msg: Msg) -> None:
         self._sequenced.put_nowait((msg.metadata.sequence.stream, _decoder.decode(msg.data)))
 
     async def next_within(self, seconds: float) -> TokenChunk | None:
@@ -150,7 +151,7 @@ class TokenListener:
         except TimeoutError:
             return None
 
-    async def _on_msg(self, msg) -> None:
+    async def _on_msg(self, msg: Msg) -> None:
         self.queue.put_nowait(_decoder.decode(msg.data))
 
     async def close(self) -> None:

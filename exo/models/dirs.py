@@ -16,6 +16,7 @@ import shutil
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from exo.core.ids import ModelId
 from exo.core.types import ModelCard, is_valid_model_id
@@ -124,9 +125,10 @@ def find_complete(dirs: ModelDirs, card: ModelCard, start: int, end: int) -> Loc
     return None
 
 
-def _read_index(path: Path) -> dict | None:
+def _read_index(path: Path) -> dict[str, Any] | None:
     try:
-        return json.loads((path / INDEX_FILE).read_text())
+        index: dict[str, Any] = json.loads((path / INDEX_FILE).read_text())  # a JSON object
+        return index
     except (OSError, ValueError):
         return None
 

@@ -10,10 +10,14 @@ from __future__ import annotations
 
 import fnmatch
 import re
+from typing import Any
 
 import msgspec
 
-from exo.core.manifest import FileMeta, Manifest, decode_manifest, encode_manifest  # noqa: F401 (re-exported)
+from exo.core.manifest import FileMeta as FileMeta  # re-exported: the rest of exo.models imports them from here
+from exo.core.manifest import Manifest as Manifest
+from exo.core.manifest import decode_manifest as decode_manifest
+from exo.core.manifest import encode_manifest as encode_manifest
 
 INDEX_FILE = "model.safetensors.index.json"
 WEIGHT_SUFFIX = ".safetensors"
@@ -42,7 +46,7 @@ def layer_files(weight_map: dict[str, str], start: int, end: int) -> set[str]:
     return files
 
 
-def needed_files(paths: list[str], index: dict | None, start: int, end: int) -> list[str]:
+def needed_files(paths: list[str], index: dict[str, Any] | None, start: int, end: int) -> list[str]:
     """The files of `paths` a node running layers [start, end) needs, sorted. `end <= start`
     (a shard of unknown size) or no index (one weight file) means every weight file."""
     support = [p for p in paths if is_support_file(p)]

@@ -12,6 +12,7 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import httpx2
 from huggingface_hub import HfApi, constants, hf_hub_url
@@ -32,6 +33,8 @@ from exo.models.progress import RetryPolicy, next_delay
 from exo.models.transfer import Corrupt, DownloadCancelled, DownloadError, PartialFile
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 _CORRUPT_REFETCHES = 2  # a file that fails verification is fetched again this many times
 
@@ -89,8 +92,8 @@ def _classify_status(response: httpx2.Response, what: str) -> DownloadError | _R
     return DownloadError("unknown", f"the Hub answered HTTP {status} for {what}")
 
 
-def with_retries(action: Callable[[], object], what: str, policy: RetryPolicy, cancelled: threading.Event,
-                 progressed: Callable[[], bool] = lambda: False):
+def with_retries(action: Callable[[], T], what: str, policy: RetryPolicy, cancelled: threading.Event,
+                 progressed: Callable[[], bool] = lambda: False) -> T:
     """Run `action` until it succeeds, a failure is final, or `policy` gives up. A failure after
     some progress (`progressed()` true) starts the count again."""
     failures = 0

@@ -56,4 +56,5 @@ def next_delay(policy: RetryPolicy, failures: int, retry_after_s: float | None =
         return None
     if retry_after_s is not None:
         return retry_after_s if retry_after_s <= policy.max_retry_after_s else None
-    return min(policy.max_delay_s, policy.base_delay_s * 2 ** (failures - 1))
+    doubled: float = policy.base_delay_s * 2 ** (failures - 1)  # int ** int is typed Any (a negative power is a float)
+    return min(policy.max_delay_s, doubled)

@@ -34,8 +34,8 @@ from mlx_lm.sample_utils import make_sampler
 from exo.core.ids import TaskId
 from exo.core.types import GenerationParams, SamplingDefaults
 from exo.runner.decoding import Decoding, GenerationResult, OnOutput
-from exo.runner.distributed import AgreedSamplers, BatchJoin, BatchStep, Lockstep, Sampling
-from exo.runner.engine import penalties, sampling_of, seeded_sampler
+from exo.runner.distributed import AgreedSamplers, BatchJoin, BatchStep, Lockstep, Sampler, Sampling
+from exo.runner.engine import LogitsProcessor, penalties, sampling_of, seeded_sampler
 from exo.runner.engine_api import ModelEngine
 from exo.runner.prompt_cache import PromptCache, Reuse
 
@@ -60,9 +60,10 @@ def batchable(params: GenerationParams, image_paths: dict[str, str], multi_node:
 
 
 @functools.lru_cache(maxsize=64)
-def _shared_sampler(temperature: float, top_p: float, top_k: int) -> Callable:
+def _shared_sampler(temperature: float, top_p: float, top_k: int) -> Sampler:
     # One sampler object per setting: a batch whose requests share it samples in one call.
-    return make_sampler(temp=temperature, top_p=top_p, top_k=top_k)
+    sampler: Sampler = make_sampler(temp=temperature, top_p=top_p, top_k=top_k)
+    return sampler
 
 
 def new_generator(model: Any, tokenizer: Any, limit: int) -> BatchGenerator:
@@ -72,19 +73,20 @@ def new_generator(model: Any, tokenizer: Any, limit: int) -> BatchGenerator:
     )
 
 
-def insert(generator: BatchGenerator, join: BatchJoin, sampler: Callable, reuse: Reuse,
-           constraint: list[Callable] | None = None) -> int:
+def insert(generator: BatchGenerator, join: BatchJoin, sampler: Sampler, reuse: Reuse,
+           constraint: list[LogitsProcessor] | None = None) -> int:
     """Into the batch, starting from the cached prefix (`reuse`): only the rest is processed.
     `constraint`: the request's own response_format processor (rank 0 only: it samples)."""
     processors = [*penalties(join.presence_penalty, join.frequency_penalty), *(constraint or [])]
-    (uid,) = generator.insert(
+    uids: list[int] = generator.insert(
         [reuse.rest], max_tokens=[join.max_tokens], caches=[reuse.cache], all_tokens=[join.tokens[:reuse.cached]],
         samplers=[sampler], logits_processors=[processors],
     )
+    (uid,) = uids
     return uid
 
 
-def keep_caches(cache: PromptCache, generator: BatchGenerator, finished: list, leaving: list[int]) -> None:
+def keep_caches(cache: PromptCache, generator: BatchGenerator, finished: list[Any], leaving: list[int]) -> None:
     """Store the KV caches of requests that just ended (mlx-lm's finished ones, then those we remove)
     and take the leaving ones out of the batch. Every rank does this in the same order."""
     for response in finished:
@@ -154,9 +156,9 @@ class Batcher:
         self._leaves: list[int] = []
 
     def run(self, loop: asyncio.AbstractEventLoop, params: GenerationParams, defaults: SamplingDefaults,
-            on_output: OnOutput, is_cancelled: Callable[[], bool], task_id: TaskId) -> asyncio.Future:
+            on_output: OnOutput, is_cancelled: Callable[[], bool], task_id: TaskId) -> asyncio.Future[GenerationResult]:
         """Generates in the batch; the future resolves after every output of the job was scheduled on `loop`."""
-        future = loop.create_future()
+        future: asyncio.Future[GenerationResult] = loop.create_future()
         self.submit(Job(params, defaults, on_output, is_cancelled, task_id,
                         lambda outcome: None if loop.call_soon_threadsafe(_settle, future, outcome) else None))
         return future
@@ -218,7 +220,7 @@ class Batcher:
     def _lockstep(self) -> Lockstep | None:
         return self._engine.lockstep
 
-    def _sampler(self, sampling: Sampling) -> Callable:
+    def _sampler(self, sampling: Sampling) -> Sampler:
         lockstep = self._lockstep()
         if lockstep is None:
             return _shared_sampler(*sampling)
@@ -294,7 +296,7 @@ class Batcher:
             job.on_done(failed)
 
 
-def _settle(future: asyncio.Future, outcome: Outcome) -> None:
+def _settle(future: asyncio.Future[GenerationResult], outcome: Outcome) -> None:
     if future.done():
         return
     if isinstance(outcome, BaseException):

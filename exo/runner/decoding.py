@@ -172,4 +172,5 @@ class TextStream:
 
     def finish(self) -> str:
         self._detokenizer.finalize()
-        return self._detokenizer.last_segment
+        text: str = self._detokenizer.last_segment
+        return text

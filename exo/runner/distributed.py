@@ -73,7 +73,8 @@ def load_shard(model_path: str, group: mx.distributed.Group, sharding: str, star
     path = Path(model_path)
     if sharding == "tensor":
         # mlx-lm's own (it raises for architectures it cannot shard); given a local path it downloads nothing.
-        return sharded_load(str(path), tensor_group=group)
+        loaded: tuple[Any, Any] = sharded_load(str(path), tensor_group=group)  # (model, tokenizer)
+        return loaded
     model, config = load_model(path, lazy=True, strict=False)
     split_layers(model, group, start, end)
     mx.eval(model.parameters())

@@ -18,13 +18,16 @@ from exo.core.types import GenerationParams, SamplingDefaults, TokenLogprob, Top
 from exo.memory import memory
 from exo.runner.constraint import GrammarConstraint
 from exo.runner.decoding import Decoding, GenerationResult, OnOutput, PromptTooLong, RequestRefused, TextStream
-from exo.runner.distributed import Lockstep, StepAnnouncement, join_ring, load_shard
+from exo.runner.distributed import Lockstep, Sampler, StepAnnouncement, join_ring, load_shard
 from exo.runner.prompt_cache import FOLLOWER_BUDGET, PromptCache, Reuse, budget_bytes, entry_limit
 from exo.runner.protocol import RankSetup, Resume
 from exo.runner.splitter import starts_in_reasoning
 
 DEFAULT_MAX_TOKENS = 2048
 PENALTY_CONTEXT = 256  # more than mlx-lm's penalties look back at (20 tokens by default)
+
+# mlx-lm's logits processor: (the tokens so far, the next token's logits) -> the logits to sample from.
+LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 
 
 class Engine:
@@ -73,9 +76,10 @@ class Engine:
         if getattr(self.tokenizer, "chat_template", None):
             # enable_thinking left out: mlx-lm's wrapper passes its default (on when the model thinks).
             switch = {} if params.enable_thinking is None else {"enable_thinking": params.enable_thinking}
-            return self.tokenizer.apply_chat_template(
+            prompt: str = self.tokenizer.apply_chat_template(  # tokenize=False: the text
                 messages, tools=params.tools or None, add_generation_prompt=True, tokenize=False, **switch
             )
+            return prompt
         return "\n".join(m["content"] for m in messages)
 
     def generate(
@@ -141,8 +145,8 @@ class Engine:
                  for n, token in enumerate(prior))
         return decoding.replay(steps, prompt_tokens)
 
-    def _in_lockstep(self, sampler: Callable, is_cancelled: Callable[[], bool],
-                     announcement: StepAnnouncement) -> tuple[Callable, Callable[[], bool]]:
+    def _in_lockstep(self, sampler: Sampler, is_cancelled: Callable[[], bool],
+                     announcement: StepAnnouncement) -> tuple[Sampler, Callable[[], bool]]:
         """Rank 0 tells the other ranks what to run; every rank samples rank 0's tokens."""
         assert self.lockstep is not None
         if self.lockstep.leads:
@@ -156,7 +160,7 @@ class Engine:
             raise RequestRefused(f"the streamed tokens read back for this generation are not this model's "
                                  f"(token id {bad}; its vocabulary has {vocab}): it cannot be continued")
 
-    def constraint_for(self, params: GenerationParams, prompt: list[int], prior: Sequence[int] = ()) -> list[Callable]:
+    def constraint_for(self, params: GenerationParams, prompt: list[int], prior: Sequence[int] = ()) -> list[LogitsProcessor]:
         """The request's response_format, or its required tool call, as a logits processor, on the
         rank that samples (the others take its tokens). `prior`: a resumed request's earlier tokens."""
         if self.lockstep is not None and not self.lockstep.leads:
@@ -172,7 +176,7 @@ class Engine:
         constraint.advance(list(prior))
         return [constraint]
 
-    def _tool_call_grammar(self, tools: list[dict]) -> str:
+    def _tool_call_grammar(self, tools: list[dict[str, Any]]) -> str:
         parser = getattr(getattr(self.tokenizer, "tool_parser", None), "__module__", "") or ""
         if not parser.endswith(".json_tools"):
             kind = parser.rsplit(".", 1)[-1] or "none"
@@ -181,7 +185,7 @@ class Engine:
         start, end = self.tokenizer.tool_call_start_tokens, self.tokenizer.tool_call_end_tokens
         return tool_call_grammar(tools, list(start), list(end))
 
-    def _quantized_cache(self) -> dict:
+    def _quantized_cache(self) -> dict[str, int]:
         # From the first token: placement reserved memory for a quantized cache of the whole context.
         if not self.kv_bits:
             return {}
@@ -217,7 +221,8 @@ class Engine:
     def encode(self, prompt: str) -> list[int]:
         """The prompt's token ids exactly as stream_generate makes them from the same text."""
         bos = self.tokenizer.bos_token
-        return self.tokenizer.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos))
+        ids: list[int] = self.tokenizer.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos))
+        return ids
 
     def logprob(self, token: int, logprobs: Any, top: int) -> TokenLogprob:
         logprobs = logprobs.reshape(-1)
@@ -230,29 +235,31 @@ class Engine:
         return TokenLogprob(token=self._token_text(token), logprob=logprobs[token].item(), top_logprobs=alternatives)
 
     def _token_text(self, token: int) -> str:
-        return self.tokenizer.decode([token])
+        text: str = self.tokenizer.decode([token])
+        return text
 
 
 def max_tokens_of(params: GenerationParams) -> int:
     return params.max_tokens or DEFAULT_MAX_TOKENS
 
 
-def logits_processors_of(params: GenerationParams) -> list[Callable]:
+def logits_processors_of(params: GenerationParams) -> list[LogitsProcessor]:
     return penalties(params.presence_penalty, params.frequency_penalty)
 
 
-def penalties(presence: float | None, frequency: float | None) -> list[Callable]:
-    return make_logits_processors(presence_penalty=presence, frequency_penalty=frequency)
+def penalties(presence: float | None, frequency: float | None) -> list[LogitsProcessor]:
+    processors: list[LogitsProcessor] = make_logits_processors(presence_penalty=presence, frequency_penalty=frequency)
+    return processors
 
 
-def _seeing_prefix(processors: list[Callable], prefix: list[int]) -> list[Callable]:
+def _seeing_prefix(processors: list[LogitsProcessor], prefix: list[int]) -> list[LogitsProcessor]:
     """Penalties look at the last tokens of the prompt too; stream_generate gives them only the
     tokens it processes, so put back the cached prefix's (as the batch's token context has them)."""
     if not processors or not prefix:
         return processors
     before = mx.array(prefix[-PENALTY_CONTEXT:])
 
-    def seeing(processor: Callable) -> Callable:
+    def seeing(processor: LogitsProcessor) -> LogitsProcessor:
         return lambda tokens, logits: processor(mx.concatenate([before, tokens.astype(before.dtype)]), logits)
 
     return [seeing(p) for p in processors]
@@ -265,21 +272,23 @@ def sampling_of(params: GenerationParams, defaults: SamplingDefaults) -> tuple[f
     return temperature, top_p if top_p < 1.0 else 0.0, params.top_k or 0
 
 
-def sampler_of(params: GenerationParams, defaults: SamplingDefaults, start: int = 0) -> Callable:
+def sampler_of(params: GenerationParams, defaults: SamplingDefaults, start: int = 0) -> Sampler:
     """`start`: how many tokens the request generated before (resumed), so a seed draws on from there."""
     temperature, top_p, top_k = sampling_of(params, defaults)
     if params.seed is not None:
         return seeded_sampler(temperature, top_p, top_k, params.seed, start)
-    return make_sampler(temp=temperature, top_p=top_p, top_k=top_k)
+    sampler: Sampler = make_sampler(temp=temperature, top_p=top_p, top_k=top_k)
+    return sampler
 
 
-def seeded_sampler(temperature: float, top_p: float, top_k: int, seed: int, start: int = 0) -> Callable:
+def seeded_sampler(temperature: float, top_p: float, top_k: int, seed: int, start: int = 0) -> Sampler:
     """make_sampler's sampling with a random key of the request's own: the same tokens as
     `mx.random.seed(seed)` then make_sampler (mlx-lm's reference), however many other requests
     draw from the global random state meanwhile. So a seeded request can share a batch.
     `start`: the draw to begin at (a resumed request's earlier tokens took the ones before)."""
     if temperature == 0:
-        return make_sampler(temp=0.0)
+        greedy: Sampler = make_sampler(temp=0.0)
+        return greedy
     key = mx.random.key(seed)
     for _ in range(start):  # each draw splits the key once: step along the same chain
         key = mx.random.split(key)[0]
@@ -296,7 +305,7 @@ def seeded_sampler(temperature: float, top_p: float, top_k: int, seed: int, star
     return sample
 
 
-def template_messages(params: GenerationParams) -> list[dict]:
+def template_messages(params: GenerationParams) -> list[dict[str, Any]]:
     """Messages as chat templates expect them, with earlier turns' tool calls and results."""
     turns = {turn.index: turn for turn in params.tool_turns}
     messages = []

@@ -101,7 +101,7 @@ def split_layers(model: nn.Module, group: mx.distributed.Group, start: int, end:
         layers[index] = _keep_flags(StageBoundary(layers[index], group, **wiring), layers[index])
 
 
-def _layers_of(model: nn.Module) -> list:
+def _layers_of(model: nn.Module) -> list[nn.Module]:
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
     if not isinstance(layers, list):

@@ -16,19 +16,22 @@ import traceback
 from collections.abc import Awaitable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import BinaryIO, TypeGuard, cast
 
+from exo.bus.connection import Connection
 from exo.bus.token_publisher import ChunkPublisher
 from exo.core.catalogue import is_vision_config
 from exo.core.ids import TaskId
-from exo.core.types import TokenChunk
+from exo.core.types import FinishReason, TokenChunk
 from exo.runner.batch import Batcher, BatchFailed, batchable, max_batch
 from exo.runner.coalesce import Coalescer, Piece
-from exo.runner.decoding import GenerationResult, Output, RequestRefused
+from exo.runner.decoding import GenerationResult, OnOutput, Output, RequestRefused
 from exo.runner.engine import Engine
 from exo.runner.engine_api import ModelEngine
 from exo.runner.follower import follow
 from exo.runner.protocol import (
     Alive,
+    AnyRequest,
     Cancel,
     Done,
     Failed,
@@ -50,19 +53,22 @@ STREAM_INTERVAL_S = float(os.environ.get("EXO_STREAM_INTERVAL_MS", "20")) / 1000
 PULSE_S = 1.0  # how often the runner tells the worker it is alive (protocol.Alive)
 WORKER_GONE_GRACE_S = 5.0  # stdin closed: how long running generations get to end before the runner exits
 
+# What the publisher sends: a chunk, or a generation's final chunk with the future set once it is out.
+Outgoing = TokenChunk | tuple[TokenChunk, asyncio.Future[None]]
+
 
 class Runner:
-    def __init__(self, nc, reports) -> None:
+    def __init__(self, nc: Connection, reports: BinaryIO) -> None:
         self._nc = nc
         self._reports = reports
         self._engine: ModelEngine = Engine()
         self._mlx_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlx")
         self._cancelled: set[str] = set()  # written by the loop, read by the model thread between decode steps
-        self._requests: asyncio.Queue = asyncio.Queue()
-        self._chunks: asyncio.Queue = asyncio.Queue()
+        self._requests: asyncio.Queue[AnyRequest | None] = asyncio.Queue()  # None: the worker went away
+        self._chunks: asyncio.Queue[Outgoing] = asyncio.Queue()
         limit = max_batch()
         self._batcher = Batcher(self._engine, limit, self._mlx_thread) if limit > 1 else None
-        self._generating: dict[str, asyncio.Task] = {}  # batched generations in flight, by task id
+        self._generating: dict[str, asyncio.Task[None]] = {}  # batched generations in flight, by task id
         self._in_flight: set[str] = set()  # generations the model thread has not finished yet
 
     def report(self, message: Report) -> None:
@@ -104,20 +110,20 @@ class Runner:
                 self.report(Alive())
             last = self._engine.pulse
 
-    def _start_batched(self, loop, request: Generate) -> None:
+    def _start_batched(self, loop: asyncio.AbstractEventLoop, request: Generate) -> None:
         task = asyncio.create_task(self._serve(loop, request))
         self._generating[request.task_id] = task
         task.add_done_callback(lambda _: self._generating.pop(request.task_id, None))
 
-    def _follow(self, loop) -> None:
+    def _follow(self, loop: asyncio.AbstractEventLoop) -> None:
         """A rank other than 0: from now on the model thread runs what rank 0 announces."""
-        def on_end(done: asyncio.Future) -> None:
+        def on_end(done: asyncio.Future[None]) -> None:
             error = done.exception()
             self.report(Failed(error=f"lost rank 0: {type(error).__name__}: {error}" if error else "rank 0 left"))
 
         loop.run_in_executor(self._mlx_thread, follow, self._engine).add_done_callback(on_end)
 
-    async def _leave_group(self, loop) -> None:
+    async def _leave_group(self, loop: asyncio.AbstractEventLoop) -> None:
         """Rank 0 tells the followers it is leaving; a follower cannot finish its thread, so it just exits."""
         lockstep = self._engine.lockstep
         if lockstep is None:
@@ -140,14 +146,14 @@ class Runner:
 
             self._engine, self._batcher = VisionEngine(), None
 
-    def _batched(self, request) -> bool:
+    def _batched(self, request: AnyRequest) -> TypeGuard[Generate]:
         # A quantized KV cache takes the single path, as in mlx_lm.server (the batch keeps full caches).
         # A resumed request too: its earlier tokens are prefilled on the single path (Engine.generate).
         return (self._batcher is not None and isinstance(request, Generate) and not self._engine.kv_bits
                 and request.resume is None
                 and batchable(request.params, request.image_paths, multi_node=self._engine.lockstep is not None))
 
-    async def _serve(self, loop, request) -> None:
+    async def _serve(self, loop: asyncio.AbstractEventLoop, request: AnyRequest) -> None:
         try:
             if isinstance(request, Load):
                 self._choose_engine(request.model_path)
@@ -165,7 +171,7 @@ class Runner:
             traceback.print_exc()
             self.report(Failed(error=f"{type(error).__name__}: {error}"))
 
-    async def _generate(self, loop, request: Generate) -> None:
+    async def _generate(self, loop: asyncio.AbstractEventLoop, request: Generate) -> None:
         task_id = request.task_id
         chunks = ChunkMaker(task_id, request.resume)
         if task_id in self._cancelled:
@@ -202,10 +208,13 @@ class Runner:
         rest = chunks.rest(result, time.perf_counter())
         if rest is not None:  # on the loop thread, after every chunk the model thread scheduled
             self._chunks.put_nowait(rest)
-        await self._finish(task_id, chunks.index, result.finish_reason, result.prompt_tokens, result.completion_tokens,
+        # GenerationResult's reason is a str: mlx-lm's "stop" or "length", or Decoding's "cancelled".
+        reason = cast(FinishReason, result.finish_reason)
+        await self._finish(task_id, chunks.index, reason, result.prompt_tokens, result.completion_tokens,
                            stop_sequence=result.stop_sequence, cached=result.cached_tokens, attempt=chunks.attempt)
 
-    def _start(self, loop, request: Generate, on_output) -> Awaitable[GenerationResult]:
+    def _start(self, loop: asyncio.AbstractEventLoop, request: Generate,
+               on_output: OnOutput) -> Awaitable[GenerationResult]:
         """Hands the generation to the model thread: into the batch, or alone (Engine.generate)."""
         task_id = request.task_id
 
@@ -218,13 +227,14 @@ class Runner:
         return loop.run_in_executor(self._mlx_thread, self._engine.generate, request.params, request.defaults,
                                     on_output, is_cancelled, task_id, None, images, request.resume)
 
-    async def _finish(self, task_id, index, reason, prompt, completion, error: str = "", stop_sequence: str = "",
-                      cached: int = 0, error_code: str = "", attempt: int = 0) -> None:
+    async def _finish(self, task_id: TaskId, index: int, reason: FinishReason, prompt: int, completion: int,
+                      error: str = "", stop_sequence: str = "", cached: int = 0, error_code: str = "",
+                      attempt: int = 0) -> None:
         final = TokenChunk(
             command_id=task_id, index=index, token_count=completion, prompt_tokens=prompt, finish_reason=reason,
             error=error, stop_sequence=stop_sequence, cached_tokens=cached, error_code=error_code, attempt=attempt,
         )
-        published = asyncio.get_running_loop().create_future()
+        published: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._chunks.put_nowait((final, published))
         await published  # this generation's chunks are all out (one publisher, in order); others may still run
         self.report(Done(task_id=task_id, finish_reason=reason, prompt_tokens=prompt, completion_tokens=completion,
@@ -246,7 +256,7 @@ class Runner:
                 if published is not None and not published.done():
                     published.set_result(None)
 
-    async def _read_stdin(self, loop) -> None:
+    async def _read_stdin(self, loop: asyncio.AbstractEventLoop) -> None:
         # Read on the event loop itself (not a thread): one thread hop less per request.
         stdin = asyncio.StreamReader(limit=64 * 1024 * 1024)
         await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(stdin), sys.stdin.buffer)

@@ -31,11 +31,13 @@ def starts_in_reasoning(tokenizer: Any, prompt: list[int]) -> bool:
     """The prompt's last thinking block is still open: the model's first words are reasoning."""
     if not getattr(tokenizer, "has_thinking", False) or not prompt:
         return False
-    return tokenizer.rfind_think_start(prompt) > tokenizer.rfind_think_end(prompt)
+    start: int = tokenizer.rfind_think_start(prompt)  # mlx-lm's TokenizerWrapper: -1 if none
+    end: int = tokenizer.rfind_think_end(prompt)
+    return start > end
 
 
 class OutputSplitter:
-    def __init__(self, tokenizer: Any, tools: list[dict], call_id_prefix: str, prompt: list[int],
+    def __init__(self, tokenizer: Any, tools: list[dict[str, Any]], call_id_prefix: str, prompt: list[int],
                  reasoning: bool = True) -> None:
         self._tools = tools
         self._prefix = call_id_prefix

@@ -67,8 +67,9 @@ class VisionEngine(Engine):
         else:
             messages = self._messages(params)
         switch = {} if params.enable_thinking is None else {"enable_thinking": params.enable_thinking}
-        return get_chat_template(self.processor, messages, add_generation_prompt=True, tools=params.tools or None,
-                                 **switch)
+        prompt: str = get_chat_template(self.processor, messages, add_generation_prompt=True,
+                                        tools=params.tools or None, **switch)
+        return prompt
 
     def _messages(self, params: GenerationParams) -> list[dict[str, Any]]:
         model_type = self.model.config.model_type

@@ -19,7 +19,7 @@ import msgspec
 
 from exo.bus.tooling.log_reader import LogFollower, LogRecord, log_bounds, read_log
 from exo.core.apply import apply
-from exo.core.events import decode_event
+from exo.core.events import AnyEvent, decode_event
 from exo.core.state import State
 from exo.tools.cli import EXIT_OK, Output, add_nats_option, open_nats, run_tool
 from exo.tools.event_view import EventFilter, describe, kind_of, matches, parse_filters
@@ -111,7 +111,7 @@ class _Tail:
         if shown:
             self._show(record, kind, event, reason)
 
-    def _show(self, record: LogRecord, kind: str, event, reason: str) -> None:
+    def _show(self, record: LogRecord, kind: str, event: AnyEvent | None, reason: str) -> None:
         try:
             if self._as_json:
                 self._out.raw(encode_line(record))

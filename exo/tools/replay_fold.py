@@ -12,7 +12,7 @@ import msgspec
 
 from exo.bus.tooling.log_reader import LogRecord
 from exo.core.apply import apply, skip_event
-from exo.core.events import decode_event
+from exo.core.events import AnyEvent, decode_event
 from exo.core.state import SkippedEvent, State
 from exo.tools.event_view import EventFilter, describe, kind_of, matches
 from exo.tools.state_diff import Change, format_path, state_changes
@@ -93,7 +93,7 @@ class Replayer:
         if self._checkpoints:
             self._check(record.seq)
 
-    def _show(self, record: LogRecord, before: State, event, reason: str) -> None:
+    def _show(self, record: LogRecord, before: State, event: AnyEvent | None, reason: str) -> None:
         if self._on_step is None:
             return
         kind = kind_of(record.subject, event)
@@ -109,7 +109,7 @@ class Replayer:
             self.checks.append(compare(self.state, checkpoint))
 
 
-def _fold(state: State, record: LogRecord):
+def _fold(state: State, record: LogRecord) -> tuple[State, AnyEvent | None, str]:
     """(new State, the event or None, why it was not used or "")."""
     try:
         event = decode_event(record.data)

@@ -43,7 +43,7 @@ def state_changes(before: State, after: State) -> list[Change]:
     return changes
 
 
-def _dict_of_structs_changes(path: Path, old: dict, new: dict, changes: list[Change]) -> None:
+def _dict_of_structs_changes(path: Path, old: dict[Any, Any], new: dict[Any, Any], changes: list[Change]) -> None:
     for key, value in old.items():
         if key not in new:
             changes.append(Change(op="removed", path=(*path, key), before=msgspec.to_builtins(value)))
@@ -69,7 +69,7 @@ def _value_changes(path: Path, old: Any, new: Any, changes: list[Change]) -> Non
         changes.append(Change(op="changed", path=path, before=old, after=new))
 
 
-def _list_changes(path: Path, old: list, new: list, changes: list[Change]) -> None:
+def _list_changes(path: Path, old: list[Any], new: list[Any], changes: list[Change]) -> None:
     """Bounded logs (like `skipped_events`) drop from the front and append at the back: show
     that as such, not as every element changed."""
     if not old:

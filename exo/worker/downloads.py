@@ -12,9 +12,10 @@ import logging
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from exo.background import Background
 from exo.bus.connection import Connection
@@ -45,7 +46,7 @@ def peers_with(state: State, model_id: ModelId, me: NodeId) -> list[NodeId]:
 @dataclass
 class _Job:
     fetch: ModelFetch
-    task: asyncio.Task | None = None
+    task: asyncio.Task[Path] | None = None
     samples: list[tuple[float, int]] = field(default_factory=list)
     last_sent: float = 0.0
     last_done: int = -1
@@ -68,10 +69,10 @@ class DownloadCoordinator:
         self._locks: defaultdict[ModelId, asyncio.Lock] = defaultdict(asyncio.Lock)
         self._share_cache: dict[Path, tuple[int, Manifest]] = {}
         self._peer_slots = asyncio.Semaphore(IN_FLIGHT)
-        self._servers: list = [DownloadControlServer(nc, node_id, self.handle)]
+        self._servers: list[DownloadControlServer | ModelShareServer] = [DownloadControlServer(nc, node_id, self.handle)]
         if settings.share and not settings.offline:
             self._servers.append(ModelShareServer(nc, node_id, self._shareable))
-        self._reporter: asyncio.Task | None = None
+        self._reporter: asyncio.Task[None] | None = None
         self._background = Background("downloads")
         self._terminal = sys.stderr.isatty()
 
@@ -245,7 +246,7 @@ class DownloadCoordinator:
                 return path, cached[1]
         return None
 
-    def _in_background(self, coroutine) -> None:
+    def _in_background(self, coroutine: Coroutine[Any, Any, Any]) -> None:
         self._background.start(coroutine)
 
 

@@ -14,6 +14,7 @@ import logging
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from exo.bus.connection import Connection
 from exo.bus.peers.model_share import PeerError, fetch_from_peer, peer_manifest
@@ -123,11 +124,12 @@ class ModelFetch:
             raise DownloadError("disk_full", f"{self.card.model_id} needs {needed} more bytes in {self.target.parent} "
                                              f"but only {max(free, 0)} are free")
 
-    def _read_index(self) -> dict | None:
+    def _read_index(self) -> dict[str, Any] | None:
         assert self.target is not None and self._manifest is not None
         if INDEX_FILE not in self._manifest.verified:
             return None
-        return json.loads((self.target / INDEX_FILE).read_text())
+        index: dict[str, Any] = json.loads((self.target / INDEX_FILE).read_text())  # a JSON object
+        return index
 
     def _track(self, paths: list[str]) -> None:
         """Count the files in the progress, with what is already on disk (verified or partial)."""

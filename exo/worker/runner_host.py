@@ -43,7 +43,7 @@ class RunnerHost:
         self._nats_urls = nats_urls
         self._log_path = log_dir / f"runner-{runner_id}.log"
         self._process: asyncio.subprocess.Process | None = None
-        self._reader: asyncio.Task | None = None
+        self._reader: asyncio.Task[None] | None = None
         self._stopping = False
         self._log_start = 0  # where this process's part of the (appended) log file begins
 

@@ -11,8 +11,9 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Coroutine, Mapping
 from pathlib import Path
+from typing import Any
 
 from msgspec.structs import replace
 
@@ -32,6 +33,7 @@ from exo.core.types import (
     ModelCard,
     PromptCacheStats,
     RunnerStatus,
+    SamplingDefaults,
     ShardAssignment,
     Task,
     TaskStatus,
@@ -51,7 +53,6 @@ from exo.runner.protocol import (
     RankSetup,
     Request,
     Resume,
-    SamplingDefaults,
     Started,
     WarmedUp,
     WarmUp,
@@ -197,7 +198,7 @@ class Worker:
         if concerned is None or self.node_id in concerned:
             self._wake.set()
 
-    def _set_phase(self, runner_id: RunnerId, phase: LocalPhase, **changes) -> bool:
+    def _set_phase(self, runner_id: RunnerId, phase: LocalPhase, **changes: Any) -> bool:
         """False when the runner failed meanwhile: a step planned before it died (a download that
         finished, a load) must not hide the failure, or nothing would ever restart it."""
         runner = self._runners.get(runner_id)
@@ -221,7 +222,7 @@ class Worker:
             failures=runner.failures,
         ))
 
-    def _in_background(self, coroutine) -> None:
+    def _in_background(self, coroutine: Coroutine[Any, Any, Any]) -> None:
         self._background.start(coroutine)
 
     async def _execute(self, step: Step) -> None:

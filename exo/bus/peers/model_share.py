@@ -148,7 +148,7 @@ async def fetch_from_peer(
     subject = model_share_subject(peer, "chunk")
     step = chunk_size(nc)
     offsets = deque(range(start, size, step))
-    in_flight: deque[tuple[int, asyncio.Task]] = deque()
+    in_flight: deque[tuple[int, asyncio.Task[bytes]]] = deque()
 
     async def fill() -> None:
         while offsets and len(in_flight) < window and not (in_flight and slots.locked()):

@@ -8,6 +8,7 @@ from collections.abc import Awaitable, Callable, Mapping
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from nats.errors import Error as NatsError
 
 from exo.bus.inbound import from_clients_only
@@ -18,7 +19,7 @@ OnRequest = Callable[[Msg], Awaitable[None]]
 class Responders:
     def __init__(self, nc: Client) -> None:
         self._nc = nc
-        self._subscriptions: list = []
+        self._subscriptions: list[Subscription] = []
 
     async def start(self, handlers: Mapping[str, OnRequest]) -> None:
         for subject, handler in handlers.items():

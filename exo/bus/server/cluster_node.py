@@ -97,7 +97,8 @@ def save_membership(store_dir: Path, membership: Membership) -> None:
 def free_port(host: str) -> int:
     with socket.socket() as probe:
         probe.bind((host, 0))
-        return probe.getsockname()[1]
+        port: int = probe.getsockname()[1]  # (host, port) for AF_INET
+        return port
 
 
 class ClusterNode:
@@ -112,7 +113,7 @@ class ClusterNode:
         self.server: EmbeddedNats | None = None
         self.witness: EmbeddedNats | None = None
         self._nc: Connection | None = None
-        self._witness_supervisor: asyncio.Task | None = None  # ends when the witness is retired
+        self._witness_supervisor: asyncio.Task[None] | None = None  # ends when the witness is retired
         self._silent_since: dict[str, float] = {}  # server -> when this node (as meta leader) saw it go silent
         self._online_shown = 0  # the count of online servers last logged
         self._replicated_turns = 0  # upkeep turns in a row that found everything on three current replicas

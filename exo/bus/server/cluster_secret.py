@@ -50,6 +50,7 @@ def lan_address() -> str:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
         try:
             probe.connect(("192.0.2.1", 9))  # TEST-NET-1: only the routing table is consulted
-            return probe.getsockname()[0]
+            address: str = probe.getsockname()[0]  # (host, port) for AF_INET
+            return address
         except OSError:
             return "127.0.0.1"

@@ -56,7 +56,7 @@ class Discovery:
         self._browser: AsyncServiceBrowser | None = None
         self._me: Announcement | None = None
         self._peers: dict[str, Announcement] = {}  # by mDNS instance name
-        self._resolving: set[asyncio.Task] = set()
+        self._resolving: set[asyncio.Task[None]] = set()
         self.changed = asyncio.Event()  # set whenever the peer table changes
 
     async def start(self, me: Announcement) -> None:

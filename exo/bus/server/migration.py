@@ -111,7 +111,8 @@ async def _message(nc: Client, stream: str, seq: int) -> dict[str, Any] | None:
         return None
     if reply.get("error"):
         raise BusError(f"migration: cannot read {stream} #{seq}: {reply['error'].get('description')}")
-    return reply["message"]
+    message: dict[str, Any] = reply["message"]
+    return message
 
 
 def _data(message: dict[str, Any]) -> bytes:

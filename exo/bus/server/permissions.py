@@ -21,7 +21,7 @@ OPERATOR_USER = "operator"
 
 _MASTER = f"{COMMANDS_STREAM}.{MASTER_CONSUMER}"
 
-OPERATOR_PERMISSIONS: dict = {
+OPERATOR_PERMISSIONS: dict[str, dict[str, list[str]]] = {
     "publish": {
         "allow": [
             "$JS.API.INFO",

@@ -10,6 +10,7 @@ store clients, which know their subject layouts.
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import aiohttp
 import msgspec
@@ -118,16 +119,16 @@ async def inspect_nats(nc: Client, monitor_url: str | None = None, max_items: in
     return Inspection(server=server, streams=streams, buckets=buckets, object_stores=stores)
 
 
-async def _api(nc: Client, subject: str, body: dict) -> dict:
-    reply = json.loads((await nc.request(subject, json.dumps(body).encode(), timeout=_API_TIMEOUT_S)).data)
+async def _api(nc: Client, subject: str, body: dict[str, Any]) -> dict[str, Any]:
+    reply: dict[str, Any] = json.loads((await nc.request(subject, json.dumps(body).encode(), timeout=_API_TIMEOUT_S)).data)
     if "error" in reply:
         raise BusError(f"{subject}: {reply['error'].get('description', reply['error'])}")
     return reply
 
 
-async def _api_list(nc: Client, subject: str, field: str) -> list[dict]:
+async def _api_list(nc: Client, subject: str, field: str) -> list[dict[str, Any]]:
     """Every item of a paged JetStream list response."""
-    items: list[dict] = []
+    items: list[dict[str, Any]] = []
     while True:
         reply = await _api(nc, subject, {"offset": len(items)})
         page = reply.get(field) or []
@@ -136,7 +137,7 @@ async def _api_list(nc: Client, subject: str, field: str) -> list[dict]:
             return items
 
 
-async def _stream_view(nc: Client, raw: dict) -> StreamView:
+async def _stream_view(nc: Client, raw: dict[str, Any]) -> StreamView:
     config, state = raw["config"], raw["state"]
     consumers = await _api_list(nc, f"$JS.API.CONSUMER.LIST.{config['name']}", "consumers")
     last_time = state.get("last_ts", "") if state.get("last_seq") else ""
@@ -150,12 +151,13 @@ async def _stream_view(nc: Client, raw: dict) -> StreamView:
     )
 
 
-def _follower(raw: dict) -> str:
+def _follower(raw: dict[str, Any]) -> str:
     state = " (offline)" if raw.get("offline") else "" if raw.get("current") else " (behind)"
-    return raw.get("name", "?") + state
+    name: str = raw.get("name", "?")
+    return name + state
 
 
-def _consumer_view(raw: dict) -> ConsumerView:
+def _consumer_view(raw: dict[str, Any]) -> ConsumerView:
     config = raw["config"]
     return ConsumerView(
         name=raw["name"], durable=bool(config.get("durable_name")), pull=not config.get("deliver_subject"),

@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import msgspec
+
+if TYPE_CHECKING:
+    from nats.aio.subscription import Subscription
+    from nats.js import JetStreamContext
 
 
 class LogRecord(msgspec.Struct, frozen=True, gc=False):
@@ -29,6 +34,6 @@ HEARTBEAT_S = 2.0
 OnBatch = Callable[[list[LogRecord]], None]
 
 
-async def unsubscribe_quietly(subscription) -> None:
+async def unsubscribe_quietly(subscription: Subscription | JetStreamContext.PullSubscription) -> None:
     with contextlib.suppress(Exception):  # the connection may be closing already; the server drops the consumer itself
         await subscription.unsubscribe()

@@ -74,7 +74,8 @@ class RawParser(Parser):
 
     async def parse(self, data: bytes = b"") -> None:
         if self.on_raw is None or self.state != AWAITING_CONTROL_LINE:
-            return await super().parse(data)
+            await super().parse(data)  # nats-py's, unannotated: it returns None
+            return
         buf = self.buf
         buf.extend(data)
         view = bytes(buf)
