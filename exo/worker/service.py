@@ -20,7 +20,6 @@ from msgspec.structs import replace
 from exo.background import Background
 from exo.bus.connection import Connection
 from exo.bus.event_log import EventLog
-from exo.bus.images import ImageUnavailable, fetch_image
 from exo.bus.state_view import StateView
 from exo.bus.token_stream import publish_chunk, resume_point
 from exo.core.catalogue import find_card
@@ -58,7 +57,6 @@ from exo.runner.protocol import (
     WarmUp,
 )
 from exo.worker.downloads import DownloadCoordinator
-from exo.worker.image_cache import ImageCache, limit_from_env
 from exo.worker.plan import (
     AbandonRunner,
     CancelForwardedTask,
@@ -86,6 +84,7 @@ from exo.worker.plan import (
     tasks_needing,
 )
 from exo.worker.runner_host import RunnerFactory, RunnerHost, RunnerLink
+from exo.worker.task_images import TaskImages
 from exo.worker.task_runs import TaskRuns, run_of
 
 log = logging.getLogger(__name__)
@@ -116,8 +115,7 @@ class Worker:
         self._new_runner = runner_factory or (lambda runner_id: RunnerHost(runner_id, nats_urls, data_dir / "logs"))
         self._model_paths: dict[RunnerId, Path] = {}
         self._runs = TaskRuns()  # which run of each task this node forwarded and ended
-        self._images = ImageCache(self.images_dir, limit_from_env())  # what is on disk: plan's local_images
-        self._images_in_flight: set[str] = set()
+        self._images = TaskImages(nc, self.images_dir, self._fail_tasks_needing, lambda: images_needed(self._worker_view()))
         self._wake = asyncio.Event()
         self._background = Background("worker")
         self.downloads = DownloadCoordinator(
@@ -140,7 +138,7 @@ class Worker:
         reconcile_custom_cards(self.custom_cards_dir, self._view.state.custom_model_cards)
         await self.downloads.start()
         await self._fetch_images(images_to_fetch(self._worker_view()))
-        self._trim_images()
+        self._images.trim()
         log.info("worker: disk reconciled with State at sequence %d; planning starts", self._view.state.last_seq)
         self._in_background(self._watch_busy_runners())
         self._wake.set()
@@ -148,7 +146,7 @@ class Worker:
             await self._wake.wait()
             self._wake.clear()
             self._forget_settled()
-            self._trim_images()
+            self._images.trim()
             for step in plan(self._worker_view()):
                 try:
                     await self._execute(step)
@@ -182,15 +180,14 @@ class Worker:
     def _worker_view(self) -> WorkerView:
         return WorkerView(
             node_id=self.node_id, state=self._view.state, runners=dict(self._runners), ended_tasks=self._runs.current_ends(self._view.state),
-            local_images=self._images.digests(), images_in_flight=frozenset(self._images_in_flight),
+            local_images=self._images.cache.digests(), images_in_flight=frozenset(self._images.in_flight),
             now=time.monotonic(), stall_after=RUNNER_STALL_S, migrate_grace=MIGRATE_GRACE_S,
         )
 
     def _on_event(self, seq: int, event: AnyEvent, state: State) -> None:
-        # One card event touches one file. (Reconciling the whole folder here cost O(cards) per
-        # event on this node's event loop: at a few thousand custom cards the worker fell behind
-        # the log and chats stopped being forwarded; see docs/reliability.md.) State, not the
-        # event, says what the file must be: the reducer may have skipped the event.
+        # One card event touches one file (a whole-folder reconcile per event fell behind the log:
+        # docs/reliability.md). State, not the event, says what the file must be: the reducer may
+        # have skipped the event.
         if isinstance(event, (CustomCardAdded, CustomCardDeleted)):
             model_id = event.card.model_id if isinstance(event, CustomCardAdded) else event.model_id
             reconcile_custom_card(self.custom_cards_dir, model_id, state.custom_model_cards.get(model_id))
@@ -248,7 +245,7 @@ class Worker:
                 self._runners[step.runner_id] = replace(runner, cancels_sent=runner.cancels_sent | {step.task_id})
                 await self._hosts[step.runner_id].send(Cancel(task_id=step.task_id))
             case FetchImages():
-                self._images_in_flight.update(step.digests)
+                self._images.in_flight.update(step.digests)
                 self._in_background(self._fetch_images(step.digests))
             case EndTask():
                 await self._end_task(step.task_id, step.status, step.reason)
@@ -268,35 +265,13 @@ class Worker:
                 self._in_background(self._stop_runner(step.runner_id, graceful))
 
     async def _fetch_images(self, digests: list[str]) -> None:
-        for digest in digests:
-            try:
-                data = await fetch_image(self._nc, digest)  # verified against its hash
-            except ImageUnavailable as error:  # missing, corrupt or unreadable: its tasks fail
-                log.error("worker: %s", error)
-                self._fail_tasks_needing(digest, str(error))
-                continue
-            finally:
-                self._images_in_flight.discard(digest)
-            try:
-                await asyncio.to_thread(self._images.write, digest, data)
-            except OSError as error:  # a full disk: its tasks fail
-                log.error("cannot store image %s: %s", digest, error)
-                self._fail_tasks_needing(digest, f"cannot store the image: {error}")
-                continue
-            log.info("worker: image %s fetched and verified (%d bytes)", digest, len(data))
-            self._trim_images()
+        await self._images.fetch(digests)
         self._wake.set()
 
     def _fail_tasks_needing(self, digest: str, reason: str) -> None:
         for task_id in tasks_needing(self._worker_view(), digest):
             self._runs.ended(self._view.state, task_id)  # now, not when _end_task runs: the next plan must not fetch it again
             self._in_background(self._end_task(task_id, "failed", reason))
-
-    def _trim_images(self) -> None:
-        """Keep the image folder within EXO_IMAGE_CACHE_BYTES; what the open tasks need stays.
-        It runs on every wake: what the tasks need is listed only when something must go."""
-        over = self._images.total_bytes > self._images.limit_bytes
-        self._images.trim(images_needed(self._worker_view()) if over else ())
 
     async def _create_runner(self, step: CreateRunner | RestartRunner, failures: int = 0,
                              failed_at: float = 0.0) -> None:
@@ -348,8 +323,8 @@ class Worker:
         task = self._view.state.tasks[step.task_id]
         card = find_card(self._view.state, self._builtin_cards, task.model_id)
         defaults = card.sampling_for(task.params.enable_thinking) if card else SamplingDefaults()
-        images = {d: str(self._images.path(d)) for d in images_of(task)}
-        self._images.touch(images)
+        images = {d: str(self._images.cache.path(d)) for d in images_of(task)}
+        self._images.cache.touch(images)
         resume = await self._resume_of(task)
         self._runs.forwarded(step.runner_id, task.task_id, len(task.migrations))
         log.info("worker: task %s forwarded to runner %s%s", task.task_id, step.runner_id,

@@ -1,0 +1,51 @@
+"""The images this node's tasks need: fetched from the object store by their sha256 (verified),
+kept on disk within EXO_IMAGE_CACHE_BYTES (exo/worker/image_cache.py), the ones open tasks need
+kept. What to fetch and what is needed is the planner's (exo/worker/plan.py); this is the I/O."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from exo.bus.connection import Connection
+from exo.bus.images import ImageUnavailable, fetch_image
+from exo.worker.image_cache import ImageCache, limit_from_env
+
+log = logging.getLogger(__name__)
+
+
+class TaskImages:
+    def __init__(self, nc: Connection, images_dir: Path, fail_tasks_needing: Callable[[str, str], None],
+                 needed: Callable[[], Iterable[str]]) -> None:
+        self._nc = nc
+        self.cache = ImageCache(images_dir, limit_from_env())  # what is on disk: plan's local_images
+        self.in_flight: set[str] = set()
+        self._fail_tasks_needing = fail_tasks_needing  # (digest, reason): an image that cannot be had fails its tasks
+        self._needed = needed  # what the open tasks need, listed only when something must go
+
+    async def fetch(self, digests: list[str]) -> None:
+        for digest in digests:
+            try:
+                data = await fetch_image(self._nc, digest)  # verified against its hash
+            except ImageUnavailable as error:  # missing, corrupt or unreadable: its tasks fail
+                log.error("worker: %s", error)
+                self._fail_tasks_needing(digest, str(error))
+                continue
+            finally:
+                self.in_flight.discard(digest)
+            try:
+                await asyncio.to_thread(self.cache.write, digest, data)
+            except OSError as error:  # a full disk: its tasks fail
+                log.error("cannot store image %s: %s", digest, error)
+                self._fail_tasks_needing(digest, f"cannot store the image: {error}")
+                continue
+            log.info("worker: image %s fetched and verified (%d bytes)", digest, len(data))
+            self.trim()
+
+    def trim(self) -> None:
+        """Keep the image folder within its bound; what the open tasks need stays. It runs on every
+        wake of the worker: what the tasks need is listed only when something must go."""
+        over = self.cache.total_bytes > self.cache.limit_bytes
+        self.cache.trim(self._needed() if over else ())
