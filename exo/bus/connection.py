@@ -11,6 +11,7 @@ from typing import Any
 import nats
 from nats.aio.client import Client
 
+from exo.bus import broker_trouble
 from exo.bus.errors import BusError
 
 # What the rest of exo holds: a connection to NATS. Only exo/bus imports `nats` (tests/test_layering.py).
@@ -75,7 +76,11 @@ async def connect(urls: list[str], name: str) -> Client:
 
     async def on_disconnected() -> None:
         if not (client.is_closed or client.is_draining):  # closing on purpose is no news
+            broker_trouble.note()
             log.warning("nats (%s): disconnected, reconnecting", name)
+
+    async def on_reconnected() -> None:
+        broker_trouble.note()  # the silence of others ends a full window after this, not before
 
     try:
         # nats-py never gives up on a first connection when reconnects are unlimited, so a
@@ -97,6 +102,7 @@ async def connect(urls: list[str], name: str) -> Client:
             allow_reconnect=True,
             error_cb=on_error,
             disconnected_cb=on_disconnected,
+            reconnected_cb=on_reconnected,
             **security,
         )
         return client

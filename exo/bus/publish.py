@@ -15,6 +15,7 @@ import nats.js.errors
 from nats.aio.client import Client
 from nats.js.api import PubAck
 
+from exo.bus import broker_trouble
 from exo.bus.errors import BusError
 
 log = logging.getLogger(__name__)
@@ -45,6 +46,7 @@ async def publish_durably(
         except _TRANSIENT as error:
             if loop.time() + delay > deadline:
                 raise BusError(f"could not publish to {stream} for {retry_for:.0f} s: {error!r}") from error
+            broker_trouble.note()
             log.info("publish to %s not acknowledged (%r); retrying with the same id", stream, error)
             await asyncio.sleep(delay)
             delay = min(delay * 2, 1.0)

@@ -19,6 +19,7 @@ from typing import cast
 
 from msgspec.structs import replace
 
+from exo.bus import broker_trouble
 from exo.bus.command_queue import NotLeader, consume_commands
 from exo.bus.connection import Connection
 from exo.bus.errors import BROKER_ERRORS
@@ -146,12 +147,15 @@ class Master:
             await asyncio.sleep(interval)
             state, now = self._view.state, time.monotonic()
             # This loop itself stalled (a long GC, a starved machine): the pulses queued meanwhile
-            # are not read yet, so silence proves nothing this time round.
+            # are not read yet, so silence proves nothing this time round. Nor does silence while
+            # the broker was in trouble (a server gone, a stream between leaders): a node's pulses
+            # may be held up by the same trouble, so it gets a full suspect window after it.
+            troubled = now - broker_trouble.last() < self._heal.suspect_s
             stalled, last_tick = now - last_tick > 2.5 * interval, now
             for node_id in state.nodes:
                 self._heard_at.setdefault(node_id, now)  # first seen by this master: it gets a full timeout
             events = supervise(state, self._heard_at, now, node_timeout=self._node_timeout, wall_now=time.time(),
-                               limits=replace(self._heal, suspect_s=float("inf")) if stalled else self._heal,
+                               limits=replace(self._heal, suspect_s=float("inf")) if stalled or troubled else self._heal,
                                builtin=self._builtin_cards,
                                ids=ids_for(CommandId(f"heal:{term}:{state.last_seq}")))
             try:
