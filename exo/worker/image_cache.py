@@ -12,6 +12,7 @@ import contextlib
 import logging
 import os
 import re
+import uuid
 from collections import OrderedDict
 from collections.abc import Iterable
 from pathlib import Path
@@ -80,7 +81,7 @@ class ImageCache:
         """Store verified bytes under their digest, whole or not at all (raises OSError, e.g. a full
         disk, with no half-written file left behind); then they are the most recently used."""
         self.directory.mkdir(parents=True, exist_ok=True)
-        temporary = self.directory / f".{digest}.tmp"
+        temporary = self.directory / f".{digest}.{uuid.uuid4().hex[:8]}.tmp"  # two writes of one image never share it
         try:
             temporary.write_bytes(data)
             temporary.replace(self.path(digest))

@@ -28,21 +28,25 @@ class TaskImages:
     async def fetch(self, digests: list[str]) -> None:
         for digest in digests:
             try:
-                data = await fetch_image(self._nc, digest)  # verified against its hash
-            except ImageUnavailable as error:  # missing, corrupt or unreadable: its tasks fail
-                log.error("worker: %s", error)
-                self._fail_tasks_needing(digest, str(error))
-                continue
-            finally:
+                await self._fetch_one(digest)
+            finally:  # in flight until it is on disk (or failed): a plan meanwhile must not fetch it again
                 self.in_flight.discard(digest)
-            try:
-                await asyncio.to_thread(self.cache.write, digest, data)
-            except OSError as error:  # a full disk: its tasks fail
-                log.error("cannot store image %s: %s", digest, error)
-                self._fail_tasks_needing(digest, f"cannot store the image: {error}")
-                continue
-            log.info("worker: image %s fetched and verified (%d bytes)", digest, len(data))
-            self.trim()
+
+    async def _fetch_one(self, digest: str) -> None:
+        try:
+            data = await fetch_image(self._nc, digest)  # verified against its hash
+        except ImageUnavailable as error:  # missing, corrupt or unreadable: its tasks fail
+            log.error("worker: %s", error)
+            self._fail_tasks_needing(digest, str(error))
+            return
+        try:
+            await asyncio.to_thread(self.cache.write, digest, data)
+        except OSError as error:  # a full disk: its tasks fail
+            log.error("cannot store image %s: %s", digest, error)
+            self._fail_tasks_needing(digest, f"cannot store the image: {error}")
+            return
+        log.info("worker: image %s fetched and verified (%d bytes)", digest, len(data))
+        self.trim()
 
     def trim(self) -> None:
         """Keep the image folder within its bound; what the open tasks need stays. It runs on every
