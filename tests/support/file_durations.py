@@ -21,7 +21,12 @@ def load() -> dict[str, float]:
         table = json.loads(TABLE.read_text())
     except (OSError, ValueError):
         return {}
-    return {str(name): float(seconds) for name, seconds in table.items()} if isinstance(table, dict) else {}
+    if not isinstance(table, dict):
+        return {}
+    # a hand-edited or merged table may hold anything: only "file": seconds counts, the rest is ignored
+    return {name: float(seconds) for name, seconds in table.items()
+            if isinstance(name, str) and isinstance(seconds, (int, float)) and not isinstance(seconds, bool)
+            and 0 <= seconds < 1e6}
 
 
 def from_junit(report: Path) -> dict[str, float]:
