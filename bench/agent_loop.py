@@ -23,6 +23,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -46,17 +47,18 @@ def tool_result(step: int, low: int = 1024, high: int = 4096) -> str:
     return text[:size]
 
 
-def ask(client: httpx.Client, url: str, model: str, messages: list[dict], max_tokens: int) -> dict:
+def ask(client: httpx.Client, url: str, model: str, messages: list[dict[str, Any]], max_tokens: int) -> dict[str, Any]:
     body = {"model": model, "messages": messages, "tools": [WEATHER_TOOL], "temperature": 0, "max_tokens": max_tokens}
     response = client.post(f"{url}/v1/chat/completions", json=body)
     response.raise_for_status()
-    return response.json()["choices"][0]["message"]
+    message: dict[str, Any] = response.json()["choices"][0]["message"]  # the OpenAI API's assistant message
+    return message
 
 
 def session(url: str, model: str, steps: int, salt: int, sizes: tuple[int, int] = (1024, 4096)) -> list[float]:
     """The wall time of each step of one session."""
-    messages: list[dict] = [{"role": "system", "content": f"Session {salt}. You are an agent with tools."}]
-    times = []
+    messages: list[dict[str, Any]] = [{"role": "system", "content": f"Session {salt}. You are an agent with tools."}]
+    times: list[float] = []
     with httpx.Client(timeout=600) as client:
         for step in range(steps):
             start = time.perf_counter()

@@ -19,6 +19,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TypedDict
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -26,10 +27,20 @@ import httpx  # noqa: E402
 
 from tests.support.exo_process import ExoProcess  # noqa: E402
 from tests.support.fake_hub import FakeHub  # noqa: E402
-from tests.support.mlx_lm_server import start_mlx_lm_server  # noqa: E402, F401 (the benches' reference)
+from tests.support.mlx_lm_server import start_mlx_lm_server as start_mlx_lm_server  # noqa: E402 (the benches' reference)
 from tests.support.tiny_model import TINY_MODEL_ID, make_tiny_model  # noqa: E402
 
 MESSAGES = [{"role": "user", "content": "Write a short story about a lighthouse keeper and the sea."}]
+
+
+class LoadResult(TypedDict):
+    """One concurrency level on one server: requests/s, TTFT p50 and p99 in ms, requests sent, failed."""
+
+    rps: float
+    p50: float
+    p99: float
+    n: int
+    failed: int
 
 
 async def one_request(client: httpx.AsyncClient, model: str, max_tokens: int) -> float | None:
@@ -55,12 +66,12 @@ async def _timed_request(client: httpx.AsyncClient, model: str, max_tokens: int)
     return first
 
 
-async def load(url: str, model: str, concurrency: int, per_client: int, max_tokens: int) -> dict:
+async def load(url: str, model: str, concurrency: int, per_client: int, max_tokens: int) -> LoadResult:
     limits = httpx.Limits(max_connections=concurrency + 4)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
         await _timed_request(client, model, max_tokens)  # warm: kernels, connections
 
-        async def client_loop() -> list[float]:
+        async def client_loop() -> list[float | None]:
             return [await one_request(client, model, max_tokens) for _ in range(per_client)]
 
         start = time.perf_counter()
@@ -76,8 +87,8 @@ async def load(url: str, model: str, concurrency: int, per_client: int, max_toke
 def start_exo(model_dir: Path, root: Path, max_batch: int | None = None,
               extra_env: dict[str, str] | None = None, model_id: str = TINY_MODEL_ID) -> tuple[FakeHub, ExoProcess]:
     hub = FakeHub({model_id: model_dir})
-    hub.start()
-    env = {"HF_ENDPOINT": hub.endpoint, "HF_HOME": str(root / "hf"), "HF_HUB_DISABLE_TELEMETRY": "1",
+    endpoint = hub.start()
+    env = {"HF_ENDPOINT": endpoint, "HF_HOME": str(root / "hf"), "HF_HUB_DISABLE_TELEMETRY": "1",
            "EXO_LOG_LEVEL": "WARNING", **(extra_env or {})}
     if max_batch is not None:
         env["EXO_MAX_BATCH"] = str(max_batch)
@@ -95,7 +106,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--max-batch", type=int, default=None, help="EXO_MAX_BATCH for exo (default: exo's own)")
     args = parser.parse_args()
-    rows = []
+    rows: list[tuple[int, LoadResult, LoadResult]] = []
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         model_dir = make_tiny_model(root / "model")

@@ -21,13 +21,14 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import httpx  # noqa: E402
 
-from exo.bus.connection import connect  # noqa: E402
+from exo.bus.connection import Connection, connect  # noqa: E402
 from exo.bus.server.server_config import NODE_TAG  # noqa: E402
 from tests.support.exo_process import ExoProcess  # noqa: E402
 from tests.support.healing import kill_9, stop_all  # noqa: E402
@@ -41,7 +42,7 @@ def serving_after(node: ExoProcess, started: float, timeout: float = 150.0) -> f
     """Seconds from `started` until the node's API answers."""
     deadline = started + timeout
     while time.monotonic() < deadline:
-        assert node.process.poll() is None, node.output()
+        assert node.process is not None and node.process.poll() is None, node.output()
         try:
             if httpx.get(f"{node.url}/v1/models", timeout=1).status_code == 200:
                 return time.monotonic() - started
@@ -80,7 +81,7 @@ def all_at_once(root: Path) -> list[float]:
         stop_all(nodes)
 
 
-async def _stream(nc, name: str, replicas: int) -> None:
+async def _stream(nc: Connection, name: str, replicas: int) -> None:
     config = {"name": name, "subjects": [f"bench.{name}"], "storage": "file", "num_replicas": replicas,
               "placement": {"tags": [NODE_TAG]}, "max_msgs": 100_000}
     reply = json.loads((await nc.request(f"$JS.API.STREAM.CREATE.{name}", json.dumps(config).encode(), timeout=10)).data)
@@ -90,7 +91,8 @@ async def _stream(nc, name: str, replicas: int) -> None:
 
 async def append_rates(url: str, appends: int, rounds: int) -> dict[int, list[float]]:
     nc = await connect([url], name="bench-appends")
-    js, rates = nc.jetstream(), {3: [], 1: []}
+    js = nc.jetstream()
+    rates: dict[int, list[float]] = {3: [], 1: []}
     try:
         for replicas in (3, 1):
             await _stream(nc, f"BENCH_R{replicas}", replicas)
@@ -105,7 +107,7 @@ async def append_rates(url: str, appends: int, rounds: int) -> dict[int, list[fl
     return rates
 
 
-async def write_outage(url: str, kill, duration: float = 25.0) -> tuple[float, int]:
+async def write_outage(url: str, kill: Callable[[str], None], duration: float = 25.0) -> tuple[float, int]:
     """The longest gap between acknowledged appends while `kill` runs; appends that failed."""
     nc = await connect([url], name="bench-outage")
     js, failed = nc.jetstream(), 0
@@ -129,7 +131,7 @@ async def write_outage(url: str, kill, duration: float = 25.0) -> tuple[float, i
     return longest, failed
 
 
-def outage_and_rates(root: Path, appends: int, rounds: int):
+def outage_and_rates(root: Path, appends: int, rounds: int) -> tuple[dict[int, list[float]], tuple[float, int]]:
     namespace = f"bench-{uuid.uuid4().hex[:8]}"
     nodes = [ExoProcess(root / f"r3-{n}", env(namespace)) for n in range(3)]
     try:
@@ -153,7 +155,8 @@ async def _leader_of_new_stream(url: str) -> str:
     nc = await connect([url], name="bench-probe")
     try:
         await _stream(nc, "BENCH_OUTAGE", 3)
-        return json.loads((await nc.request("$JS.API.STREAM.INFO.BENCH_OUTAGE", b"{}")).data)["cluster"]["leader"]
+        leader: str = json.loads((await nc.request("$JS.API.STREAM.INFO.BENCH_OUTAGE", b"{}")).data)["cluster"]["leader"]
+        return leader
     finally:
         await nc.close()
 

@@ -19,16 +19,19 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from exo import event_loop  # noqa: E402
-from exo.bus.connection import connect  # noqa: E402
+from exo.bus.connection import Connection, connect  # noqa: E402
 from exo.bus.event_log import EventLog  # noqa: E402
 from exo.bus.provision import provision  # noqa: E402
 from exo.bus.server.embedded import EmbeddedNats  # noqa: E402
 from exo.bus.state_view import StateView  # noqa: E402
+from exo.core.events import Event  # noqa: E402
+from exo.core.ids import ModelId, NodeId  # noqa: E402
 from exo.core.state import State  # noqa: E402
 from exo.core.types import ModelCard  # noqa: E402
 from exo.models.dirs import DownloadSettings, ModelDirs  # noqa: E402
@@ -37,21 +40,26 @@ from tests.support.fake_hub import FakeHub  # noqa: E402
 from tests.support.sharded_model import make_sharded_model  # noqa: E402
 from tests.support.tiny_model import Dims  # noqa: E402
 
-REPO = "exo-bench/sharded-llama"
+REPO = ModelId("exo-bench/sharded-llama")
 
 
 def digests(path: Path) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in path.iterdir() if p.is_file() and p.name[0] != "."}
 
 
-def coordinator(nc, node_id: str, root: Path, endpoint: str, card: ModelCard, state) -> DownloadCoordinator:
+def coordinator(nc: Connection, node_id: NodeId, root: Path, endpoint: str, card: ModelCard,
+                state: Callable[[], State]) -> DownloadCoordinator:
     log = EventLog(nc)
     settings = DownloadSettings(dirs=ModelDirs(writable=(root,)), hub_endpoint=endpoint)
-    return DownloadCoordinator(nc, node_id, settings, lambda e: log.append(e, uuid.uuid4().hex), state,
-                               {card.model_id: card}.get)
+
+    async def publish(event: Event) -> None:
+        await log.append(event, uuid.uuid4().hex)
+
+    return DownloadCoordinator(nc, node_id, settings, publish, state, {card.model_id: card}.get)
 
 
-async def timed_download(url: str, view: StateView, card: ModelCard, root: Path, endpoint: str, node_id: str):
+async def timed_download(url: str, view: StateView, card: ModelCard, root: Path, endpoint: str,
+                         node_id: NodeId) -> tuple[float, str, Path]:
     """(seconds, source, model directory). Each node has a connection of its own."""
     nc = await connect([url], name=f"bench-{root.name}")
     node = coordinator(nc, node_id, root, endpoint, card, lambda: view.state)
@@ -66,7 +74,7 @@ async def timed_download(url: str, view: StateView, card: ModelCard, root: Path,
     return elapsed, record.source, path
 
 
-async def serve(url: str, node_id: str, root: Path) -> None:
+async def serve(url: str, node_id: NodeId, root: Path) -> None:
     """The first node, in a process of its own (as on another machine), serving its copy."""
     nc = await connect([url], name="bench-serve")
     node = coordinator(nc, node_id, root, "http://127.0.0.1:9", ModelCard(model_id=REPO), State)
@@ -92,7 +100,7 @@ async def main(dims: Dims) -> None:
         server = EmbeddedNats(root / "nats", port=0)
         url = await server.start()
         nc = await connect([url], name="bench-download")
-        first_id, peer = uuid.uuid4().hex, None
+        first_id, peer = NodeId(uuid.uuid4().hex), None
         try:
             await provision(nc)
             view = StateView(nc)
@@ -101,8 +109,8 @@ async def main(dims: Dims) -> None:
             hub.stop()
             peer = subprocess.Popen([sys.executable, __file__, "--serve", url, first_id, str(root / "a")],
                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-            assert peer.stdout.readline().strip() == "serving"
-            peer_s, peer_source, second = await timed_download(url, view, card, root / "b", endpoint, uuid.uuid4().hex)
+            assert peer.stdout is not None and peer.stdout.readline().strip() == "serving"
+            peer_s, peer_source, second = await timed_download(url, view, card, root / "b", endpoint, NodeId(uuid.uuid4().hex))
             assert digests(first) == digests(second) == digests(model)
             await view.stop()
         finally:
@@ -124,5 +132,5 @@ if __name__ == "__main__":
     parser.add_argument("--serve", nargs=3, metavar=("NATS_URL", "NODE_ID", "DIR"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
-        sys.exit(event_loop.run(serve(args.serve[0], args.serve[1], Path(args.serve[2]))))
+        sys.exit(event_loop.run(serve(args.serve[0], NodeId(args.serve[1]), Path(args.serve[2]))))
     event_loop.run(main(Dims(hidden=args.hidden, intermediate=4 * args.hidden, layers=args.layers, heads=16, kv_heads=8)))

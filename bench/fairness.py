@@ -30,9 +30,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.summary import alternating, print_medians  # noqa: E402
+from exo.core.ids import TaskId  # noqa: E402
 from exo.core.types import ChatMessage, GenerationParams, SamplingDefaults  # noqa: E402
 from exo.runner import batch  # noqa: E402
 from exo.runner.batch import Batcher  # noqa: E402
+from exo.runner.decoding import Output  # noqa: E402
 from exo.runner.engine import Engine  # noqa: E402
 from tests.support.tiny_model import Dims, make_tiny_model  # noqa: E402
 
@@ -46,11 +48,11 @@ async def batched(engine: Engine, a: GenerationParams, b: GenerationParams, warm
     batcher = Batcher(engine, 8, ThreadPoolExecutor(max_workers=1))
     a_times: list[float] = []
     b_first: list[float] = []
-    first_a = batcher.run(loop, a, SamplingDefaults(), lambda _: a_times.append(time.perf_counter()), lambda: False, "a")
+    first_a = batcher.run(loop, a, SamplingDefaults(), lambda _: a_times.append(time.perf_counter()), lambda: False, TaskId("a"))
     while len(a_times) < warm:
         await asyncio.sleep(0.001)
     b_sent = time.perf_counter()
-    second = batcher.run(loop, b, SamplingDefaults(), lambda _: b_first.append(time.perf_counter()), lambda: False, "b")
+    second = batcher.run(loop, b, SamplingDefaults(), lambda _: b_first.append(time.perf_counter()), lambda: False, TaskId("b"))
     await asyncio.gather(first_a, second)
     return _report(a_times, b_sent, b_first[0])
 
@@ -61,7 +63,7 @@ def serial(engine: Engine, a: GenerationParams, b: GenerationParams, warm: int) 
     b_first: list[float] = []
     b_sent = 0.0
 
-    def on_a(_) -> None:
+    def on_a(_: Output) -> None:
         nonlocal b_sent
         a_times.append(time.perf_counter())
         if len(a_times) == warm:

@@ -18,35 +18,37 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from exo.bus.catch_up import catch_up  # noqa: E402
-from exo.bus.connection import connect  # noqa: E402
+from exo.bus.connection import Connection, connect  # noqa: E402
 from exo.bus.images import fetch_image, store_image  # noqa: E402
 from exo.bus.provision import provision  # noqa: E402
 from exo.bus.server.embedded import EmbeddedNats  # noqa: E402
 from exo.bus.snapshots import write_snapshot  # noqa: E402
 from exo.bus.subjects import IMAGES_BUCKET, event_subject  # noqa: E402
-from exo.core.events import NodeRegistered, TaskCreated, TaskFinished, TaskStarted, encode_event, event_tag  # noqa: E402
-from exo.core.state import encode_state  # noqa: E402
+from exo.core.events import Event, NodeRegistered, TaskCreated, TaskFinished, TaskStarted, encode_event, event_tag  # noqa: E402
+from exo.core.ids import InstanceId, ModelId, NodeId, TaskId  # noqa: E402
+from exo.core.state import State, encode_state  # noqa: E402
 from exo.core.types import GenerationParams, NodeInfo, Task  # noqa: E402
 
 TAIL = 500  # events after the snapshot, as between two snapshots of a busy master
 
 
-def history_event(n: int):
+def history_event(n: int) -> Event:
     """A busy cluster's steady state: every task is created, started and finished, and nodes
     report in between; State stays bounded (1,000 finished tasks are kept)."""
     match n % 4:
         case 0:
             params = GenerationParams(max_tokens=n)
-            return TaskCreated(task=Task(task_id=f"t{n}", instance_id="i", model_id="m", params=params), term=1)
+            task = Task(task_id=TaskId(f"t{n}"), instance_id=InstanceId("i"), model_id=ModelId("m"), params=params)
+            return TaskCreated(task=task, term=1)
         case 1:
-            return TaskStarted(task_id=f"t{n - 1}")
+            return TaskStarted(task_id=TaskId(f"t{n - 1}"))
         case 2:
-            return TaskFinished(task_id=f"t{n - 2}", status="completed", completion_tokens=n)
+            return TaskFinished(task_id=TaskId(f"t{n - 2}"), status="completed", completion_tokens=n)
         case _:
-            return NodeRegistered(node=NodeInfo(node_id=f"node-{n % 7}", memory_available=n))
+            return NodeRegistered(node=NodeInfo(node_id=NodeId(f"node-{n % 7}"), memory_available=n))
 
 
-async def append_history(nc, start: int, stop: int) -> None:
+async def append_history(nc: Connection, start: int, stop: int) -> None:
     """Core publishes into the stream (no ack per event), then one flush: the fastest way in."""
     for n in range(start, stop):
         event = history_event(n)
@@ -59,7 +61,7 @@ async def append_history(nc, start: int, stop: int) -> None:
         await asyncio.sleep(0.05)
 
 
-async def time_catch_up(nc, use_snapshot: bool) -> tuple[float, object]:
+async def time_catch_up(nc: Connection, use_snapshot: bool) -> tuple[float, State]:
     started = time.perf_counter()
     view, _ = await catch_up(nc, use_snapshot=use_snapshot)
     elapsed = time.perf_counter() - started
@@ -67,8 +69,9 @@ async def time_catch_up(nc, use_snapshot: bool) -> tuple[float, object]:
     return elapsed, view.state
 
 
-async def bench_late_join(nc, sizes: list[int]) -> list[tuple]:
-    rows, appended = [], 0
+async def bench_late_join(nc: Connection, sizes: list[int]) -> list[tuple[int, float, float, int]]:
+    rows: list[tuple[int, float, float, int]] = []
+    appended = 0
     for size in sizes:
         await append_history(nc, appended + 1, size + 1)
         replay_s, state = await time_catch_up(nc, use_snapshot=False)
@@ -81,7 +84,7 @@ async def bench_late_join(nc, sizes: list[int]) -> list[tuple]:
     return rows
 
 
-async def bench_images(nc, megabytes: int) -> dict[str, float]:
+async def bench_images(nc: Connection, megabytes: int) -> dict[str, float]:
     data = os.urandom(megabytes * 1024 * 1024)
     started = time.perf_counter()
     digest, _ = await store_image(nc, data)

@@ -22,6 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from exo.core.ids import TaskId  # noqa: E402
 from exo.core.types import ChatMessage, GenerationParams, SamplingDefaults  # noqa: E402
 from exo.runner.batch import Batcher  # noqa: E402
 from exo.runner.engine import Engine  # noqa: E402
@@ -44,16 +45,16 @@ async def measure(engine: Engine, max_tokens: int, repeat: int) -> dict[str, flo
         for path in speeds:
             start = time.perf_counter()
             if path == "batch":
-                result = await batcher.run(loop, params, SamplingDefaults(), lambda _: None, lambda: False, "bench")
+                result = await batcher.run(loop, params, SamplingDefaults(), lambda _: None, lambda: False, TaskId("bench"))
             else:
                 result = await loop.run_in_executor(model_thread, engine.generate, params, SamplingDefaults(),
-                                                    lambda _: None, lambda: False, "bench")
+                                                    lambda _: None, lambda: False, TaskId("bench"))
             speeds[path].append(result.completion_tokens / (time.perf_counter() - start))
     await loop.run_in_executor(model_thread, engine.release_followers)
     return {path: statistics.median(values) for path, values in speeds.items()}
 
 
-def rank_main(args) -> None:
+def rank_main(args: argparse.Namespace) -> None:
     engine = Engine()
     if args.sharding == "none":
         engine.load(args.model)
@@ -67,7 +68,7 @@ def rank_main(args) -> None:
     os._exit(0)  # as a runner leaves its group: MLX's ring threads are not torn down by the interpreter
 
 
-def run_setup(model: Path, sharding: str, layers: int, args) -> dict[str, float]:
+def run_setup(model: Path, sharding: str, layers: int, args: argparse.Namespace) -> dict[str, float]:
     port = free_port()
     hosts = json.dumps([f"127.0.0.1:{port}", f"127.0.0.1:{port + 1}"])
     ranks = [0] if sharding == "none" else [0, 1]
@@ -80,7 +81,8 @@ def run_setup(model: Path, sharding: str, layers: int, args) -> dict[str, float]
         for rank in ranks
     ]
     out = [p.communicate(timeout=1200)[0] for p in processes]
-    return json.loads(out[0].splitlines()[-1])
+    speeds: dict[str, float] = json.loads(out[0].splitlines()[-1])  # what rank 0 printed: measure()'s result
+    return speeds
 
 
 def main() -> None:

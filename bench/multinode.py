@@ -19,14 +19,15 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TypedDict
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import httpx  # noqa: E402
 
-from bench.api_load import load, start_mlx_lm_server  # noqa: E402
+from bench.api_load import LoadResult, load, start_mlx_lm_server  # noqa: E402
 from tests.support.cluster import NatsServer, start_node, state_of, wait_until  # noqa: E402
-from tests.support.exo_process import free_port  # noqa: E402
+from tests.support.exo_process import ExoProcess, free_port  # noqa: E402
 from tests.support.tiny_model import Dims, make_tiny_model  # noqa: E402
 
 MODEL = "local/bench"
@@ -34,12 +35,21 @@ PROMPT = [{"role": "user", "content": "Write a short story about a lighthouse ke
 SETUPS = [("1 node", "pipeline", 1), ("2 nodes tensor", "tensor", 2), ("2 nodes pipeline", "pipeline", 2)]
 
 
+class SetupResult(TypedDict):
+    """One setup: single requests' median TTFT (ms) and decode tokens/s, and the load at each concurrency."""
+
+    ttft: float
+    tps: float
+    loads: dict[int, LoadResult]
+
+
 def single_request(url: str, max_tokens: int) -> tuple[float, float]:
     """(time to first token in ms, decode tokens/s after the first token) of one streamed greedy chat."""
     body = {"model": MODEL, "messages": PROMPT, "temperature": 0, "max_tokens": max_tokens, "stream": True,
             "stream_options": {"include_usage": True}}
     start = time.perf_counter()
-    first = tokens = None
+    first: float | None = None
+    tokens: int | None = None
     with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600) as response:
         for line in response.iter_lines():
             if not line.startswith("data: {"):
@@ -54,11 +64,11 @@ def single_request(url: str, max_tokens: int) -> tuple[float, float]:
     return (first - start) * 1000, (tokens - 1) / (end - first)
 
 
-def start_cluster(root: Path):
+def start_cluster(root: Path) -> tuple[NatsServer, ExoProcess, list[ExoProcess]]:
     nats = NatsServer(root / "nats")
     env = {"EXO_ADVERTISE_ADDRESSES": "127.0.0.1", "EXO_LOG_LEVEL": "WARNING"}
     head = start_node(root, "head", nats.url, "--no-worker", env=env)
-    workers = []
+    workers: list[ExoProcess] = []
     for n in (1, 2):
         first = free_port()
         workers.append(start_node(root, f"worker{n}", nats.url, "--no-master", "--no-api",
@@ -67,16 +77,16 @@ def start_cluster(root: Path):
     return nats, head, workers
 
 
-def measure(url: str, sharding: str, nodes: int, args) -> dict:
+def measure(url: str, sharding: str, nodes: int, args: argparse.Namespace) -> SetupResult:
     with httpx.Client(base_url=url, timeout=600) as http:
         placed = http.post("/place_instance", json={"model_id": MODEL, "sharding": sharding, "min_nodes": nodes,
                                                     "max_queue": 1000, "wait": 600})
         assert placed.status_code == 200, placed.text
         single_request(url, 8)  # warm
         runs = [single_request(url, args.max_tokens) for _ in range(args.repeat)]
-        result = {"ttft": statistics.median(r[0] for r in runs), "tps": statistics.median(r[1] for r in runs)}
+        result = SetupResult(ttft=statistics.median(r[0] for r in runs), tps=statistics.median(r[1] for r in runs), loads={})
         for concurrency in args.concurrency:
-            result[concurrency] = asyncio.run(load(url, MODEL, concurrency, 2, args.max_tokens // 2))
+            result["loads"][concurrency] = asyncio.run(load(url, MODEL, concurrency, 2, args.max_tokens // 2))
         http.delete(f"/instance/{placed.json()['instance_id']}")
         wait_until(lambda: not http.get("/state").json()["runners"], 60, what="runners gone")
     return result
@@ -95,7 +105,7 @@ def main() -> None:
         root = Path(tmp)
         model_dir = make_tiny_model(root / "model", dims)
         nats, head, workers = start_cluster(root)
-        results = {}
+        results: dict[str, SetupResult] = {}
         try:
             httpx.post(f"{head.url}/models/add", json={"model_id": MODEL, "path": str(model_dir)}).raise_for_status()
             for name, sharding, nodes in SETUPS:
@@ -113,7 +123,7 @@ def main() -> None:
     _print(args, dims, results, reference)
 
 
-def _print(args, dims: Dims, results: dict, reference: dict) -> None:
+def _print(args: argparse.Namespace, dims: Dims, results: dict[str, SetupResult], reference: dict[int, LoadResult]) -> None:
     print(f"model: hidden {dims.hidden}, {dims.layers} layers, {dims.heads} heads / {dims.kv_heads} kv heads; "
           f"{args.max_tokens} tokens per single request (median of {args.repeat}), greedy, streamed")
     print("| setup | TTFT ms | decode tok/s | vs 1 node |")
@@ -126,7 +136,7 @@ def _print(args, dims: Dims, results: dict, reference: dict) -> None:
     print("| concurrency | " + " | ".join(results) + " | mlx_lm.server |")
     print("|---|" + "---|" * (len(results) + 1))
     for c in args.concurrency:
-        cells = [f"{results[name][c]['rps']:.2f}" for name in results]
+        cells = [f"{results[name]['loads'][c]['rps']:.2f}" for name in results]
         print(f"| {c} | " + " | ".join(cells) + f" | {reference[c]['rps']:.2f} |")
 
 

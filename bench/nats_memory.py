@@ -40,6 +40,7 @@ async def one_run(limit: str, images: int, big: int) -> dict[str, float]:
         server = EmbeddedNats(Path(store) / "nats", port=0)
         nc = await connect([await server.start()], name="bench")
         await provision(nc)
+        assert server.process is not None  # started above
         pid, peak = server.process.pid, 0
         digests = [(await store_image(nc, os.urandom(10 * 1024 * 1024)))[0] for _ in range(images)]
         peak = max(peak, rss_mb(pid))

@@ -16,6 +16,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -27,21 +28,23 @@ from tests.support.fake_hub import FakeHub  # noqa: E402
 from tests.support.tiny_model import TINY_MODEL_ID, Dims, make_tiny_model  # noqa: E402
 
 MESSAGES = [{"role": "user", "content": "Write a short story about a lighthouse keeper and the sea."}]
+Run = tuple[float, float, int]  # (time to first token s, decode tokens/s, completion tokens) of one request
 
 
-def direct_run(model, tokenizer, prompt: str, max_tokens: int) -> tuple[float, float, int]:
+def direct_run(model: Any, tokenizer: Any, prompt: str, max_tokens: int) -> Run:
+    """`model`, `tokenizer`: what mlx_lm.load returns (mypy does not follow mlx_lm: see pyproject.toml)."""
     start = time.perf_counter()
     stamps = [time.perf_counter() for _ in mlx_lm.stream_generate(model, tokenizer, prompt, max_tokens=max_tokens)]
     return stamps[0] - start, decode_rate(stamps), len(stamps)
 
 
-def cluster_run(http: httpx.Client, max_tokens: int) -> tuple[float, float, int]:
+def cluster_run(http: httpx.Client, max_tokens: int) -> Run:
     body = {"model": TINY_MODEL_ID, "messages": MESSAGES, "temperature": 0, "max_tokens": max_tokens,
             "stream": True, "stream_options": {"include_usage": True}}
     return timed_chat_stream(http, json.dumps(body).encode())
 
 
-def timed_chat_stream(http: httpx.Client, body: bytes) -> tuple[float, float, int]:
+def timed_chat_stream(http: httpx.Client, body: bytes) -> Run:
     """(time to first token, decode tokens/s, completion tokens) of one streamed chat whose JSON
     body is ready to send."""
     start = time.perf_counter()
@@ -67,8 +70,8 @@ def decode_rate(stamps: list[float], tokens: int | None = None) -> float:
 
 def start_cluster(model_dir: Path, root: Path) -> tuple[FakeHub, ExoProcess]:
     hub = FakeHub({TINY_MODEL_ID: model_dir})
-    hub.start()
-    env = {"HF_ENDPOINT": hub.endpoint, "HF_HOME": str(root / "hf"), "HF_HUB_DISABLE_TELEMETRY": "1",
+    endpoint = hub.start()
+    env = {"HF_ENDPOINT": endpoint, "HF_HOME": str(root / "hf"), "HF_HUB_DISABLE_TELEMETRY": "1",
            "EXO_LOG_LEVEL": "WARNING"}
     exo = ExoProcess(root / "data", env).start()
     with httpx.Client(base_url=exo.url, timeout=300) as http:
@@ -96,7 +99,8 @@ def main() -> None:
                 for _ in range(3):  # warm both paths: kernels, connections, the runner's caches
                     direct_run(model, tokenizer, prompt, args.max_tokens)
                     cluster_run(http, args.max_tokens)
-                direct, cluster = [], []
+                direct: list[Run] = []
+                cluster: list[Run] = []
                 for _ in range(args.requests):
                     direct.append(direct_run(model, tokenizer, prompt, args.max_tokens))
                     cluster.append(cluster_run(http, args.max_tokens))
@@ -106,8 +110,8 @@ def main() -> None:
     report(args, dims, direct, cluster)
 
 
-def report(args, dims: Dims, direct: list, cluster: list) -> None:
-    def p50(rows: list, column: int) -> float:
+def report(args: argparse.Namespace, dims: Dims, direct: list[Run], cluster: list[Run]) -> None:
+    def p50(rows: list[Run], column: int) -> float:
         return statistics.median(r[column] for r in rows)
 
     ttft_direct, ttft_cluster = p50(direct, 0) * 1000, p50(cluster, 0) * 1000

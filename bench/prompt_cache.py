@@ -49,7 +49,7 @@ def system_prompt(words: int, salt: int) -> str:
     return f"Run {salt}. You are a helpful assistant. " + " ".join(WORDS[(i * 7 + salt) % len(WORDS)] for i in range(words))
 
 
-async def streamed(client: httpx.AsyncClient, url: str, model: str, messages: list[dict],
+async def streamed(client: httpx.AsyncClient, url: str, model: str, messages: list[dict[str, str]],
                    max_tokens: int) -> tuple[float, str]:
     """(time to first content, the whole text) of one streamed greedy chat completion."""
     body = {"model": model, "messages": messages, "temperature": 0, "max_tokens": max_tokens, "stream": True}
@@ -86,7 +86,7 @@ def summary(samples: list[float]) -> str:
     return f"{statistics.median(samples) * 1000:.0f} ms ({min(samples) * 1000:.0f}-{max(samples) * 1000:.0f}, n={len(samples)})"
 
 
-def part_one(model_dir: Path, root: Path, args) -> None:
+def part_one(model_dir: Path, root: Path, args: argparse.Namespace) -> None:
     server, server_url = start_mlx_lm_server(model_dir, root / "mlx_lm_server.log")
     (root / "exo").mkdir()
     hub, exo = start_exo(model_dir, root / "exo")
@@ -138,7 +138,7 @@ async def conversations_load(url: str, conversations: int, turns: int, system_wo
     return conversations * turns / wall, ttfts
 
 
-def part_two(model_dir: Path, root: Path, args) -> None:
+def part_two(model_dir: Path, root: Path, args: argparse.Namespace) -> None:
     results: dict[str, list[tuple[float, list[float]]]] = {"cache-aware": [], "least busy": []}
     for run in range(args.runs):
         for name in (list(results) if run % 2 == 0 else list(results)[::-1]):

@@ -22,20 +22,23 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from exo import event_loop  # noqa: E402
-from exo.bus.connection import connect  # noqa: E402
+from exo.bus.connection import Connection, connect  # noqa: E402
 from exo.bus.provision import provision  # noqa: E402
 from exo.bus.server.embedded import EmbeddedNats  # noqa: E402
 from exo.bus.subjects import EVENTS_STREAM, event_subject  # noqa: E402
 from exo.bus.tooling.log_reader import log_bounds, read_log, read_log_batches, read_log_fetching, read_log_ordered  # noqa: E402
+from exo.bus.tooling.log_records import LogRecord, OnBatch  # noqa: E402
 from exo.core.events import (  # noqa: E402
     CustomCardAdded,
     Event,
@@ -49,35 +52,38 @@ from exo.core.events import (  # noqa: E402
     encode_event,
     event_tag,
 )
+from exo.core.ids import CommandId, InstanceId, ModelId, NodeId, RunnerId, TaskId  # noqa: E402
+from exo.core.state import State  # noqa: E402
 from exo.core.types import ChatMessage, GenerationParams, Instance, ModelCard, NodeInfo, ShardAssignment, Task  # noqa: E402
 from exo.tools.export_format import encode_line, read_lines  # noqa: E402
 from exo.tools.replay import BatchReplayer, _fold_file  # noqa: E402
 from exo.tools.replay_fold import Replayer  # noqa: E402
 
 PUBLISH_BATCH = 5000
-ACK_TIMEOUT_S = 30.0
+ACK_TIMEOUT_S = 30  # whole seconds: nats-py's flush takes an int
 GET_SAMPLE = 5000
 REDUCER_SAMPLE = 100_000
 
+Variant = Callable[[], Awaitable[None]]
 
-def generated_events(count: int):
+
+def generated_events(count: int) -> Iterator[Event]:
     """`count` events of a plausible cluster log: setup, then chat tasks in three steps each."""
-    model = "bench/model"
+    model, node, instance, runner = ModelId("bench/model"), NodeId("node-1"), InstanceId("inst-1"), RunnerId("run-1")
     params = GenerationParams(messages=[ChatMessage(role="user", content="Tell me about the sea.")], max_tokens=64)
     setup: list[Event] = [  # the master's events carry the term of the election at sequence 1
-        LeaderElected(node_id="node-1", lease_revision=1),
-        NodeRegistered(node=NodeInfo(node_id="node-1", hostname="bench", memory_total=64 << 30, cpu_count=8)),
-        CustomCardAdded(command_id="card-1", term=1, card=ModelCard(model_id=model, n_layers=24, hidden_size=1024)),
-        InstanceCreated(command_id="place-1", term=1, instance=Instance(
-            instance_id="inst-1", model_id=model, shards=[ShardAssignment(runner_id="run-1", node_id="node-1",
-                                                                          end_layer=24)])),
-        RunnerStatusChanged(runner_id="run-1", instance_id="inst-1", node_id="node-1", status="ready"),
+        LeaderElected(node_id=node, lease_revision=1),
+        NodeRegistered(node=NodeInfo(node_id=node, hostname="bench", memory_total=64 << 30, cpu_count=8)),
+        CustomCardAdded(command_id=CommandId("card-1"), term=1, card=ModelCard(model_id=model, n_layers=24, hidden_size=1024)),
+        InstanceCreated(command_id=CommandId("place-1"), term=1, instance=Instance(
+            instance_id=instance, model_id=model, shards=[ShardAssignment(runner_id=runner, node_id=node, end_layer=24)])),
+        RunnerStatusChanged(runner_id=runner, instance_id=instance, node_id=node, status="ready"),
     ]
     yield from setup[:count]
     for n in range(count - len(setup)):
-        task_id, step = f"task-{n // 3:08d}", n % 3
+        task_id, step = TaskId(f"task-{n // 3:08d}"), n % 3
         if step == 0:
-            yield TaskCreated(command_id=task_id, term=1, task=Task(task_id=task_id, instance_id="inst-1", model_id=model,
+            yield TaskCreated(command_id=task_id, term=1, task=Task(task_id=task_id, instance_id=instance, model_id=model,
                                                             params=params, created_at=1.7e9 + n))
         elif step == 1:
             yield TaskStarted(task_id=task_id)
@@ -86,7 +92,7 @@ def generated_events(count: int):
                                completion_tokens=64)
 
 
-async def append_all(nc, count: int) -> float:
+async def append_all(nc: Connection, count: int) -> float:
     """Core publishes (no ack each) in flushed batches: many times faster than waiting for acks.
     The stream must end up holding exactly `count` events, or the run fails: a server that
     dropped some under load is caught, not measured."""
@@ -107,17 +113,17 @@ async def append_all(nc, count: int) -> float:
 class Variants:
     """Each way of reading / replaying the `count` events stored on `nc`."""
 
-    def __init__(self, nc, count: int, export: Path) -> None:
+    def __init__(self, nc: Connection, count: int, export: Path) -> None:
         self.nc, self.count, self.export = nc, count, export
-        self.states: list = []  # the final State of every replay, to check they agree
+        self.states: list[State] = []  # the final State of every replay, to check they agree
 
-    async def read_only(self, reader) -> None:
-        seen = []
+    async def read_only(self, reader: Callable[[Connection, OnBatch], Awaitable[int]]) -> None:
+        seen: list[tuple[int, int]] = []
         await reader(self.nc, lambda batch: seen.append((len(batch), batch[-1].seq)))
         assert sum(size for size, _ in seen) == self.count and seen[-1][1] == self.count
 
     async def read_only_fetching(self) -> None:
-        seen = []
+        seen: list[int] = []
         await read_log_fetching(self.nc, lambda record: seen.append(record.seq))
         assert len(seen) == self.count and seen[-1] == self.count
 
@@ -130,7 +136,12 @@ class Variants:
     async def replay_per_event(self) -> None:
         """What it did before: nats-py's ordered consumer, one `apply` (a new State) per event."""
         replayer = Replayer()
-        await read_log_ordered(self.nc, lambda batch: [replayer.feed(record) for record in batch])
+
+        def feed(batch: list[LogRecord]) -> None:
+            for record in batch:
+                replayer.feed(record)
+
+        await read_log_ordered(self.nc, feed)
         self.check(replayer)
 
     def check(self, replayer: Replayer) -> None:
@@ -139,7 +150,11 @@ class Variants:
 
     async def export_file(self) -> None:
         with open(self.export, "wb") as sink:
-            await read_log(self.nc, lambda record: sink.write(encode_line(record)))
+
+            def write(record: LogRecord) -> None:
+                sink.write(encode_line(record))
+
+            await read_log(self.nc, write)
 
     async def replay_file(self) -> None:
         replayer = BatchReplayer()
@@ -151,22 +166,23 @@ class Variants:
         for seq in range(1, min(self.count, GET_SAMPLE) + 1):
             await js.get_msg(EVENTS_STREAM, seq, direct=True)
 
-    def in_memory(self) -> list:
+    def in_memory(self) -> list[LogRecord]:
         with open(self.export, "rb") as source:
             return [record for _, record in zip(range(REDUCER_SAMPLE), read_lines(source, self.export.name))]
 
-    async def reducer_batched(self, records: list) -> None:
+    async def reducer_batched(self, records: list[LogRecord]) -> None:
         replayer = BatchReplayer()
         for start in range(0, len(records), 100):  # about what one socket read holds
             replayer.feed_all(records[start:start + 100])
 
-    async def reducer_per_event(self, records: list) -> None:
+    async def reducer_per_event(self, records: list[LogRecord]) -> None:
         replayer = Replayer()
         for record in records:
             replayer.feed(record)
 
-    def plan(self) -> list[tuple[str, object, int]]:
-        """(label, coroutine function, events it handles), in the order they run."""
+    def plan(self) -> list[tuple[str, Variant | str, int]]:
+        """(label, coroutine function or "batched" / "per event" (the reducer alone, on records read
+        beforehand), events it handles), in the order they run."""
         sample = min(self.count, REDUCER_SAMPLE)
         return [
             ("read only: raw reader (`read_log`, now)", lambda: self.read_only(read_log_batches), self.count),
@@ -187,10 +203,11 @@ class Variants:
         plan = self.plan()
         for run in range(runs):
             for label, variant, count in plan:
-                if variant in ("batched", "per event"):
+                call: Variant
+                if isinstance(variant, str):  # "batched" or "per event"
                     records = self.in_memory()
                     body = self.reducer_batched if variant == "batched" else self.reducer_per_event
-                    call = lambda body=body, records=records: body(records)  # noqa: E731
+                    call = functools.partial(body, records)
                 else:
                     call = variant
                 wall, cpu = time.perf_counter(), time.process_time()

@@ -19,16 +19,19 @@ import json
 import os
 import re
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any, TypedDict
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import aiohttp  # noqa: E402
 import httpx  # noqa: E402
+from nats.aio.msg import Msg  # noqa: E402
 
 from exo.bus.catch_up import catch_up  # noqa: E402
 from exo.bus.connection import connect  # noqa: E402
@@ -36,10 +39,50 @@ from exo.bus.event_log import EventLog  # noqa: E402
 from exo.bus.subjects import ALL_EVENTS  # noqa: E402
 from exo.core.state import encode_state  # noqa: E402
 from tests.support.cluster import NatsServer, start_node, state_of  # noqa: E402
+from tests.support.exo_process import ExoProcess  # noqa: E402
 from tests.support.simulated_nodes import SEQ_PROBE  # noqa: E402
 from tests.support.simulator import FAKE_MODEL, SimulatorProcess, fake_model_dir  # noqa: E402
 
 TICK = os.sysconf("SC_CLK_TCK")
+
+
+class Step(TypedDict):
+    """One offered rate: requests sent and answered, rates (/s), latency percentiles (ms), CPU % by process."""
+
+    rate: float
+    sent: int
+    answered: int
+    achieved: float
+    send_rate: float
+    p50: float
+    p99: float
+    cpu: dict[str, float]
+    events_per_s: dict[str, float]
+
+
+class StateSummary(TypedDict):
+    """A late joiner's catch-up and the size of State (`measure_state`)."""
+
+    catch_up_ms: float
+    from_snapshot_at: int
+    last_seq: int
+    state_bytes: int
+    encode_ms: float
+    tasks: int
+
+
+class SizeResult(TypedDict):
+    """Everything measured for one N (what --json writes, one per N)."""
+
+    nodes: int
+    instances: int
+    steps: list[Step]
+    idle_events_per_s: dict[str, float]
+    idle_cpu: dict[str, float]
+    state: StateSummary
+    snapshots_ms: list[float]
+    api_rss_mib: float
+    lag: dict[str, list[int]]
 
 
 def cpu_seconds(pid: int) -> float:
@@ -52,6 +95,11 @@ def rss_mib(pid: int) -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     return 0.0
+
+
+def pid_of(process: subprocess.Popen[Any] | None) -> int:
+    assert process is not None, "not started"
+    return process.pid
 
 
 def pct(values: list[float], q: float) -> float:
@@ -71,7 +119,7 @@ class Probe:
         self.nc = await connect([self.nats_url], name="bench-probe")
         self.log = EventLog(self.nc)
 
-        async def count(msg) -> None:
+        async def count(msg: Msg) -> None:
             self.kinds[msg.subject.removeprefix("exo.events.")] += 1
 
         await self.nc.subscribe(ALL_EVENTS, cb=count)
@@ -108,14 +156,14 @@ async def one_request(http: aiohttp.ClientSession, url: str, n: int, delay_s: fl
     return None if first is None else first - sent - delay_s
 
 
-async def drive(url: str, rate: float, seconds: float, delay_s: float, probe: Probe, pids: dict[str, int]) -> dict:
+async def drive(url: str, rate: float, seconds: float, delay_s: float, probe: Probe, pids: dict[str, int]) -> Step:
     """Open loop: request i is sent at start + i/rate, whether or not earlier ones have answered."""
     connector = aiohttp.TCPConnector(limit=2048)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=60)) as http:
         cpu_before = {name: cpu_seconds(pid) for name, pid in pids.items()}
         kinds_before = Counter(probe.kinds)
         started = time.perf_counter()
-        pending = []
+        pending: list[asyncio.Task[float | None]] = []
         total = int(rate * seconds)
         next_lag = started
         for n in range(total):
@@ -132,12 +180,12 @@ async def drive(url: str, rate: float, seconds: float, delay_s: float, probe: Pr
         cpu = {name: (cpu_seconds(pid) - cpu_before[name]) / wall * 100 for name, pid in pids.items()}
     latencies = [r * 1000 for r in results if r is not None]
     events = probe.kinds - kinds_before
-    return {"rate": rate, "sent": total, "answered": len(latencies), "achieved": len(latencies) / wall,
-            "send_rate": total / sending, "p50": pct(latencies, 0.5), "p99": pct(latencies, 0.99),
-            "cpu": cpu, "events_per_s": {k: v / wall for k, v in events.most_common()}}
+    return Step(rate=rate, sent=total, answered=len(latencies), achieved=len(latencies) / wall,
+                send_rate=total / sending, p50=pct(latencies, 0.5), p99=pct(latencies, 0.99),
+                cpu=cpu, events_per_s={k: v / wall for k, v in events.most_common()})
 
 
-def place_instances(api_url: str, count: int, model_dir: Path, head) -> None:
+def place_instances(api_url: str, count: int, model_dir: Path, head: ExoProcess) -> None:
     http = httpx.Client(base_url=api_url, timeout=120)
     added = http.post("/models/add", json={"model_id": FAKE_MODEL, "path": str(model_dir)})
     assert added.status_code == 200, added.text
@@ -153,7 +201,7 @@ def place_instances(api_url: str, count: int, model_dir: Path, head) -> None:
     raise RuntimeError("the instances did not become ready")
 
 
-async def measure_state(nats_url: str) -> dict:
+async def measure_state(nats_url: str) -> StateSummary:
     """A new node's catch-up (latest snapshot + the log's tail), and the size of State."""
     nc = await connect([nats_url], name="bench-late-joiner")
     started = time.perf_counter()
@@ -164,15 +212,15 @@ async def measure_state(nats_url: str) -> dict:
     encoded = time.perf_counter() - started
     await view.stop()
     await nc.close()
-    return {"catch_up_ms": caught_up * 1000, "from_snapshot_at": from_seq, "last_seq": view.state.last_seq,
-            "state_bytes": len(payload), "encode_ms": encoded * 1000, "tasks": len(view.state.tasks)}
+    return StateSummary(catch_up_ms=caught_up * 1000, from_snapshot_at=from_seq, last_seq=view.state.last_seq,
+                        state_bytes=len(payload), encode_ms=encoded * 1000, tasks=len(view.state.tasks))
 
 
 def snapshot_times(master_log: str) -> list[float]:
     return [float(ms) for ms in re.findall(r"snapshot at sequence \d+ \((\d+) ms\)", master_log)]
 
 
-def run_size(args, nodes: int, root: Path) -> dict:
+def run_size(args: argparse.Namespace, nodes: int, root: Path) -> SizeResult:
     nats = NatsServer(root / "nats")  # its own event loop: before ours
     try:
         return asyncio.run(measure_size(args, nodes, root, nats))
@@ -180,7 +228,7 @@ def run_size(args, nodes: int, root: Path) -> dict:
         nats.stop()
 
 
-async def measure_size(args, nodes: int, root: Path, nats: NatsServer) -> dict:
+async def measure_size(args: argparse.Namespace, nodes: int, root: Path, nats: NatsServer) -> SizeResult:
     instances = min(args.instances, nodes)
     master = start_node(root, "master", nats.url, "--no-worker", "--no-api")
     api = start_node(root, "api", nats.url, "--no-worker", "--no-master")
@@ -190,11 +238,11 @@ async def measure_size(args, nodes: int, root: Path, nats: NatsServer) -> dict:
         simulator.wait_ready(900)
         print(f"  {nodes} simulated nodes registered in {time.perf_counter() - started:.1f} s", flush=True)
         await asyncio.to_thread(place_instances, api.url, instances, fake_model_dir(root / "fake"), api)
-        pids = {"master": master.process.pid, "API": api.process.pid, "simulated nodes": simulator.process.pid,
-                "nats-server": nats.server.process.pid, "load generator": os.getpid()}
+        pids = {"master": pid_of(master.process), "API": pid_of(api.process), "simulated nodes": simulator.process.pid,
+                "nats-server": pid_of(nats.server.process), "load generator": os.getpid()}
         probe = Probe(nats.url, api.url)
         await probe.start()
-        steps = []
+        steps: list[Step] = []
         for rate in args.rates:
             step = await drive(api.url, rate, args.seconds, args.delay_ms / 1000, probe, pids)
             steps.append(step)
@@ -209,16 +257,16 @@ async def measure_size(args, nodes: int, root: Path, nats: NatsServer) -> dict:
         idle_cpu_pct = {name: (cpu_seconds(pid) - idle_cpu[name]) / args.idle * 100 for name, pid in pids.items()}
         state = await measure_state(nats.url)
         await probe.nc.close()
-        return {"nodes": nodes, "instances": instances, "steps": steps, "idle_events_per_s": idle,
-                "idle_cpu": idle_cpu_pct, "state": state, "snapshots_ms": snapshot_times(master.output()),
-                "api_rss_mib": rss_mib(api.process.pid), "lag": probe.lag}
+        return SizeResult(nodes=nodes, instances=instances, steps=steps, idle_events_per_s=idle,
+                          idle_cpu=idle_cpu_pct, state=state, snapshots_ms=snapshot_times(master.output()),
+                          api_rss_mib=rss_mib(pid_of(api.process)), lag=probe.lag)
     finally:
         simulator.stop()
         api.interrupt()
         master.interrupt()
 
 
-def report(result: dict) -> None:
+def report(result: SizeResult) -> None:
     steps = result["steps"]
     good = [s for s in steps if s["p99"] <= 100 and s["answered"] >= s["sent"] * 0.99]
     sustained = max((s["achieved"] for s in good), default=0.0)
@@ -267,7 +315,7 @@ def main() -> None:
     parser.add_argument("--delay-ms", type=float, default=5.0, help="the fake runner's time per request")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
-    results = []
+    results: list[SizeResult] = []
     with tempfile.TemporaryDirectory(prefix="exo-scale-") as tmp:
         for nodes in args.nodes:
             print(f"N = {nodes}: starting", flush=True)

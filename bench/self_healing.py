@@ -33,11 +33,14 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Literal, TypedDict
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import httpx  # noqa: E402
 
+from exo.core.ids import InstanceId, TaskId  # noqa: E402
+from exo.core.state import State  # noqa: E402
 from tests.support.healing import (  # noqa: E402
     SUSPECT_S,
     Cluster,
@@ -51,19 +54,44 @@ from tests.support.healing import (  # noqa: E402
 )
 from tests.support.tiny_model import Dims, make_tiny_model  # noqa: E402
 
+
+class Placement(TypedDict, total=False):
+    """What /place_instance gets besides the model (healing.Cluster.place)."""
+
+    replicas: int
+    sharding: str
+    min_nodes: int
+
+
+Column = Literal["detect", "place", "load", "token", "new req"]
+# One sample: seconds per column (None: not seen), or only ok/leader/errors when the sample failed.
+Row = TypedDict("Row", {"ok": bool, "leader": bool, "errors": list[str], "detect": float | None, "place": float | None,
+                        "load": float | None, "token": float | None, "new req": float | None}, total=False)
+
+
+class NewRequest(TypedDict, total=False):
+    """`new_request`'s outcome: refusals (503) before the answer, its status (or the error), when it came."""
+
+    refused: int
+    status: int | str
+    at: float
+    took: float
+
+
 PROMPT = [{"role": "user", "content": "tell me about the sea"}]
-SETUPS = [  # name, placement, rank to kill
+SETUPS: list[tuple[str, Placement, int]] = [  # name, placement, rank to kill
     ("1 node, replicas 1", {}, 0),
     ("1 node, replicas 2", {"replicas": 2}, 0),
     ("2-node pipeline", {"sharding": "pipeline", "min_nodes": 2}, 1),
 ]
-COLUMNS = ["detect", "place", "load", "token", "new req"]
+COLUMNS: list[Column] = ["detect", "place", "load", "token", "new req"]
 
 
 class Watch:
     """Polls State on `api` and notes when each milestone of one failure first shows."""
 
-    def __init__(self, api_url: str, task_id: str, old_instance: str, desire_id: str, others: set[str]) -> None:
+    def __init__(self, api_url: str, task_id: TaskId, old_instance: InstanceId, desire_id: str,
+                 others: set[InstanceId]) -> None:
         self.api_url, self.task_id, self.old, self.desire_id = api_url, task_id, old_instance, desire_id
         self.others = others  # instances of the desire before the kill, the old one included
         self.seen: dict[str, float] = {}
@@ -96,13 +124,13 @@ class Watch:
         return dict(self.seen)
 
 
-def state_of_url(url: str):
+def state_of_url(url: str) -> State:
     from exo.core.state import decode_state
 
     return decode_state(httpx.get(f"{url}/state", timeout=10).content)
 
 
-def new_request(api_url: str, result: dict) -> None:
+def new_request(api_url: str, result: NewRequest) -> None:
     """A new chat sent at the kill, retried every 0.5 s while it is refused with 503 (the model's only
     instance failed or is being replaced: a client retries), up to 120 s."""
     started = time.monotonic()
@@ -121,12 +149,12 @@ def new_request(api_url: str, result: dict) -> None:
     result["took"] = result["at"] - started
 
 
-def one_sample(cluster: Cluster, placement: dict, victim_rank: int, max_tokens: int) -> dict:
-    via = getattr(cluster, "head", cluster.nodes[0])
+def one_sample(cluster: Cluster, placement: Placement, victim_rank: int, max_tokens: int) -> Row:
+    via = cluster.head if isinstance(cluster, SharedNatsCluster) else cluster.nodes[0]
     cluster.bring_back()
     cluster.clear(via)
     placed = cluster.place(via, **placement)
-    instance_id = placed["instance_id"]
+    instance_id = InstanceId(placed["instance_id"])
     state = cluster.state(via)
     desire_id = state.instances[instance_id].desire_id
     replicas = placement.get("replicas", 1)
@@ -137,14 +165,14 @@ def one_sample(cluster: Cluster, placement: dict, victim_rank: int, max_tokens: 
         state = cluster.state(via)
     hosts = cluster.hosts(instance_id, via)
     victim = hosts[victim_rank]
-    api = getattr(cluster, "head", None) or next(n for n in [*hosts, *cluster.nodes] if n is not victim)
+    api = cluster.head if isinstance(cluster, SharedNatsCluster) else next(n for n in [*hosts, *cluster.nodes] if n is not victim)
     leader_killed = state.leader_node == node_id_of(victim)
     others = {i.instance_id for i in state.instances.values() if i.desire_id == desire_id}
     stream = stream_chat(api.url, chat_body(PROMPT, max_tokens))
     wait_until(lambda: stream.text_chunks() >= 20 or stream.done.is_set(), 60, 0.005, "the stream under way")
     assert not stream.done.is_set(), "the stream ended before the kill"
-    watch = Watch(api.url, stream.task_id, instance_id, desire_id, others)
-    request: dict = {}
+    watch = Watch(api.url, TaskId(stream.task_id), instance_id, desire_id, others)
+    request: NewRequest = {}
     kill_9(victim)
     killed = time.monotonic()
     asker = threading.Thread(target=new_request, args=(api.url, request), daemon=True)
@@ -157,7 +185,7 @@ def one_sample(cluster: Cluster, placement: dict, victim_rank: int, max_tokens: 
     seen = watch.stop()
     first = stream.first_text_after(killed)
     ok = stream.status == 200 and not stream.errors and stream.finish_reason == "length"
-    row = {"ok": ok and request.get("status") == 200, "leader": leader_killed,
+    row: Row = {"ok": ok and request.get("status") == 200, "leader": leader_killed,
            "errors": stream.errors[:1] + ([f"new request: {request.get('status')}"] if request.get("status") != 200 else [])}
     marks = {"detect": seen.get("detect"), "place": seen.get("place"), "load": seen.get("load")}
     row["detect"] = _since(marks["detect"], killed)
@@ -189,7 +217,7 @@ def main() -> None:
     parser.add_argument("--keep", type=Path, help="keep the nodes' data dirs and logs in this (new) directory")
     parser.add_argument("--cluster", choices=["shared", "discovered"], default="shared")
     args = parser.parse_args()
-    results: dict[str, list[dict]] = {}
+    results: dict[str, list[Row]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         root = args.keep or Path(tmp)
         root.mkdir(parents=True, exist_ok=True)

@@ -26,13 +26,16 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Coroutine
 from pathlib import Path
+from typing import Any, TypeVar
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import httpx  # noqa: E402
 
 from exo.bus.connection import connect  # noqa: E402
+from exo.core.state import State  # noqa: E402
 from tests.support.cluster import replay, state_of_url  # noqa: E402
 from tests.support.compose_topology import LocalTopology  # noqa: E402
 from tests.support.fake_hub import FakeHub  # noqa: E402
@@ -42,8 +45,12 @@ REQUEST_TIMEOUT_S = 60
 SAMPLE_EVERY = 25  # every 25th chat's text is compared with mlx-lm's
 MAX_TOKENS = 16
 
+T = TypeVar("T")
+Fault = tuple[str, float]  # (the killed server's compose name, when it was killed)
+Check = tuple[bool, str]  # (passed, what was checked)
 
-def chat_body(n: int) -> dict:
+
+def chat_body(n: int) -> dict[str, Any]:
     return {"model": TINY_MODEL_ID, "messages": [{"role": "user", "content": f"soak {n}"}],
             "max_tokens": MAX_TOKENS, "temperature": 0}
 
@@ -106,8 +113,8 @@ class Load:
 
 def run(duration: float, fault_every: float, restart_after: float, root: Path) -> bool:
     hub = FakeHub({TINY_MODEL_ID: make_tiny_model(root / "model")})
-    hub.start()
-    topology = LocalTopology(root / "compose", {"HF_ENDPOINT": hub.endpoint, "HF_HUB_DISABLE_TELEMETRY": "1"})
+    endpoint = hub.start()
+    topology = LocalTopology(root / "compose", {"HF_ENDPOINT": endpoint, "HF_HUB_DISABLE_TELEMETRY": "1"})
     try:
         topology.start()
         with httpx.Client(base_url=topology.api_url, timeout=120) as http:
@@ -126,12 +133,15 @@ def run(duration: float, fault_every: float, restart_after: float, root: Path) -
         hub.stop()
 
 
-def inject_faults(topology: LocalTopology, load: Load, duration: float, every: float, restart_after: float) -> list:
-    started, faults = time.monotonic(), []
+def inject_faults(topology: LocalTopology, load: Load, duration: float, every: float, restart_after: float) -> list[Fault]:
+    started = time.monotonic()
+    faults: list[Fault] = []
     while time.monotonic() - started + every <= duration:
         time.sleep(every - restart_after)
         name = stream_leader(topology, "EXO_EVENTS")
-        topology.services[name].process.kill()
+        process = topology.services[name].process
+        assert process is not None, f"{name} is not running"
+        process.kill()
         killed_at = time.monotonic()
         print(f"[{killed_at - started:6.0f} s] kill -9 {name}", flush=True)
         time.sleep(restart_after)
@@ -144,21 +154,30 @@ def inject_faults(topology: LocalTopology, load: Load, duration: float, every: f
 def stream_leader(topology: LocalTopology, stream: str) -> str:
     """The compose name of the server leading `stream` now (with one replica: the one holding it)."""
 
-    async def ask() -> str:
+    async def ask() -> str | None:
         nc = await connect(topology.nats_urls, name="soak-reader")
         try:
-            return (await nc.jetstream().stream_info(stream)).cluster.leader
+            cluster = (await nc.jetstream().stream_info(stream)).cluster
+            assert cluster is not None, f"{stream}: no cluster info"
+            return cluster.leader  # None while it elects one
         finally:
             await nc.close()
 
-    return ask_with_retries(ask)
+    leader = ask_with_retries(ask)
+    assert leader is not None, f"{stream} has no leader"
+    return leader
 
 
-def replication_check(topology: LocalTopology) -> tuple[bool, str]:
+def replication_check(topology: LocalTopology) -> Check:
     async def ask() -> dict[str, int]:
         nc = await connect(topology.nats_urls, name="soak-reader")
         try:
-            return {info.config.name: info.config.num_replicas for info in await nc.jetstream().streams_info()}
+            replicas: dict[str, int] = {}
+            for info in await nc.jetstream().streams_info():
+                name, count = info.config.name, info.config.num_replicas
+                assert name is not None and count is not None, info  # the server sends both for every stream
+                replicas[name] = count
+            return replicas
         finally:
             await nc.close()
 
@@ -167,7 +186,7 @@ def replication_check(topology: LocalTopology) -> tuple[bool, str]:
             f"every stream and bucket has {Criteria.replicas} replicas: {dict(sorted(replicas.items()))}")
 
 
-def ask_with_retries(ask, attempts: int = 5):
+def ask_with_retries(ask: Callable[[], Coroutine[Any, Any, T]], attempts: int = 5) -> T:
     for attempt in range(attempts):
         try:
             return asyncio.run(ask())
@@ -175,11 +194,12 @@ def ask_with_retries(ask, attempts: int = 5):
             if attempt == attempts - 1:
                 raise
             time.sleep(1)
+    raise ValueError(f"attempts must be at least 1, not {attempts}")
 
 
-def state_differences(live, replayed) -> list[str]:
+def state_differences(live: State, replayed: State) -> list[str]:
     """Which fields differ, and for maps the first few keys that do: where to start looking."""
-    found = []
+    found: list[str] = []
     for field in live.__struct_fields__:
         mine, theirs = getattr(live, field), getattr(replayed, field)
         if mine == theirs:
@@ -192,7 +212,7 @@ def state_differences(live, replayed) -> list[str]:
     return found
 
 
-def report(topology: LocalTopology, load: Load, faults: list, model_dir: Path) -> bool:
+def report(topology: LocalTopology, load: Load, faults: list[Fault], model_dir: Path) -> bool:
     quiet_since, last, give_up = time.monotonic(), -1, time.monotonic() + 15
     # Let in-flight events settle: 3 s without one, or 15 s (two workers' heartbeats, 5 s apart
     # each, may never leave 3 s of quiet; the replay below stops at the live State's sequence).
@@ -207,7 +227,7 @@ def report(topology: LocalTopology, load: Load, faults: list, model_dir: Path) -
         key = f"{kind} {outcome.split()[0]}"
         counts[key] = counts.get(key, 0) + 1
     print(f"\nrequests: {dict(sorted(counts.items()))}")
-    checks = [replication_check(topology), *recovery_checks(load, faults), chat_rate_check(load),
+    checks: list[Check] = [replication_check(topology), *recovery_checks(load, faults), chat_rate_check(load),
               unexplained_failures_check(load, faults)]
     hung = sum(1 for _, _, o in load.outcomes if o == "hung")
     equal = replayed == live
@@ -225,8 +245,8 @@ def report(topology: LocalTopology, load: Load, faults: list, model_dir: Path) -
     return all(passed for passed, _ in checks)
 
 
-def recovery_checks(load: Load, faults: list) -> list[tuple[bool, str]]:
-    checks = []
+def recovery_checks(load: Load, faults: list[Fault]) -> list[Check]:
+    checks: list[Check] = []
     for name, killed_at in faults:
         chat, card = load.first_ok_sent_after(killed_at, "chat"), load.first_ok_sent_after(killed_at, "card")
         slowest = max(chat if chat is not None else float("inf"), card if card is not None else float("inf"))
@@ -236,7 +256,7 @@ def recovery_checks(load: Load, faults: list) -> list[tuple[bool, str]]:
     return checks
 
 
-def chat_rate_check(load: Load) -> tuple[bool, str]:
+def chat_rate_check(load: Load) -> Check:
     # A slow decline here, rather than a step at a fault, points at something that grows with
     # the load (the stall of docs/reliability.md's first 30-minute run was one). The floor is
     # relative to this run's own median, so it means the same on a fast and a slow machine.
@@ -252,7 +272,7 @@ def chat_rate_check(load: Load) -> tuple[bool, str]:
             f"{Criteria.min_rate:.0%} of their median, {floor:.0f})")
 
 
-def unexplained_failures_check(load: Load, faults: list) -> tuple[bool, str]:
+def unexplained_failures_check(load: Load, faults: list[Fault]) -> Check:
     failed = [(at, kind, o) for at, kind, o in load.outcomes if o != "ok"]
     unexplained = [(round(at - load.started, 1), kind, o) for at, kind, o in failed
                    if not any(0 <= at - killed_at <= Criteria.explained_after_fault_s for _, killed_at in faults)]
@@ -260,7 +280,7 @@ def unexplained_failures_check(load: Load, faults: list) -> tuple[bool, str]:
                              f"of a kill" if not unexplained else f"failed requests no fault explains: {unexplained[:5]}")
 
 
-def exact_text_check(load: Load, model_dir: Path) -> tuple[bool, str]:
+def exact_text_check(load: Load, model_dir: Path) -> Check:
     from tests.support.e2e import Reference
 
     reference = Reference(model_dir)

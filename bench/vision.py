@@ -23,6 +23,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any, cast
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -30,7 +31,7 @@ import httpx  # noqa: E402
 import mlx_vlm  # noqa: E402
 from mlx_vlm.prompt_utils import apply_chat_template  # noqa: E402
 
-from bench.overhead import decode_rate, timed_chat_stream  # noqa: E402
+from bench.overhead import Run, decode_rate, timed_chat_stream  # noqa: E402
 from exo.bus.connection import connect  # noqa: E402
 from exo.bus.subjects import IMAGES_STREAM  # noqa: E402
 from tests.support.exo_process import ExoProcess  # noqa: E402
@@ -41,7 +42,8 @@ from tests.support.vision_model import VISION_MODEL_ID, make_vision_model, png  
 ASK = "Describe this picture in a few words."
 
 
-def direct_run(model, processor, prompt: str, image: str, max_tokens: int) -> tuple[float, float, int]:
+def direct_run(model: Any, processor: Any, prompt: str, image: str, max_tokens: int) -> Run:
+    """`model`, `processor`: what mlx_vlm.load returns (its model is an mlx module, which mypy does not follow)."""
     start = time.perf_counter()
     stamps = [time.perf_counter() for _ in mlx_vlm.stream_generate(model, processor, prompt, image=[image],
                                                                    max_tokens=max_tokens, temperature=0.0)]
@@ -58,8 +60,8 @@ def chat_body(data_url: str, max_tokens: int) -> bytes:
 
 def start_cluster(model_dir: Path, root: Path) -> tuple[FakeHub, ExoProcess]:
     hub = FakeHub({VISION_MODEL_ID: model_dir})
-    hub.start()
-    env = {"HF_ENDPOINT": hub.endpoint, "HF_HOME": str(root / "hf"), "HF_HUB_DISABLE_TELEMETRY": "1",
+    endpoint = hub.start()
+    env = {"HF_ENDPOINT": endpoint, "HF_HOME": str(root / "hf"), "HF_HUB_DISABLE_TELEMETRY": "1",
            "EXO_LOG_LEVEL": "INFO"}
     exo = ExoProcess(root / "data", env).start()
     with httpx.Client(base_url=exo.url, timeout=300) as http:
@@ -102,9 +104,13 @@ def main() -> None:
     report(args, dims, *rows)
 
 
-def measure(args, model_dir: Path, root: Path, exo: ExoProcess) -> tuple:
+def measure(args: argparse.Namespace, model_dir: Path, root: Path,
+            exo: ExoProcess) -> tuple[int, Run, list[Run], list[Run], tuple[int, int]]:
+    """(image bytes, the first request with it through exo, direct runs, runs through exo, (bytes stored,
+    worker fetches) during the runs)."""
     model, processor = mlx_vlm.load(str(model_dir))
-    prompt = apply_chat_template(processor, model.config, ASK, num_images=1)
+    # The chat template applied: a string (a list of messages only with return_messages=True).
+    prompt = cast(str, apply_chat_template(processor, model.config, ASK, num_images=1))
     with httpx.Client(base_url=exo.url, timeout=300) as http:
         for seed in range(3):  # warm both paths with other images: kernels, connections, the runner
             warm = image_of(args.image_kb, 100 + seed)
@@ -117,7 +123,8 @@ def measure(args, model_dir: Path, root: Path, exo: ExoProcess) -> tuple:
         path.write_bytes(image)
         first = timed_chat_stream(http, body)  # a new image: uploaded, then fetched by the worker
         before, fetches = asyncio.run(stored_bytes(exo)), exo.output().count("fetched and verified")
-        direct, cluster = [], []
+        direct: list[Run] = []
+        cluster: list[Run] = []
         for _ in range(args.requests):
             direct.append(direct_run(model, processor, prompt, str(path), args.max_tokens))
             cluster.append(timed_chat_stream(http, body))
@@ -125,8 +132,9 @@ def measure(args, model_dir: Path, root: Path, exo: ExoProcess) -> tuple:
     return len(image), first, direct, cluster, transfers
 
 
-def report(args, dims: Dims, image_bytes: int, first: tuple, direct: list, cluster: list, transfers: tuple) -> None:
-    def stats(rows: list, column: int, scale: float = 1.0) -> tuple[float, float, float]:
+def report(args: argparse.Namespace, dims: Dims, image_bytes: int, first: Run, direct: list[Run], cluster: list[Run],
+           transfers: tuple[int, int]) -> None:
+    def stats(rows: list[Run], column: int, scale: float = 1.0) -> tuple[float, float, float]:
         values = [r[column] * scale for r in rows]
         return statistics.median(values), min(values), max(values)
 
