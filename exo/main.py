@@ -11,14 +11,27 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Mapping
 from importlib import metadata
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from exo import event_loop
-from exo.bus.connection import SECURITY_ENV, split_urls
-from exo.defaults import DEFAULT_API_PORT, DEFAULT_DATA_DIR, DEFAULT_NATS_PORT
+from exo.bus.connection import split_urls
+from exo.settings.declare import SettingError, is_given, read
+from exo.settings.flags import add_setting_flags, environment_only, given_flags
+from exo.settings.services import (
+    SERVICE_SETTINGS,
+    ApiSettings,
+    BusSettings,
+    ClusterSettings,
+    MasterSettings,
+    ModelSettings,
+    NatsSecurity,
+    NodeSettings,
+    RunnerSettings,
+    WorkerSettings,
+)
 from exo.tools import TOOLS
 
 if TYPE_CHECKING:
@@ -26,22 +39,8 @@ if TYPE_CHECKING:
     from exo.node import NodeConfig
 
 
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Shows each option's default, but not the empty ones ("default: None" says nothing)."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default in (None, False, "", []):
-            return action.help
-        return super()._get_help_string(action)
-
-
-class _Given(argparse.Action):
-    """Stores the value and notes that it was asked for: only a default port is replaced when taken."""
-
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
-                 values: str | Sequence[Any] | None, option_string: str | None = None) -> None:
-        setattr(namespace, self.dest, values)
-        setattr(namespace, f"{self.dest}_given", True)
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Keeps the epilog's lines; each flag's help says its variable and default itself."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,61 +50,11 @@ def build_parser() -> argparse.ArgumentParser:
               "an operator tool (SUBCOMMAND below)",
         description="Run an exo node (master, worker and API), or an operator tool as `exo SUBCOMMAND ...`.",
         epilog="Every option can also come from the environment variable named in its help; a flag wins.\n"
-               "Several nodes on one machine: docs/deploy.md.")
+               f"{environment_only()}\nAll of them: docs/operations.md. Several nodes on one machine: docs/deploy.md.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     _add_tools(parser)
-    parser.add_argument("--nats", default=os.environ.get("EXO_NATS_URL", ""),
-                        help="NATS URL(s), comma-separated (env EXO_NATS_URL); default: start an embedded nats-server")
-    parser.add_argument("--nats-port", type=int, action=_Given, default=int(os.environ.get("EXO_NATS_PORT", DEFAULT_NATS_PORT)),
-                        help="client port of the embedded nats-server; 0: any free port (env EXO_NATS_PORT; "
-                             "if the default is taken and none was asked for, a free one is chosen)")
-    parser.add_argument("--data-dir", default=os.environ.get("EXO_HOME", DEFAULT_DATA_DIR),
-                        help="where this node keeps its id, models, custom cards and the embedded NATS store (env EXO_HOME)")
-    parser.add_argument("--host", default=os.environ.get("EXO_API_HOST"),
-                        help="API listen address (env EXO_API_HOST; default: 0.0.0.0, or 127.0.0.1 when "
-                             "--discovery-address is a loopback address)")
-    parser.add_argument("--api-port", type=int, action=_Given, default=int(os.environ.get("EXO_API_PORT", DEFAULT_API_PORT)),
-                        help="API and dashboard port (env EXO_API_PORT; if the default is taken and none was "
-                             "asked for, the next free one is chosen)")
-    parser.add_argument("--name", default=os.environ.get("EXO_NODE_NAME", ""),
-                        help="what people call this node (env EXO_NODE_NAME; default: the hostname, plus "
-                             ":API_PORT when that is not the default)")
-    _add_service_arguments(parser)
-    _add_cluster_arguments(parser)
-    parser.add_argument("--log-level", default=os.environ.get("EXO_LOG_LEVEL", "INFO"),
-                        help="DEBUG, INFO, WARNING or ERROR (env EXO_LOG_LEVEL)")
+    add_setting_flags(parser)
     return parser
-
-
-def _add_service_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--no-master", action="store_true", help="do not run a master on this node")
-    parser.add_argument("--no-worker", action="store_true", help="do not run models on this node")
-    parser.add_argument("--no-api", action="store_true", help="do not serve the HTTP API")
-    parser.add_argument("--snapshot-every", type=int, default=int(os.environ.get("EXO_SNAPSHOT_EVERY", "1000")),
-                        help="the master snapshots State to KV every this many events...")
-    parser.add_argument("--snapshot-interval", type=float, default=float(os.environ.get("EXO_SNAPSHOT_INTERVAL", "30")),
-                        help="...or every this many seconds, whichever comes first")
-    parser.add_argument("--events-max-age", type=float, default=_env_number("EXO_EVENTS_MAX_AGE_S"),
-                        help="seconds the event log keeps events (applies when the stream is created)")
-    parser.add_argument("--events-max-bytes", type=int, default=_env_number("EXO_EVENTS_MAX_BYTES", int),
-                        help="bytes the event log keeps (applies when the stream is created)")
-    parser.add_argument("--api-key", action="append", default=[],
-                        help="require this API key (repeatable; env EXO_API_KEYS, comma-separated)")
-    parser.add_argument("--max-queue", type=int, default=_env_number("EXO_MAX_QUEUE", int),
-                        help="open requests an instance admits before answering 429 (default 64)")
-    parser.add_argument("--replicas", type=int, default=_env_number("EXO_REPLICAS", int),
-                        help="replicas of every stream and bucket when they are created (3 on a 3-server NATS cluster)")
-    parser.add_argument("--node-timeout", type=float, default=float(os.environ.get("EXO_NODE_TIMEOUT_S", "30")),
-                        help="seconds without a heartbeat before the master times a node out (workers beat every "
-                             "EXO_HEARTBEAT_S, default 5)")
-    security = parser.add_argument_group("NATS security (or the environment variables named)")
-    for key, env in SECURITY_ENV.items():
-        flag = "--nats-" + key.replace("_", "-").replace("user-credentials", "creds")
-        security.add_argument(flag, dest=f"security_{key}", help=f"env {env}")
-    parser.add_argument("--offline", action="store_true", default=_env_flag("EXO_OFFLINE"),
-                        help="use only complete models already in the model directories: no Hub, no peers (env EXO_OFFLINE)")
-    parser.add_argument("--no-model-sharing", action="store_true",
-                        help="do not serve models to other nodes nor fetch from them (env EXO_MODEL_SHARING=0)")
 
 
 def _add_tools(parser: argparse.ArgumentParser) -> None:
@@ -138,81 +87,56 @@ def package_version() -> str:
         return getattr(exo, "__version__", "unknown")
 
 
-def parse_args(argv: list[str] | None = None) -> NodeConfig:
+def parse_args(argv: list[str] | None = None, environ: Mapping[str, str] = os.environ) -> NodeConfig:
+    """The node's configuration: every setting read once, from the flags and then `environ`."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.tool:
         parser.error(f"put `{args.tool}` first: `exo {args.tool} ...` takes its own options (exo {args.tool} --help)")
-    # Imported once parsed, not at the top: `exo <tool>`, --help and --version should not pay for them.
+    try:
+        settings = {cls: read(cls, environ, given_flags(args, cls)) for cls in SERVICE_SETTINGS}
+    except SettingError as error:
+        parser.error(str(error))
+    node = cast(NodeSettings, settings[NodeSettings])
+    logging.basicConfig(level=node.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for chatty in ("httpx", "httpx2", "huggingface_hub"):  # one line per HTTP request is noise here
+        logging.getLogger(chatty).setLevel(logging.WARNING)
+
+    def auto(field: str) -> bool:  # a default port, not asked for: replaced by a free one if taken
+        return not is_given(NodeSettings, field, environ, given_flags(args, NodeSettings))
+    return node_config(settings, nats_port_auto=auto("nats_port"), api_port_auto=auto("api_port"))
+
+
+def node_config(settings: Mapping[type[Any], Any], nats_port_auto: bool = False, api_port_auto: bool = False) -> NodeConfig:
+    # Imported here, not at the top: `exo <tool>`, --help and --version should not pay for them.
     from exo.banner import is_loopback
     from exo.node import NodeConfig
 
-    if args.api_key:
-        os.environ["EXO_API_KEYS"] = ",".join([*split_urls(os.environ.get("EXO_API_KEYS", "")), *args.api_key])
-    for key, env in SECURITY_ENV.items():  # children (runners) inherit the environment
-        if getattr(args, f"security_{key}"):
-            os.environ[env] = getattr(args, f"security_{key}")
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    for chatty in ("httpx", "httpx2", "huggingface_hub"):  # one line per HTTP request is noise here
-        logging.getLogger(chatty).setLevel(logging.WARNING)
-    discovery, trusted_lan = (None, False) if args.nats or args.no_discovery else _discovery_settings(args)
+    node: NodeSettings = settings[NodeSettings]
+    cluster: ClusterSettings = settings[ClusterSettings]
+    data_dir = Path(node.data_dir).expanduser()
+    discovery, trusted_lan = (None, False) if node.nats_url or not cluster.discovery else _discovery(cluster, data_dir)
     return NodeConfig(
-        data_dir=Path(args.data_dir).expanduser(), nats_urls=split_urls(args.nats), nats_port=args.nats_port,
-        nats_port_auto=not (getattr(args, "nats_port_given", False) or "EXO_NATS_PORT" in os.environ),
-        api_host=args.host or ("127.0.0.1" if is_loopback(args.discovery_address) else "0.0.0.0"),
-        api_port=args.api_port,
-        api_port_auto=not (getattr(args, "api_port_given", False) or "EXO_API_PORT" in os.environ),
-        name=args.name, address=args.discovery_address,
-        run_master=not args.no_master, run_worker=not args.no_worker, run_api=not args.no_api,
-        snapshot_every=args.snapshot_every, snapshot_interval=args.snapshot_interval,
-        events_max_age_s=args.events_max_age, events_max_bytes=args.events_max_bytes, replicas=args.replicas,
-        max_queue=args.max_queue, node_timeout=args.node_timeout, offline=args.offline, model_sharing=False if args.no_model_sharing else None,
-        discovery=discovery, trusted_lan=trusted_lan,
+        data_dir=data_dir, nats_urls=split_urls(node.nats_url), nats_port=node.nats_port, nats_port_auto=nats_port_auto,
+        api_host=node.api_host or ("127.0.0.1" if is_loopback(cluster.discovery_address) else "0.0.0.0"),
+        api_port=node.api_port, api_port_auto=api_port_auto, name=node.name, address=cluster.discovery_address,
+        run_master=node.run_master, run_worker=node.run_worker, run_api=node.run_api,
+        discovery=discovery, trusted_lan=trusted_lan, security=settings[NatsSecurity], bus=settings[BusSettings],
+        models=settings[ModelSettings], master=settings[MasterSettings], worker=settings[WorkerSettings],
+        runner=settings[RunnerSettings], api=settings[ApiSettings],
     )
 
 
-def _add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
-    cluster = parser.add_argument_group("zero-config cluster (mDNS discovery; off when --nats is given)")
-    cluster.add_argument("--no-discovery", action="store_true", default=os.environ.get("EXO_DISCOVERY", "1") == "0",
-                         help="run a standalone embedded server; do not look for other nodes (env EXO_DISCOVERY=0)")
-    cluster.add_argument("--namespace", default=os.environ.get("EXO_NAMESPACE", "default"),
-                         help="only nodes of the same namespace form a cluster (env EXO_NAMESPACE)")
-    cluster.add_argument("--discovery-address", default=os.environ.get("EXO_DISCOVERY_ADDRESS", ""),
-                         help="the address this node uses: mDNS, the cluster port, and the ring address of "
-                              "multi-node instances (env EXO_DISCOVERY_ADDRESS; default: the LAN address; "
-                              "EXO_ADVERTISE_ADDRESSES overrides the ring address)")
-    cluster.add_argument("--cluster-port", type=int, default=int(os.environ.get("EXO_CLUSTER_PORT", "0")),
-                         help="NATS cluster (route) port; 0: a free one, kept across restarts (env EXO_CLUSTER_PORT)")
-    cluster.add_argument("--cluster-secret", default=os.environ.get("EXO_CLUSTER_SECRET", ""),
-                         help="password of the cluster routes, the same on every node; kept after the first use "
-                              "(env EXO_CLUSTER_SECRET; without one: trusted-LAN mode, named as a risk at start)")
-    cluster.add_argument("--peer-remove-after", type=float, default=float(os.environ.get("EXO_PEER_REMOVE_AFTER_S", "3600")),
-                         help="seconds a cluster server may be silent before it is treated as gone for good: its "
-                              "stream replicas move to a spare server and it leaves the meta group (0: never; "
-                              "env EXO_PEER_REMOVE_AFTER_S)")
-    cluster.add_argument("--join-timeout", type=float, default=float(os.environ.get("EXO_JOIN_TIMEOUT_S", "60")),
-                         help="seconds a first join through announced routes may take before the node decides again "
-                              "without that cluster (a stale or spoofed announcement; env EXO_JOIN_TIMEOUT_S)")
-
-
-def _discovery_settings(args: argparse.Namespace) -> tuple[DiscoverySettings, bool]:
+def _discovery(cluster: ClusterSettings, data_dir: Path) -> tuple[DiscoverySettings, bool]:
     """The discovery settings, and whether they trust the LAN (no cluster secret)."""
     from exo.bus.server.cluster_node import DiscoverySettings
     from exo.bus.server.cluster_secret import lan_address, resolve_secret
 
-    secret = resolve_secret(Path(args.data_dir).expanduser() / "nats", args.cluster_secret, args.namespace)
-    return DiscoverySettings(address=args.discovery_address or lan_address(), secret=secret.value,
-                             secret_id=secret.digest, namespace=args.namespace, cluster_port=args.cluster_port,
-                             remove_after_s=args.peer_remove_after, join_timeout_s=args.join_timeout), secret.trusted_lan
-
-
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "").lower() in ("1", "true", "yes", "on")
-
-
-def _env_number(name: str, kind: Callable[[str], float] = float) -> float | None:
-    value = os.environ.get(name)
-    return kind(value) if value else None
+    secret = resolve_secret(data_dir / "nats", cluster.cluster_secret, cluster.namespace)
+    return DiscoverySettings(address=cluster.discovery_address or lan_address(), secret=secret.value,
+                             secret_id=secret.digest, namespace=cluster.namespace, cluster_port=cluster.cluster_port,
+                             remove_after_s=cluster.peer_remove_after_s,
+                             join_timeout_s=cluster.join_timeout_s), secret.trusted_lan
 
 
 async def run(config: NodeConfig) -> int:

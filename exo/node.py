@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import platform
 import socket
 import time
@@ -40,6 +39,16 @@ from exo.models.cards import load_builtin_cards
 from exo.models.dirs import DownloadSettings
 from exo.models.hub import set_offline
 from exo.resources import builtin_cards_dir
+from exo.runner.protocol import RunnerStart
+from exo.settings.services import (
+    ApiSettings,
+    BusSettings,
+    MasterSettings,
+    ModelSettings,
+    NatsSecurity,
+    RunnerSettings,
+    WorkerSettings,
+)
 from exo.worker.heartbeat import Heartbeat
 from exo.worker.node_info import NodeIdentity, describe_this_node
 from exo.worker.service import Worker
@@ -66,17 +75,16 @@ class NodeConfig:
     run_master: bool = True
     run_worker: bool = True
     run_api: bool = True
-    snapshot_every: int = 1000  # events between State snapshots...
-    snapshot_interval: float = 30.0  # ...or seconds, whichever comes first
-    events_max_age_s: float | None = None  # None: as streams/EXO_EVENTS.json says
-    events_max_bytes: int | None = None
-    offline: bool = False  # models only from local directories: no Hub, no peers
-    model_sharing: bool | None = None  # serve models to peers and fetch from them; None: EXO_MODEL_SHARING (on)
-    replicas: int | None = None  # None: as streams/*.json say (1)
-    max_queue: int | None = None  # open tasks per instance before 429; None: decide's default
-    node_timeout: float = 30.0  # seconds without a heartbeat before the master times a node out
     discovery: DiscoverySettings | None = None  # None: a standalone embedded server (or the given NATS URLs)
     trusted_lan: bool = False  # discovery without a cluster secret: a risk the start banner names
+    # Each service's settings (exo/settings/services.py), read once by main.py.
+    security: NatsSecurity = NatsSecurity()
+    bus: BusSettings = BusSettings()
+    models: ModelSettings = ModelSettings()
+    master: MasterSettings = MasterSettings()
+    worker: WorkerSettings = WorkerSettings()
+    runner: RunnerSettings = RunnerSettings()
+    api: ApiSettings = ApiSettings()
 
 
 # Open streams (a dashboard's /events, a long generation) get this long on Ctrl-C before they are
@@ -152,30 +160,32 @@ class Node:
                                f"--data-dir {config.data_dir}-2 (or EXO_HOME)") from None
         self.config = config = self._choose_ports(config)
         self.name = config.name or default_name(config.api_port if config.run_api else None)
-        identity = NodeIdentity(name=self.name, address=config.address)
+        identity = NodeIdentity(name=self.name, address=config.address, advertised=config.worker.advertise_addresses,
+                                ring_ports=config.worker.ring_ports)
         node_id = load_node_id(config.data_dir)
         urls = config.nats_urls or [await self._start_embedded(node_id)]
         self.nats_urls = urls
         self.shown_nats_urls = [redact(url) for url in urls]
-        self._nc = nc = await connect(urls, name="exo-node")
-        overrides = event_retention(config.events_max_age_s, config.events_max_bytes)
+        self._nc = nc = await connect(urls, name="exo-node", security=config.security)
+        overrides = event_retention(config.bus.events_max_age_s, config.bus.events_max_bytes)
         if self.cluster is not None:  # on real nodes only; the cluster raises the replicas itself
             overrides = merge_overrides(placed_on([NODE_TAG]), overrides)
-        await provision(nc, replicas=config.replicas, overrides=overrides, keep_replicas=self.cluster is not None)
+        await provision(nc, replicas=config.bus.replicas, overrides=overrides, keep_replicas=self.cluster is not None,
+                        forming_wait_s=config.bus.cluster_forming_wait_s)
         builtin = load_builtin_cards(builtin_cards_dir())
         self._view = view = await self._catch_up(nc)
         if self.cluster is not None:
             self._tasks.append(asyncio.create_task(self.cluster.keep(self._layout_recorder(nc, view)), name="cluster upkeep"))
         if config.run_master:
-            master = Master(nc, view, builtin, node_id, config.snapshot_every, config.snapshot_interval, config.max_queue,
-                            node_timeout=config.node_timeout)
+            master = Master(nc, view, builtin, node_id, config.master)
             self._tasks.append(asyncio.create_task(master.run(), name="master"))
-        if config.offline:
-            set_offline()
-            os.environ["HF_HUB_OFFLINE"] = "1"  # runner processes inherit it
+        if config.models.offline:
+            set_offline()  # in this process; runner processes are told by the worker (runner_host.py)
         if config.run_worker:
-            downloads = DownloadSettings.from_env(config.data_dir, offline=config.offline, share=config.model_sharing)
-            self.worker = Worker(nc, view, node_id, config.data_dir, urls, builtin, downloads)
+            downloads = DownloadSettings.of(config.models, config.data_dir)
+            start = RunnerStart(nats_urls=urls, security=config.security, settings=config.runner)
+            self.worker = Worker(nc, view, node_id, config.data_dir, urls, builtin, downloads, settings=config.worker,
+                                 runner_start=start, suspect_s=config.master.suspect_s)
             events = EventLog(nc)
             async def append(event: Event) -> None:
                 await events.append(event, uuid.uuid4().hex)
@@ -183,14 +193,16 @@ class Node:
             async def pulse(incarnation: str) -> None:
                 await send_pulse(nc, Pulse(node_id=node_id, incarnation=incarnation))
 
-            heartbeat = Heartbeat(node_id, append, pulse, prompt_caches=self.worker.prompt_caches, identity=identity)
+            heartbeat = Heartbeat(node_id, append, pulse, config.worker, prompt_caches=self.worker.prompt_caches,
+                                  identity=identity)
             view.add_listener(heartbeat.on_event)
             info = describe_this_node(node_id, heartbeat.incarnation, time.time(), identity=identity)
             await events.append(NodeRegistered(node=info), uuid.uuid4().hex)
             self._tasks.append(asyncio.create_task(self.worker.run(), name="worker"))
             self._tasks.append(asyncio.create_task(heartbeat.run(), name="heartbeat"))
         if config.run_api:
-            ctx = ApiContext(nc, view, CommandOutcomes(nc, view), builtin, node_id, config.data_dir)
+            ctx = ApiContext(nc, view, CommandOutcomes(nc, view), builtin, node_id, config.data_dir,
+                             settings=config.api, models=config.models)
             if (watch := self._disk_watch) is not None:
                 ctx.storage_problem = lambda: watch.problem
             await self._start_api(ctx)
@@ -213,10 +225,11 @@ class Node:
     async def _start_embedded(self, node_id: str) -> str:
         store = self.config.data_dir / "nats"
         if self.config.discovery is None:
-            self.embedded = EmbeddedNats(store, port=self.config.nats_port)
+            self.embedded = EmbeddedNats(store, port=self.config.nats_port, memory_limit=self.config.bus.nats_memory_limit)
             await self.embedded.start()
         else:
-            self.cluster = ClusterNode(store, node_id, self.config.nats_port, self.config.discovery)
+            self.cluster = ClusterNode(store, node_id, self.config.nats_port, self.config.discovery,
+                                       memory_limit=self.config.bus.nats_memory_limit)
             self.embedded = await self.cluster.start()
         self._tasks.append(asyncio.create_task(self.embedded.supervise(), name="embedded nats-server"))
         self._disk_watch = DiskWatch(self.embedded)

@@ -1,20 +1,24 @@
 """Where the files that ship beside the code live: stream definitions and built-in cards.
 
 In a checkout (and with `uv run`) they are the repo's top-level folders; in a wheel they are
-packaged under exo/_data. EXO_STREAMS_DIR / EXO_CARDS_DIR override both.
+packaged under exo/_data. EXO_STREAMS_DIR / EXO_CARDS_DIR override both: the one place that
+reads settings from the environment itself, because the operator tools and the node both need
+these folders before any settings are passed around.
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
+
+from exo.settings.declare import read
+from exo.settings.services import ResourceSettings
 
 _PACKAGE = Path(__file__).resolve().parent
 
 
-def _find(name: str, env: str) -> Path:
-    if os.environ.get(env):
-        return Path(os.environ[env])
+def _find(name: str, override: str, env: str) -> Path:
+    if override:
+        return Path(override)
     for candidate in (_PACKAGE.parent / name, _PACKAGE / "_data" / name):
         if candidate.is_dir():
             return candidate
@@ -22,8 +26,8 @@ def _find(name: str, env: str) -> Path:
 
 
 def streams_dir() -> Path:
-    return _find("streams", "EXO_STREAMS_DIR")
+    return _find("streams", read(ResourceSettings).streams_dir, "EXO_STREAMS_DIR")
 
 
 def builtin_cards_dir() -> Path:
-    return _find("cards", "EXO_CARDS_DIR")
+    return _find("cards", read(ResourceSettings).cards_dir, "EXO_CARDS_DIR")

@@ -15,9 +15,11 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.sample_utils import make_sampler
 
 from exo.core.types import ChatMessage, GenerationParams, SamplingDefaults
-from exo.runner.batch import Batcher, BatchFailed, batchable, max_batch
+from exo.runner.batch import Batcher, BatchFailed, batchable
 from exo.runner.decoding import GenerationResult, Output
 from exo.runner.engine import Engine
+from exo.settings.declare import read
+from exo.settings.services import RunnerSettings
 from tests.support.tiny_model import make_tiny_model
 from tests.support.tool_model import WEATHER_TOOL, make_tool_model
 
@@ -212,21 +214,16 @@ def test_a_failed_step_ends_every_request_in_the_batch_and_the_next_batch_starts
     assert together(engine, [chat(ASKS[0], max_tokens=10)]) == [alone(engine, chat(ASKS[0], max_tokens=10))]
 
 
-def test_the_batch_limit_comes_from_the_environment(monkeypatch):
-    monkeypatch.delenv("EXO_MAX_BATCH", raising=False)
-    assert max_batch() == 32  # as mlx_lm.server's --decode-concurrency
-    monkeypatch.setenv("EXO_MAX_BATCH", "1")
-    assert max_batch() == 1
-    monkeypatch.setenv("EXO_MAX_BATCH", "8")
-    assert max_batch() == 8
+def test_the_batch_limit_comes_from_the_environment():
+    assert read(RunnerSettings, {}).max_batch == 32  # as mlx_lm.server's --decode-concurrency
+    assert read(RunnerSettings, {"EXO_MAX_BATCH": "1"}).max_batch == 1
+    assert read(RunnerSettings, {"EXO_MAX_BATCH": "8"}).max_batch == 8
 
 
-def test_a_batch_limit_of_one_keeps_every_request_on_the_single_path(monkeypatch):
+def test_a_batch_limit_of_one_keeps_every_request_on_the_single_path():
     from exo.runner.process import Runner
     from exo.runner.protocol import Generate
 
     request = Generate(task_id="t", params=chat("x"))
-    monkeypatch.setenv("EXO_MAX_BATCH", "1")
-    assert not Runner(None, None)._batched(request)
-    monkeypatch.setenv("EXO_MAX_BATCH", "4")
-    assert Runner(None, None)._batched(request)
+    assert not Runner(None, None, RunnerSettings(max_batch=1))._batched(request)
+    assert Runner(None, None, RunnerSettings(max_batch=4))._batched(request)

@@ -17,6 +17,7 @@ from exo.core.commands import GenerateText, PlaceInstance
 from exo.core.events import CommandRejected, InstanceCreated, NodeRegistered, TaskStarted
 from exo.core.types import ModelCard, NodeInfo
 from exo.master.service import Master
+from exo.settings.services import MasterSettings
 from tests.conftest import eventually
 
 
@@ -135,7 +136,7 @@ async def test_waiting_commands_are_decided_in_one_batch_each_on_the_events_of_t
         await asyncio.sleep(0.05)  # the view lags the log: decisions must not wait for it, nor miss their own events
 
     view.add_listener(slow_fold)
-    running = asyncio.create_task(Counting(nc, view, builtin, node_id="batch-test", max_queue=3).run())
+    running = asyncio.create_task(Counting(nc, view, builtin, node_id="batch-test", settings=MasterSettings(max_queue=3)).run())
     try:
         await eventually(lambda: all(f"batch-{n}" in answers for n in range(10)), 20)
         outcomes = [answers[f"batch-{n}"][0] for n in range(10)]

@@ -35,7 +35,8 @@ def test_help_lists_every_subcommand_and_the_defaults():
     assert set(shown) == set(TOOLS)  # a new tool gets its line here too
     for name, summary in shown.items():
         assert f"{name} {summary}" in listed, (name, summary)
-    for default in ("(default: 52415)", "(default: 4222)", "(default: ~/.exo)", "default: 0.0.0.0", "(default: INFO)"):
+    for default in ("(env EXO_API_PORT; default: 52415)", "(env EXO_NATS_PORT; default: 4222)",
+                    "(env EXO_HOME; default: ~/.exo)", "none: 0.0.0.0", "(env EXO_LOG_LEVEL; default: INFO)"):
         assert default in " ".join(result.stdout.split()), default
 
 

@@ -14,14 +14,14 @@ from aiohttp.test_utils import TestClient, TestServer
 from exo.api.app import build_app
 from exo.api.context import ApiContext
 from exo.api.dashboard import STATIC_DIR
-from exo.api.settings import ApiSettings
+from exo.settings.services import ApiSettings
 from tests.support.dashboard import KEY
 
 
 def app_client(keys: frozenset[str]) -> TestClient:
     # Only the dashboard routes and the key check run here: nothing touches NATS or State.
     ctx = ApiContext(nc=None, view=None, outcomes=None, builtin_cards={}, node_id="", data_dir=Path("."),  # type: ignore[arg-type]
-                     settings=ApiSettings(api_keys=keys))
+                     settings=ApiSettings(api_keys=tuple(keys)))
     return TestClient(TestServer(build_app(ctx)))
 
 

@@ -13,6 +13,8 @@ from exo.core.types import DownloadProgress, FileProgress, Instance, ModelCard, 
 from exo.models.dirs import LEGACY_MARKER, DownloadSettings, ModelDirs, choose_target, dir_name, find_complete, write_manifest
 from exo.models.files import FileMeta, Manifest, is_safe_path, layer_files, missing, needed_files, rebase, with_verified
 from exo.models.progress import RetryPolicy, next_delay, speed, summarize
+from exo.settings.declare import read
+from exo.settings.services import ModelSettings
 from exo.worker.downloads import peers_with
 from exo.worker.plan import EndTask, LocalRunner, WorkerView, plan
 from tests.support.as_master import stamped, with_leader
@@ -77,10 +79,10 @@ def test_the_target_is_a_directory_already_holding_the_model_else_the_first_with
 def test_models_dirs_from_the_environment(tmp_path: Path):
     env = {"EXO_MODELS_DIRS": f"{tmp_path / 'a'}:{tmp_path / 'b'}", "EXO_MODELS_READ_ONLY_DIRS": str(tmp_path / "ro"),
            "EXO_MODEL_SHARING": "0"}
-    settings = DownloadSettings.from_env(tmp_path / "data", env=env)
+    settings = DownloadSettings.of(read(ModelSettings, env), tmp_path / "data")
     assert settings.dirs == ModelDirs(writable=(tmp_path / "a", tmp_path / "b"), read_only=(tmp_path / "ro",))
     assert settings.share is False and settings.offline is False
-    default = DownloadSettings.from_env(tmp_path / "data", env={"HF_HUB_OFFLINE": "1"})
+    default = DownloadSettings.of(read(ModelSettings, {"HF_HUB_OFFLINE": "1"}), tmp_path / "data")
     assert default.dirs.writable == (tmp_path / "data" / "models",) and default.offline and default.share
     with pytest.raises(ValueError):
         dir_name("../etc")

@@ -11,7 +11,9 @@ from pathlib import Path
 from exo.core.apply import apply
 from exo.core.events import InstanceCreated, TaskCreated, TaskStarted
 from exo.core.types import ChatMessage, GenerationParams, Instance, ShardAssignment, Task
-from exo.worker.image_cache import DEFAULT_LIMIT_BYTES, ImageCache, limit_from_env
+from exo.settings.declare import read
+from exo.settings.services import WorkerSettings
+from exo.worker.image_cache import ImageCache
 from exo.worker.plan import WorkerView, images_needed, tasks_needing
 from tests.support.as_master import stamped, with_leader
 
@@ -109,11 +111,9 @@ def test_a_missing_folder_is_an_empty_cache(tmp_path):
     assert cache.digests() == frozenset() and cache.trim(needed=set()) == []
 
 
-def test_the_limit_comes_from_the_environment(monkeypatch):
-    monkeypatch.delenv("EXO_IMAGE_CACHE_BYTES", raising=False)
-    assert limit_from_env() == DEFAULT_LIMIT_BYTES == 1 << 30
-    monkeypatch.setenv("EXO_IMAGE_CACHE_BYTES", "12345")
-    assert limit_from_env() == 12345
+def test_the_limit_comes_from_the_environment():
+    assert read(WorkerSettings, {}).image_cache_bytes == 1 << 30
+    assert read(WorkerSettings, {"EXO_IMAGE_CACHE_BYTES": "12345"}).image_cache_bytes == 12345
 
 
 MINE = Instance(instance_id="i1", model_id="m/a", shards=[ShardAssignment(runner_id="r1", node_id="me")])

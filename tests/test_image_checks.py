@@ -11,7 +11,10 @@ import PIL.Image
 import pytest
 
 from exo.api.errors import ApiError
-from exo.api.images import MAX_IMAGE_PIXELS, check_image
+from exo.api.images import check_image
+from exo.settings.services import ApiSettings
+
+MAX_IMAGE_PIXELS = ApiSettings().max_image_pixels
 from tests.support.images import random_png
 
 

@@ -23,6 +23,7 @@ from exo.bus.connection import connect
 from exo.bus.images import image_digest
 from exo.bus.subjects import IMAGES_BUCKET
 from exo.core.events import TaskCreated
+from exo.settings.services import ApiSettings
 from tests.support.cluster import replay
 from tests.support.e2e import nats_url_of, one_model_node, place
 from tests.support.images import random_png
@@ -223,7 +224,7 @@ def test_images_where_they_cannot_go_are_400(http, cards, path, shape, body, mes
 
 
 def test_data_urls_and_bare_base64_share_one_decoding_and_its_limits():
-    uploads = ImageUploads(max_bytes=8)
+    uploads = ImageUploads(ApiSettings(max_image_bytes=8))
     assert uploads.add_data_url(data_url(b64(b"12345678")), "a") == uploads.add_base64(b64(b"12345678"), "b")
     assert list(uploads.by_digest) == [image_digest(b"12345678")]
     for add, payload, status in [(uploads.add_base64, b64(b"123456789"), 413), (uploads.add_base64, "", 400),

@@ -61,15 +61,16 @@ CORE_MAY_IMPORT = {"__future__", "collections", "dataclasses", "enum", "functool
 # into another (the card catalogue and wire types the services share live in exo/core).
 ALLOWED_ARROWS = {
     "core": set(),
-    "models": {"core"},
-    "resources": set(),
+    "settings": set(),  # declarations only: every service may import its settings struct
+    "models": {"core", "settings"},
+    "resources": {"settings"},
     "memory": set(),
-    "bus": {"core", "resources"},
-    "runner": {"bus", "core", "event_loop", "memory"},
-    "worker": {"background", "bus", "core", "memory", "models", "runner"},
-    "master": {"bus", "core"},
-    "api": {"background", "bus", "core", "models"},  # adding a card reads its config and size from its source
-    "tools": {"bus", "core", "event_loop"},
+    "bus": {"core", "resources", "settings"},
+    "runner": {"bus", "core", "event_loop", "memory", "settings"},
+    "worker": {"background", "bus", "core", "memory", "models", "runner", "settings"},
+    "master": {"bus", "core", "settings"},
+    "api": {"background", "bus", "core", "models", "settings"},  # adding a card reads its config and size from its source
+    "tools": {"bus", "core", "event_loop", "settings"},
     # leaf modules at the top (checked as packages of one file): they import only the core
     "background": set(),
     "event_loop": set(),

@@ -31,6 +31,7 @@ from exo.runner.engine import Engine
 from exo.runner.process import ChunkMaker, Runner
 from exo.runner.prompt_cache import PromptCache
 from exo.runner.protocol import Generate, Resume
+from exo.settings.services import RunnerSettings
 from tests.support.qwen_model import EOS_PROMPT, make_qwen3_model
 from tests.support.thinking_model import make_thinking_model
 from tests.support.tiny_model import make_tiny_model
@@ -298,11 +299,10 @@ def test_content_sent_ahead_of_new_reasoning_keeps_its_own_ids():
         ("a", "", [10], 0, 0), ("b", "", [11], 1, 0), ("", "r", [12], 2, 0)]
 
 
-def test_a_resumed_request_takes_the_single_path_and_its_chunk_ids_name_the_run(monkeypatch):
-    monkeypatch.setenv("EXO_MAX_BATCH", "4")
+def test_a_resumed_request_takes_the_single_path_and_its_chunk_ids_name_the_run():
     plain = Generate(task_id="t", params=chat("x"))
     resumed = Generate(task_id="t", params=chat("x"), resume=Resume(token_ids=[5], next_index=1, attempt=1))
-    runner = Runner(None, None)
+    runner = Runner(None, None, RunnerSettings(max_batch=4))
     assert runner._batched(plain) and not runner._batched(resumed)
     chunk = TokenChunk(command_id="cmd", index=3)
     assert chunk_msg_id(chunk) == "cmd:3"  # a first run's ids as they always were
@@ -314,14 +314,13 @@ async def test_a_runner_resumes_from_the_chunks_another_runner_streamed(nc, tmp_
     """The runner end to end, with a real NATS for its chunks: a second runner given the first k
     chunks' ids (as a migration builds its Resume) sends the rest of the first run's text, its
     chunks numbered on from k and marked with the attempt."""
-    monkeypatch.setattr("exo.runner.process.STREAM_INTERVAL_S", 0.0005)  # several chunks, coalesced or not
     chunks: list[TokenChunk] = []
 
     async def on_chunk(msg: Any) -> None:
         chunks.append(msgspec.json.decode(msg.data, type=TokenChunk))
 
     subscription = await nc.subscribe(token_subject("mig"), cb=on_chunk)
-    runner = Runner(nc, io.BytesIO())
+    runner = Runner(nc, io.BytesIO(), RunnerSettings(stream_interval_ms=0.5))  # several chunks, coalesced or not
     runner._engine.load(str(make_tiny_model(tmp_path / "model")))
     publisher = asyncio.create_task(runner._publish_chunks())
     loop, params = asyncio.get_running_loop(), chat(max_tokens=40, temperature=0.8, seed=7, stop=["k~~"])

@@ -23,6 +23,7 @@ from exo.core.state import State
 from exo.core.types import ModelCard
 from exo.models.cards import card_file_name, read_card
 from exo.models.dirs import DownloadSettings
+from exo.settings.services import ModelSettings
 from exo.worker.service import Worker
 from tests.conftest import eventually
 from tests.support.as_master import TEST_TERM, with_leader
@@ -42,7 +43,7 @@ async def test_a_worker_folds_card_events_in_constant_time_whatever_the_number_o
         await view.start()
         data_dir = tmp_path / "data"
         worker = Worker(client, view, "node-a", data_dir, [fresh_nats], {},
-                        DownloadSettings.from_env(data_dir, share=False, env={}))
+                        DownloadSettings.of(ModelSettings(model_sharing=False), data_dir))
         running = asyncio.create_task(worker.run())
         folder = worker.custom_cards_dir
         await eventually(lambda: len(list(folder.glob("*.toml"))) == CARDS, timeout=120)  # the start-up reconcile

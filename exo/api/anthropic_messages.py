@@ -132,7 +132,7 @@ def to_params(body: MessagesRequest, uploads: ImageUploads) -> GenerationParams:
 
 async def messages(request: web.Request) -> web.StreamResponse:
     body = await decode_body(request, MessagesRequest)
-    uploads = ImageUploads()
+    uploads = ImageUploads(context_of(request).settings)
     params = to_params(body, uploads)
     ctx = context_of(request)
     missing = ApiError(404, f"model: {body.model!r} does not exist", param="model")

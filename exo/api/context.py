@@ -16,7 +16,6 @@ from exo.api.cluster_metrics import ClusterCollector
 from exo.api.errors import ApiError
 from exo.api.metrics import Metrics
 from exo.api.outcomes import CommandOutcomes
-from exo.api.settings import ApiSettings
 from exo.background import Background
 from exo.bus.connection import Connection
 from exo.bus.state_view import StateView
@@ -24,6 +23,7 @@ from exo.core.catalogue import find_card
 from exo.core.ids import ModelId, NodeId
 from exo.core.types import ModelCard
 from exo.models.dirs import ModelDirs
+from exo.settings.services import ApiSettings, ModelSettings
 
 
 def closest_model_id(asked: str, known: list[str]) -> str | None:
@@ -50,7 +50,7 @@ class ApiContext:
     builtin_cards: Mapping[ModelId, ModelCard]
     node_id: NodeId
     data_dir: Path
-    settings: ApiSettings = field(default_factory=ApiSettings.from_env)
+    settings: ApiSettings = field(default_factory=ApiSettings)
     metrics: Metrics = field(default_factory=Metrics)
     # Cancels waiting out the resume grace of a dropped stream, by command id (this node only).
     pending_cancels: dict[str, asyncio.TimerHandle] = field(default_factory=dict)
@@ -61,10 +61,11 @@ class ApiContext:
     storage_problem: Callable[[], str | None] = lambda: None
     _background: Background = field(default_factory=lambda: Background("api"))
     cluster_metrics: ClusterCollector = field(init=False)
+    models: ModelSettings = field(default_factory=ModelSettings)
     model_dirs: ModelDirs = field(init=False)  # where this node keeps models: /models/add looks there offline
 
     def __post_init__(self) -> None:
-        self.model_dirs = ModelDirs.from_env(self.data_dir)  # as the worker reads them, once
+        self.model_dirs = ModelDirs.of(self.models, self.data_dir)  # as the worker reads them
         self.cluster_metrics = ClusterCollector(lambda: self.view.state)
         self.metrics.registry.register(self.cluster_metrics)
 

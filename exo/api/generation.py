@@ -243,7 +243,8 @@ async def start_generation(ctx: ApiContext, model_id: ModelId, params: Generatio
     """Queue the request and return once the master accepted it (or raise why it did not)."""
     card = ctx.card(model_id)
     # The context placed instances have room for, else the model's own (none placed: a 503 follows).
-    check_limits(params, ctx.view.state.max_context_of(model_id) or (card.context_length if card is not None else 0))
+    check_limits(params, ctx.view.state.max_context_of(model_id) or (card.context_length if card is not None else 0),
+                 ctx.settings.max_tokens_limit)
     command_id = new_command_id()
     listener = await TokenListener.live(ctx.nc, command_id)  # before sending: no chunk can be missed
     answer = ctx.outcomes.expect(command_id)

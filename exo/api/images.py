@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import binascii
 import io
-import os
 import struct
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -23,11 +22,8 @@ from exo.api.errors import ApiError
 from exo.bus.images import ImageStoreFull, delete_image, image_digest, store_image
 from exo.core.ids import ModelId
 from exo.core.state import State
+from exo.settings.services import ApiSettings
 
-MAX_IMAGE_BYTES = int(os.environ.get("EXO_MAX_IMAGE_BYTES", str(20 * 1024 * 1024)))
-MAX_IMAGES = int(os.environ.get("EXO_MAX_IMAGES", "16"))  # per request
-MAX_REQUEST_IMAGE_BYTES = int(os.environ.get("EXO_MAX_REQUEST_IMAGE_BYTES", str(64 * 1024 * 1024)))
-MAX_IMAGE_PIXELS = int(os.environ.get("EXO_MAX_IMAGE_PIXELS", str(4096 * 4096)))
 MAX_ASPECT_RATIO = 200  # vision processors (Qwen2-VL's among them) refuse images more elongated than this
 
 # Why a URL is refused, on every surface: images come in the request, as base64.
@@ -36,13 +32,13 @@ NO_FETCHING = "this cluster fetches nothing from the web; send the image's bytes
 USER_ONLY = "images are taken in user messages only"
 
 
-def check_image(data: bytes, param: str, name: str = "the image", max_pixels: int | None = None) -> None:
+def check_image(data: bytes, param: str, name: str = "the image",
+                max_pixels: int = ApiSettings().max_image_pixels) -> None:
     """Refuse, before anything is stored or a runner spends time on it, an image that cannot be
     decoded whole (a truncated PNG), that decodes to more than `max_pixels` (a 420 KB PNG of
     12000 x 12000 took a runner 15 s), or whose shape no vision processor takes: read from the
     header and the file's structure (PIL's verify), never by decoding the pixels. `name` says
     which image ("image 2 of the request") in the error."""
-    max_pixels = max_pixels or MAX_IMAGE_PIXELS
     try:
         with PIL.Image.open(io.BytesIO(data)) as image:
             width, height = image.size
@@ -65,10 +61,11 @@ def check_image(data: bytes, param: str, name: str = "the image", max_pixels: in
 class ImageUploads:
     """The images of one request, decoded and hashed, waiting to be stored."""
 
-    def __init__(self, max_bytes: int = MAX_IMAGE_BYTES) -> None:
+    def __init__(self, limits: ApiSettings) -> None:
         self.by_digest: dict[str, bytes] = {}
         self._params: dict[str, str] = {}  # where in the request each image is, for errors that name it
-        self._max_bytes = max_bytes
+        self._limits = limits
+        self._max_bytes = limits.max_image_bytes
 
     def add_data_url(self, url: str, param: str) -> str:
         """An OpenAI `image_url`: a base64 `data:` URL. Returns the image's digest."""
@@ -95,10 +92,11 @@ class ImageUploads:
         digest = image_digest(data)
         self.by_digest[digest] = data
         self._params[digest] = param
-        if len(self.by_digest) > MAX_IMAGES:
-            raise ApiError(400, f"at most {MAX_IMAGES} images in one request", param=param)
-        if sum(map(len, self.by_digest.values())) > MAX_REQUEST_IMAGE_BYTES:
-            raise ApiError(413, f"the images of one request may total at most {MAX_REQUEST_IMAGE_BYTES} bytes", param=param)
+        if len(self.by_digest) > self._limits.max_images:
+            raise ApiError(400, f"at most {self._limits.max_images} images in one request", param=param)
+        if sum(map(len, self.by_digest.values())) > self._limits.max_request_image_bytes:
+            raise ApiError(413, f"the images of one request may total at most {self._limits.max_request_image_bytes} "
+                                "bytes", param=param)
         return digest
 
     @asynccontextmanager
@@ -116,7 +114,7 @@ class ImageUploads:
         if not ctx.view.state.instances_of(model_id):
             raise ApiError(503, f"no instance of {model_id!r} is running; place one first", code="unavailable")
         for n, (digest, data) in enumerate(self.by_digest.items(), start=1):  # what the model will be given
-            check_image(data, self._params[digest], f"image {n} of the request")
+            check_image(data, self._params[digest], f"image {n} of the request", self._limits.max_image_pixels)
         uploaded: list[str] = []
         try:
             for digest, data in self.by_digest.items():

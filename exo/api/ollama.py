@@ -54,7 +54,7 @@ async def chat(request: web.Request) -> web.StreamResponse:
     roles = {"system", "user", "assistant", "tool"}
     if bad := [m.role for m in body.messages if m.role not in roles]:
         raise ApiError(400, f"invalid role {bad[0]!r}: use one of {sorted(roles)}")
-    uploads = ImageUploads()
+    uploads = ImageUploads(context_of(request).settings)
     conversation = _conversation(body.messages, uploads)
     params = _params(body.options, messages=conversation.messages, tool_turns=conversation.tool_turns,
                      tools=offered_tools(body.tools, None), enable_thinking=from_ollama(body.think),
@@ -93,7 +93,7 @@ def _images(images: list[str] | None, param: str, uploads: ImageUploads) -> list
 async def generate(request: web.Request) -> web.StreamResponse:
     body = await decode_body(request, GenerateRequest)
     _unsupported(suffix=body.suffix)
-    uploads = ImageUploads()
+    uploads = ImageUploads(context_of(request).settings)
     if body.raw:
         if body.images:  # a raw prompt is the model's text as it is: nothing in it can stand for an image
             raise ApiError(400, "images cannot be sent with raw: true; send them with a templated prompt")

@@ -91,7 +91,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         command_id, after = parse_event_id(request.headers["Last-Event-ID"])
         return await resume_chat(request, command_id, after, include_usage=_wants_usage(await request.read()))
     body = await decode_body(request, ChatRequest)
-    uploads = ImageUploads()
+    uploads = ImageUploads(context_of(request).settings)
     params = to_params(body, uploads)
     ctx = context_of(request)
     grace = ctx.settings.resume_grace_s if body.stream else 0.0

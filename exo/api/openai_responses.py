@@ -113,7 +113,7 @@ def to_params(body: ResponsesRequest, uploads: ImageUploads) -> GenerationParams
 
 async def responses(request: web.Request) -> web.StreamResponse:
     body = await decode_body(request, ResponsesRequest)
-    uploads = ImageUploads()
+    uploads = ImageUploads(context_of(request).settings)
     params = to_params(body, uploads)
     echo = _echo(body)
     ctx = context_of(request)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import difflib
-import os
 from typing import TypeVar
 
 import msgspec
@@ -12,9 +11,6 @@ from aiohttp import web
 from exo.api.errors import ApiError
 
 T = TypeVar("T")
-
-MAX_BODY_BYTES = int(os.environ.get("EXO_MAX_BODY_BYTES", str(128 * 1024 * 1024)))  # images ride in bodies, base64
-
 
 async def decode_body(request: web.Request, kind: type[T]) -> T:
     raw = await request.read()

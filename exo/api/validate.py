@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from typing import TypeVar
 
 import msgspec
@@ -13,7 +12,6 @@ from exo.core.types import GenerationParams, ModelCard
 
 # What one request may ask for. Everything in GenerationParams is stored in the log and in State,
 # so what a request may put there is bounded, not only what the model can do with it.
-MAX_TOKENS_LIMIT = int(os.environ.get("EXO_MAX_TOKENS_LIMIT", "32768"))
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1000  # each
 MAX_TOOLS_BYTES = 256 * 1024  # all tool definitions, as JSON
@@ -35,10 +33,10 @@ def at_least_one(value: int | None, param: str) -> int | None:
     return value
 
 
-def check_limits(params: GenerationParams, context_length: int) -> None:
+def check_limits(params: GenerationParams, context_length: int, max_tokens_limit: int) -> None:
     """The bounds every surface shares: max_tokens (the server's limit and the context its
     instances have room for), seed, stop strings and tool definitions. A 400 naming the parameter."""
-    limit = min(MAX_TOKENS_LIMIT, context_length) if context_length > 0 else MAX_TOKENS_LIMIT
+    limit = min(max_tokens_limit, context_length) if context_length > 0 else max_tokens_limit
     if params.max_tokens is not None and params.max_tokens > limit:
         why = "the model's context" if limit == context_length else "this server's limit (EXO_MAX_TOKENS_LIMIT)"
         raise ApiError(400, f"max_tokens must be at most {limit} ({why}), got {params.max_tokens}", param="max_tokens")

@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import logging
-import os
 import re
 import ssl
+import weakref
 from typing import Any
 
+import msgspec
 import nats
 from nats.aio.client import Client
 
 from exo.bus import broker_trouble
 from exo.bus.errors import BusError
+from exo.settings.services import NatsSecurity
 
 # What the rest of exo holds: a connection to NATS. Only exo/bus imports `nats` (tests/test_layering.py).
 Connection = Client
@@ -45,18 +47,18 @@ def redact(url: str) -> str:
     return f"{scheme}{separator}{authority}{slash}{path}"
 
 
-# NATS security settings, read from the environment so that every exo process (runners
-# included, which inherit it) connects the same way. `exo --nats-user ...` sets these too.
-SECURITY_ENV = {
-    "user": "EXO_NATS_USER", "password": "EXO_NATS_PASSWORD", "token": "EXO_NATS_TOKEN",
-    "user_credentials": "EXO_NATS_CREDS", "tls_ca": "EXO_NATS_TLS_CA", "tls_cert": "EXO_NATS_TLS_CERT",
-    "tls_key": "EXO_NATS_TLS_KEY",
-}
+# The security each client connected with: a second connection of a tool's (connect_like) logs in the same way.
+_SECURITY: weakref.WeakKeyDictionary[Client, NatsSecurity] = weakref.WeakKeyDictionary()
 
 
-def security_options() -> dict[str, Any]:
-    """nats.connect keyword arguments for auth and TLS, from the environment."""
-    values: dict[str, Any] = {key: os.environ[env] for key, env in SECURITY_ENV.items() if os.environ.get(env)}
+async def connect_like(nc: Client, url: str, name: str) -> Client:
+    """Another connection to `url`, with the credentials `nc` connected with."""
+    return await connect([url], name, _SECURITY.get(nc, NatsSecurity()))
+
+
+def security_options(security: NatsSecurity) -> dict[str, Any]:
+    """nats.connect keyword arguments for auth and TLS (exo --nats-user ..., EXO_NATS_USER ...)."""
+    values: dict[str, Any] = {key: value for key, value in msgspec.structs.asdict(security).items() if value}
     tls_ca, tls_cert, tls_key = values.pop("tls_ca", None), values.pop("tls_cert", None), values.pop("tls_key", None)
     if tls_ca or tls_cert:
         context = ssl.create_default_context(cafile=tls_ca)
@@ -66,7 +68,7 @@ def security_options() -> dict[str, Any]:
     return values
 
 
-async def connect(urls: list[str], name: str) -> Client:
+async def connect(urls: list[str], name: str, security: NatsSecurity = NatsSecurity()) -> Client:
     """Connect once (a bad URL fails fast), then reconnect forever once connected."""
 
     client = Client()
@@ -87,10 +89,10 @@ async def connect(urls: list[str], name: str) -> Client:
         # one-shot probe turns a wrong URL into a prompt, clear error.
         # (nats-py retries a refused first connect until max_reconnect_attempts, whatever
         # allow_reconnect says, and 0 means forever; hence 1).
-        security = security_options()
+        options = security_options(security)
         probe = await nats.connect(
             servers=urls, allow_reconnect=False, max_reconnect_attempts=1, reconnect_time_wait=0.2,
-            connect_timeout=3, error_cb=_quiet, **security,
+            connect_timeout=3, error_cb=_quiet, **options,
         )
         await probe.close()
         await client.connect(
@@ -103,8 +105,9 @@ async def connect(urls: list[str], name: str) -> Client:
             error_cb=on_error,
             disconnected_cb=on_disconnected,
             reconnected_cb=on_reconnected,
-            **security,
+            **options,
         )
+        _SECURITY[client] = security
         return client
     except Exception as error:  # nats-py raises several unrelated types here
         shown = ", ".join(redact(url) for url in urls)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ from exo.bus.jetstream_api import ClusterForming, jetstream_request
 from exo.bus.stream_fit import FITTED_TO_DISK, create_fitting, fit_divisor
 from exo.bus.subjects import EVENTS_STREAM, IMAGES_STREAM
 from exo.resources import streams_dir
+from exo.settings.services import BusSettings
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,6 @@ _CONSUMER_EXISTS = 10148  # "consumer already exists" (with another config)
 # peers for a replicated stream: exo started with the cluster waits for it instead of exiting.
 _NO_PEERS = 10005  # "no suitable peers for placement"
 _CLUSTER_UNAVAILABLE = (10008, 10023, 10059)  # JetStream cluster not ready / no leader / stream not found yet
-FORMING_WAIT_S = float(os.environ.get("EXO_CLUSTER_FORMING_WAIT_S", "60"))
 
 
 # Fields a discovered cluster sets by itself: replicas (raised to 3 at three nodes) and the first
@@ -87,16 +86,17 @@ def placed_on(tags: list[str]) -> Overrides:
 
 
 async def provision(nc: Client, replicas: int | None = None, overrides: Overrides | None = None,
-                    keep_replicas: bool = False) -> None:
+                    keep_replicas: bool = False, forming_wait_s: float = BusSettings().cluster_forming_wait_s) -> None:
     """keep_replicas: an existing stream's replica count is the cluster's business (a discovered
-    cluster raises it to 3 by itself), not a difference from the file."""
-    deadline = time.monotonic() + FORMING_WAIT_S
+    cluster raises it to 3 by itself), not a difference from the file. A cluster still forming is
+    waited for `forming_wait_s` (EXO_CLUSTER_FORMING_WAIT_S)."""
+    deadline = time.monotonic() + forming_wait_s
     while True:
         try:
             return await _provision_once(nc, replicas, overrides, keep_replicas)
         except ClusterForming as forming:
             if time.monotonic() > deadline:
-                raise BusError(f"{forming}; the JetStream cluster did not form within {FORMING_WAIT_S:g} s") from None
+                raise BusError(f"{forming}; the JetStream cluster did not form within {forming_wait_s:g} s") from None
             log.warning("%s: waiting for the JetStream cluster's servers", forming)
             await asyncio.sleep(1.0)
 

@@ -37,11 +37,12 @@ from exo.core.state import State
 from exo.core.types import Desire, Instance, ModelCard, RejectionCode, RunnerInfo, Task
 from exo.master.heal import place_for
 from exo.master.routing import choose_instance
+from exo.settings.services import MasterSettings
 
 MAX_REPLICAS = 64
 
 # Open (pending or running) tasks an instance admits, unless placed with its own max_queue.
-DEFAULT_MAX_QUEUE = 64
+DEFAULT_MAX_QUEUE = MasterSettings().max_queue  # EXO_MAX_QUEUE's default
 
 
 def decide(

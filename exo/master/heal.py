@@ -12,7 +12,6 @@ Pure: State, the time (wall clock, as tasks and desires keep it), ids and limits
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator, Mapping
 
 import msgspec
@@ -31,12 +30,6 @@ class HealLimits(msgspec.Struct, frozen=True, kw_only=True):
     deadline_s: float = 120.0  # a migrated task waits this long for an instance of its model
     max_migrations: int = 2  # moves per task; past them it ends with the reason
     backoff_max_s: float = 60.0  # the longest wait before replacing an instance that kept failing
-
-    @classmethod
-    def from_env(cls) -> HealLimits:
-        return cls(suspect_s=float(os.environ.get("EXO_SUSPECT_S", "5")),
-                   deadline_s=float(os.environ.get("EXO_MIGRATION_DEADLINE_S", "120")),
-                   max_migrations=int(os.environ.get("EXO_MAX_MIGRATIONS", "2")))
 
 
 def backoff_s(failures: int, limits: HealLimits) -> float:

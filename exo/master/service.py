@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import os
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
@@ -47,7 +46,8 @@ from exo.core.state import State
 from exo.core.types import ModelCard
 from exo.master.decide import decide
 from exo.master.heal import HealLimits
-from exo.master.supervise import DEFAULT_NODE_TIMEOUT_S, supervise
+from exo.master.supervise import supervise
+from exo.settings.services import MasterSettings
 
 log = logging.getLogger(__name__)
 
@@ -62,19 +62,19 @@ def ids_for(command_id: CommandId) -> Iterator[str]:
 class Master:
     def __init__(
         self, nc: Connection, view: StateView, builtin_cards: Mapping[ModelId, ModelCard], node_id: NodeId,
-        snapshot_every: int = 1000, snapshot_interval: float = 30.0, max_queue: int | None = None,
-        node_timeout: float = DEFAULT_NODE_TIMEOUT_S,
+        settings: MasterSettings = MasterSettings(),
     ) -> None:
-        self._max_queue = max_queue
+        self._settings = settings
         self._nc = nc
         self._view = view
         self._log = EventLog(nc)
         self._builtin_cards = builtin_cards
         self._lease = Lease(nc, node_id)
         self._node_id = node_id
-        self._snapshotter = Snapshotter(nc, view, snapshot_every, snapshot_interval)
-        self._node_timeout = node_timeout
-        self._heal = HealLimits.from_env()
+        self._snapshotter = Snapshotter(nc, view, settings.snapshot_every, settings.snapshot_interval_s)
+        self._node_timeout = settings.node_timeout_s
+        self._heal = HealLimits(suspect_s=settings.suspect_s, deadline_s=settings.migration_deadline_s,
+                                max_migrations=settings.max_migrations)
         self._heard_at: dict[NodeId, float] = {}  # node id -> time.monotonic() of its latest heartbeat seen
         view.add_listener(self._on_event)
         self.term = 0
@@ -197,11 +197,10 @@ class Master:
     async def handle(self, command: AnyCommand) -> None:
         """Decide one command and append its events; `confirm` follows before it is acked."""
         term = self.term
-        limits = {} if self._max_queue is None else {"default_max_queue": self._max_queue}
         state = self._deciding_state()
         events = decide(
             state, command, builtin_cards=self._builtin_cards, ids=ids_for(command.command_id),
-            cache_routing=CACHE_ROUTING, **limits,
+            cache_routing=self._settings.cache_routing, default_max_queue=self._settings.max_queue,
         )
         for seq, event in await self._append(events, term, f"{command.command_id}:{term}"):
             if seq == state.last_seq + 1:  # nothing came between: fold it here, ahead of the view
@@ -226,10 +225,6 @@ class Master:
         if self._ahead is not None and self._ahead.last_seq > view.last_seq:
             return self._ahead
         return view
-
-
-# EXO_CACHE_ROUTING=0: every request to the least busy instance (bench/prompt_cache.py compares).
-CACHE_ROUTING = os.environ.get("EXO_CACHE_ROUTING", "1") != "0"
 
 
 class Snapshotter:

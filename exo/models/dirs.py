@@ -11,9 +11,8 @@ Read-only directories are used as found and never written or deleted: `<org>--<n
 from __future__ import annotations
 
 import json
-import os
 import shutil
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +30,7 @@ from exo.models.files import (
     needed_files,
 )
 from exo.models.progress import RetryPolicy
+from exo.settings.services import ModelSettings
 
 MANIFEST_FILE = ".exo-manifest.json"
 PARTIAL_DIR = ".exo-partial"
@@ -41,10 +41,6 @@ def dir_name(model_id: str) -> str:  # a model id or a repo id
     if not is_valid_model_id(model_id):
         raise ValueError(f"invalid model id {model_id!r}")
     return model_id.replace("/", "--")
-
-
-def _split(value: str | None) -> list[Path]:
-    return [Path(p).expanduser() for p in (value or "").split(os.pathsep) if p.strip()]
 
 
 @dataclass(frozen=True)
@@ -63,11 +59,10 @@ class ModelDirs:
     read_only: tuple[Path, ...] = ()
 
     @classmethod
-    def from_env(cls, data_dir: Path, env: Mapping[str, str] = os.environ) -> ModelDirs:
-        """EXO_MODELS_DIRS and EXO_MODELS_READ_ONLY_DIRS, os.pathsep-separated (":" on Unix);
-        with no writable directory given, <data dir>/models."""
-        writable = _split(env.get("EXO_MODELS_DIRS")) or [data_dir / "models"]
-        return cls(writable=tuple(writable), read_only=tuple(_split(env.get("EXO_MODELS_READ_ONLY_DIRS"))))
+    def of(cls, settings: ModelSettings, data_dir: Path) -> ModelDirs:
+        """EXO_MODELS_DIRS and EXO_MODELS_READ_ONLY_DIRS; with no writable directory given, <data dir>/models."""
+        writable = [Path(d).expanduser() for d in settings.models_dirs] or [data_dir / "models"]
+        return cls(writable=tuple(writable), read_only=tuple(Path(d).expanduser() for d in settings.models_read_only_dirs))
 
     def writable_copies(self, model_id: ModelId) -> list[Path]:
         return [d / dir_name(model_id) for d in self.writable if (d / dir_name(model_id)).is_dir()]
@@ -213,12 +208,6 @@ class DownloadSettings:
     retry: RetryPolicy = RetryPolicy()
 
     @classmethod
-    def from_env(cls, data_dir: Path, offline: bool = False, share: bool | None = None,
-                 env: Mapping[str, str] = os.environ) -> DownloadSettings:
-        offline = offline or env.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on") \
-            or env.get("EXO_OFFLINE", "").lower() in ("1", "true", "yes", "on")
-        if share is None:
-            share = env.get("EXO_MODEL_SHARING", "1").lower() not in ("0", "false", "no", "off")
-        retry = RetryPolicy(attempts=int(env.get("EXO_DOWNLOAD_RETRIES", "5")))
-        return cls(dirs=ModelDirs.from_env(data_dir, env), offline=offline, share=share,
-                   reserve_bytes=int(env.get("EXO_MODELS_RESERVE_BYTES", "0")), retry=retry)
+    def of(cls, settings: ModelSettings, data_dir: Path) -> DownloadSettings:
+        return cls(dirs=ModelDirs.of(settings, data_dir), offline=settings.offline, share=settings.model_sharing,
+                   reserve_bytes=settings.models_reserve_bytes, retry=RetryPolicy(attempts=settings.download_retries))

@@ -15,17 +15,21 @@ import os
 import sys
 import traceback
 
+import msgspec
+
 from exo import event_loop
-from exo.bus.connection import connect, split_urls
+from exo.bus.connection import connect
 from exo.runner.process import Runner
+from exo.runner.protocol import RUNNER_START_ENV, RunnerStart
 
 
 async def _main() -> None:
     reports = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # library prints now land on stderr
-    nc = await connect(split_urls(os.environ["EXO_RUNNER_NATS"]), name="exo-runner")
+    start = msgspec.json.decode(os.environ[RUNNER_START_ENV], type=RunnerStart)  # from the worker: runner_host.py
+    nc = await connect(start.nats_urls, name="exo-runner", security=start.security)
     try:
-        await Runner(nc, reports).run()
+        await Runner(nc, reports, start.settings).run()
     finally:
         await nc.drain()
 

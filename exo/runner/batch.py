@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import Executor
@@ -42,17 +41,10 @@ from exo.runner.prompt_cache import PromptCache, Reuse
 log = logging.getLogger(__name__)
 
 Outcome = GenerationResult | BaseException
-DEFAULT_MAX_BATCH = 32
 PREFILL_BATCH = 8  # prompts processed together at most, as mlx_lm.server's --prompt-concurrency
 # Prompt tokens per prefill chunk between two decode steps: mlx-lm's (and mlx_lm.server's) default.
 # Every rank of an instance must use the same value; bench/fairness.py measures smaller ones.
 PREFILL_STEP = 2048
-
-
-def max_batch() -> int:
-    """How many requests decode together (EXO_MAX_BATCH); 1 turns batching off. The default is
-    mlx_lm.server's --decode-concurrency: fewer costs throughput once more clients than that come."""
-    return max(1, int(os.environ.get("EXO_MAX_BATCH", str(DEFAULT_MAX_BATCH))))
 
 
 def batchable(params: GenerationParams, image_paths: dict[str, str], multi_node: bool) -> bool:

@@ -35,16 +35,17 @@ from exo.runner.pipeline import split_layers
 Sampler = Callable[[mx.array], mx.array]
 
 
-def join_ring(rank: int, hosts: list[str]) -> mx.distributed.Group:
+def join_ring(rank: int, hosts: list[str], timeout_s: float) -> mx.distributed.Group:
     """Connect to the other ranks (each listens on its own "ip:port"); blocks until all are there."""
     hostfile = Path(tempfile.gettempdir()) / f"exo-ring-{os.getpid()}.json"
     hostfile.write_text(json.dumps([[host] for host in hosts]))
+    # mlx's ring backend reads these two from the environment: its only interface (a runner serves one instance).
     os.environ["MLX_RANK"] = str(rank)
     os.environ["MLX_HOSTFILE"] = str(hostfile)
     # init can block for good (seen when a peer first reached a stale process on its port, or the
     # group formed while a replacement's ranks started seconds apart); it cannot be interrupted,
     # so the process leaves with the reason and its worker restarts it (its peers rejoin).
-    watchdog = threading.Timer(RING_JOIN_TIMEOUT_S, _give_up_joining, args=(hosts,))
+    watchdog = threading.Timer(timeout_s, _give_up_joining, args=(hosts, timeout_s))
     watchdog.daemon = True
     watchdog.start()
     try:
@@ -57,11 +58,8 @@ def join_ring(rank: int, hosts: list[str]) -> mx.distributed.Group:
     return group
 
 
-RING_JOIN_TIMEOUT_S = float(os.environ.get("EXO_RING_JOIN_TIMEOUT_S", "60"))
-
-
-def _give_up_joining(hosts: list[str]) -> None:
-    sys.stderr.write(f"the ring group {hosts} did not form within {RING_JOIN_TIMEOUT_S:g} s "
+def _give_up_joining(hosts: list[str], timeout_s: float) -> None:
+    sys.stderr.write(f"the ring group {hosts} did not form within {timeout_s:g} s "
                      "(EXO_RING_JOIN_TIMEOUT_S); exiting so that it is formed again\n")
     sys.stderr.flush()
     os._exit(3)

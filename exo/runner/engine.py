@@ -19,9 +19,10 @@ from exo.memory import memory
 from exo.runner.constraint import GrammarConstraint
 from exo.runner.decoding import Decoding, GenerationResult, OnOutput, PromptTooLong, RequestRefused, TextStream
 from exo.runner.distributed import Lockstep, Sampler, StepAnnouncement, join_ring, load_shard
-from exo.runner.prompt_cache import FOLLOWER_BUDGET, PromptCache, Reuse, budget_bytes, entry_limit
+from exo.runner.prompt_cache import FOLLOWER_BUDGET, PromptCache, Reuse, budget_bytes
 from exo.runner.protocol import RankSetup, Resume
 from exo.runner.splitter import starts_in_reasoning
+from exo.settings.services import RunnerSettings
 
 DEFAULT_MAX_TOKENS = 2048
 PENALTY_CONTEXT = 256  # more than mlx-lm's penalties look back at (20 tokens by default)
@@ -31,7 +32,8 @@ LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 
 
 class Engine:
-    def __init__(self) -> None:
+    def __init__(self, settings: RunnerSettings = RunnerSettings()) -> None:
+        self.settings = settings
         self.model: Any = None
         self.tokenizer: Any = None
         self.lockstep: Lockstep | None = None  # set when this runner is one rank of a multi-node instance
@@ -46,7 +48,7 @@ class Engine:
         if shard is None:
             self.model, self.tokenizer = load(model_path)
         else:
-            group = join_ring(shard.rank, shard.ring_hosts)
+            group = join_ring(shard.rank, shard.ring_hosts, self.settings.ring_join_timeout_s)
             self.model, self.tokenizer = load_shard(model_path, group, shard.sharding, shard.start_layer, shard.end_layer)
             self.lockstep = Lockstep(group)
         # The budget comes from the memory free once the model is in it. On a multi-node instance
@@ -56,8 +58,9 @@ class Engine:
             raise ValueError("this model's KV cache cannot be quantized: its head dim is not a multiple of 32")
         if max_context:  # what placement reserved KV cache for: no request may outgrow it
             self.context_length = min(self.context_length or max_context, max_context)
-        budget = budget_bytes(memory()[1]) if shard is None or shard.rank == 0 else FOLLOWER_BUDGET
-        self.prompt_cache = PromptCache(self.model, budget, entry_limit())
+        budget = budget_bytes(self.settings.prompt_cache_bytes, memory()[1]) if shard is None or shard.rank == 0 \
+            else FOLLOWER_BUDGET
+        self.prompt_cache = PromptCache(self.model, budget, self.settings.prompt_cache_entries)
 
     def release_followers(self) -> None:
         if self.lockstep is not None and self.lockstep.leads:

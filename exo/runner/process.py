@@ -23,7 +23,7 @@ from exo.bus.token_publisher import ChunkPublisher
 from exo.core.catalogue import is_vision_config
 from exo.core.ids import TaskId
 from exo.core.types import FinishReason, TokenChunk
-from exo.runner.batch import Batcher, BatchFailed, batchable, max_batch
+from exo.runner.batch import Batcher, BatchFailed, batchable
 from exo.runner.coalesce import Coalescer, Piece
 from exo.runner.decoding import GenerationResult, OnOutput, Output, RequestRefused
 from exo.runner.engine import Engine
@@ -47,9 +47,9 @@ from exo.runner.protocol import (
     encode_line,
     request_decoder,
 )
+from exo.settings.services import RunnerSettings
 
 # Text that comes faster than this is sent in one message per interval (see coalesce.py).
-STREAM_INTERVAL_S = float(os.environ.get("EXO_STREAM_INTERVAL_MS", "20")) / 1000
 PULSE_S = 1.0  # how often the runner tells the worker it is alive (protocol.Alive)
 WORKER_GONE_GRACE_S = 5.0  # stdin closed: how long running generations get to end before the runner exits
 
@@ -58,15 +58,18 @@ Outgoing = TokenChunk | tuple[TokenChunk, asyncio.Future[None]]
 
 
 class Runner:
-    def __init__(self, nc: Connection, reports: BinaryIO) -> None:
+    def __init__(self, nc: Connection, reports: BinaryIO, settings: RunnerSettings = RunnerSettings()) -> None:
         self._nc = nc
         self._reports = reports
-        self._engine: ModelEngine = Engine()
+        self._settings = settings
+        self._engine: ModelEngine = Engine(settings)
         self._mlx_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlx")
         self._cancelled: set[str] = set()  # written by the loop, read by the model thread between decode steps
         self._requests: asyncio.Queue[AnyRequest | None] = asyncio.Queue()  # None: the worker went away
         self._chunks: asyncio.Queue[Outgoing] = asyncio.Queue()
-        limit = max_batch()
+        # How many requests decode together; 1 turns batching off. The default is mlx_lm.server's
+        # --decode-concurrency: fewer costs throughput once more clients than that come.
+        limit = settings.max_batch
         self._batcher = Batcher(self._engine, limit, self._mlx_thread) if limit > 1 else None
         self._generating: dict[str, asyncio.Task[None]] = {}  # batched generations in flight, by task id
         self._in_flight: set[str] = set()  # generations the model thread has not finished yet
@@ -144,7 +147,7 @@ class Runner:
         if is_vision_model(model_path):
             from exo.runner.vision_engine import VisionEngine  # mlx-vlm: imported only where it serves
 
-            self._engine, self._batcher = VisionEngine(), None
+            self._engine, self._batcher = VisionEngine(self._settings), None
 
     def _batched(self, request: AnyRequest) -> TypeGuard[Generate]:
         # A quantized KV cache takes the single path, as in mlx_lm.server (the batch keeps full caches).
@@ -173,7 +176,7 @@ class Runner:
 
     async def _generate(self, loop: asyncio.AbstractEventLoop, request: Generate) -> None:
         task_id = request.task_id
-        chunks = ChunkMaker(task_id, request.resume)
+        chunks = ChunkMaker(task_id, request.resume, self._settings.stream_interval_ms / 1000)
         if task_id in self._cancelled:
             await self._finish(task_id, chunks.index, reason="cancelled", prompt=0, completion=0, attempt=chunks.attempt)
             return
@@ -274,10 +277,11 @@ class ChunkMaker:
     and token ids that came with that text. A resumed request (a migration) goes on with the chunk
     index where the earlier run's stopped, and every chunk says which run (attempt) sent it."""
 
-    def __init__(self, task_id: TaskId, resume: Resume | None = None) -> None:
+    def __init__(self, task_id: TaskId, resume: Resume | None = None,
+                 interval_s: float = RunnerSettings().stream_interval_ms / 1000) -> None:
         self._task_id = task_id
         self.index, self.attempt = (resume.next_index, resume.attempt) if resume is not None else (0, 0)
-        self._coalescer = Coalescer(STREAM_INTERVAL_S)
+        self._coalescer = Coalescer(interval_s)
         self._held = Output("", 0, 0, [], [])  # what goes with the text the coalescer holds
 
     def add(self, out: Output, now: float) -> list[TokenChunk]:

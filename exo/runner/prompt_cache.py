@@ -10,7 +10,6 @@ multi-node instance, the same entries on every rank (see `take(expect=...)` and 
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,8 +17,9 @@ import mlx.core as mx
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
 from exo.core.types import PromptCacheStats
+from exo.settings.services import RunnerSettings
 
-DEFAULT_ENTRIES = 10  # mlx_lm.server's --prompt-cache-size
+DEFAULT_ENTRIES = RunnerSettings().prompt_cache_entries  # mlx_lm.server's --prompt-cache-size
 DEFAULT_SHARE_OF_FREE_MEMORY = 0.25
 FOLLOWER_BUDGET = 1 << 62  # ranks other than 0 keep what rank 0 keeps, whatever their own setting
 _MODEL_KEY = "model"  # one model per runner: the key only has to be the same every time
@@ -38,16 +38,9 @@ class Reuse:
     cached: int
 
 
-def budget_bytes(free_memory: int) -> int:
+def budget_bytes(configured: int | None, free_memory: int) -> int:
     """EXO_PROMPT_CACHE_BYTES (0 turns the cache off), else a quarter of the memory free now."""
-    configured = os.environ.get("EXO_PROMPT_CACHE_BYTES", "").strip()
-    if configured:
-        return max(0, int(configured))
-    return int(free_memory * DEFAULT_SHARE_OF_FREE_MEMORY)
-
-
-def entry_limit() -> int:
-    return max(1, int(os.environ.get("EXO_PROMPT_CACHE_ENTRIES", str(DEFAULT_ENTRIES))))
+    return configured if configured is not None else int(free_memory * DEFAULT_SHARE_OF_FREE_MEMORY)
 
 
 class PromptCache:

@@ -6,6 +6,19 @@ import msgspec
 
 from exo.core.ids import TaskId
 from exo.core.types import GenerationParams, PromptCacheStats, SamplingDefaults
+from exo.settings.services import NatsSecurity, RunnerSettings
+
+# The variable that carries a runner's RunnerStart (JSON) from the worker to the runner process:
+# in the child's environment, not on its command line, where `ps` would show the NATS password.
+RUNNER_START_ENV = "EXO_RUNNER_START"
+
+
+class RunnerStart(msgspec.Struct, frozen=True, kw_only=True):
+    """What a runner process needs before its first request: where NATS is, how to log in, its settings."""
+
+    nats_urls: list[str]
+    security: NatsSecurity = NatsSecurity()
+    settings: RunnerSettings = RunnerSettings()
 
 
 class Request(msgspec.Struct, frozen=True, kw_only=True, tag_field="op"):

@@ -12,7 +12,6 @@ request gives exactly the tokens `mlx_vlm.generate` gives for the same messages 
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -29,17 +28,16 @@ from exo.runner.decoding import Decoding, GenerationResult, OnOutput, RequestRef
 from exo.runner.distributed import StepAnnouncement
 from exo.runner.engine import Engine, logits_processors_of, sampler_of, template_messages
 from exo.runner.protocol import RankSetup, Resume
-
-# Image features kept per runner, for models mlx-vlm can encode apart (its VisionFeatureCache).
-VISION_CACHE_IMAGES = int(os.environ.get("EXO_VISION_CACHE_IMAGES", "8"))
+from exo.settings.services import RunnerSettings
 
 
 class VisionEngine(Engine):
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, settings: RunnerSettings = RunnerSettings()) -> None:
+        super().__init__(settings)
         self.batches = False
         self.processor: Any = None
-        self._vision_cache = VisionFeatureCache(max_size=VISION_CACHE_IMAGES)
+        # Image features kept per runner, for models mlx-vlm can encode apart.
+        self._vision_cache = VisionFeatureCache(max_size=settings.vision_cache_images)
 
     def load(self, model_path: str, shard: RankSetup | None = None, max_context: int = 0, kv_bits: int = 0) -> None:
         if shard is not None:

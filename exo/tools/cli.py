@@ -15,6 +15,8 @@ from exo.bus.connection import Connection, connect, split_urls
 from exo.bus.errors import BusError
 from exo.bus.server.embedded import CREDENTIALS_FILE, load_credentials, with_user
 from exo.bus.server.permissions import OPERATOR_USER
+from exo.settings.declare import read, value_of
+from exo.settings.services import NatsSecurity, NodeSettings
 from exo.tools.export_format import ExportFormatError
 
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
@@ -28,7 +30,7 @@ class ToolError(Exception):
 
 
 def add_nats_option(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--nats", default=os.environ.get("EXO_NATS_URL", ""),
+    parser.add_argument("--nats", default=value_of(NodeSettings, "nats_url"),
                         help=f"NATS URL(s), comma-separated (env EXO_NATS_URL; default {DEFAULT_NATS_URL}, as the "
                              "read-only operator of this machine's embedded server: EXO_HOME or ~/.exo)")
 
@@ -36,7 +38,7 @@ def add_nats_option(parser: argparse.ArgumentParser) -> None:
 def local_operator_url() -> str:
     """The local node's embedded server (EXO_HOME or ~/.exo), where its ports file says it listens,
     with its read-only operator's password if there is one."""
-    store = Path(os.environ.get("EXO_HOME") or Path.home() / ".exo").expanduser() / "nats"
+    store = Path(value_of(NodeSettings, "data_dir")).expanduser() / "nats"
     url = running_server_url(store) or DEFAULT_NATS_URL
     if not (store / CREDENTIALS_FILE).exists():
         return url
@@ -60,7 +62,7 @@ def running_server_url(store: Path) -> str | None:
 
 
 async def open_nats(urls: str, tool: str) -> Connection:
-    return await connect(split_urls(urls or local_operator_url()), name=f"exo-{tool}")
+    return await connect(split_urls(urls or local_operator_url()), name=f"exo-{tool}", security=read(NatsSecurity))
 
 
 def run_tool(tool: str, main: Coroutine[Any, Any, int]) -> int:

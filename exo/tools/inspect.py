@@ -11,11 +11,12 @@ server's own figures from its HTTP monitoring endpoint.
 from __future__ import annotations
 
 import argparse
-import os
 
 import msgspec
 
 from exo.bus.tooling.inspection import Inspection, inspect_nats
+from exo.settings.declare import value_of
+from exo.settings.services import ToolSettings
 from exo.tools.cli import EXIT_OK, Output, add_nats_option, open_nats, run_tool
 
 
@@ -23,7 +24,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="exo inspect", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_nats_option(parser)
-    parser.add_argument("--monitor", default=os.environ.get("EXO_NATS_MONITOR_URL") or None,
+    parser.add_argument("--monitor", default=value_of(ToolSettings, "nats_monitor_url") or None,
                         help="the server's HTTP monitoring URL, e.g. http://127.0.0.1:8222 (env EXO_NATS_MONITOR_URL)")
     parser.add_argument("--max-items", type=int, default=50, help="keys / objects shown per bucket (default 50)")
     parser.add_argument("--json", action="store_true", help="machine-readable output")

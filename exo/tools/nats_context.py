@@ -22,6 +22,8 @@ from urllib.parse import unquote, urlsplit
 from exo.bus.errors import BusError
 from exo.bus.server.embedded import CREDENTIALS_FILE, load_credentials
 from exo.bus.server.permissions import OPERATOR_USER
+from exo.settings.declare import value_of
+from exo.settings.services import NodeSettings
 from exo.tools.cli import EXIT_ERROR, EXIT_OK, ToolError, running_server_url
 
 # Every field `nats context save` writes (natscli v0.5.0), so the file reads like one it made.
@@ -39,7 +41,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--name", default="exo", help="the context's name (default exo)")
     parser.add_argument("--select", action="store_true", help="also make it the `nats` CLI's selected context")
-    parser.add_argument("--data-dir", default=os.environ.get("EXO_HOME", str(Path.home() / ".exo")),
+    parser.add_argument("--data-dir", default=value_of(NodeSettings, "data_dir"),
                         help="the node's data directory (env EXO_HOME; default ~/.exo)")
     parser.add_argument("--nats", default="",
                         help="the server URL(s) to save, comma-separated (default: where the node of --data-dir "

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
@@ -19,26 +18,13 @@ from exo.core.events import AnyEvent, Event, NodeHeartbeat, NodeRegistered
 from exo.core.ids import InstanceId, NodeId
 from exo.core.state import State
 from exo.core.types import NodeInfo, PromptCacheStats
+from exo.settings.services import WorkerSettings
 from exo.worker.node_info import NodeIdentity, describe_this_node
 
 log = logging.getLogger(__name__)
 
-DEFAULT_INTERVAL_S = 5.0
 # Free memory moves all the time; placement needs it to a few percent, not to the byte.
 MEMORY_CHANGE = 0.05  # of the node's total memory
-
-
-def heartbeat_interval() -> float:
-    return float(os.environ.get("EXO_HEARTBEAT_S", DEFAULT_INTERVAL_S))
-
-
-# A pulse (one small core-NATS message, stored nowhere) more often than the heartbeat: the master
-# suspects a node whose pulses stop for EXO_SUSPECT_S and moves its generations (exo/master/heal.py).
-DEFAULT_PULSE_S = 1.0
-
-
-def pulse_interval() -> float:
-    return float(os.environ.get("EXO_PULSE_S", DEFAULT_PULSE_S))
 
 
 def worth_an_event(told: NodeInfo | None, now: NodeInfo) -> bool:
@@ -55,7 +41,7 @@ def worth_an_event(told: NodeInfo | None, now: NodeInfo) -> bool:
 
 class Heartbeat:
     def __init__(self, node_id: NodeId, publish: Callable[[Event], Awaitable[None]],
-                 pulse: Callable[[str], Awaitable[None]], interval: float | None = None,
+                 pulse: Callable[[str], Awaitable[None]], settings: WorkerSettings = WorkerSettings(),
                  prompt_caches: Callable[[], Mapping[InstanceId, PromptCacheStats]] = dict,
                  identity: NodeIdentity = NodeIdentity()) -> None:
         self.node_id = node_id
@@ -64,7 +50,9 @@ class Heartbeat:
         self.incarnation = uuid.uuid4().hex[:12]
         self._publish = publish
         self._pulse = pulse
-        self._interval = heartbeat_interval() if interval is None else interval
+        # A pulse (one small core-NATS message, stored nowhere) comes more often than the heartbeat: the
+        # master suspects a node whose pulses stop for EXO_SUSPECT_S and moves its generations (heal.py).
+        self._interval, self._pulse_s = settings.heartbeat_s, settings.pulse_s
         self._warned = False
         self._started = time.time()
         self._told: NodeInfo | None = None  # what State holds of this node, as this process last said it
@@ -80,7 +68,7 @@ class Heartbeat:
                     await self._pulse(self.incarnation)
             except Exception as error:  # the broker may be away; the next beat tries again
                 log.warning("heartbeat not sent: %r", error)
-            await asyncio.sleep(min(self._interval, pulse_interval()))
+            await asyncio.sleep(min(self._interval, self._pulse_s))
 
     async def beat(self) -> None:
         await self._pulse(self.incarnation)

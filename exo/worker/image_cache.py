@@ -19,13 +19,8 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-DEFAULT_LIMIT_BYTES = 1 << 30  # 1 GiB: fifty of the largest images the API admits (EXO_MAX_IMAGE_BYTES, 20 MB)
 
 _DIGEST = re.compile(r"[0-9a-f]{64}")
-
-
-def limit_from_env() -> int:
-    return int(os.environ.get("EXO_IMAGE_CACHE_BYTES", str(DEFAULT_LIMIT_BYTES)))
 
 
 class ImageCache:

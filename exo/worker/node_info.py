@@ -20,17 +20,19 @@ class NodeIdentity:
 
     name: str = ""  # "" : the hostname
     address: str = ""  # the address this node uses for peers (--discovery-address); "": the default route's
+    advertised: tuple[str, ...] = ()  # EXO_ADVERTISE_ADDRESSES: the ring addresses peers dial; (): `address`
+    ring_ports: str = ""  # EXO_RING_PORTS, "FIRST-LAST"; "": DEFAULT_RING_PORTS
 
 
 def describe_this_node(node_id: NodeId, incarnation: str, now: float,
                        prompt_caches: dict[InstanceId, PromptCacheStats] | None = None,
                        identity: NodeIdentity = NodeIdentity()) -> NodeInfo:
     total, available = memory()
-    first, count = ring_ports()
+    first, count = ring_ports(identity.ring_ports)
     return NodeInfo(
         node_id=node_id, hostname=platform.node(), name=identity.name or platform.node(),
         memory_total=total, memory_available=available, cpu_count=os.cpu_count() or 1, backend=mlx_backend(),
-        last_seen=now, addresses=addresses(identity.address),
+        last_seen=now, addresses=addresses(identity.address, identity.advertised),
         ring_port_first=first, ring_port_count=count, incarnation=incarnation, prompt_caches=prompt_caches or {},
     )
 
@@ -46,12 +48,11 @@ def mlx_backend() -> str:
         return "cpu"
 
 
-def addresses(preferred: str = "") -> list[str]:
-    """EXO_ADVERTISE_ADDRESSES (comma separated) if set, else `preferred` (the address discovery and the
+def addresses(preferred: str = "", advertised: tuple[str, ...] = ()) -> list[str]:
+    """`advertised` (EXO_ADVERTISE_ADDRESSES) if any, else `preferred` (the address discovery and the
     cluster routes use: one setting for the node), else the IPv4 of the default route, else loopback."""
-    configured = [a.strip() for a in os.environ.get("EXO_ADVERTISE_ADDRESSES", "").split(",") if a.strip()]
-    if configured:
-        return configured
+    if advertised:
+        return list(advertised)
     if preferred and preferred not in ("0.0.0.0", "::"):  # a wildcard is where to listen, not where to dial
         return [preferred]
     found: list[str] = []
@@ -64,9 +65,8 @@ def addresses(preferred: str = "") -> list[str]:
     return [a for a in found if not a.startswith("0.")] or ["127.0.0.1"]
 
 
-def ring_ports() -> tuple[int, int]:
-    """EXO_RING_PORTS as "first-last" (inclusive), else DEFAULT_RING_PORTS."""
-    text = os.environ.get("EXO_RING_PORTS", "")
+def ring_ports(text: str) -> tuple[int, int]:
+    """EXO_RING_PORTS as "first-last" (inclusive) -> (first, count); "": DEFAULT_RING_PORTS."""
     if not text:
         return DEFAULT_RING_PORTS
     first, _, last = text.partition("-")

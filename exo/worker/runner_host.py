@@ -10,8 +10,10 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import BinaryIO, Protocol
 
+import msgspec
+
 from exo.core.ids import RunnerId
-from exo.runner.protocol import AnyReport, Request, Shutdown, encode_line, report_decoder
+from exo.runner.protocol import RUNNER_START_ENV, AnyReport, Request, RunnerStart, Shutdown, encode_line, report_decoder
 
 log = logging.getLogger(__name__)
 
@@ -38,9 +40,10 @@ RunnerFactory = Callable[[RunnerId], RunnerLink]
 
 
 class RunnerHost:
-    def __init__(self, runner_id: RunnerId, nats_urls: list[str], log_dir: Path) -> None:
+    def __init__(self, runner_id: RunnerId, start: RunnerStart, log_dir: Path, offline: bool = False) -> None:
         self.runner_id = runner_id
-        self._nats_urls = nats_urls
+        self._start = start
+        self._offline = offline
         self._log_path = log_dir / f"runner-{runner_id}.log"
         self._process: asyncio.subprocess.Process | None = None
         self._reader: asyncio.Task[None] | None = None
@@ -48,7 +51,9 @@ class RunnerHost:
         self._log_start = 0  # where this process's part of the (appended) log file begins
 
     async def start(self, on_report: OnReport, on_exit: OnExit) -> None:
-        env = {**os.environ, "EXO_RUNNER_NATS": ",".join(self._nats_urls)}
+        env = {**os.environ, RUNNER_START_ENV: msgspec.json.encode(self._start).decode()}
+        if self._offline:  # huggingface-hub in the runner must not reach the network either
+            env["HF_HUB_OFFLINE"] = "1"
         with await asyncio.to_thread(self._open_log) as log:  # a slow disk must not hold up the event loop
             self._process = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "exo.runner",

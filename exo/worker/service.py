@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 import uuid
 from collections.abc import Coroutine, Mapping
@@ -52,10 +51,12 @@ from exo.runner.protocol import (
     RankSetup,
     Request,
     Resume,
+    RunnerStart,
     Started,
     WarmedUp,
     WarmUp,
 )
+from exo.settings.services import MasterSettings, ModelSettings, WorkerSettings
 from exo.worker.downloads import DownloadCoordinator
 from exo.worker.plan import (
     AbandonRunner,
@@ -89,19 +90,18 @@ from exo.worker.task_runs import TaskRuns, run_of
 
 log = logging.getLogger(__name__)
 
-# A runner that has work and shows no progress this long (no Alive report: its model thread is
-# stuck, or the process is stopped) is hung. Longer than any one step: a prefill chunk of a big model.
-RUNNER_STALL_S = float(os.environ.get("EXO_RUNNER_STALL_S", "30"))
 # A multi-node instance's failed runner may have lost a peer machine: its tasks wait for the master
-# to suspect that machine (EXO_SUSPECT_S) and move them, before this node ends them with the error.
-MIGRATE_GRACE_S = float(os.environ.get("EXO_SUSPECT_S", "5")) + 3.0
+# to suspect that machine (EXO_SUSPECT_S) and move them, this much longer, before this node ends
+# them with the error.
+MIGRATE_MARGIN_S = 3.0
 
 
 class Worker:
     def __init__(
         self, nc: Connection, view: StateView, node_id: NodeId, data_dir: Path,
         nats_urls: list[str], builtin_cards: Mapping[ModelId, ModelCard], download_settings: DownloadSettings | None = None,
-        runner_factory: RunnerFactory | None = None,
+        runner_factory: RunnerFactory | None = None, *, settings: WorkerSettings = WorkerSettings(),
+        runner_start: RunnerStart | None = None, suspect_s: float = MasterSettings().suspect_s,
     ) -> None:
         self.node_id = node_id
         self._nc = nc
@@ -112,14 +112,22 @@ class Worker:
         self._runners: dict[RunnerId, LocalRunner] = {}
         self._prompt_cache_stats: dict[InstanceId, PromptCacheStats] = {}  # by instance id, from runners' Done reports
         self._hosts: dict[RunnerId, RunnerLink] = {}
-        self._new_runner = runner_factory or (lambda runner_id: RunnerHost(runner_id, nats_urls, data_dir / "logs"))
+        self._settings = settings
+        # A runner that has work and shows no progress for settings.runner_stall_s (no Alive report: its
+        # model thread is stuck, or the process is stopped) is hung.
+        self._migrate_grace_s = suspect_s + MIGRATE_MARGIN_S
+        downloads = download_settings or DownloadSettings.of(ModelSettings(), data_dir)
+        start = runner_start or RunnerStart(nats_urls=nats_urls)
+        self._new_runner = runner_factory or (
+            lambda runner_id: RunnerHost(runner_id, start, data_dir / "logs", offline=downloads.offline))
         self._model_paths: dict[RunnerId, Path] = {}
         self._runs = TaskRuns()  # which run of each task this node forwarded and ended
-        self._images = TaskImages(nc, self.images_dir, self._fail_tasks_needing, lambda: images_needed(self._worker_view()))
+        self._images = TaskImages(nc, self.images_dir, self._fail_tasks_needing, lambda: images_needed(self._worker_view()),
+                                  settings.image_cache_bytes)
         self._wake = asyncio.Event()
         self._background = Background("worker")
         self.downloads = DownloadCoordinator(
-            nc, node_id, download_settings or DownloadSettings.from_env(data_dir), self._publish,
+            nc, node_id, downloads, self._publish,
             lambda: self._view.state, lambda model_id: find_card(self._view.state, builtin_cards, model_id),
         )
         view.add_listener(self._on_event)
@@ -181,7 +189,7 @@ class Worker:
         return WorkerView(
             node_id=self.node_id, state=self._view.state, runners=dict(self._runners), ended_tasks=self._runs.current_ends(self._view.state),
             local_images=self._images.cache.digests(), images_in_flight=frozenset(self._images.in_flight),
-            now=time.monotonic(), stall_after=RUNNER_STALL_S, migrate_grace=MIGRATE_GRACE_S,
+            now=time.monotonic(), stall_after=self._settings.runner_stall_s, migrate_grace=self._migrate_grace_s,
         )
 
     def _on_event(self, seq: int, event: AnyEvent, state: State) -> None:
@@ -386,7 +394,7 @@ class Worker:
                         restartable=restartable)
         await self._publish_status(runner_id, "failed", error)
         self._wake_after(restart_due(self._runners[runner_id]) - time.monotonic())
-        self._wake_after(MIGRATE_GRACE_S)  # its tasks, if held for the master to move (plan.py), end then
+        self._wake_after(self._migrate_grace_s)  # its tasks, if held for the master to move (plan.py), end then
 
     def _wake_after(self, delay: float) -> None:
         asyncio.get_running_loop().call_later(max(delay, 0.0) + 0.01, self._wake.set)
@@ -400,7 +408,7 @@ class Worker:
         self._set_phase(step.runner_id, "failed", error=step.reason, failed_at=time.monotonic())
         await self._publish_status(step.runner_id, "stopped", step.reason)
         self._wake_after(restart_due(self._runners[step.runner_id]) - time.monotonic())
-        self._wake_after(MIGRATE_GRACE_S)
+        self._wake_after(self._migrate_grace_s)
 
     async def _restart_runner(self, step: RestartRunner) -> None:
         failures, failed_at = self._runners[step.runner_id].failures, self._runners[step.runner_id].failed_at

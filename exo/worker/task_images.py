@@ -11,16 +11,16 @@ from pathlib import Path
 
 from exo.bus.connection import Connection
 from exo.bus.images import ImageUnavailable, fetch_image
-from exo.worker.image_cache import ImageCache, limit_from_env
+from exo.worker.image_cache import ImageCache
 
 log = logging.getLogger(__name__)
 
 
 class TaskImages:
     def __init__(self, nc: Connection, images_dir: Path, fail_tasks_needing: Callable[[str, str], None],
-                 needed: Callable[[], Iterable[str]]) -> None:
+                 needed: Callable[[], Iterable[str]], limit_bytes: int) -> None:
         self._nc = nc
-        self.cache = ImageCache(images_dir, limit_from_env())  # what is on disk: plan's local_images
+        self.cache = ImageCache(images_dir, limit_bytes)  # what is on disk: plan's local_images
         self.in_flight: set[str] = set()
         self._fail_tasks_needing = fail_tasks_needing  # (digest, reason): an image that cannot be had fails its tasks
         self._needed = needed  # what the open tasks need, listed only when something must go

@@ -31,6 +31,7 @@ from exo.core.events import AnyEvent, Event, NodeRegistered
 from exo.core.ids import NodeId, RunnerId
 from exo.core.state import State
 from exo.models.dirs import DownloadSettings
+from exo.settings.services import ModelSettings
 from exo.worker.heartbeat import Heartbeat
 from exo.worker.node_info import describe_this_node
 from exo.worker.plan import nodes_concerned
@@ -105,7 +106,7 @@ class SimulatedNodes:
         assert self.shared is not None
         data_dir = self.data_root / node_id
         scoped = NodeScopedView(self.shared, node_id)
-        settings = DownloadSettings.from_env(data_dir, offline=True, share=False)
+        settings = DownloadSettings.of(ModelSettings(offline=True, model_sharing=False), data_dir)
 
         def fake_runner(runner_id: RunnerId) -> FakeRunner:
             return FakeRunner(runner_id, nc, self.delay_s, self.chunks)

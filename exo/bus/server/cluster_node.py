@@ -43,6 +43,7 @@ from exo.bus.server.jetstream_cluster import (
 from exo.bus.server.migration import has_standalone_store, migrate_standalone_store, set_aside, undo_migration
 from exo.bus.server.server_config import ClusterLink, route_url
 from exo.core.types import ClusterLayout
+from exo.settings.services import BusSettings
 
 log = logging.getLogger(__name__)
 
@@ -102,8 +103,10 @@ def free_port(host: str) -> int:
 
 
 class ClusterNode:
-    def __init__(self, store_dir: Path, node_id: str, client_port: int, settings: DiscoverySettings) -> None:
+    def __init__(self, store_dir: Path, node_id: str, client_port: int, settings: DiscoverySettings,
+                 memory_limit: str = BusSettings().nats_memory_limit) -> None:
         self.store_dir = store_dir
+        self.memory_limit = memory_limit  # of each embedded server (EmbeddedNats)
         self.node_id = node_id
         self.client_port = client_port
         self.settings = settings
@@ -227,13 +230,14 @@ class ClusterNode:
     async def _start_servers(self, membership: Membership) -> None:
         host, secret = self.settings.address, self.settings.secret
         self.server = EmbeddedNats(self.store_dir, port=self.client_port, server_name=self.server_name, cluster=ClusterLink(
-            name=membership.cluster, host=host, port=membership.port, secret=secret, routes=self._routes(membership)))
+            name=membership.cluster, host=host, port=membership.port, secret=secret, routes=self._routes(membership)),
+            memory_limit=self.memory_limit)
         starting = [self.server.start()]
         if self._runs_witness(membership):
             self.witness = EmbeddedNats(self.store_dir.parent / WITNESS_DIR, port=0, server_name=self.witness_name,
                                         cluster=ClusterLink(name=membership.cluster, host=host, port=membership.witness_port,
                                                             secret=secret, routes=[route_url(host, membership.port)],
-                                                            witness=True))
+                                                            witness=True), memory_limit=self.memory_limit)
             starting.append(self.witness.start())
         await asyncio.gather(*starting)
         if self.witness is not None:

@@ -11,7 +11,6 @@ Nodes announce a digest of their secret and pair only with nodes that have the s
 from __future__ import annotations
 
 import hashlib
-import os
 import socket
 from pathlib import Path
 
@@ -44,9 +43,6 @@ def resolve_secret(store_dir: Path, given: str, namespace: str) -> ClusterSecret
 
 def lan_address() -> str:
     """This machine's address on its default route (no packet is sent); 127.0.0.1 without one."""
-    override = os.environ.get("EXO_DISCOVERY_ADDRESS")
-    if override:
-        return override
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
         try:
             probe.connect(("192.0.2.1", 9))  # TEST-NET-1: only the routing table is consulted

@@ -18,15 +18,10 @@ import msgspec
 from exo.bus.errors import BusError
 from exo.bus.server.permissions import EXO_USER, OPERATOR_USER
 from exo.bus.server.server_config import SYSTEM_USER, ClusterLink, server_config
+from exo.settings.services import BusSettings
 
 log = logging.getLogger(__name__)
 
-
-# The Go runtime keeps what the file store cached (blocks read back, large messages) until the
-# heap nears a limit; without one, RSS grew to hundreds of MB after images were read back
-# (bench/nats_memory.py). A soft limit for the embedded server only; GOMEMLIMIT in the
-# environment wins.
-MEMORY_LIMIT = os.environ.get("EXO_NATS_MEMORY_LIMIT", "256MiB")
 
 # State snapshots are single KV values; nats-server's default 1 MB payload limit is too small
 # for a busy cluster's State. 64 MB is the server's own ceiling.
@@ -127,8 +122,13 @@ class EmbeddedNats:
     """
 
     def __init__(self, store_dir: Path, host: str = "127.0.0.1", port: int = 4222,
-                 server_name: str = "exo-embedded", cluster: ClusterLink | None = None) -> None:
+                 server_name: str = "exo-embedded", cluster: ClusterLink | None = None,
+                 memory_limit: str = BusSettings().nats_memory_limit) -> None:
         self.store_dir = store_dir
+        # The Go runtime keeps what the file store cached (blocks read back, large messages) until the
+        # heap nears a limit; without one, RSS grew to hundreds of MB after images were read back
+        # (bench/nats_memory.py). A soft limit (EXO_NATS_MEMORY_LIMIT); GOMEMLIMIT in the environment wins.
+        self.memory_limit = memory_limit
         self.host = host
         self.port = port
         self.server_name = server_name
@@ -183,7 +183,7 @@ class EmbeddedNats:
             "--http_port", "-1",  # monitoring (varz, jsz) on a free loopback port: see its ports file
         ]
         # A session of its own: a Ctrl-C in the terminal reaches exo, which stops the server last.
-        env = {"GOMEMLIMIT": MEMORY_LIMIT, **os.environ}
+        env = {"GOMEMLIMIT": self.memory_limit, **os.environ}
         with open(self.store_dir / "nats-server.log", "ab") as server_log:  # the child holds its own copy
             self.process = subprocess.Popen(args, stdout=server_log, stderr=server_log, start_new_session=True, env=env)
         if self._stopping and not stopped_before:  # stop() or kill() came meanwhile and found the old process

@@ -19,7 +19,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js import api
 
-from exo.bus.connection import connect
+from exo.bus.connection import connect_like
 from exo.bus.errors import BusError, LogGap
 from exo.bus.subjects import ALL_EVENTS, EVENTS_STREAM
 from exo.bus.tooling.log_records import HEARTBEAT_S, LogBounds, LogRecord, OnBatch, OnRecord, unsubscribe_quietly
@@ -117,13 +117,13 @@ async def _end_of_read(nc: Client, first_seq: int, last_seq: int | None) -> int:
 
 
 async def _reader_connection(nc: Client) -> Client | None:
-    """A connection of the reader's own to the server `nc` uses (same credentials: they come
-    from the environment), or None if there is none to be had (then the read uses `nc`)."""
+    """A connection of the reader's own to the server `nc` uses, with the same credentials, or None
+    if there is none to be had (then the read uses `nc`)."""
     url = nc.connected_url
     if url is None:
         return None
     try:
-        return await connect([url.geturl()], name="exo-log-reader")
+        return await connect_like(nc, url.geturl(), name="exo-log-reader")
     except BusError as error:
         log.warning("reading the log the slow way: %s", error)
         return None
