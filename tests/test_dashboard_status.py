@@ -14,7 +14,7 @@ import httpx
 import msgspec
 import pytest
 
-from exo.api.instances import report_of
+from exo.api.cluster.instances import report_of
 from exo.core.state import State
 from exo.core.types import DownloadProgress, Instance, NodeInfo, RunnerInfo, ShardAssignment
 from tests.support.dashboard import KEY, chromium_page, exo_node, open_with_key

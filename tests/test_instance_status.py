@@ -12,7 +12,7 @@ import httpx
 import msgspec
 import pytest
 
-from exo.api.instances import report_of
+from exo.api.cluster.instances import report_of
 from exo.bus.subjects import download_control_subject, model_share_subject
 from exo.core.state import State
 from exo.core.types import DownloadProgress, Instance, RunnerInfo, ShardAssignment

@@ -99,3 +99,23 @@ def test_only_the_tools_use_the_log_tooling():
              if any(m.startswith("exo.bus.tooling") for m in imported_modules(path))}
     allowed = {u for u in users if u.startswith(("exo/tools/", "exo/bus/tooling/"))}
     assert users - allowed == set() and allowed  # the tools do use it: the walk can see an import
+
+
+SURFACES = ("openai", "anthropic", "ollama", "cluster")  # exo/api/<surface>/: one package per API surface
+
+
+def test_api_surfaces_stand_apart_on_the_shared_modules():
+    """A surface imports the shared modules of exo/api and never another surface; the shared modules
+    import no surface (exo/api/app.py, which registers every route, is the one exception)."""
+    crossing = {}
+    for path in sorted((EXO / "api").rglob("*.py")):
+        parts = path.relative_to(EXO / "api").parts
+        own = parts[0] if len(parts) > 1 and parts[0] in SURFACES else None
+        if path.name == "app.py" and own is None:
+            continue
+        reached = {m.split(".")[2] for m in imported_modules(path) if m.startswith("exo.api.") and m.count(".") >= 2}
+        wrong = (reached & set(SURFACES)) - {own}
+        if wrong:
+            crossing[str(path.relative_to(EXO.parent))] = sorted(wrong)
+    assert crossing == {}
+    assert imported_modules(EXO / "api" / "app.py") >= {"exo.api.openai", "exo.api.cluster"}  # the walk sees them

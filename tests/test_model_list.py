@@ -5,7 +5,7 @@ tests/test_dashboard.py."""
 
 from __future__ import annotations
 
-from exo.api.models import NOWHERE, availability, openai_entry
+from exo.api.cluster.models import NOWHERE, availability, openai_entry
 from exo.core.state import State
 from exo.core.types import DownloadProgress, Instance, ModelCard, RunnerInfo, ShardAssignment
 

@@ -10,7 +10,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
 
-from exo.api import instances
+from exo.api.cluster import instances
 from exo.api.context import CONTEXT_KEY, ApiContext
 from exo.api.errors import STATUS_FOR_REJECTION, ApiError
 from exo.core.placement import Unplaceable, place_instance, placement_previews, split_layers

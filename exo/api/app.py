@@ -1,28 +1,21 @@
-"""The aiohttp application: one module per API surface, routes registered here."""
+"""The aiohttp application: one package per API surface (openai/, anthropic/, ollama/, and cluster/
+for exo's own routes) over the shared modules beside this one; routes registered here."""
 
 from __future__ import annotations
 
 from aiohttp import web
 
-from exo.api import (
-    anthropic_messages,
-    cancel,
-    dashboard,
-    downloads,
-    events_sse,
-    instances,
-    models,
-    node_status,
-    ollama,
-    openai_chat,
-    openai_chat_stream,
-    openai_completions,
-    openai_responses,
-    prometheus,
-)
+from exo.api import dashboard
+from exo.api.anthropic import messages as anthropic_messages
 from exo.api.auth import auth_middleware
+from exo.api.cluster import cancel, downloads, events, instances, models, node_status, prometheus
 from exo.api.context import CONTEXT_KEY, ApiContext
 from exo.api.errors import error_middleware
+from exo.api.ollama import endpoints as ollama
+from exo.api.openai import chat as openai_chat
+from exo.api.openai import chat_stream as openai_chat_stream
+from exo.api.openai import completions as openai_completions
+from exo.api.openai import responses as openai_responses
 from exo.api.request_metrics import metrics_middleware
 from exo.api.storage import storage_middleware
 
@@ -70,7 +63,7 @@ def _cluster(router: web.UrlDispatcher) -> None:
     router.add_post("/models/add", models.add_model)
     router.add_delete("/models/custom/{model_id:.+}", models.delete_custom_model)
     router.add_get("/state", node_status.get_state)
-    router.add_get("/events", events_sse.events)
+    router.add_get("/events", events.events)
     router.add_get("/node_id", node_status.get_node_id)
     router.add_get("/health", node_status.health)
     router.add_get("/metrics", prometheus.metrics)

@@ -12,10 +12,10 @@ from typing import Any
 
 from aiohttp import web
 
-from exo.api.cluster_metrics import ClusterCollector
 from exo.api.errors import ApiError
 from exo.api.metrics import Metrics
 from exo.api.outcomes import CommandOutcomes
+from exo.api.state_metrics import ClusterCollector
 from exo.background import Background
 from exo.bus.connection import Connection
 from exo.bus.state_view import StateView

@@ -1,5 +1,5 @@
 """What this node's API counts: requests, latencies, tokens, kept by prometheus-client in a
-registry of this API's own (several nodes may share a process in tests). Rendered by prometheus.py."""
+registry of this API's own (several nodes may share a process in tests). Rendered by cluster/prometheus.py."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ from typing import Any
 import msgspec
 
 from exo.api.errors import ApiError
-from exo.api.wire.openai_chat import FunctionTool, RequestToolCall, ToolChoice
+from exo.api.tool_wire import FunctionTool, RequestToolCall, ToolChoice
 from exo.core.grammar import tool_call_problem
 from exo.core.types import ChatMessage, ToolCall, ToolTurn
 

@@ -46,6 +46,11 @@ class State(msgspec.Struct, frozen=True, kw_only=True):
     def instances_of(self, model_id: ModelId) -> list[Instance]:
         return sorted((i for i in self.instances.values() if i.model_id == model_id), key=_placed_order)
 
+    def is_ready(self, instance: Instance) -> bool:
+        """Every runner of the instance is ready: it serves requests."""
+        return bool(instance.shards) and all(
+            (runner := self.runners.get(s.runner_id)) is not None and runner.status == "ready" for s in instance.shards)
+
     def instances_of_desire(self, desire_id: str) -> list[Instance]:
         return sorted((i for i in self.instances.values() if i.desire_id == desire_id), key=_placed_order)
 

@@ -6,7 +6,7 @@ import {nodeLabel} from "./names.js";
 import {instanceStatus} from "./status.js";
 import {bytes, confirmButton, h, replaceChildren, short} from "./util.js";
 
-// Where each model is, as /v1/models says it (exo/api/models.py): model id -> {ready, downloaded}
+// Where each model is, as /v1/models says it (exo/api/cluster/models.py): model id -> {ready, downloaded}
 // node ids, for the models on some node.
 export function availability(state) {
   const where = new Map();

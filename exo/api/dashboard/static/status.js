@@ -1,5 +1,5 @@
 // How far instances and their ranks are, read from State the way the API's report_of does
-// (exo/api/instances.py, GET /instance/{id}): the page and the API never disagree on a status.
+// (exo/api/cluster/instances.py, GET /instance/{id}): the page and the API never disagree on a status.
 
 import {percent} from "./util.js";
 

@@ -1,4 +1,4 @@
-"""Wire types of OpenAI chat completions and completions, and the tool types they share.
+"""Wire types of OpenAI chat completions and completions.
 
 Bodies as msgspec decodes them: unknown fields are ignored on the surfaces (as their own servers
 do) and forbidden on the cluster's routes; the handler modules validate the values."""
@@ -9,41 +9,10 @@ from typing import Any
 
 import msgspec
 
+from exo.api.tool_wire import RequestToolCall, ToolChoice
 from exo.core.ids import ModelId
 
 COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-
-
-class FunctionDef(msgspec.Struct, kw_only=True):
-    name: str
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
-
-
-class FunctionTool(msgspec.Struct, kw_only=True):
-    type: str
-    function: FunctionDef
-
-
-class NamedFunction(msgspec.Struct, kw_only=True):
-    name: str
-
-
-class ToolChoice(msgspec.Struct, kw_only=True):
-    type: str
-    function: NamedFunction
-
-
-class CalledFunction(msgspec.Struct, kw_only=True):
-    name: str
-    arguments: str = "{}"
-
-
-class RequestToolCall(msgspec.Struct, kw_only=True):
-    id: str
-    type: str = "function"
-    function: CalledFunction
 
 
 class ImageUrl(msgspec.Struct, kw_only=True):

@@ -9,13 +9,13 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from exo.api.cluster.wire import DownloadReport, InstanceReport, PlaceInstanceRequest, RunnerReport
 from exo.api.context import context_of
 from exo.api.errors import ApiError, error_body
 from exo.api.idempotency import command_id_for, earlier_placement
 from exo.api.outcomes import new_command_id
 from exo.api.request_body import decode_body
 from exo.api.validate import check_kv_bits, check_max_context
-from exo.api.wire.cluster import DownloadReport, InstanceReport, PlaceInstanceRequest, RunnerReport
 from exo.core.commands import DeleteDesire, DeleteInstance, PlaceInstance
 from exo.core.events import InstanceCreated
 from exo.core.ids import InstanceId, ModelId, NodeId, RunnerId

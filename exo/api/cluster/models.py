@@ -12,45 +12,16 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from exo.api.card_source import complete_card
+from exo.api.availability import NOWHERE, Availability, availability
+from exo.api.cluster.card_source import complete_card
 from exo.api.context import context_of
 from exo.api.errors import ApiError
-from exo.api.instances import report_of
 from exo.api.outcomes import new_command_id
 from exo.api.request_body import decode_body, field_hint
 from exo.core.commands import AddCustomCard, DeleteCustomCard
-from exo.core.ids import ModelId, NodeId
+from exo.core.ids import ModelId
 from exo.core.state import State
 from exo.core.types import ModelCard, is_valid_model_id
-
-
-class Availability(msgspec.Struct, frozen=True, kw_only=True):
-    """Where a model is now: node ids, sorted."""
-
-    ready_on: list[NodeId] = []  # nodes with a rank of an instance whose every runner is ready
-    downloaded_on: list[NodeId] = []  # nodes whose download of the model completed
-
-    def fields(self) -> dict[str, Any]:
-        return {"ready_on": list(self.ready_on), "downloaded_on": list(self.downloaded_on)}
-
-
-NOWHERE = Availability()
-
-
-def availability(state: State) -> dict[ModelId, Availability]:
-    """Every model that is ready or downloaded somewhere; models absent from it are on no node."""
-    ready: dict[ModelId, set[NodeId]] = {}
-    for instance in state.instances.values():
-        if report_of(state, instance).status == "ready":
-            ready.setdefault(instance.model_id, set()).update(s.node_id for s in instance.shards)
-    downloaded: dict[ModelId, set[NodeId]] = {}
-    for node_id, records in state.downloads.items():
-        for model_id, record in records.items():
-            if record.status == "completed":
-                downloaded.setdefault(model_id, set()).add(node_id)
-    return {model_id: Availability(ready_on=sorted(ready.get(model_id, ())),
-                                   downloaded_on=sorted(downloaded.get(model_id, ())))
-            for model_id in ready.keys() | downloaded.keys()}
 
 
 def openai_entry(card: ModelCard, state: State, where: Availability) -> dict[str, Any]:

@@ -12,12 +12,13 @@ from exo.api.context import context_of
 from exo.api.errors import ApiError
 from exo.api.generation import generating
 from exo.api.images import USER_ONLY, ImageUploads
-from exo.api.openai_chat_stream import complete_chat, parse_event_id, resume_chat, stream_chat
+from exo.api.openai.chat_stream import complete_chat, parse_event_id, resume_chat, stream_chat
+from exo.api.openai.chat_wire import ChatRequest, ChatRequestMessage
 from exo.api.request_body import decode_body
 from exo.api.structured import openai_chat_format
 from exo.api.tool_conversation import offered_tools, required_call, tool_turn
+from exo.api.tool_wire import ToolChoice
 from exo.api.validate import check_logprobs, check_penalty
-from exo.api.wire.openai_chat import ChatRequest, ChatRequestMessage, ToolChoice
 from exo.core.types import ChatMessage, GenerationParams
 
 _ROLES = {"system", "developer", "user", "assistant", "tool"}

@@ -13,14 +13,14 @@ from exo.api.context import context_of
 from exo.api.errors import ApiError
 from exo.api.generation import collect, generating
 from exo.api.images import USER_ONLY, ImageUploads
-from exo.api.openai_responses_stream import Answer, response_body, stream_response
+from exo.api.openai.responses_stream import Answer, response_body, stream_response
+from exo.api.openai.responses_wire import ContentPart, InputItem, NamedTool, ResponsesRequest
 from exo.api.request_body import decode_body
 from exo.api.structured import responses_format
 from exo.api.thinking import from_effort
 from exo.api.tool_conversation import Conversation, function_tool, offered_tools, required_call
+from exo.api.tool_wire import NamedFunction, ToolChoice
 from exo.api.validate import at_least_one, in_range
-from exo.api.wire.openai_chat import NamedFunction, ToolChoice
-from exo.api.wire.openai_responses import ContentPart, InputItem, NamedTool, ResponsesRequest
 from exo.core.types import GenerationParams, ToolCall
 
 _ROLES = {"user", "assistant", "system", "developer"}

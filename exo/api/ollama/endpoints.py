@@ -13,17 +13,17 @@ from typing import Any
 
 from aiohttp import web
 
+from exo.api.availability import NOWHERE, availability
 from exo.api.context import context_of
 from exo.api.errors import ApiError
 from exo.api.generation import Generation, collect, generating
 from exo.api.images import USER_ONLY, ImageUploads
-from exo.api.models import NOWHERE, availability
+from exo.api.ollama.wire import ChatRequest, GenerateRequest, ModelRequest, OllamaMessage, Options
 from exo.api.request_body import decode_body
 from exo.api.structured import ollama_format
 from exo.api.thinking import from_ollama
 from exo.api.tool_conversation import Conversation, arguments_object, arguments_text, offered_tools
 from exo.api.validate import at_least_one, in_range, stop_list
-from exo.api.wire.ollama import ChatRequest, GenerateRequest, ModelRequest, OllamaMessage, Options
 from exo.core.ids import ModelId
 from exo.core.types import ChatMessage, GenerationParams, ModelCard, TokenChunk, ToolCall
 

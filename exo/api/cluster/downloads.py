@@ -8,10 +8,10 @@ from __future__ import annotations
 import msgspec
 from aiohttp import web
 
+from exo.api.cluster.wire import DownloadBody
 from exo.api.context import ApiContext, context_of
 from exo.api.errors import ApiError
 from exo.api.request_body import decode_body
-from exo.api.wire.cluster import DownloadBody
 from exo.bus.peers.download_control import Action, NodeUnreachable, request_download_action
 from exo.core.ids import ModelId, NodeId
 from exo.core.types import is_valid_model_id

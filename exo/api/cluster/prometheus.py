@@ -1,5 +1,5 @@
 """GET /metrics in Prometheus text format (prometheus-client), from counters this API keeps
-(exo/api/metrics.py) and from State (exo/api/cluster_metrics.py).
+(exo/api/metrics.py) and from State (exo/api/state_metrics.py).
 
 Request counts, latencies and token totals are this node's API's own; queue depth, runner
 status and events applied come from the State every node folds, so any node answers for the

@@ -10,11 +10,11 @@ from aiohttp import web
 from exo.api.context import context_of
 from exo.api.errors import ApiError
 from exo.api.generation import Generation, collect, generating
-from exo.api.openai_chat_stream import usage
+from exo.api.openai.chat_stream import usage
+from exo.api.openai.chat_wire import CompletionRequest
 from exo.api.request_body import decode_body
 from exo.api.sse import SseStream
 from exo.api.validate import check_penalty
-from exo.api.wire.openai_chat import CompletionRequest
 from exo.core.types import GenerationParams, TokenLogprob
 
 MAX_LOGPROBS = 5  # the completions API's own limit

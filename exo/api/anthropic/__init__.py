@@ -1,0 +1,1 @@
+"""Anthropic's surface: /v1/messages, with its wire types."""

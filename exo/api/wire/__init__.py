@@ -1,1 +1,0 @@
-"""Request and response bodies of the API surfaces, one module per surface family."""
