@@ -106,7 +106,8 @@ def main() -> None:
             results[way].append(outcome)
             print(f"run {run + 1} {way}: {outcome}", flush=True)
     print(f"\nA: 400 greedy tokens; B: a prompt of ~{b_tokens} tokens arriving after A's {args.warm}th token; "
-          f"model hidden {args.hidden}, {args.layers} layers; prefill step {args.prefill_step}; {args.runs} runs each, median [min-max]")
+          f"model hidden {args.hidden}, {args.layers} layers; prefill step {args.prefill_step}; "
+          f"{args.runs} runs each, median [min-max]")
     print_medians([("B served", 12), ("A stalled ms", 20), ("A median gap ms", 18), ("B TTFT ms", 20)],
                   results, ["stall_ms", "gap_ms", "b_ttft_ms"])
 

@@ -117,7 +117,8 @@ async def main(sizes: list[int], image_mb: int) -> None:
             server.stop()
     print(f"\n{'events':>10} {'replay from 1':>15} {'snapshot + tail':>17} {'speed-up':>9} {'snapshot size':>14}")
     for size, replay_s, snapshot_s, snapshot_bytes in rows:
-        print(f"{size:>10,} {replay_s:>13.3f} s {snapshot_s:>15.3f} s {replay_s / snapshot_s:>8.1f}x {snapshot_bytes / 1e6:>11.2f} MB")
+        print(f"{size:>10,} {replay_s:>13.3f} s {snapshot_s:>15.3f} s {replay_s / snapshot_s:>8.1f}x "
+              f"{snapshot_bytes / 1e6:>11.2f} MB")
     mb = image_mb
     print(f"\nimage of {mb} MB: upload {mb / images['upload']:.0f} MB/s ({images['upload'] * 1000:.0f} ms), "
           f"second send {images['second'] * 1000:.1f} ms (upload skipped), "

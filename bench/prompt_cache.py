@@ -106,7 +106,8 @@ def part_one(model_dir: Path, root: Path, args: argparse.Namespace) -> None:
             print("|---|" + "---|" * (len(systems) + 1))
             for turn in range(len(QUESTIONS)):
                 medians = [statistics.median(per_turn[n][turn]) for n in systems]
-                print(f"| {turn + 1} | " + " | ".join(f"{m * 1000:.0f} ms" for m in medians) + f" | {medians[0] / medians[1]:.2f}x |")
+                times = " | ".join(f"{m * 1000:.0f} ms" for m in medians)
+                print(f"| {turn + 1} | {times} | {medians[0] / medians[1]:.2f}x |")
             later = {n: [v for values in per_turn[n][1:] for v in values] for n in systems}
             ratio = statistics.median(later["exo"]) / statistics.median(later["mlx_lm.server"])
             print(f"\nTurns 2-8: exo {summary(later['exo'])}, mlx_lm.server {summary(later['mlx_lm.server'])}: "
@@ -157,7 +158,8 @@ def part_two(model_dir: Path, root: Path, args: argparse.Namespace) -> None:
                 exo.interrupt()
                 hub.stop()
     print(f"\n### Two instances, {args.conversations} concurrent conversations x {args.turns} turns, "
-          f"{args.routing_system_words}-word system prompt{' of its own each' if args.own_context else ' shared'}, {args.runs} runs each\n")
+          f"{args.routing_system_words}-word system prompt{' of its own each' if args.own_context else ' shared'}, "
+          f"{args.runs} runs each\n")
     print("| routing | requests/s (median, range) | TTFT median | TTFT p90 |")
     print("|---|---|---|---|")
     for name, runs in results.items():

@@ -9,6 +9,7 @@ import platform
 import socket
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO
@@ -31,7 +32,8 @@ from exo.bus.server.embedded import EmbeddedNats
 from exo.bus.server.server_config import NODE_TAG
 from exo.bus.state_view import StateView
 from exo.core.events import ClusterLayoutChanged, Event, NodeRegistered
-from exo.core.types import ClusterLayout
+from exo.core.ids import ModelId, NodeId
+from exo.core.types import ClusterLayout, ModelCard
 from exo.defaults import DEFAULT_API_PORT, DEFAULT_NATS_PORT
 from exo.identity import IdentityError, load_node_id, lock_data_dir
 from exo.master.service import Master
@@ -152,16 +154,9 @@ class Node:
 
     async def start(self) -> None:
         config = self.config
-        config.data_dir.mkdir(parents=True, exist_ok=True)
-        try:
-            self._data_dir_lock = lock_data_dir(config.data_dir)
-        except IdentityError as error:
-            raise StartupError(f"{error}; a second node on this machine needs a data dir of its own: "
-                               f"--data-dir {config.data_dir}-2 (or EXO_HOME)") from None
+        self._lock_data_dir(config.data_dir)
         self.config = config = self._choose_ports(config)
         self.name = config.name or default_name(config.api_port if config.run_api else None)
-        identity = NodeIdentity(name=self.name, address=config.address, advertised=config.worker.advertise_addresses,
-                                ring_ports=config.worker.ring_ports)
         node_id = load_node_id(config.data_dir)
         urls = config.nats_urls or [await self._start_embedded(node_id)]
         self.nats_urls = urls
@@ -182,30 +177,46 @@ class Node:
         if config.models.offline:
             set_offline()  # in this process; runner processes are told by the worker (runner_host.py)
         if config.run_worker:
-            downloads = DownloadSettings.of(config.models, config.data_dir)
-            start = RunnerStart(nats_urls=urls, security=config.security, settings=config.runner)
-            self.worker = Worker(nc, view, node_id, config.data_dir, urls, builtin, downloads, settings=config.worker,
-                                 runner_start=start, suspect_s=config.master.suspect_s)
-            events = EventLog(nc)
-            async def append(event: Event) -> None:
-                await events.append(event, uuid.uuid4().hex)
-
-            async def pulse(incarnation: str) -> None:
-                await send_pulse(nc, Pulse(node_id=node_id, incarnation=incarnation))
-
-            heartbeat = Heartbeat(node_id, append, pulse, config.worker, prompt_caches=self.worker.prompt_caches,
-                                  identity=identity)
-            view.add_listener(heartbeat.on_event)
-            info = describe_this_node(node_id, heartbeat.incarnation, time.time(), identity=identity)
-            await events.append(NodeRegistered(node=info), uuid.uuid4().hex)
-            self._tasks.append(asyncio.create_task(self.worker.run(), name="worker"))
-            self._tasks.append(asyncio.create_task(heartbeat.run(), name="heartbeat"))
+            await self._start_worker(nc, view, node_id, builtin)
         if config.run_api:
             ctx = ApiContext(nc, view, CommandOutcomes(nc, view), builtin, node_id, config.data_dir,
                              settings=config.api, models=config.models)
             if (watch := self._disk_watch) is not None:
                 ctx.storage_problem = lambda: watch.problem
             await self._start_api(ctx)
+
+    def _lock_data_dir(self, data_dir: Path) -> None:
+        data_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self._data_dir_lock = lock_data_dir(data_dir)
+        except IdentityError as error:
+            raise StartupError(f"{error}; a second node on this machine needs a data dir of its own: "
+                               f"--data-dir {data_dir}-2 (or EXO_HOME)") from None
+
+    async def _start_worker(self, nc: Connection, view: StateView, node_id: NodeId,
+                            builtin: Mapping[ModelId, ModelCard]) -> None:
+        """The worker and its heartbeat, once the node is registered in the log."""
+        config = self.config
+        identity = NodeIdentity(name=self.name, address=config.address, advertised=config.worker.advertise_addresses,
+                                ring_ports=config.worker.ring_ports)
+        start = RunnerStart(nats_urls=self.nats_urls, security=config.security, settings=config.runner)
+        self.worker = worker = Worker(nc, view, node_id, config.data_dir, self.nats_urls, builtin,
+                                      DownloadSettings.of(config.models, config.data_dir), settings=config.worker,
+                                      runner_start=start, suspect_s=config.master.suspect_s)
+        events = EventLog(nc)
+
+        async def append(event: Event) -> None:
+            await events.append(event, uuid.uuid4().hex)
+
+        async def pulse(incarnation: str) -> None:
+            await send_pulse(nc, Pulse(node_id=node_id, incarnation=incarnation))
+
+        heartbeat = Heartbeat(node_id, append, pulse, config.worker, prompt_caches=worker.prompt_caches, identity=identity)
+        view.add_listener(heartbeat.on_event)
+        info = describe_this_node(node_id, heartbeat.incarnation, time.time(), identity=identity)
+        await events.append(NodeRegistered(node=info), uuid.uuid4().hex)
+        self._tasks.append(asyncio.create_task(worker.run(), name="worker"))
+        self._tasks.append(asyncio.create_task(heartbeat.run(), name="heartbeat"))
 
     def _choose_ports(self, config: NodeConfig) -> NodeConfig:
         """The API and embedded NATS ports: as asked, or free ones in place of taken defaults (noted)."""

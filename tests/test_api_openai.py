@@ -328,7 +328,8 @@ def test_unknown_models_are_404_on_every_openai_route(http, tiny):
 # -- fuzz: whatever a client sends, the answer is never a 5xx and never hangs ---------------------
 
 _json = st.recursive(
-    st.none() | st.booleans() | st.integers(-(10**12), 10**12) | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=12),
+    st.none() | st.booleans() | st.integers(-(10**12), 10**12) | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=12),
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
     max_leaves=8,
 )

@@ -86,7 +86,8 @@ def together(engine: Engine, requests: list[GenerationParams], limit: int = 8, j
             if join_every and i:
                 while len(outs[i - 1]) < join_every:
                     await asyncio.sleep(0.001)
-            cancelled = (lambda i=i: i in cancel_after and len(outs[i]) >= cancel_after[i])
+            def cancelled(i: int = i) -> bool:
+                return i in cancel_after and len(outs[i]) >= cancel_after[i]
             futures.append(batcher.run(loop, params, SamplingDefaults(), outs[i].append, cancelled, f"task{i}"))
         done = await asyncio.gather(*futures)
         return [(outputs(o), result(d)) for o, d in zip(outs, done)]

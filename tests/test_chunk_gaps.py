@@ -35,7 +35,8 @@ async def stored(nc, chunks: list[TokenChunk]) -> None:
 async def received(nc, command_id: str, delivered: list[TokenChunk], ended: TaskFinished | None = None) -> list[TokenChunk]:
     """What a Generation yields when its live listener got only `delivered`."""
     cancels: list[str] = []
-    ctx = SimpleNamespace(nc=nc, metrics=Metrics(), readers=Counter(), view=SimpleNamespace(state=State()), in_background=lambda coroutine: (coroutine.close(), cancels.append(command_id)))
+    ctx = SimpleNamespace(nc=nc, metrics=Metrics(), readers=Counter(), view=SimpleNamespace(state=State()),
+                          in_background=lambda coroutine: (coroutine.close(), cancels.append(command_id)))
     listener = TokenListener()
     for chunk in delivered:
         listener.queue.put_nowait(chunk)

@@ -69,7 +69,7 @@ def test_a_port_in_use_is_one_line_naming_the_flag_and_a_non_zero_exit(tmp_path:
 def test_an_unusable_nats_url_is_one_line_and_a_non_zero_exit(tmp_path: Path):
     result = run_exo(["--data-dir", str(tmp_path), "--nats", "nats://127.0.0.1:1", "--api-port", "0"])
     assert result.returncode != 0
-    (line,) = [l for l in result.stderr.splitlines() if l.startswith("exo:")]
+    (line,) = [text for text in result.stderr.splitlines() if text.startswith("exo:")]
     assert line.startswith("exo: cannot connect to NATS at nats://127.0.0.1:1")
     assert not (tmp_path / "nats").exists()  # no embedded server was started
 

@@ -69,7 +69,8 @@ def test_a_standalone_node_upgraded_to_a_cluster_keeps_log_cards_instances_and_i
     try:
         added = httpx.post(f"{standalone.url}/models/add", json={"model_id": "local/tiny", "path": str(model_dir)}, timeout=60)
         assert added.status_code == 200, added.text
-        instance = httpx.post(f"{standalone.url}/place_instance", json={"model_id": "local/tiny"}, timeout=120).json()["instance_id"]
+        placed = httpx.post(f"{standalone.url}/place_instance", json={"model_id": "local/tiny"}, timeout=120)
+        instance = placed.json()["instance_id"]
         before = chat(standalone)
         old_log, image = log_and_image(standalone, put_image=True)
         assert image == IMAGE and len(old_log) > 5

@@ -204,7 +204,8 @@ def _the_feed_shows_sequences(page, http, instance_id: str) -> None:
     assert row.get_attribute("data-kind") == "instance.created"
     assert row.locator(".seq").inner_text() == f"#{created_seq}"
     # The runner's way to ready is in the feed, in order.
-    statuses = [re.search(r"→ (\w+)", t).group(1) for t in page.locator('.event[data-kind="runner.status"] .summary').all_inner_texts()]
+    summaries = page.locator('.event[data-kind="runner.status"] .summary').all_inner_texts()
+    statuses = [re.search(r"→ (\w+)", t).group(1) for t in summaries]
     assert statuses[0] == "ready" and "loading" in statuses  # newest first
     created = page.locator('.event[data-kind="instance.created"]').count()  # 1, unless another test placed before
     page.select_option("#events-kind", "instance.created")
@@ -264,7 +265,8 @@ def _stop_a_long_generation(page, http) -> str:
     task = http.get("/state").json()["tasks"][command_id]
     assert task["status"] == "cancelled" and 0 < task["completion_tokens"] < LONG
     # The stopped stream had no usage chunk; the count comes from its task.finished event.
-    page.wait_for_function(f"() => document.getElementById('chat-stats').textContent.includes(' {task['completion_tokens']} tokens')")
+    tokens = f" {task['completion_tokens']} tokens"
+    page.wait_for_function(f"() => document.getElementById('chat-stats').textContent.includes('{tokens}')")
     assert "stopped" in page.inner_text("#chat-stats")
     assert page.is_enabled("#chat-send") and not page.is_enabled("#chat-stop")
     return command_id

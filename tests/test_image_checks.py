@@ -13,9 +13,9 @@ import pytest
 from exo.api.errors import ApiError
 from exo.api.images import check_image
 from exo.settings.services import ApiSettings
+from tests.support.images import random_png
 
 MAX_IMAGE_PIXELS = ApiSettings().max_image_pixels
-from tests.support.images import random_png
 
 
 def _png(width: int, height: int) -> bytes:

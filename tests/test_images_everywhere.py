@@ -74,7 +74,8 @@ def _messages(model: str, images: list[str]) -> dict:
 
 
 def _ollama_chat(model: str, images: list[str]) -> dict:
-    return {"model": model, "stream": False, "options": {"num_predict": 2}, "messages": [{"role": "user", "content": ASK, "images": images}]}
+    return {"model": model, "stream": False, "options": {"num_predict": 2},
+            "messages": [{"role": "user", "content": ASK, "images": images}]}
 
 
 def _ollama_generate(model: str, images: list[str]) -> dict:

@@ -125,7 +125,8 @@ def test_a_group_loads_only_when_every_rank_has_its_model():
     assert plan(view(state, "b", "spawned")) == [DownloadModel(runner_id="r1", model_id="m/a")]
     ready = view(state, "a", "downloaded")
     old = LocalRunner(runner_id="old", instance_id="gone", phase="stopping")
-    assert plan(replace(ready, runners={**ready.runners, "old": old})) == []  # a deleted instance's runner here may still hold the ring port
+    # A deleted instance's runner here may still hold the ring port.
+    assert plan(replace(ready, runners={**ready.runners, "old": old})) == []
 
 
 def test_only_rank_0_is_given_tasks():

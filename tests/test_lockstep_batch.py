@@ -92,7 +92,8 @@ def test_a_batch_on_two_ranks_gives_each_request_what_it_gives_alone(model_dir, 
     requests = [*GREEDY, {"text": GREEDY[0]["text"], "max_tokens": 40, "stop": [stop_word], "join_after": [1, 3]},
                 {"text": "Hello", "max_tokens": 60, "join_after": [0, 3], "response_format": {  # rank 0 constrains
                     "type": "json_schema", "json_schema": {"type": "object", "properties": {"n": {"type": "integer",
-                    "minimum": 0, "maximum": 999}, "ok": {"type": "boolean"}}, "required": ["n", "ok"], "additionalProperties": False}}}]
+                    "minimum": 0, "maximum": 999}, "ok": {"type": "boolean"}}, "required": ["n", "ok"],
+                    "additionalProperties": False}}}]
     results = on_two_ranks(model_dir, sharding, requests)
     assert results == [alone(request) for request in requests]
     assert set(json.loads(results[-1][0])) == {"n", "ok"} and results[-1][1] == "stop"

@@ -1,8 +1,9 @@
 """When a runner of a multi-node instance must be restarted: a failed batch step (the other ranks
 may still wait in its collectives) or a failed single-path generation reports the runner
 `failed` (and leaves its request to the worker, or to the master's migration), so the worker
-restarts it and the group forms again; on one node the same failures end only their requests. The runner runs in process on the tiny model, with a real NATS for its
-text; "multi-node" is a real Lockstep over MLX's group of one (rank 0, collectives pass through)."""
+restarts it and the group forms again; on one node the same failures end only their requests.
+The runner runs in process on the tiny model, with a real NATS for its text; "multi-node" is a
+real Lockstep over MLX's group of one (rank 0, collectives pass through)."""
 
 from __future__ import annotations
 

@@ -3,8 +3,9 @@
 Each surface (OpenAI chat and Responses, Anthropic Messages, Ollama) turns its own shapes into
 the same two things, both built here: OpenAI-style function tools for the chat template
 (`offered_tools`, checked, with `required_call` for a call the request requires), and a
-conversation of ChatMessages with ToolTurns beside them (assistant tool calls, tool results). The runner renders them with the model's template and parses
-its calls with mlx-lm's parser; each surface then shapes the parsed ToolCalls its own way.
+conversation of ChatMessages with ToolTurns beside them (assistant tool calls, tool results). The
+runner renders them with the model's template and parses its calls with mlx-lm's parser; each
+surface then shapes the parsed ToolCalls its own way.
 """
 
 from __future__ import annotations

@@ -96,7 +96,8 @@ class Draft:
     # Listed by hand: this runs for every event folded (~4.6 us per Draft built from State's field
     # list vs 0.7 us written out). tests/test_fold.py fails if a State field is missing here.
     __slots__ = (
-        "_base", "_own_downloads_of", "last_seq", "leader_term", "leader_node", "leader_by_sequence", "nodes", "instances", "runners",
+        "_base", "_own_downloads_of", "last_seq", "leader_term", "leader_node", "leader_by_sequence", "nodes", "instances",
+        "runners",
         "tasks", "custom_model_cards", "skipped_events", "finished_task_ids", "answered_commands", "downloads",
         "instance_end_reasons", "cluster", "desires", "migrations_total",
     )

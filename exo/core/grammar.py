@@ -29,7 +29,8 @@ def tool_call_grammar(tools: list[dict[str, Any]], start: list[int], end: list[i
               "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
     schema = (calls[0] if len(calls) == 1 else {"anyOf": calls}) | {"x-guidance": _COMPILE}  # compact, as above
     marks = ["".join(f"<[{token}]>" for token in ids) for ids in (start, end)]
-    return LLMatcher.grammar_from_lark(f'start: call+\ncall: {marks[0]} "\\n"? %json {json.dumps(schema)} "\\n"? {marks[1]} "\\n"?\n')
+    call = f'{marks[0]} "\\n"? %json {json.dumps(schema)} "\\n"? {marks[1]} "\\n"?'
+    return LLMatcher.grammar_from_lark(f"start: call+\ncall: {call}\n")
 
 
 def tool_call_problem(tools: list[dict[str, Any]]) -> str:

@@ -85,17 +85,9 @@ class Engine:
             return prompt
         return "\n".join(m["content"] for m in messages)
 
-    def generate(
-        self,
-        params: GenerationParams,
-        defaults: SamplingDefaults,
-        on_output: OnOutput,
-        is_cancelled: Callable[[], bool],
-        task_id: TaskId = TaskId(""),
-        told: StepAnnouncement | None = None,
-        images: Sequence[str] = (),
-        resume: Resume | None = None,
-    ) -> GenerationResult:
+    def generate(self, params: GenerationParams, defaults: SamplingDefaults, on_output: OnOutput,
+                 is_cancelled: Callable[[], bool], task_id: TaskId = TaskId(""), told: StepAnnouncement | None = None,
+                 images: Sequence[str] = (), resume: Resume | None = None) -> GenerationResult:
         """One request alone. `told`: rank 0's announcement of it, on the other ranks of an instance.
         `resume`: a generation another runner began (a migration): its tokens so far are prefilled
         after the prompt and it goes on from there, sending only what comes after their text."""

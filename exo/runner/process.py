@@ -49,7 +49,6 @@ from exo.runner.protocol import (
 )
 from exo.settings.services import RunnerSettings
 
-# Text that comes faster than this is sent in one message per interval (see coalesce.py).
 PULSE_S = 1.0  # how often the runner tells the worker it is alive (protocol.Alive)
 WORKER_GONE_GRACE_S = 5.0  # stdin closed: how long running generations get to end before the runner exits
 
@@ -281,7 +280,7 @@ class ChunkMaker:
                  interval_s: float = RunnerSettings().stream_interval_ms / 1000) -> None:
         self._task_id = task_id
         self.index, self.attempt = (resume.next_index, resume.attempt) if resume is not None else (0, 0)
-        self._coalescer = Coalescer(interval_s)
+        self._coalescer = Coalescer(interval_s)  # text faster than this goes out as one message per interval
         self._held = Output("", 0, 0, [], [])  # what goes with the text the coalescer holds
 
     def add(self, out: Output, now: float) -> list[TokenChunk]:

@@ -121,7 +121,8 @@ class DownloadCoordinator:
         job = self._jobs.get(model_id)
         if action == "cancel":
             if job is None:
-                return DownloadReply(ok=False, code="not_found", message=f"no download of {model_id} is running on {self.node_id}")
+                return DownloadReply(ok=False, code="not_found",
+                                     message=f"no download of {model_id} is running on {self.node_id}")
             job.cancelled_on_request = True
             job.fetch.cancelled.set()
             return DownloadReply(ok=True, message=f"download of {model_id} cancelled")

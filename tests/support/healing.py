@@ -26,7 +26,8 @@ from tests.support.exo_process import ExoProcess, free_port_range
 MODEL = "local/tiny4"
 SUSPECT_S = 3.0  # EXO_SUSPECT_S: pulses (every second) silent this long and a node's instances are lost
 RING_JOIN_S = "15"  # EXO_RING_JOIN_TIMEOUT_S: a ring group that has not formed by then is formed again
-NODE_TIMEOUT_S = 20.0  # --node-timeout: silent this long and the node leaves State (a paused master: takeover + suspect fit under it)
+# --node-timeout: silent this long and the node leaves State (a paused master: takeover + suspect fit under it)
+NODE_TIMEOUT_S = 20.0
 
 
 def ring_ports() -> str:

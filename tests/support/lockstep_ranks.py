@@ -49,7 +49,8 @@ async def lead(engine: Engine, requests: list[dict]) -> list:
         if "after_done" in request:  # the next turn of a conversation: once the one before has ended
             await futures[request["after_done"]]
         limit = request.get("cancel_after")
-        cancelled = (lambda i=i, limit=limit: limit is not None and len(outs[i]) >= limit)
+        def cancelled(i: int = i, limit: int | None = limit) -> bool:
+            return limit is not None and len(outs[i]) >= limit
         params = params_of(request)
         if batchable(params, {}, multi_node=True):
             futures.append(batcher.run(loop, params, SamplingDefaults(), outs[i].append, cancelled, f"task{i}"))

@@ -1,6 +1,6 @@
 """Many simulated worker nodes in one process, for the scale simulator (bench/scale.py) and its test.
 
-Each node is the real worker code (exo/worker/service.py: plan, runner lifecycle, task
+Each node is the real worker code (exo/worker/service.py and runners.py: plan, runner lifecycle, task
 forwarding, events) and the real heartbeat (pulses on core NATS, described in the log when it
 changes), with FakeRunner at its edge instead of a model process. The nodes share one NATS
 connection and one State follower: on real machines every node folds the log itself, in

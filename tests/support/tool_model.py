@@ -45,7 +45,8 @@ CHAIN = [TRIGGER, "<tool_call>", CALL_JSON, "</tool_call>"]  # each one's succes
 
 TOOL_TEMPLATE = (
     "{{ bos_token }}"
-    "{% if tools %}<|im_start|>system\n<tools>{% for tool in tools %}{{ tool | tojson }}{% endfor %}</tools><|im_end|>\n{% endif %}"
+    "{% if tools %}<|im_start|>system\n<tools>{% for tool in tools %}{{ tool | tojson }}{% endfor %}"
+    "</tools><|im_end|>\n{% endif %}"
     "{% for message in messages %}"
     "{% if message.role == 'tool' %}"
     "<|im_start|>user\n<tool_response>{{ message.content }}</tool_response><|im_end|>\n"

@@ -20,7 +20,8 @@ from exo.core.types import TokenChunk, ToolCall
 Send = Callable[[str, dict[str, Any]], Awaitable[None]]
 
 
-def response_body(command_id: CommandId, echo: dict[str, Any], status: str, output: list[dict[str, Any]], final: TokenChunk | None = None) -> dict[str, Any]:
+def response_body(command_id: CommandId, echo: dict[str, Any], status: str, output: list[dict[str, Any]],
+                  final: TokenChunk | None = None) -> dict[str, Any]:
     incomplete = final is not None and final.finish_reason == "length"
     usage = None
     if final is not None:

@@ -1,6 +1,7 @@
 """The embedded nats-server's configuration file, as text (pure: no I/O).
 
-Standalone (no cluster) it is what exo always wrote: the two client users. In a cluster it adds what a JetStream cluster needs and nothing an operator must edit:
+Standalone (no cluster) it is what exo always wrote: the two client users. In a cluster it adds
+what a JetStream cluster needs and nothing an operator must edit:
 - a system account user, for meta-group requests (step down, remove a peer) that only the
   system account may make;
 - `server_tags`, so that exo's streams are placed on real nodes and never on a witness;

@@ -104,17 +104,7 @@ class RawParser(Parser):
                     return
                 await self._control_line(line)
             else:
-                args = view[pos + (5 if is_hmsg else 4):line_end].split()
-                try:
-                    subject, sid = args[0], args[1]
-                    if is_hmsg:
-                        header_size, total = int(args[-2]), int(args[-1])
-                        reply = args[2] if len(args) == 5 else b""
-                    else:
-                        header_size, total = 0, int(args[-1])
-                        reply = args[2] if len(args) == 4 else b""
-                except (IndexError, ValueError):
-                    raise ProtocolError("nats: malformed MSG") from None
+                subject, sid, reply, header_size, total = _msg_args(view[pos + (5 if is_hmsg else 4):line_end], is_hmsg)
                 start = line_end + 2
                 header_end, stop = start + header_size, start + total
                 if stop + 2 > size:
@@ -365,3 +355,14 @@ def _header_name(name: bytes) -> str | None:
 
 _HEADER_LINE_SIZE = len(b"NATS/1.0\r\n")
 _header_names: dict[bytes, str | None] = {}
+
+
+def _msg_args(line: bytes, is_hmsg: bool) -> tuple[bytes, bytes, bytes, int, int]:
+    """A MSG / HMSG control line after its verb: subject, sid, reply, header size, total size."""
+    args = line.split()
+    try:
+        if is_hmsg:
+            return args[0], args[1], args[2] if len(args) == 5 else b"", int(args[-2]), int(args[-1])
+        return args[0], args[1], args[2] if len(args) == 4 else b"", 0, int(args[-1])
+    except (IndexError, ValueError):
+        raise ProtocolError("nats: malformed MSG") from None
