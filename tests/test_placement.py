@@ -388,7 +388,7 @@ def test_a_vision_model_on_more_nodes_or_with_a_quantized_cache_is_refused_with_
                                               "across nodes): min_nodes must be 1")
     assert STATUS_FOR_REJECTION[refused.code] == 409
     quantized = place_instance(VISION, "pipeline", 1, state, ids(), kv_bits=8)
-    assert quantized == Unplaceable("invalid", "a quantized KV cache (kv_bits) is not served for vision models")
+    assert quantized == Unplaceable("invalid", "a quantized KV cache (kv_bits) is not served for vision or embedding models")
 
 
 def test_previews_of_a_vision_model_say_that_it_runs_on_one_node():

@@ -11,10 +11,12 @@ from exo.api.auth import auth_middleware
 from exo.api.cluster import cancel, downloads, events, instances, models, node_status, prometheus
 from exo.api.context import CONTEXT_KEY, ApiContext
 from exo.api.errors import error_middleware
+from exo.api.ollama import embed as ollama_embed
 from exo.api.ollama import endpoints as ollama
 from exo.api.openai import chat as openai_chat
 from exo.api.openai import chat_stream as openai_chat_stream
 from exo.api.openai import completions as openai_completions
+from exo.api.openai import embeddings as openai_embeddings
 from exo.api.openai import responses as openai_responses
 from exo.api.request_metrics import metrics_middleware
 from exo.api.storage import storage_middleware
@@ -37,6 +39,7 @@ def _openai(router: web.UrlDispatcher) -> None:
     router.add_get("/v1/chat/completions/{id}/stream", openai_chat_stream.resume_chat_route)
     router.add_post("/v1/completions", openai_completions.completions)
     router.add_post("/v1/responses", openai_responses.responses)
+    router.add_post("/v1/embeddings", openai_embeddings.embeddings)
     router.add_get("/v1/models", models.list_models)
     router.add_get("/v1/models/{model_id:.+}", models.get_model)
     router.add_get("/models", models.list_models)
@@ -51,6 +54,8 @@ def _anthropic_and_ollama(router: web.UrlDispatcher) -> None:
     router.add_post("/api/show", ollama.show)
     router.add_get("/api/ps", ollama.ps)
     router.add_get("/api/version", ollama.version)
+    router.add_post("/api/embed", ollama_embed.embed)
+    router.add_post("/api/embeddings", ollama_embed.legacy_embeddings)
 
 
 def _cluster(router: web.UrlDispatcher) -> None:

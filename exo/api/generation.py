@@ -273,8 +273,12 @@ async def generating(ctx: ApiContext, model_id: ModelId, params: GenerationParam
     surface's own 404, or OpenAI's), the request is queued (inside `storing`: what must be stored
     for it, e.g. its images), and however the handler ends the generation is closed: cancelled if
     unfinished, at once or after `resume_grace_s` for a stream its client may resume."""
-    if ctx.card(model_id) is None:
+    card = ctx.card(model_id)
+    if card is None:
         raise missing or ctx.unknown_model(model_id, "model", f"The model {model_id!r} does not exist")
+    if card.embedding is not None and params.embed is None:
+        raise ApiError(400, f"the model {model_id!r} is an embedding model and does not generate text: use "
+                            "POST /v1/embeddings (or Ollama's /api/embed)", param="model")
     async with storing or nullcontext():
         generation = await start_generation(ctx, model_id, params)
     try:

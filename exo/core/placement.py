@@ -76,8 +76,8 @@ def place_instance(
         return Unplaceable("invalid", "min_nodes must be at least 1")
     if (invalid := _invalid_request(card, max_context, kv_bits, force)) is not None:
         return invalid
-    if min_nodes > 1 and card.supports_images:
-        return _ONE_NODE_ONLY
+    if min_nodes > 1 and (one_node := _one_node_only(card)) is not None:
+        return one_node
     nodes = [n for n in _nodes_by_free_memory(state) if n.node_id not in exclude]
     if not nodes:
         return Unplaceable("unavailable", "no worker node has joined the cluster yet" if not state.nodes
@@ -99,13 +99,19 @@ def place_instance(
     return Unplaceable(first_failure.code, f"{first_failure.reason}; {tried} did not work either")
 
 
-# mlx-vlm has no sharding: a vision-language model is served whole, by one runner.
+# mlx-vlm has no sharding: a vision-language model is served whole, by one runner; so is an
+# embedding model (one forward pass per batch, nothing a ring would save).
 _ONE_NODE_ONLY = Unplaceable("conflict", "a vision model runs on one node (mlx-vlm cannot split a model "
                                          "across nodes): min_nodes must be 1")
+_EMBEDDING_ONE_NODE = Unplaceable("conflict", "an embedding model runs on one node: min_nodes must be 1")
+
+
+def _one_node_only(card: ModelCard) -> Unplaceable | None:
+    return _ONE_NODE_ONLY if card.supports_images else _EMBEDDING_ONE_NODE if card.embedding is not None else None
 
 
 def _most_nodes(card: ModelCard, nodes: list[NodeInfo]) -> int:
-    return 1 if card.supports_images else len(nodes)
+    return 1 if _one_node_only(card) else len(nodes)
 
 
 def _invalid_request(card: ModelCard, max_context: int, kv_bits: int, force: bool) -> Unplaceable | None:
@@ -117,8 +123,8 @@ def _invalid_request(card: ModelCard, max_context: int, kv_bits: int, force: boo
     if max_context != 0 and not least_context(card) <= max_context <= context_cap(card):
         return Unplaceable("invalid", f"max_context must be 0 (the most that fits) or between {least_context(card)} and "
                                       f"{card.model_id}'s context length, {context_cap(card)}; got {max_context}")
-    if kv_bits and card.supports_images:
-        return Unplaceable("invalid", "a quantized KV cache (kv_bits) is not served for vision models")
+    if kv_bits and (card.supports_images or card.embedding is not None):
+        return Unplaceable("invalid", "a quantized KV cache (kv_bits) is not served for vision or embedding models")
     if kv_bits and kv_bits not in KV_BITS:
         return Unplaceable("invalid", f"kv_bits must be 0 (not quantized) or one of {list(KV_BITS)}; got {kv_bits}")
     if kv_bits and not kv_group_size(head_dim_of(card)):
@@ -145,7 +151,7 @@ def placement_previews(card: ModelCard, state: State, max_context: int = 0, kv_b
             continue
         for k in range(1, len(nodes) + 1):
             planned = _plan(card, sharding, nodes[:k], state, max_context, kv_bits, force) if k <= _most_nodes(card, nodes) \
-                else _ONE_NODE_ONLY
+                else (_one_node_only(card) or _ONE_NODE_ONLY)
             if isinstance(planned, Unplaceable):
                 previews.append(PlacementPreview(sharding=sharding, node_count=k, rejection=planned))
             else:

@@ -55,6 +55,17 @@ CARD_LIMITS = {"n_layers": 4096, "hidden_size": 1 << 20, "num_attention_heads": 
                "storage_bytes": 1 << 50}
 
 
+Pooling = Literal["mean", "cls", "lasttoken"]
+
+
+class EmbeddingSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """How an embedding model turns its last hidden states into one vector per input: as its
+    sentence-transformers files say (exo/core/embedding_files.py)."""
+
+    pooling: Pooling = "mean"
+    normalize: bool = True  # L2, as sentence-transformers' Normalize module
+
+
 class ModelCard(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """What exo needs to know about a model before it downloads a single byte."""
 
@@ -74,6 +85,7 @@ class ModelCard(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     supports_images: bool = False
     sampling: SamplingDefaults = SamplingDefaults()
     sampling_no_thinking: SamplingDefaults | None = None  # for requests that turn a thinking model's thinking off
+    embedding: EmbeddingSpec | None = None  # set: the model embeds (POST /v1/embeddings), it does not chat
 
     @property
     def source_repo(self) -> str:
@@ -241,6 +253,14 @@ class ResponseFormat(msgspec.Struct, frozen=True, kw_only=True):
     name: str = ""
 
 
+class EmbedInputs(msgspec.Struct, frozen=True, kw_only=True):
+    """What to embed: texts, or token ids as given (OpenAI's token-array input); one vector each."""
+
+    texts: list[str] = []
+    token_ids: list[list[int]] = []
+    dimensions: int | None = None  # keep this many leading dimensions, then normalize again (Matryoshka)
+
+
 class GenerationParams(msgspec.Struct, frozen=True, kw_only=True):
     """A text generation request as the runner sees it (already validated by the API)."""
 
@@ -261,6 +281,7 @@ class GenerationParams(msgspec.Struct, frozen=True, kw_only=True):
     prompt: str | None = None  # raw prompt text (completions): used as is, no chat template
     enable_thinking: bool | None = None  # the chat template's switch; None: the model's default
     response_format: ResponseFormat | None = None  # constrains the answer (exo/runner/constraint.py)
+    embed: EmbedInputs | None = None  # set: embed these inputs instead of generating (an embedding model)
 
 
 class ConversationDigest(msgspec.Struct, frozen=True, kw_only=True):
@@ -313,6 +334,9 @@ class TokenChunk(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     # a runner that takes over a generation (a migration) prefills the prompt plus these.
     token_ids: list[int] = []
     attempt: int = 0  # which run of the task sent it: 0 first, +1 per migration; older runs' late chunks are dropped
+    # An embedding request's vector for input `index` (one chunk per input, in order): little-endian
+    # float32, base64, as OpenAI's encoding_format "base64" (a vector of 4,096 floats is 22 KB).
+    embedding: str = ""
 
 
 class ToolCall(msgspec.Struct, frozen=True, kw_only=True):

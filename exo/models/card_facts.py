@@ -12,13 +12,15 @@ from __future__ import annotations
 import fnmatch
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from huggingface_hub import HfApi, hf_hub_download
 from huggingface_hub.hf_api import RepoFile
 
+from exo.core.embedding_files import EmbeddingFilesError, embedding_spec, pooling_module_path
+from exo.core.types import EmbeddingSpec
 from exo.models.files import INDEX_FILE, is_safe_path
 from exo.models.hub import classify
 from exo.models.transfer import DownloadError
@@ -37,6 +39,7 @@ class NoWeights(Exception):
 class CardFacts:
     config_text: str
     weight_bytes: int
+    embedding: EmbeddingSpec | None = None  # from sentence-transformers' files: the model embeds
 
 
 def weight_bytes(sizes: Mapping[str, int], index_text: str | None) -> int:
@@ -72,12 +75,13 @@ def hub_card_facts(repo_id: str, revision: str, endpoint: str | None = None) -> 
                                              "it is not a model exo can run (mlx-lm needs one)")
         text = _hub_text(repo_id, "config.json", commit)
         index = _hub_text(repo_id, INDEX_FILE, commit) if INDEX_FILE in files else None
-    except NoWeights:
+        embedding = embedding_of(lambda name: _hub_text(repo_id, name, commit) if name in files else None)
+    except (NoWeights, EmbeddingFilesError):
         raise
     except Exception as error:  # noqa: BLE001 - classify names every cause; nothing is retried here
         outcome = classify(error, what)
         raise (outcome if isinstance(outcome, DownloadError) else DownloadError(outcome.code, outcome.reason)) from None
-    return CardFacts(config_text=text, weight_bytes=weight_bytes(files, index))
+    return CardFacts(config_text=text, weight_bytes=weight_bytes(files, index), embedding=embedding)
 
 
 def _hub_text(repo_id: str, filename: str, commit: str) -> str:
@@ -97,4 +101,19 @@ def local_card_facts(path: Path) -> CardFacts:
     with os.scandir(path) as entries:
         sizes = {entry.name: entry.stat().st_size for entry in entries if entry.is_file()}
     index = small_text(path / INDEX_FILE) if INDEX_FILE in sizes else None
-    return CardFacts(config_text=small_text(path / "config.json"), weight_bytes=weight_bytes(sizes, index))
+    embedding = embedding_of(lambda name: small_text(path / name) if (path / name).is_file() else None)
+    return CardFacts(config_text=small_text(path / "config.json"), weight_bytes=weight_bytes(sizes, index),
+                     embedding=embedding)
+
+
+def embedding_of(read: Callable[[str], str | None]) -> EmbeddingSpec | None:
+    """The model's pooling, if its sentence-transformers files say it embeds (`read`: a file's text or None)."""
+    modules = read("modules.json")
+    found = pooling_module_path(modules) if modules is not None else None
+    if found is None:
+        return None
+    folder, normalize = found
+    config = read(f"{folder}/config.json" if folder else "config.json")
+    if config is None:
+        raise EmbeddingFilesError(f"modules.json names a Pooling module at {folder!r}, which has no config.json")
+    return embedding_spec(config, normalize)

@@ -22,10 +22,11 @@ from exo.bus.connection import Connection
 from exo.bus.token_publisher import ChunkPublisher
 from exo.core.catalogue import is_vision_config
 from exo.core.ids import TaskId
-from exo.core.types import FinishReason, TokenChunk
+from exo.core.types import EmbedInputs, FinishReason, TokenChunk
 from exo.runner.batch import Batcher, BatchFailed, batchable
 from exo.runner.coalesce import Coalescer, Piece
 from exo.runner.decoding import GenerationResult, OnOutput, Output, RequestRefused
+from exo.runner.embedding_engine import EmbeddingEngine, embedding_spec_of
 from exo.runner.engine import Engine
 from exo.runner.engine_api import ModelEngine
 from exo.runner.follower import follow
@@ -142,11 +143,14 @@ class Runner:
             os._exit(0)  # whatever happened: the model thread may be blocked in a collective that never ends
 
     def _choose_engine(self, model_path: str) -> None:
-        """mlx-vlm for a vision-language checkpoint (one request at a time), else mlx-lm."""
+        """mlx-vlm for a vision-language checkpoint (one request at a time), an embedding engine for a
+        model with sentence-transformers' pooling, else mlx-lm."""
         if is_vision_model(model_path):
             from exo.runner.vision_engine import VisionEngine  # mlx-vlm: imported only where it serves
 
             self._engine, self._batcher = VisionEngine(self._settings), None
+        elif embedding_spec_of(model_path) is not None:
+            self._engine, self._batcher = EmbeddingEngine(self._settings), None
 
     def _batched(self, request: AnyRequest) -> TypeGuard[Generate]:
         # A quantized KV cache takes the single path, as in mlx_lm.server (the batch keeps full caches).
@@ -175,6 +179,9 @@ class Runner:
 
     async def _generate(self, loop: asyncio.AbstractEventLoop, request: Generate) -> None:
         task_id = request.task_id
+        if request.params.embed is not None:
+            await self._embed(loop, task_id, request.params.embed)
+            return
         chunks = ChunkMaker(task_id, request.resume, self._settings.stream_interval_ms / 1000)
         if task_id in self._cancelled:
             await self._finish(task_id, chunks.index, reason="cancelled", prompt=0, completion=0, attempt=chunks.attempt)
@@ -214,6 +221,31 @@ class Runner:
         reason = cast(FinishReason, result.finish_reason)
         await self._finish(task_id, chunks.index, reason, result.prompt_tokens, result.completion_tokens,
                            stop_sequence=result.stop_sequence, cached=result.cached_tokens, attempt=chunks.attempt)
+
+    async def _embed(self, loop: asyncio.AbstractEventLoop, task_id: TaskId, inputs: EmbedInputs) -> None:
+        """One vector per input, each in a chunk of its own (index = the input's), then the final chunk."""
+        engine = self._engine
+        self.report(Started(task_id=task_id))
+        if not isinstance(engine, EmbeddingEngine):
+            await self._finish(task_id, 0, "error", 0, 0, error="this model does not embed: it has no pooling "
+                               "(sentence-transformers' modules.json)", error_code="invalid_request_error")
+            return
+        self._in_flight.add(task_id)
+        engine.beat()
+        try:
+            embedded = await loop.run_in_executor(self._mlx_thread, engine.embed, inputs)
+        except RequestRefused as error:
+            await self._finish(task_id, 0, "error", 0, 0, error=str(error), error_code=error.code)
+            return
+        except Exception as error:
+            traceback.print_exc()
+            await self._finish(task_id, 0, "error", 0, 0, error=f"{type(error).__name__}: {error}")
+            return
+        finally:
+            self._in_flight.discard(task_id)
+        for index, vector in enumerate(embedded.vectors):
+            self._chunks.put_nowait(TokenChunk(command_id=task_id, index=index, embedding=vector))
+        await self._finish(task_id, len(embedded.vectors), "stop", embedded.prompt_tokens, 0)
 
     def _start(self, loop: asyncio.AbstractEventLoop, request: Generate,
                on_output: OnOutput) -> Awaitable[GenerationResult]:

@@ -20,6 +20,7 @@ from huggingface_hub import constants
 from exo.api.errors import ApiError
 from exo.bus.connection import redact
 from exo.core.catalogue import is_vision_config
+from exo.core.embedding_files import EmbeddingFilesError
 from exo.core.types import ModelCard
 from exo.models.card_facts import CardFacts, NoWeights, hub_card_facts, local_card_facts
 from exo.models.dirs import ModelDirs, find_complete
@@ -39,7 +40,8 @@ async def complete_card(card: ModelCard, model_dirs: ModelDirs) -> ModelCard:
         return card
     facts = await asyncio.to_thread(_facts, card, model_dirs)
     filled = card if card.n_layers else _with_config(card, _parse_config(facts.config_text, card.path or card.source_repo))
-    return msgspec.structs.replace(filled, storage_bytes=filled.storage_bytes or facts.weight_bytes)
+    return msgspec.structs.replace(filled, storage_bytes=filled.storage_bytes or facts.weight_bytes,
+                                   embedding=filled.embedding or facts.embedding)
 
 
 def _with_config(card: ModelCard, config: dict[str, Any]) -> ModelCard:
@@ -81,7 +83,7 @@ def _facts(card: ModelCard, model_dirs: ModelDirs) -> CardFacts:
 def _measured(source: str, read: Callable[[], CardFacts], param: str) -> CardFacts:
     try:
         return read()
-    except NoWeights as error:
+    except (NoWeights, EmbeddingFilesError) as error:
         raise ApiError(400, f"{source}: {error}", param=param) from None
     except OSError as error:  # unreadable files, the disk gone: name it, keep serving
         raise ApiError(400, f"cannot read the model directory {source}: {error}", param=param) from None
@@ -93,7 +95,7 @@ def _local_copy(card: ModelCard, model_dirs: ModelDirs) -> CardFacts | None:
         return None
     try:
         return local_card_facts(copy.path)
-    except (OSError, NoWeights):
+    except (OSError, NoWeights, EmbeddingFilesError):
         return None  # not a usable copy: the Hub's error stands
 
 

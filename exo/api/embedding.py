@@ -1,0 +1,85 @@
+"""What every embeddings surface shares: the input checked, the request run through the cluster as a
+task (the runner answers one chunk per input vector), and the vectors back in input order."""
+
+from __future__ import annotations
+
+import base64
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from exo.api.context import ApiContext
+from exo.api.errors import ApiError
+from exo.api.generation import generating, raise_if_failed
+from exo.core.ids import ModelId
+from exo.core.types import EmbedInputs, GenerationParams
+
+MAX_INPUTS = 2048  # per request, as OpenAI's embeddings API
+MAX_TEXT_CHARS = 1 << 20  # per input; the model's context refuses far less, but only once tokenized
+
+
+@dataclass
+class Embeddings:
+    vectors: list[np.ndarray]  # float32, in input order
+    prompt_tokens: int
+
+
+def embed_inputs(value: Any, param: str, dimensions: int | None = None) -> EmbedInputs:
+    """A string, a list of strings, a list of token ids or a list of those (OpenAI's `input`)."""
+    if dimensions is not None and dimensions < 1:
+        raise ApiError(400, f"dimensions must be at least 1, got {dimensions}", param="dimensions")
+    items = [value] if isinstance(value, str) or (isinstance(value, list) and value and _is_int(value[0])) else value
+    if not isinstance(items, list) or not items:
+        raise ApiError(400, f"{param} must be a non-empty string or list (of strings or of token ids)", param=param)
+    if len(items) > MAX_INPUTS:
+        raise ApiError(400, f"{param} has {len(items)} inputs; at most {MAX_INPUTS} in one request", param=param)
+    if all(isinstance(item, str) for item in items):
+        for n, text in enumerate(items):
+            if not text or len(text) > MAX_TEXT_CHARS:
+                raise ApiError(400, f"{param}[{n}] must be a non-empty string of at most {MAX_TEXT_CHARS} characters",
+                               param=param)
+        return EmbedInputs(texts=items, dimensions=dimensions)
+    if all(isinstance(item, list) and item and all(_is_int(t) and t >= 0 for t in item) for item in items):
+        return EmbedInputs(token_ids=items, dimensions=dimensions)
+    raise ApiError(400, f"{param} must be strings or lists of token ids (non-negative integers), not a mix", param=param)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_embeds(ctx: ApiContext, model_id: ModelId, dimensions: int | None) -> None:
+    """400 for a model whose card does not embed, or `dimensions` past its vectors' size."""
+    card = ctx.card(model_id)
+    if card is None:
+        return  # generating() answers the surface's own 404
+    if card.embedding is None:
+        raise ApiError(400, f"the model {model_id!r} does not embed (its card has no embedding pooling): use an "
+                            "embedding model, or POST /v1/chat/completions for this one", param="model")
+    if dimensions is not None and card.hidden_size and dimensions > card.hidden_size:
+        raise ApiError(400, f"dimensions must be at most {card.hidden_size} for {model_id!r}, got {dimensions}",
+                       param="dimensions")
+
+
+async def run_embeddings(ctx: ApiContext, model_id: ModelId, inputs: EmbedInputs,
+                         missing: ApiError | None = None) -> Embeddings:
+    check_embeds(ctx, model_id, inputs.dimensions)
+    vectors: dict[int, np.ndarray] = {}
+    prompt_tokens = 0
+    async with generating(ctx, model_id, GenerationParams(embed=inputs), missing) as generation:
+        async for chunk in generation.chunks():
+            raise_if_failed(chunk)
+            if chunk.embedding:
+                vectors[chunk.index] = np.frombuffer(base64.b64decode(chunk.embedding), dtype="<f4")
+            if chunk.finish_reason:
+                prompt_tokens = chunk.prompt_tokens
+    expected = len(inputs.texts) + len(inputs.token_ids)
+    if sorted(vectors) != list(range(expected)):
+        raise ApiError(500, f"the runner answered {len(vectors)} vectors for {expected} inputs")
+    return Embeddings([vectors[n] for n in range(expected)], prompt_tokens)
+
+
+def vector_base64(vector: np.ndarray) -> str:
+    """OpenAI's encoding_format "base64": the little-endian float32 bytes."""
+    return base64.b64encode(vector.astype("<f4").tobytes()).decode()

@@ -1,0 +1,65 @@
+"""An embedding model's pooling, from its sentence-transformers files (pure: the caller reads them).
+
+A sentence-transformers repository lists its modules in `modules.json` (Transformer, then Pooling,
+then Normalize, in order); the Pooling module's `config.json` says how token states become one
+vector, in one of two formats: the older `pooling_mode_<mode>_token(s)` flags, or `pooling_mode`
+(sentence-transformers 6). exo serves the modes embedding models use: mean, CLS and last token.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from exo.core.types import EmbeddingSpec, Pooling
+
+_LEGACY_FLAGS: dict[str, Pooling] = {"pooling_mode_cls_token": "cls", "pooling_mode_mean_tokens": "mean",
+                                     "pooling_mode_lasttoken": "lasttoken"}
+_UNSERVED_FLAGS = ("pooling_mode_max_tokens", "pooling_mode_mean_sqrt_len_tokens", "pooling_mode_weightedmean_tokens")
+
+
+class EmbeddingFilesError(ValueError):
+    """The files say the model embeds, in a way exo cannot serve or read; the message says which."""
+
+
+def pooling_module_path(modules_json: str) -> tuple[str, bool] | None:
+    """(the Pooling module's folder, whether a Normalize module follows) from `modules.json`; None
+    when it lists no Pooling module (not an embedding model)."""
+    try:
+        modules = json.loads(modules_json)
+    except json.JSONDecodeError as error:
+        raise EmbeddingFilesError(f"modules.json is not JSON: {error}") from None
+    if not isinstance(modules, list) or not all(isinstance(m, dict) for m in modules):
+        raise EmbeddingFilesError("modules.json must be a list of modules")
+    kinds = [str(m.get("type", "")).rsplit(".", 1)[-1] for m in modules]
+    if "Pooling" not in kinds:
+        return None
+    path = modules[kinds.index("Pooling")].get("path", "")
+    if not isinstance(path, str) or ".." in path.split("/") or path.startswith("/"):
+        raise EmbeddingFilesError(f"the Pooling module's path {path!r} is not a folder of the model")
+    return path, "Normalize" in kinds
+
+
+def embedding_spec(pooling_config: str, normalize: bool) -> EmbeddingSpec:
+    """The spec from the Pooling module's `config.json` (either format)."""
+    try:
+        config: Any = json.loads(pooling_config)
+    except json.JSONDecodeError as error:
+        raise EmbeddingFilesError(f"the pooling config is not JSON: {error}") from None
+    if not isinstance(config, dict):
+        raise EmbeddingFilesError("the pooling config must be a JSON object")
+    return EmbeddingSpec(pooling=_mode(config), normalize=normalize)
+
+
+def _mode(config: dict[str, Any]) -> Pooling:
+    if "pooling_mode" in config:  # sentence-transformers 6: a name, or a list of names (concatenated)
+        given = config["pooling_mode"]
+        modes = given if isinstance(given, list) else [given]
+    else:
+        modes = [name for flag, name in _LEGACY_FLAGS.items() if config.get(flag)]
+        modes += [flag for flag in _UNSERVED_FLAGS if config.get(flag)]
+        modes = modes or ["mean"]  # sentence-transformers' own default when no flag is set
+    if len(modes) != 1 or modes[0] not in ("mean", "cls", "lasttoken"):
+        raise EmbeddingFilesError(f"pooling {modes} is not served: exo pools by mean, cls or lasttoken, one of them")
+    served: dict[str, Pooling] = {"mean": "mean", "cls": "cls", "lasttoken": "lasttoken"}
+    return served[modes[0]]
