@@ -5,6 +5,7 @@ bad inputs are 400s that name the problem."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 from pathlib import Path
@@ -171,3 +172,28 @@ def test_an_embedding_model_is_placed_on_one_node_and_listed_as_embedding(http):
     assert answer.status_code == 409 and "an embedding model runs on one node" in answer.text
     card = http.get(f"/v1/models/{BERT_ID}").json()["card"]
     assert card["embedding"] == {"pooling": "mean", "normalize": True}
+
+
+@pytest.mark.slow
+async def test_concurrent_requests_share_forward_passes_and_a_refused_one_fails_alone(models):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from exo.runner.decoding import PromptTooLong
+    from exo.runner.embed_batch import EmbedBatcher
+
+    engine = _engine(models["qwen3"])
+    batcher = EmbedBatcher(engine, ThreadPoolExecutor(max_workers=1))
+    asked = [EmbedInputs(texts=TEXTS[:2]), EmbedInputs(token_ids=[[1] * 200]), EmbedInputs(texts=TEXTS[2:], dimensions=8)]
+    answers = await asyncio.gather(*[batcher.embed(inputs) for inputs in asked], return_exceptions=True)
+    assert batcher.rounds == 1  # the three arrived together: one round of forward passes
+    assert isinstance(answers[1], PromptTooLong)
+    for inputs, answer in ((asked[0], answers[0]), (asked[2], answers[2])):
+        alone = engine.embed(inputs)
+        assert answer.prompt_tokens == alone.prompt_tokens
+        np.testing.assert_allclose(_decoded(answer.vectors), _decoded(alone.vectors), atol=1e-6)
+    later = await batcher.embed(asked[0])
+    assert batcher.rounds == 2 and later.vectors == answers[0].vectors
+
+
+def _decoded(vectors: list[str]) -> np.ndarray:
+    return np.stack([np.frombuffer(base64.b64decode(v), dtype="<f4") for v in vectors])

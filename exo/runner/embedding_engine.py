@@ -94,16 +94,39 @@ class EmbeddingEngine(Engine):
         raise RequestRefused("this model embeds and does not generate text: use POST /v1/embeddings")
 
     def embed(self, inputs: EmbedInputs) -> Embedded:
-        sequences = [list(self.tokenizer(text)["input_ids"]) for text in inputs.texts] + [list(t) for t in inputs.token_ids]
-        self._check(sequences)
-        vectors: list[str] = []
-        for start in range(0, len(sequences), BATCH):
-            pooled = self._pooled(sequences[start:start + BATCH], inputs.dimensions)
-            vectors += [base64.b64encode(row.astype("<f4").tobytes()).decode() for row in pooled]
-            self.beat()
-        return Embedded(vectors, sum(map(len, sequences)))
+        answer = self.embed_together([inputs])[0]
+        if isinstance(answer, RequestRefused):
+            raise answer
+        return answer
+
+    def embed_together(self, requests: Sequence[EmbedInputs]) -> list[Embedded | RequestRefused]:
+        """Several requests' inputs in shared forward passes (each request refused alone if it must be)."""
+        answers: list[Embedded | RequestRefused] = []
+        accepted: list[tuple[int, list[list[int]]]] = []  # the request's place, its token sequences
+        for inputs in requests:
+            sequences = [list(self.tokenizer(t)["input_ids"]) for t in inputs.texts] + [list(t) for t in inputs.token_ids]
+            try:
+                self._check(sequences)
+            except RequestRefused as refused:
+                answers.append(refused)
+                continue
+            accepted.append((len(answers), sequences))
+            answers.append(Embedded([], sum(map(len, sequences))))
+        flat = [s for _, sequences in accepted for s in sequences]
+        pooled = [row for start in range(0, len(flat), BATCH) for row in self._pooled(flat[start:start + BATCH])]
+        for place, sequences in accepted:
+            mine, pooled = np.stack(pooled[:len(sequences)]), pooled[len(sequences):]
+            dimensions = requests[place].dimensions
+            if dimensions:  # Matryoshka: the leading dimensions, normalized again (as OpenAI and Ollama answer)
+                mine = mine[:, :dimensions]
+                mine = mine / np.maximum(np.linalg.norm(mine, axis=1, keepdims=True), 1e-12)
+            vectors = [base64.b64encode(row.astype("<f4").tobytes()).decode() for row in mine]
+            answers[place] = Embedded(vectors, sum(map(len, sequences)))
+        return answers
 
     def _check(self, sequences: Sequence[list[int]]) -> None:
+        if not sequences:
+            raise RequestRefused("nothing to embed: send at least one input")
         for n, tokens in enumerate(sequences):
             if not tokens:
                 raise RequestRefused(f"input {n} has no tokens: send text, or at least one token id")
@@ -112,7 +135,7 @@ class EmbeddingEngine(Engine):
             if self._vocab_size and not all(0 <= t < self._vocab_size for t in tokens):
                 raise RequestRefused(f"input {n} has token ids outside the model's vocabulary (0 to {self._vocab_size - 1})")
 
-    def _pooled(self, sequences: Sequence[list[int]], dimensions: int | None) -> np.ndarray:
+    def _pooled(self, sequences: Sequence[list[int]]) -> np.ndarray:
         width = max(map(len, sequences))
         ids = mx.array([s + [self._pad_id] * (width - len(s)) for s in sequences])
         mask = mx.array([[1] * len(s) + [0] * (width - len(s)) for s in sequences], dtype=mx.float32)
@@ -121,9 +144,8 @@ class EmbeddingEngine(Engine):
         vectors = pool(hidden, mask, self.spec.pooling)
         if self.spec.normalize:
             vectors = _normalized(vectors)
-        if dimensions:  # Matryoshka: the leading dimensions, normalized again (as OpenAI and Ollama answer)
-            vectors = _normalized(vectors[:, :dimensions])
         mx.eval(vectors)
+        self.beat()
         return np.array(vectors)
 
 

@@ -26,6 +26,7 @@ from exo.core.types import EmbedInputs, FinishReason, TokenChunk
 from exo.runner.batch import Batcher, BatchFailed, batchable
 from exo.runner.coalesce import Coalescer, Piece
 from exo.runner.decoding import GenerationResult, OnOutput, Output, RequestRefused
+from exo.runner.embed_batch import EmbedBatcher
 from exo.runner.embedding_engine import EmbeddingEngine, embedding_spec_of
 from exo.runner.engine import Engine
 from exo.runner.engine_api import ModelEngine
@@ -71,6 +72,7 @@ class Runner:
         # --decode-concurrency: fewer costs throughput once more clients than that come.
         limit = settings.max_batch
         self._batcher = Batcher(self._engine, limit, self._mlx_thread) if limit > 1 else None
+        self._embed_batcher: EmbedBatcher | None = None  # set when an embedding model is loaded
         self._generating: dict[str, asyncio.Task[None]] = {}  # batched generations in flight, by task id
         self._in_flight: set[str] = set()  # generations the model thread has not finished yet
 
@@ -89,7 +91,7 @@ class Runner:
                 self._cancelled.update(self._generating)
             if request is None or isinstance(request, Shutdown):
                 break
-            if self._batched(request):  # runs alongside the next requests: they may join its batch
+            if self._batched(request) or self._embeds(request):  # alongside the next requests: they may join it
                 self._start_batched(loop, request)
             else:  # in order: on the model thread it waits for the batch in progress to finish
                 await self._serve(loop, request)
@@ -150,7 +152,12 @@ class Runner:
 
             self._engine, self._batcher = VisionEngine(self._settings), None
         elif embedding_spec_of(model_path) is not None:
-            self._engine, self._batcher = EmbeddingEngine(self._settings), None
+            engine = EmbeddingEngine(self._settings)
+            self._engine, self._batcher = engine, None
+            self._embed_batcher = EmbedBatcher(engine, self._mlx_thread)
+
+    def _embeds(self, request: AnyRequest) -> TypeGuard[Generate]:
+        return self._embed_batcher is not None and isinstance(request, Generate) and request.params.embed is not None
 
     def _batched(self, request: AnyRequest) -> TypeGuard[Generate]:
         # A quantized KV cache takes the single path, as in mlx_lm.server (the batch keeps full caches).
@@ -224,16 +231,15 @@ class Runner:
 
     async def _embed(self, loop: asyncio.AbstractEventLoop, task_id: TaskId, inputs: EmbedInputs) -> None:
         """One vector per input, each in a chunk of its own (index = the input's), then the final chunk."""
-        engine = self._engine
         self.report(Started(task_id=task_id))
-        if not isinstance(engine, EmbeddingEngine):
+        if self._embed_batcher is None:
             await self._finish(task_id, 0, "error", 0, 0, error="this model does not embed: it has no pooling "
                                "(sentence-transformers' modules.json)", error_code="invalid_request_error")
             return
         self._in_flight.add(task_id)
-        engine.beat()
+        self._engine.beat()
         try:
-            embedded = await loop.run_in_executor(self._mlx_thread, engine.embed, inputs)
+            embedded = await self._embed_batcher.embed(inputs)
         except RequestRefused as error:
             await self._finish(task_id, 0, "error", 0, 0, error=str(error), error_code=error.code)
             return
