@@ -135,7 +135,7 @@ class Generation:
         if self._after >= 0:
             return  # a resumption: the first stream measured this generation
         if chunk.finish_reason is not None:
-            metrics.count_tokens(chunk.prompt_tokens, chunk.token_count, chunk.cached_tokens)
+            metrics.count_tokens(chunk.prompt_tokens, chunk.token_count, chunk.cached_tokens, chunk.draft_tokens)
         elif self._last_at is None:
             metrics.ttft.observe(now - self._started)
         elif new_tokens:

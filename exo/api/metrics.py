@@ -29,11 +29,14 @@ class Metrics:
                                    registry=self.registry)
         self._tokens_cached = Counter("exo_prompt_cached_tokens", "prompt tokens of finished generations that the "
                                       "runner's prompt cache already held", registry=self.registry)
+        self._tokens_drafted = Counter("exo_draft_accepted_tokens", "generated tokens a draft model proposed and the "
+                                       "model accepted (speculative decoding)", registry=self.registry)
 
     def count_request(self, method: str, route: str, status: int) -> None:
         self._requests.labels(method, route, str(status)).inc()
 
-    def count_tokens(self, prompt: int, completion: int, cached: int = 0) -> None:
+    def count_tokens(self, prompt: int, completion: int, cached: int = 0, drafted: int = 0) -> None:
         self._tokens_in.inc(prompt)
         self._tokens_out.inc(completion)
         self._tokens_cached.inc(cached)
+        self._tokens_drafted.inc(drafted)

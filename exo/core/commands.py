@@ -22,6 +22,8 @@ class PlaceInstance(Command, frozen=True, tag="place_instance", kw_only=True):
     kv_bits: int = 0  # quantize the KV cache to this many bits (exo/core/kv_budget.py KV_BITS); 0: not quantized
     force: bool = False  # place without checking that it fits in memory (a card of unknown size, too)
     replicas: int = 1  # instances of it kept running, on distinct nodes where memory allows
+    draft_model: ModelId = ModelId("")  # speculative decoding: a smaller model of the same vocabulary
+    num_draft_tokens: int = 0  # tokens it proposes per step (0: DEFAULT_DRAFT_TOKENS)
 
 
 class DeleteDesire(Command, frozen=True, tag="delete_desire", kw_only=True):

@@ -150,6 +150,9 @@ class Instance(msgspec.Struct, frozen=True, kw_only=True):
     kv_bits: int = 0  # its KV cache quantized to this many bits (mlx-lm's quantized cache); 0: not quantized
     command_id: CommandId = CommandId("")  # the command that placed it: a retried Idempotency-Key finds it by this
     desire_id: str = ""  # the Desire it serves (exo/master/heal.py keeps it placed); "": none (logs before #29)
+    # Speculative decoding: a smaller model of the same vocabulary proposes this many tokens per step.
+    draft_model: ModelId = ModelId("")
+    num_draft_tokens: int = 0
 
 
 class Desire(msgspec.Struct, frozen=True, kw_only=True):
@@ -168,6 +171,8 @@ class Desire(msgspec.Struct, frozen=True, kw_only=True):
     waiting: str = ""  # why it has fewer instances than replicas right now ("" : it has them, or is placing)
     failures: int = 0  # its instances ended for failing since one last became ready: the back-off grows with it
     retry_at: float = 0.0  # wall clock: no replacement before this (back-off after failures)
+    draft_model: ModelId = ModelId("")  # speculative decoding's draft, as Instance's
+    num_draft_tokens: int = 0
 
 
 class Migration(msgspec.Struct, frozen=True, kw_only=True):
@@ -334,6 +339,7 @@ class TokenChunk(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     # a runner that takes over a generation (a migration) prefills the prompt plus these.
     token_ids: list[int] = []
     attempt: int = 0  # which run of the task sent it: 0 first, +1 per migration; older runs' late chunks are dropped
+    draft_tokens: int = 0  # on the last chunk: completion tokens a draft model proposed and the model accepted
     # An embedding request's vector for input `index` (one chunk per input, in order): little-endian
     # float32, base64, as OpenAI's encoding_format "base64" (a vector of 4,096 floats is 22 KB).
     embedding: str = ""

@@ -40,6 +40,8 @@ from exo.master.routing import choose_instance
 from exo.settings.services import MasterSettings
 
 MAX_REPLICAS = 64
+DEFAULT_DRAFT_TOKENS = 3  # mlx_lm.server's --num-draft-tokens
+MAX_DRAFT_TOKENS = 16
 
 # Open (pending or running) tasks an instance admits, unless placed with its own max_queue.
 DEFAULT_MAX_QUEUE = MasterSettings().max_queue  # EXO_MAX_QUEUE's default
@@ -84,9 +86,16 @@ def _place(state: State, command: PlaceInstance, builtin: Mapping[ModelId, Model
     card = find_card(state, builtin, command.model_id)
     if card is None:
         return _reject(command, "not_found", f"unknown model {command.model_id!r}")
+    if not 0 <= command.num_draft_tokens <= MAX_DRAFT_TOKENS:
+        return _reject(command, "invalid", f"num_draft_tokens must be between 1 and {MAX_DRAFT_TOKENS} (0: "
+                                           f"{DEFAULT_DRAFT_TOKENS}), not {command.num_draft_tokens}")
+    if command.draft_model and find_card(state, builtin, command.draft_model) is None:
+        return _reject(command, "not_found", f"unknown draft model {command.draft_model!r}")
     desire = Desire(desire_id=command.command_id, model_id=command.model_id, sharding=command.sharding,
                     min_nodes=command.min_nodes, max_queue=command.max_queue, max_context=command.max_context,
-                    kv_bits=command.kv_bits, force=command.force, replicas=command.replicas)
+                    kv_bits=command.kv_bits, force=command.force, replicas=command.replicas,
+                    draft_model=command.draft_model,
+                    num_draft_tokens=command.num_draft_tokens or (DEFAULT_DRAFT_TOKENS if command.draft_model else 0))
     placed = place_for(state, desire, builtin, ids, frozenset())
     if isinstance(placed, Unplaceable):
         return _reject(command, placed.code, placed.reason)

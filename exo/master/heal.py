@@ -125,14 +125,37 @@ def place_for(state: State, desire: Desire, builtin: Mapping[ModelId, ModelCard]
     card = find_card(state, builtin, desire.model_id)
     if card is None:
         return Unplaceable("not_found", f"its model card {desire.model_id!r} is gone")
+    if desire.draft_model:
+        with_draft = _with_draft(card, desire, state, builtin)
+        if isinstance(with_draft, Unplaceable):
+            return with_draft
+        card = with_draft
     placed: Instance | Unplaceable = Unplaceable("unavailable", "")
     for exclude in ([avoid | siblings, avoid] if siblings - avoid else [avoid]):
         placed = place_instance(card, desire.sharding, desire.min_nodes, state, ids, desire.max_context,
                                 desire.kv_bits, force=desire.force, exclude=exclude)
+        if isinstance(placed, Instance) and desire.draft_model and len(placed.shards) > 1:
+            placed = Unplaceable("conflict", f"{desire.model_id} and its draft {desire.draft_model} do not fit on one "
+                                             "node: an instance with a draft model runs on one node")
         if isinstance(placed, Instance):
             return replace(placed, max_queue=desire.max_queue, command_id=CommandId(desire.desire_id),
-                           desire_id=desire.desire_id)
+                           desire_id=desire.desire_id, draft_model=desire.draft_model,
+                           num_draft_tokens=desire.num_draft_tokens)
     return placed
+
+
+def _with_draft(card: ModelCard, desire: Desire, state: State,
+                builtin: Mapping[ModelId, ModelCard]) -> ModelCard | Unplaceable:
+    """The card placement sizes: the model's, with its draft's weights on the same node."""
+    draft = find_card(state, builtin, desire.draft_model)
+    if draft is None:
+        return Unplaceable("not_found", f"its draft model card {desire.draft_model!r} is gone")
+    if desire.min_nodes > 1:
+        return Unplaceable("conflict", "an instance with a draft model runs on one node: min_nodes must be 1")
+    if draft.embedding is not None or draft.supports_images or card.embedding is not None or card.supports_images:
+        return Unplaceable("conflict", "speculative decoding serves text models: neither the model nor its draft may "
+                                       "be an embedding or vision model")
+    return replace(card, storage_bytes=card.storage_bytes + draft.storage_bytes)
 
 
 def _all_ready(state: State, instances: list[Instance]) -> bool:

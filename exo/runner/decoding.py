@@ -39,12 +39,13 @@ OnOutput = Callable[[Output], None]
 
 class GenerationResult:
     def __init__(self, finish_reason: str, prompt_tokens: int, completion_tokens: int, stop_sequence: str = "",
-                 cached_tokens: int = 0) -> None:
+                 cached_tokens: int = 0, draft_tokens: int = 0) -> None:
         self.finish_reason = finish_reason
         self.prompt_tokens = prompt_tokens
         self.completion_tokens = completion_tokens
         self.stop_sequence = stop_sequence
         self.cached_tokens = cached_tokens  # prompt tokens reused from the prompt cache
+        self.draft_tokens = draft_tokens  # completion tokens a draft model proposed and the model accepted
 
 
 class RequestRefused(ValueError):
@@ -69,6 +70,7 @@ class Decoding:
                  prompt: list[int], cached: int = 0) -> None:
         self._engine = engine
         self.cached = cached
+        self.draft_tokens = 0  # accepted from a draft model (speculative decoding)
         self._top_logprobs = params.top_logprobs if params.logprobs else -1
         self._on_output = on_output
         self._stops = StopMatcher(params.stop)
@@ -118,7 +120,8 @@ class Decoding:
             self._on_output, self._top_logprobs, self._tokens = send, top, []
 
     def cancelled(self) -> GenerationResult:
-        return GenerationResult("cancelled", self.prompt_tokens, self.completion_tokens, cached_tokens=self.cached)
+        return GenerationResult("cancelled", self.prompt_tokens, self.completion_tokens, cached_tokens=self.cached,
+                                draft_tokens=self.draft_tokens)
 
     def finish(self) -> GenerationResult:
         """The engine ended the request (EOS or max_tokens): what the tool parser and stop strings held
@@ -145,10 +148,12 @@ class Decoding:
         self._on_output(output)
 
     def _result(self) -> GenerationResult:
-        return GenerationResult(self.finish_reason, self.prompt_tokens, self.completion_tokens, cached_tokens=self.cached)
+        return GenerationResult(self.finish_reason, self.prompt_tokens, self.completion_tokens, cached_tokens=self.cached,
+                                draft_tokens=self.draft_tokens)
 
     def _stopped(self) -> GenerationResult:
-        return GenerationResult("stop", self.prompt_tokens, self.completion_tokens, self._stops.matched, self.cached)
+        return GenerationResult("stop", self.prompt_tokens, self.completion_tokens, self._stops.matched, self.cached,
+                                self.draft_tokens)
 
 
 def _discard(_: Output) -> None:

@@ -42,6 +42,8 @@ class Engine:
         self.context_length = 0  # the model's (max_position_embeddings), 0 if it does not say
         self.kv_bits = 0  # > 0: the KV cache is quantized to this many bits from the first token
         self.batches = True
+        self.draft_model: Any = None  # speculative decoding's draft (load_draft); mlx-lm's batches take none
+        self.num_draft_tokens = 0
 
     def load(self, model_path: str, shard: RankSetup | None = None, max_context: int = 0, kv_bits: int = 0) -> None:
         self.kv_bits = kv_bits
@@ -102,22 +104,27 @@ class Engine:
         stream = TextStream(self.tokenizer) if prior else None  # resumed: its own text (see TextStream)
         if stream is not None and (ended := self._replay(decoding, stream, prior, len(tokens), max_tokens)):
             return ended
-        reuse = self._reuse(tokens + prior, told)
-        decoding.cached = min(reuse.cached, len(tokens))
         sampler = sampler_of(params, defaults, start=len(prior))
         processors = [*logits_processors_of(params), *self.constraint_for(params, tokens, prior)]
+        # The draft proposes tokens only where mlx-lm's speculative step gives the plain path's tokens:
+        # no logits processors (it shows them the generated tokens only), no resumed run, one node.
+        drafting = self.draft_model is not None and not processors and not prior and self.lockstep is None
+        reuse = Reuse(cache=None, rest=tokens, cached=0) if drafting else self._reuse(tokens + prior, told)
+        decoding.cached = min(reuse.cached, len(tokens))
         if self.lockstep is not None:  # every rank takes rank 0's tokens and stops when rank 0 does
             sampler, is_cancelled = self._in_lockstep(sampler, is_cancelled, StepAnnouncement(
                 task_id=task_id, params=params, defaults=defaults, cached=reuse.cached,
                 cache_entries=self.prompt_cache.entries, resume_tokens=prior))
         generated: list[int] = []
         result = None
+        draft = {"draft_model": self.draft_model, "num_draft_tokens": self.num_draft_tokens} if drafting else {}
         for response in stream_generate(
             self.model, self.tokenizer, mx.array(reuse.rest), max_tokens=max_tokens,
             sampler=sampler, logits_processors=_seeing_prefix(processors, (tokens + prior)[:reuse.cached]),
-            prompt_cache=reuse.cache, prompt_progress_callback=lambda *_: self.beat(), **self._quantized_cache(),
+            prompt_cache=reuse.cache, prompt_progress_callback=lambda *_: self.beat(), **self._quantized_cache(), **draft,
         ):
             generated.append(response.token)
+            decoding.draft_tokens += int(response.from_draft)
             text = response.text if stream is None else stream.add(response.token, response.finish_reason)
             result = decoding.step(text, response.token, response.logprobs, len(tokens),
                                    len(prior) + response.generation_tokens, response.finish_reason)
@@ -126,9 +133,18 @@ class Engine:
             if result is not None:
                 break
         # Every token stream_generate reported went through the model: the cache holds them all.
-        self.prompt_cache.keep(tokens + prior + generated, reuse.cache)
-        self._trim_cache()
+        if reuse.cache is not None:  # none with a draft: both models' caches would have to be kept in step
+            self.prompt_cache.keep(tokens + prior + generated, reuse.cache)
+            self._trim_cache()
         return result or decoding.finish()
+
+    def load_draft(self, draft_path: str, num_draft_tokens: int) -> None:
+        """Speculative decoding's draft: a smaller model of the same vocabulary, beside this one."""
+        draft, draft_tokenizer = load(draft_path)
+        if draft_tokenizer.get_vocab() != self.tokenizer.get_vocab():
+            raise ValueError(f"the draft model's vocabulary ({len(draft_tokenizer.get_vocab())} tokens) is not the "
+                             f"model's ({len(self.tokenizer.get_vocab())}): it cannot propose this model's tokens")
+        self.draft_model, self.num_draft_tokens = draft, num_draft_tokens
 
     def _replay(self, decoding: Decoding, stream: TextStream, prior: list[int], prompt_tokens: int,
                 left: int) -> GenerationResult | None:

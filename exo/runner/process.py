@@ -162,7 +162,9 @@ class Runner:
     def _batched(self, request: AnyRequest) -> TypeGuard[Generate]:
         # A quantized KV cache takes the single path, as in mlx_lm.server (the batch keeps full caches).
         # A resumed request too: its earlier tokens are prefilled on the single path (Engine.generate).
+        # With a draft model every request takes it (the batch does not).
         return (self._batcher is not None and isinstance(request, Generate) and not self._engine.kv_bits
+                and self._engine.draft_model is None
                 and request.resume is None
                 and batchable(request.params, request.image_paths, multi_node=self._engine.lockstep is not None))
 
@@ -172,6 +174,9 @@ class Runner:
                 self._choose_engine(request.model_path)
                 await loop.run_in_executor(self._mlx_thread, self._engine.load, request.model_path, request.shard,
                                            request.max_context, request.kv_bits)
+                if request.draft_path:
+                    await loop.run_in_executor(self._mlx_thread, self._engine.load_draft, request.draft_path,
+                                               request.num_draft_tokens)
                 self.report(Loaded())
             elif isinstance(request, WarmUp):
                 await loop.run_in_executor(self._mlx_thread, self._engine.warm_up)
@@ -227,7 +232,8 @@ class Runner:
         # GenerationResult's reason is a str: mlx-lm's "stop" or "length", or Decoding's "cancelled".
         reason = cast(FinishReason, result.finish_reason)
         await self._finish(task_id, chunks.index, reason, result.prompt_tokens, result.completion_tokens,
-                           stop_sequence=result.stop_sequence, cached=result.cached_tokens, attempt=chunks.attempt)
+                           stop_sequence=result.stop_sequence, cached=result.cached_tokens, attempt=chunks.attempt,
+                           draft=result.draft_tokens)
 
     async def _embed(self, loop: asyncio.AbstractEventLoop, task_id: TaskId, inputs: EmbedInputs) -> None:
         """One vector per input, each in a chunk of its own (index = the input's), then the final chunk."""
@@ -269,10 +275,11 @@ class Runner:
 
     async def _finish(self, task_id: TaskId, index: int, reason: FinishReason, prompt: int, completion: int,
                       error: str = "", stop_sequence: str = "", cached: int = 0, error_code: str = "",
-                      attempt: int = 0) -> None:
+                      attempt: int = 0, draft: int = 0) -> None:
         final = TokenChunk(
             command_id=task_id, index=index, token_count=completion, prompt_tokens=prompt, finish_reason=reason,
             error=error, stop_sequence=stop_sequence, cached_tokens=cached, error_code=error_code, attempt=attempt,
+            draft_tokens=draft,
         )
         published: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._chunks.put_nowait((final, published))

@@ -33,7 +33,7 @@ class OutOfStep(RuntimeError):
 class Reuse:
     """What a request starts from: a KV cache holding `cached` tokens of its prompt, and the rest."""
 
-    cache: list[Any]
+    cache: list[Any] | None  # None: stream_generate makes a fresh one (speculative decoding: for both models)
     rest: list[int]
     cached: int
 

@@ -40,6 +40,8 @@ class Load(Request, frozen=True, tag="load", kw_only=True):
     shard: RankSetup | None = None  # None: the whole model on this runner
     max_context: int = 0  # the instance's context (placement reserved its KV cache); 0: the model's
     kv_bits: int = 0  # the instance's KV cache quantized to this many bits; 0: not quantized
+    draft_path: str = ""  # speculative decoding: the draft model's directory ("" : none)
+    num_draft_tokens: int = 0
 
 
 class WarmUp(Request, frozen=True, tag="warm_up", kw_only=True):

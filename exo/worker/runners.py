@@ -61,6 +61,7 @@ class Runners:
         self._records: dict[RunnerId, LocalRunner] = {}
         self._hosts: dict[RunnerId, RunnerLink] = {}
         self._model_paths: dict[RunnerId, Path] = {}
+        self._draft_paths: dict[RunnerId, Path] = {}  # speculative decoding's draft model, where an instance has one
         self._prompt_cache_stats: dict[InstanceId, PromptCacheStats] = {}  # by instance id, from runners' Done reports
         self._background = Background("runners")
 
@@ -108,14 +109,25 @@ class Runners:
             await self._fail(step.runner_id, f"download failed: {type(error).__name__}: {error}")
             return
         self._model_paths[step.runner_id] = path
+        instance = instance_of(self._state(), step.runner_id)
+        if instance is not None and instance.draft_model:  # the draft, whole, beside the model
+            try:
+                whole = ShardAssignment(runner_id=step.runner_id, node_id=self._node_id)
+                self._draft_paths[step.runner_id] = await self._fetch_model(instance.draft_model, whole)
+            except Exception as error:
+                await self._fail(step.runner_id, f"download failed: the draft model {instance.draft_model}: {error}",
+                                 restartable=False)
+                return
         if self._set_phase(step.runner_id, "downloaded"):
             await self._publish_status(step.runner_id, "downloaded")  # peers wait for it to form a group
 
     async def load(self, runner_id: RunnerId) -> None:
         state = self._state()
         instance = instance_of(state, runner_id)
+        draft = self._draft_paths.get(runner_id)
         load = Load(model_path=str(self._model_paths[runner_id]), shard=rank_setup(state, runner_id),
-                    max_context=instance.max_context if instance else 0, kv_bits=instance.kv_bits if instance else 0)
+                    max_context=instance.max_context if instance else 0, kv_bits=instance.kv_bits if instance else 0,
+                    draft_path=str(draft) if draft else "", num_draft_tokens=instance.num_draft_tokens if instance else 0)
         await self._send_lifecycle(runner_id, "loading", load)
 
     async def warm_up(self, runner_id: RunnerId) -> None:
@@ -207,6 +219,7 @@ class Runners:
         if host is not None:
             host.kill()
         self._model_paths.pop(step.runner_id, None)
+        self._draft_paths.pop(step.runner_id, None)
         await self.create(step, failures, failed_at)
 
     def stop(self, runner_id: RunnerId) -> None:
@@ -226,6 +239,7 @@ class Runners:
             await host.stop(timeout=5.0 if graceful else 0.0)
         self._records.pop(runner_id, None)
         self._model_paths.pop(runner_id, None)
+        self._draft_paths.pop(runner_id, None)
         self._wake.set()  # a group waiting for this node's stopping runner to leave may form now (plan.py)
 
     async def stop_all(self) -> None:

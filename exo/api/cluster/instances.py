@@ -105,7 +105,8 @@ async def place_instance(request: web.Request) -> web.Response:
         command = PlaceInstance(command_id=command_id or new_command_id(), model_id=body.model_id,
                                 sharding=body.sharding, min_nodes=body.min_nodes, max_queue=body.max_queue,
                                 max_context=body.max_context, kv_bits=body.kv_bits, force=body.force,
-                                replicas=body.replicas)
+                                replicas=body.replicas, draft_model=body.draft_model,
+                                num_draft_tokens=body.num_draft_tokens)
         event = await ctx.outcomes.call(command)
         assert isinstance(event, InstanceCreated)
         instance = event.instance

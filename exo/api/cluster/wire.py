@@ -21,6 +21,8 @@ class PlaceInstanceRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=T
     wait: bool | float | None = None  # answer once the instance is ready or failed (seconds, or true)
     force: bool = False  # place without checking that it fits in memory (a card of unknown size, too)
     replicas: int = 1  # instances kept running (a desire: replaced when one dies), on distinct nodes where memory allows
+    draft_model: ModelId = ModelId("")  # speculative decoding: a smaller model of the same vocabulary (one node)
+    num_draft_tokens: int = 0  # tokens the draft proposes per step; 0: 3 (mlx_lm.server's default)
 
 
 class DownloadReport(msgspec.Struct, frozen=True, kw_only=True):

@@ -31,8 +31,11 @@ def envelope(command_id: CommandId, model: str, kind: str) -> dict[str, Any]:
 def usage(final: TokenChunk) -> dict[str, Any]:
     """OpenAI's usage; cached_tokens: prompt tokens the runner's prompt cache already held."""
     prompt, completion = final.prompt_tokens, final.token_count
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": final.cached_tokens}}
+    shown = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+             "prompt_tokens_details": {"cached_tokens": final.cached_tokens}}
+    if final.draft_tokens:  # speculative decoding: what the draft proposed and the model kept (OpenAI's name)
+        shown["completion_tokens_details"] = {"accepted_prediction_tokens": final.draft_tokens}
+    return shown
 
 
 async def complete_chat(generation: Generation, model: str, with_logprobs: bool) -> web.Response:
