@@ -140,11 +140,11 @@ def _bert_tokenizer() -> Tokenizer:
     return tok
 
 
-def _bert_weights(vocab: int, hidden: int, inter: int, layers: int, seed: int) -> dict[str, F32]:
+def _bert_weights(vocab: int, hidden: int, inter: int, layers: int, positions: int, seed: int) -> dict[str, F32]:
     normal, gain = _sampler(seed)
     w = {
         "embeddings.word_embeddings.weight": normal(vocab, hidden),
-        "embeddings.position_embeddings.weight": normal(BERT_MAX_CONTEXT, hidden),
+        "embeddings.position_embeddings.weight": normal(positions, hidden),
         "embeddings.token_type_embeddings.weight": normal(2, hidden),
         "embeddings.LayerNorm.weight": gain(hidden),
         "embeddings.LayerNorm.bias": normal(hidden),
@@ -162,30 +162,35 @@ def _bert_weights(vocab: int, hidden: int, inter: int, layers: int, seed: int) -
     return w
 
 
-def make_tiny_bert(path: Path, pooling: str = "mean", *, pooling_format: str = "legacy", seed: int = 0) -> Path:
+def make_tiny_bert(path: Path, pooling: str = "mean", *, pooling_format: str = "legacy", seed: int = 0, hidden: int = 32,
+                   layers: int = 2, heads: int = 4, intermediate: int = 64, max_position: int = BERT_MAX_CONTEXT) -> Path:
     """Write a tiny BERT sentence-transformers repo into `path` (created if needed) and return it.
 
     `pooling` is "mean", "cls" or "lasttoken"; `pooling_format` "legacy" (`pooling_mode_*_tokens`
-    booleans) or "v6" (`{"pooling_mode": ...}`). The weights depend on `seed` only, so models that
-    differ in pooling share them.
+    booleans) or "v6" (`{"pooling_mode": ...}`). The weights depend on `seed` (and the sizes) only, so
+    models that differ in pooling share them. The sizes' defaults are the tiny model the tests use
+    (byte-identical whatever else changes here); bench/embeddings.py asks for MiniLM's (384, 6 layers,
+    12 heads, 1536), same tokenizer.
     """
-    hidden, inter, layers, heads = 32, 64, 2, 4
+    if hidden % heads:
+        raise ValueError(f"hidden ({hidden}) must be a multiple of heads ({heads})")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tok = _bert_tokenizer()
     PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]  # transformers 5's TokenizersBackend.__init__ is unannotated
         tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]", sep_token="[SEP]",
-        mask_token="[MASK]", model_max_length=BERT_MAX_CONTEXT,
+        mask_token="[MASK]", model_max_length=max_position,
     ).save_pretrained(str(path))
     vocab = tok.get_vocab_size()
-    save_file(_bert_weights(vocab, hidden, inter, layers, seed), str(path / "model.safetensors"), metadata={"format": "pt"})
+    weights = _bert_weights(vocab, hidden, intermediate, layers, max_position, seed)
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
     _write_json(path / "config.json", {
         "architectures": ["BertModel"], "model_type": "bert", "vocab_size": vocab, "hidden_size": hidden,
-        "num_hidden_layers": layers, "num_attention_heads": heads, "intermediate_size": inter, "hidden_act": "gelu",
-        "max_position_embeddings": BERT_MAX_CONTEXT, "type_vocab_size": 2, "layer_norm_eps": 1e-12, "pad_token_id": 0,
+        "num_hidden_layers": layers, "num_attention_heads": heads, "intermediate_size": intermediate, "hidden_act": "gelu",
+        "max_position_embeddings": max_position, "type_vocab_size": 2, "layer_norm_eps": 1e-12, "pad_token_id": 0,
         "torch_dtype": "float32",
     })
-    _write_sentence_transformers(path, hidden, pooling, pooling_format, BERT_MAX_CONTEXT, {})
+    _write_sentence_transformers(path, hidden, pooling, pooling_format, max_position, {})
     return path
 
 
