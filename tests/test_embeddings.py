@@ -150,6 +150,8 @@ def test_ollama_embed_and_the_older_embeddings_route(http, models):
     ("/v1/embeddings", {"model": BERT_ID, "input": []}, "input must be a non-empty string or list"),
     ("/v1/embeddings", {"model": BERT_ID, "input": ["a", ""]}, "input[1] must be a non-empty string"),
     ("/v1/embeddings", {"model": BERT_ID, "input": ["a", [1, 2]]}, "not a mix"),
+    ("/v1/embeddings", {"model": BERT_ID, "input": ["word " * 100_000] * 3}, "1500000 characters in all; at most 1200000"),
+    ("/v1/embeddings", {"model": BERT_ID, "input": [[1] * 100_001] * 3}, "input has 300003 token ids in all; at most 300000"),
     ("/v1/embeddings", {"model": BERT_ID, "input": "word " * 100}, "over the model's context of 64"),
     ("/v1/embeddings", {"model": BERT_ID, "input": "a", "dimensions": 0}, "dimensions must be at least 1"),
     ("/v1/embeddings", {"model": BERT_ID, "input": "a", "dimensions": 33}, "dimensions must be at most 32"),

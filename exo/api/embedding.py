@@ -16,7 +16,10 @@ from exo.core.ids import ModelId
 from exo.core.types import EmbedInputs, GenerationParams
 
 MAX_INPUTS = 2048  # per request, as OpenAI's embeddings API
-MAX_TEXT_CHARS = 1 << 20  # per input; the model's context refuses far less, but only once tokenized
+# A request's inputs go into the log and State with its task: bounded as OpenAI bounds a request
+# (300,000 tokens summed over its inputs; four characters a token for text, which is not tokenized here).
+MAX_TOKEN_IDS = 300_000
+MAX_TEXT_CHARS = 4 * MAX_TOKEN_IDS
 
 
 @dataclass
@@ -35,12 +38,15 @@ def embed_inputs(value: Any, param: str, dimensions: int | None = None) -> Embed
     if len(items) > MAX_INPUTS:
         raise ApiError(400, f"{param} has {len(items)} inputs; at most {MAX_INPUTS} in one request", param=param)
     if all(isinstance(item, str) for item in items):
-        for n, text in enumerate(items):
-            if not text or len(text) > MAX_TEXT_CHARS:
-                raise ApiError(400, f"{param}[{n}] must be a non-empty string of at most {MAX_TEXT_CHARS} characters",
-                               param=param)
+        empty = [n for n, text in enumerate(items) if not text]
+        if empty:
+            raise ApiError(400, f"{param}[{empty[0]}] must be a non-empty string", param=param)
+        if (chars := sum(map(len, items))) > MAX_TEXT_CHARS:
+            raise ApiError(400, f"{param} has {chars} characters in all; at most {MAX_TEXT_CHARS} in one request", param=param)
         return EmbedInputs(texts=items, dimensions=dimensions)
     if all(isinstance(item, list) and item and all(_is_int(t) and t >= 0 for t in item) for item in items):
+        if (count := sum(map(len, items))) > MAX_TOKEN_IDS:
+            raise ApiError(400, f"{param} has {count} token ids in all; at most {MAX_TOKEN_IDS} in one request", param=param)
         return EmbedInputs(token_ids=items, dimensions=dimensions)
     raise ApiError(400, f"{param} must be strings or lists of token ids (non-negative integers), not a mix", param=param)
 
