@@ -199,3 +199,26 @@ async def test_concurrent_requests_share_forward_passes_and_a_refused_one_fails_
 
 def _decoded(vectors: list[str]) -> np.ndarray:
     return np.stack([np.frombuffer(base64.b64decode(v), dtype="<f4") for v in vectors])
+
+
+@pytest.mark.parametrize(("text", "why"), [("AACAPw==!!", "not base64"), (base64.b64encode(b"abc").decode(), "3 bytes"),
+                                           (base64.b64encode(np.array([np.nan], "<f4").tobytes()).decode(), "not all finite"),
+                                           ("", "0 bytes")])
+def test_a_forged_vector_chunk_is_a_502_that_names_it(text, why):
+    """exo.tokens takes anyone with exo's credentials: the API checks what it decodes."""
+    from exo.api.embedding import decoded_vector
+    from exo.api.errors import ApiError
+
+    with pytest.raises(ApiError, match=why) as refused:
+        decoded_vector(text)
+    assert refused.value.status == 502
+    assert decoded_vector(base64.b64encode(np.array([1.5, -2], "<f4").tobytes()).decode()).tolist() == [1.5, -2.0]
+
+
+@pytest.mark.slow
+def test_dimensions_past_the_vector_are_refused_by_the_runner_too(models):
+    """A card may not know the model's size (hidden_size 0): the runner checks it itself."""
+    from exo.runner.decoding import RequestRefused
+
+    with pytest.raises(RequestRefused, match="dimensions must be at most 64 for this model, got 65"):
+        _engine(models["qwen3"]).embed(EmbedInputs(texts=TEXTS[:1], dimensions=65))

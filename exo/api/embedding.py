@@ -77,13 +77,30 @@ async def run_embeddings(ctx: ApiContext, model_id: ModelId, inputs: EmbedInputs
         async for chunk in generation.chunks():
             raise_if_failed(chunk)
             if chunk.embedding:
-                vectors[chunk.index] = np.frombuffer(base64.b64decode(chunk.embedding), dtype="<f4")
+                vectors[chunk.index] = decoded_vector(chunk.embedding)
             if chunk.finish_reason:
                 prompt_tokens = chunk.prompt_tokens
     expected = len(inputs.texts) + len(inputs.token_ids)
     if sorted(vectors) != list(range(expected)):
-        raise ApiError(500, f"the runner answered {len(vectors)} vectors for {expected} inputs")
+        raise ApiError(502, f"the runner answered {len(vectors)} vectors for {expected} inputs")
+    if len({len(v) for v in vectors.values()}) > 1:
+        raise ApiError(502, "the runner answered vectors of different sizes")
     return Embeddings([vectors[n] for n in range(expected)], prompt_tokens)
+
+
+def decoded_vector(text: str) -> np.ndarray:
+    """A chunk's vector (little-endian float32, base64), checked: anyone with exo's credentials can
+    publish on exo.tokens, so what does not decode to finite floats is a 502 naming it, not a 500."""
+    try:
+        raw = base64.b64decode(text, validate=True)
+    except ValueError:
+        raise ApiError(502, "the runner answered a vector that is not base64") from None
+    if not raw or len(raw) % 4:
+        raise ApiError(502, f"the runner answered a vector of {len(raw)} bytes, not whole float32s")
+    vector = np.frombuffer(raw, dtype="<f4")
+    if not np.isfinite(vector).all():
+        raise ApiError(502, "the runner answered a vector that is not all finite numbers")
+    return vector
 
 
 def vector_base64(vector: np.ndarray) -> str:

@@ -9,6 +9,7 @@ vector, in one of two formats: the older `pooling_mode_<mode>_token(s)` flags, o
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 from exo.core.types import EmbeddingSpec, Pooling
@@ -63,3 +64,18 @@ def _mode(config: dict[str, Any]) -> Pooling:
         raise EmbeddingFilesError(f"pooling {modes} is not served: exo pools by mean, cls or lasttoken, one of them")
     served: dict[str, Pooling] = {"mean": "mean", "cls": "cls", "lasttoken": "lasttoken"}
     return served[modes[0]]
+
+
+def embedding_of(read: Callable[[str], str | None]) -> EmbeddingSpec | None:
+    """The model's pooling, if its sentence-transformers files say it embeds; None if not. `read`
+    gives a file's text by its path in the model, or None where there is no such file (a Hub
+    listing, a folder: the caller's I/O, not this module's)."""
+    modules = read("modules.json")
+    found = pooling_module_path(modules) if modules is not None else None
+    if found is None:
+        return None
+    folder, normalize = found
+    config = read(f"{folder}/config.json" if folder else "config.json")
+    if config is None:
+        raise EmbeddingFilesError(f"modules.json names a Pooling module at {folder!r}, which has no config.json")
+    return embedding_spec(config, normalize)

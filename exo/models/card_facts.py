@@ -12,14 +12,14 @@ from __future__ import annotations
 import fnmatch
 import json
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from huggingface_hub import HfApi, hf_hub_download
 from huggingface_hub.hf_api import RepoFile
 
-from exo.core.embedding_files import EmbeddingFilesError, embedding_spec, pooling_module_path
+from exo.core.embedding_files import EmbeddingFilesError, embedding_of
 from exo.core.types import EmbeddingSpec
 from exo.models.files import INDEX_FILE, is_safe_path
 from exo.models.hub import classify
@@ -105,15 +105,3 @@ def local_card_facts(path: Path) -> CardFacts:
     return CardFacts(config_text=small_text(path / "config.json"), weight_bytes=weight_bytes(sizes, index),
                      embedding=embedding)
 
-
-def embedding_of(read: Callable[[str], str | None]) -> EmbeddingSpec | None:
-    """The model's pooling, if its sentence-transformers files say it embeds (`read`: a file's text or None)."""
-    modules = read("modules.json")
-    found = pooling_module_path(modules) if modules is not None else None
-    if found is None:
-        return None
-    folder, normalize = found
-    config = read(f"{folder}/config.json" if folder else "config.json")
-    if config is None:
-        raise EmbeddingFilesError(f"modules.json names a Pooling module at {folder!r}, which has no config.json")
-    return embedding_spec(config, normalize)

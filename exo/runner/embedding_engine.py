@@ -22,7 +22,7 @@ import numpy as np
 from mlx_lm.utils import _get_classes, load_model
 from transformers import AutoTokenizer
 
-from exo.core.embedding_files import EmbeddingFilesError, embedding_spec, pooling_module_path
+from exo.core.embedding_files import embedding_of
 from exo.core.types import EmbeddingSpec, EmbedInputs, GenerationParams, SamplingDefaults
 from exo.runner.decoding import GenerationResult, OnOutput, PromptTooLong, RequestRefused
 from exo.runner.engine import Engine
@@ -41,17 +41,7 @@ class Embedded(NamedTuple):
 def embedding_spec_of(model_path: str) -> EmbeddingSpec | None:
     """The model's pooling from its sentence-transformers files; None: not an embedding model."""
     root = Path(model_path)
-    try:
-        found = pooling_module_path((root / "modules.json").read_text())
-    except FileNotFoundError:
-        return None
-    if found is None:
-        return None
-    folder, normalize = found
-    try:
-        return embedding_spec((root / folder / "config.json").read_text(), normalize)
-    except FileNotFoundError:
-        raise EmbeddingFilesError(f"modules.json names a Pooling module at {folder!r}, which has no config.json") from None
+    return embedding_of(lambda name: (root / name).read_text() if (root / name).is_file() else None)
 
 
 class EmbeddingEngine(Engine):
@@ -117,6 +107,9 @@ class EmbeddingEngine(Engine):
         for place, sequences in accepted:
             mine, pooled = np.stack(pooled[:len(sequences)]), pooled[len(sequences):]
             dimensions = requests[place].dimensions
+            if dimensions and dimensions > mine.shape[1]:
+                answers[place] = RequestRefused(f"dimensions must be at most {mine.shape[1]} for this model, got {dimensions}")
+                continue
             if dimensions:  # Matryoshka: the leading dimensions, normalized again (as OpenAI and Ollama answer)
                 mine = mine[:, :dimensions]
                 mine = mine / np.maximum(np.linalg.norm(mine, axis=1, keepdims=True), 1e-12)
