@@ -49,8 +49,13 @@ def test_logs_of_the_old_scheme_fold_as_before_and_then_switch():
 def test_a_masters_event_kind_without_a_term_is_skipped_whoever_wrote_it():
     """A stray or stolen-credential publisher's term-0 instance.deleted used to delete a live
     instance, and its card.added to shadow a card; every kind only a master writes needs the term."""
+    from msgspec.structs import replace
+
+    from exo.core.adapters import Adapter
     from exo.core.apply import MASTER_KINDS
     from exo.core.events import (
+        AdapterAdded,
+        AdapterDeleted,
         CommandRejected,
         CustomCardAdded,
         CustomCardDeleted,
@@ -64,21 +69,25 @@ def test_a_masters_event_kind_without_a_term_is_skipped_whoever_wrote_it():
     )
     from exo.core.types import Desire, ModelCard, NodeInfo, Task
 
+    adapter = Adapter(name="real", base_model="org/real", digest="a" * 64, size=10, config="{}")
     state = fold([LeaderElected(node_id="a", lease_revision=5)], State())
     state = fold([NodeRegistered(node=NodeInfo(node_id="n1")), InstanceCreated(instance=INSTANCE, term=1),
                   TaskCreated(task=Task(task_id="t1", instance_id="i1", model_id="m/a"), term=1),
-                  CustomCardAdded(card=ModelCard(model_id="org/real", n_layers=2), term=1)], state)
+                  CustomCardAdded(card=ModelCard(model_id="org/real", n_layers=2), term=1),
+                  AdapterAdded(adapter=adapter, term=1)], state)
+    assert state.adapters == {"real": adapter}
     forged = [InstanceDeleted(instance_id="i1"), InstanceCreated(instance=INSTANCE.__copy__()),
               TaskCreated(task=Task(task_id="t2", instance_id="i1", model_id="m/a")),
               TaskCancelRequested(task_id="t1"), NodeTimedOut(node_id="n1"),
               CustomCardAdded(card=ModelCard(model_id="org/builtin", path="/tmp/attacker", n_layers=2)),
               CustomCardDeleted(model_id="org/real"), CommandRejected(command_id="c1"),
               DesireSet(desire=Desire(desire_id="d1", model_id="m/a")), DesireEnded(desire_id="d0"),
-              TaskMigrated(task_id="t1")]
+              TaskMigrated(task_id="t1"), AdapterAdded(adapter=replace(adapter, name="x")),
+              AdapterDeleted(name="real")]
     assert {type(e) for e in forged} == MASTER_KINDS  # every master kind is tried
     after = apply_all(state, [(event, state.last_seq + n) for n, event in enumerate(forged, start=1)])  # as written
-    assert (after.instances, after.tasks, after.nodes, after.custom_model_cards, after.desires) == (
-        state.instances, state.tasks, state.nodes, state.custom_model_cards, state.desires)
+    assert (after.instances, after.tasks, after.nodes, after.custom_model_cards, after.desires, after.adapters) == (
+        state.instances, state.tasks, state.nodes, state.custom_model_cards, state.desires, state.adapters)
     assert "c1" not in after.answered_commands
     assert [s.reason for s in after.skipped_events] == ["a master's event without a term"] * len(forged)
 

@@ -8,7 +8,7 @@ from aiohttp import web
 from exo.api import dashboard
 from exo.api.anthropic import messages as anthropic_messages
 from exo.api.auth import auth_middleware
-from exo.api.cluster import cancel, downloads, events, instances, models, node_status, prometheus
+from exo.api.cluster import adapters, cancel, downloads, events, instances, models, node_status, prometheus
 from exo.api.context import CONTEXT_KEY, ApiContext
 from exo.api.errors import error_middleware
 from exo.api.ollama import embed as ollama_embed
@@ -66,6 +66,10 @@ def _cluster(router: web.UrlDispatcher) -> None:
     router.add_get("/desires", instances.list_desires)
     router.add_delete("/desire/{desire_id}", instances.delete_desire)
     router.add_post("/models/add", models.add_model)
+    router.add_post("/adapters", adapters.add_adapter)
+    router.add_get("/adapters", adapters.list_adapters)
+    router.add_get("/adapters/{name}", adapters.get_adapter)
+    router.add_delete("/adapters/{name}", adapters.delete_adapter_route)
     router.add_delete("/models/custom/{model_id:.+}", models.delete_custom_model)
     router.add_get("/state", node_status.get_state)
     router.add_get("/events", events.events)

@@ -7,6 +7,7 @@ COMMANDS_STREAM = "EXO_COMMANDS"
 TOKENS_STREAM = "EXO_TOKENS"
 STATE_BUCKET = "exo-state"
 IMAGES_BUCKET = "exo-images"
+ADAPTERS_BUCKET = "exo-adapters"  # LoRA adapters' weights, named by their sha256 hex
 MASTER_CONSUMER = "exo-master"
 
 ALL_EVENTS = "exo.events.>"
@@ -28,10 +29,7 @@ SNAPSHOT_KEY = "snapshot"
 LEADER_KEY = "leader"
 LEADER_BUCKET = "exo-leader"
 IMAGES_STREAM = f"OBJ_{IMAGES_BUCKET}"
-
-
-def image_chunks_subject(nuid: str) -> str:
-    return f"$O.{IMAGES_BUCKET}.C.{nuid}"
+ADAPTERS_STREAM = f"OBJ_{ADAPTERS_BUCKET}"
 
 
 # Core NATS request/reply between nodes (no stream keeps these): see exo/bus/peers/model_share.py and

@@ -22,6 +22,8 @@ from msgspec.structs import replace
 
 from exo.core.conversation import digest_conversation, without_text
 from exo.core.events import (
+    AdapterAdded,
+    AdapterDeleted,
     AnyEvent,
     ClusterLayoutChanged,
     CommandRejected,
@@ -55,7 +57,7 @@ from exo.core.types import DownloadProgress, Migration, RunnerInfo, Task
 # write what").
 MASTER_KINDS: frozenset[type] = frozenset({
     NodeTimedOut, InstanceCreated, InstanceDeleted, TaskCreated, TaskCancelRequested,
-    CustomCardAdded, CustomCardDeleted, CommandRejected, DesireSet, DesireEnded, TaskMigrated,
+    CustomCardAdded, CustomCardDeleted, AdapterAdded, AdapterDeleted, CommandRejected, DesireSet, DesireEnded, TaskMigrated,
 })
 
 
@@ -99,7 +101,7 @@ class Draft:
         "_base", "_own_downloads_of", "last_seq", "leader_term", "leader_node", "leader_by_sequence", "nodes", "instances",
         "runners",
         "tasks", "custom_model_cards", "skipped_events", "finished_task_ids", "answered_commands", "downloads",
-        "instance_end_reasons", "cluster", "desires", "migrations_total",
+        "instance_end_reasons", "cluster", "desires", "migrations_total", "adapters",
     )
 
     def __init__(self, state: State) -> None:
@@ -122,6 +124,7 @@ class Draft:
         self.cluster = state.cluster
         self.desires = state.desires
         self.migrations_total = state.migrations_total
+        self.adapters = state.adapters
 
     def state(self) -> State:
         """The State so far. The draft can go on: from here it copies again what it changes."""
@@ -132,7 +135,7 @@ class Draft:
             custom_model_cards=self.custom_model_cards, skipped_events=self.skipped_events,
             finished_task_ids=self.finished_task_ids, answered_commands=self.answered_commands,
             downloads=self.downloads, instance_end_reasons=self.instance_end_reasons, cluster=self.cluster,
-            desires=self.desires, migrations_total=self.migrations_total,
+            desires=self.desires, migrations_total=self.migrations_total, adapters=self.adapters,
         )
         self._base = state
         self._own_downloads_of = set()
@@ -337,6 +340,18 @@ def _on_card_deleted(draft: Draft, event: CustomCardDeleted, seq: int) -> None:
     del draft.own("custom_model_cards")[event.model_id]
 
 
+def _on_adapter_added(draft: Draft, event: AdapterAdded, seq: int) -> None:
+    if problem := event.adapter.problem():  # a stray publisher's: workers write its config to disk
+        raise _Skip(f"adapter: {problem}")
+    draft.own("adapters")[event.adapter.name] = event.adapter
+
+
+def _on_adapter_deleted(draft: Draft, event: AdapterDeleted, seq: int) -> None:
+    if event.name not in draft.adapters:
+        raise _Skip(f"unknown adapter {event.name}")
+    del draft.own("adapters")[event.name]
+
+
 def _on_command_rejected(draft: Draft, event: CommandRejected, seq: int) -> None:
     pass  # an answer to a caller; State does not change
 
@@ -388,6 +403,8 @@ _HANDLERS: dict[type, Callable[[Draft, Any, int], None]] = {
     TaskFinished: _on_task_finished,
     CustomCardAdded: _on_card_added,
     CustomCardDeleted: _on_card_deleted,
+    AdapterAdded: _on_adapter_added,
+    AdapterDeleted: _on_adapter_deleted,
     CommandRejected: _on_command_rejected,
     DownloadProgressed: _on_download_progressed,
     DownloadFailed: _on_download_failed,

@@ -4,14 +4,25 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from exo.core.adapters import Adapter, split_adapter_id
 from exo.core.ids import ModelId
 from exo.core.state import State
 from exo.core.types import ModelCard
 
 
 def find_card(state: State, builtin_cards: Mapping[ModelId, ModelCard], model_id: ModelId) -> ModelCard | None:
-    """A custom card of that id wins over a built-in one."""
-    return state.custom_model_cards.get(model_id) or builtin_cards.get(model_id)
+    """A custom card of that id wins over a built-in one. "<base>:<adapter>" is served by its base's card."""
+    card = state.custom_model_cards.get(model_id) or builtin_cards.get(model_id)
+    if card is None and (adapter := adapter_of(state, model_id)) is not None:
+        return state.custom_model_cards.get(adapter.base_model) or builtin_cards.get(adapter.base_model)
+    return card
+
+
+def adapter_of(state: State, model_id: ModelId) -> Adapter | None:
+    """The adapter "<base>:<adapter>" names, if State has one of that name for that base."""
+    base, name = split_adapter_id(model_id)
+    adapter = state.adapters.get(name) if name else None
+    return adapter if adapter is not None and adapter.base_model == base else None
 
 
 def is_vision_config(config: object) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import msgspec
 
+from exo.core.adapters import Adapter
 from exo.core.ids import CommandId, InstanceId, ModelId, TaskId
 from exo.core.types import GenerationParams, ModelCard, Sharding
 
@@ -52,7 +53,16 @@ class DeleteCustomCard(Command, frozen=True, tag="delete_card", kw_only=True):
     model_id: ModelId
 
 
-AnyCommand = PlaceInstance | DeleteInstance | DeleteDesire | GenerateText | CancelTask | AddCustomCard | DeleteCustomCard
+class AddAdapter(Command, frozen=True, tag="add_adapter", kw_only=True):
+    adapter: Adapter  # its weights are in exo-adapters already, under adapter.digest
+
+
+class DeleteAdapter(Command, frozen=True, tag="delete_adapter", kw_only=True):
+    name: str
+
+
+AnyCommand = (PlaceInstance | DeleteInstance | DeleteDesire | GenerateText | CancelTask | AddCustomCard | DeleteCustomCard
+              | AddAdapter | DeleteAdapter)
 
 _decoder = msgspec.json.Decoder(AnyCommand)
 _encoder = msgspec.json.Encoder()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import msgspec
 
+from exo.core.adapters import Adapter
 from exo.core.ids import CommandId, InstanceId, ModelId, NodeId, RunnerId, TaskId
 from exo.core.types import (
     ClusterLayout,
@@ -143,6 +144,16 @@ class CustomCardDeleted(Event, frozen=True, tag="card.deleted", kw_only=True):
     model_id: ModelId
 
 
+class AdapterAdded(Event, frozen=True, tag="adapter.added", kw_only=True):
+    command_id: CommandId = CommandId("")
+    adapter: Adapter
+
+
+class AdapterDeleted(Event, frozen=True, tag="adapter.deleted", kw_only=True):
+    command_id: CommandId = CommandId("")
+    name: str
+
+
 class CommandRejected(Event, frozen=True, tag="command.rejected", kw_only=True):
     """A command the master could not carry out, with why: the API answers the caller from it."""
 
@@ -189,6 +200,8 @@ AnyEvent = (
     | TaskFinished
     | CustomCardAdded
     | CustomCardDeleted
+    | AdapterAdded
+    | AdapterDeleted
     | CommandRejected
     | DownloadProgressed
     | DownloadFailed

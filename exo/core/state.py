@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
+from exo.core.adapters import Adapter
 from exo.core.ids import CommandId, InstanceId, ModelId, NodeId, RunnerId, TaskId
 from exo.core.types import ClusterLayout, Desire, DownloadProgress, Instance, ModelCard, NodeInfo, RunnerInfo, Task
 
@@ -38,6 +39,7 @@ class State(msgspec.Struct, frozen=True, kw_only=True):
     cluster: ClusterLayout = ClusterLayout()  # a discovered cluster's servers and replicas
     desires: dict[str, Desire] = {}  # desire id -> the placement the master keeps running (exo/master/heal.py)
     migrations_total: int = 0  # tasks moved off a dead instance, ever (/metrics)
+    adapters: dict[str, Adapter] = {}  # LoRA adapters by name (exo/core/adapters.py)
 
     def max_context_of(self, model_id: ModelId) -> int:
         """The most context any instance of the model has room for (0: none placed, or unknown)."""

@@ -6,11 +6,14 @@ from collections.abc import Iterator, Mapping
 
 from msgspec.structs import replace
 
+from exo.core.adapters import misfit
 from exo.core.catalogue import find_card
 from exo.core.commands import (
+    AddAdapter,
     AddCustomCard,
     AnyCommand,
     CancelTask,
+    DeleteAdapter,
     DeleteCustomCard,
     DeleteDesire,
     DeleteInstance,
@@ -19,6 +22,8 @@ from exo.core.commands import (
     command_tag,
 )
 from exo.core.events import (
+    AdapterAdded,
+    AdapterDeleted,
     CommandRejected,
     CustomCardAdded,
     CustomCardDeleted,
@@ -73,6 +78,10 @@ def decide(
             return _add_card(state, command, builtin_cards)
         case DeleteCustomCard():
             return _delete_card(state, command, builtin_cards)
+        case AddAdapter():
+            return _add_adapter(state, command, builtin_cards)
+        case DeleteAdapter():
+            return _delete_adapter(state, command)
 
 
 def _reject(command: AnyCommand, code: RejectionCode, reason: str) -> list[Event]:
@@ -231,4 +240,33 @@ def _delete_card(state: State, command: DeleteCustomCard, builtin: Mapping[Model
         return _reject(command, "not_found", f"unknown custom model {command.model_id!r}")
     if state.instances_of(command.model_id):
         return _reject(command, "conflict", f"{command.model_id!r} has running instances; delete them first")
+    fitted = sorted(a.name for a in state.adapters.values() if a.base_model == command.model_id)
+    if fitted:
+        return _reject(command, "conflict", f"adapters fit {command.model_id!r} ({', '.join(fitted)}); delete them first")
     return [CustomCardDeleted(command_id=command.command_id, model_id=command.model_id)]
+
+
+def _add_adapter(state: State, command: AddAdapter, builtin: Mapping[ModelId, ModelCard]) -> list[Event]:
+    adapter = command.adapter
+    if problem := adapter.problem():
+        return _reject(command, "invalid", problem)
+    card = find_card(state, builtin, adapter.base_model)
+    if card is None or card.model_id != adapter.base_model:  # an adapter fits a model, not another adapter
+        return _reject(command, "not_found", f"unknown base model {adapter.base_model!r}")
+    if problem := misfit(adapter, card):
+        return _reject(command, "invalid", problem)
+    existing = state.adapters.get(adapter.name)
+    if existing is not None and replace(existing, source=adapter.source) != adapter:
+        return _reject(command, "conflict", f"an adapter named {adapter.name!r} exists already (for "
+                                            f"{existing.base_model}, weights {existing.digest[:12]}); delete it "
+                                            "first or choose another name")
+    return [AdapterAdded(command_id=command.command_id, adapter=existing or adapter)]
+
+
+def _delete_adapter(state: State, command: DeleteAdapter) -> list[Event]:
+    adapter = state.adapters.get(command.name)
+    if adapter is None:
+        return _reject(command, "not_found", f"unknown adapter {command.name!r}")
+    if state.instances_of(adapter.model_id) or any(d.model_id == adapter.model_id for d in state.desires.values()):
+        return _reject(command, "conflict", f"{adapter.model_id!r} has instances placed; delete them first")
+    return [AdapterDeleted(command_id=command.command_id, name=command.name)]

@@ -17,7 +17,7 @@ from collections.abc import Iterator, Mapping
 import msgspec
 from msgspec.structs import replace
 
-from exo.core.catalogue import find_card
+from exo.core.catalogue import adapter_of, find_card
 from exo.core.events import DesireSet, Event, InstanceCreated, InstanceDeleted, TaskFinished, TaskMigrated
 from exo.core.ids import CommandId, InstanceId, ModelId, NodeId
 from exo.core.placement import Unplaceable, place_instance
@@ -125,6 +125,8 @@ def place_for(state: State, desire: Desire, builtin: Mapping[ModelId, ModelCard]
     card = find_card(state, builtin, desire.model_id)
     if card is None:
         return Unplaceable("not_found", f"its model card {desire.model_id!r} is gone")
+    if (adapter := adapter_of(state, desire.model_id)) is not None and card.storage_bytes:
+        card = replace(card, storage_bytes=card.storage_bytes + adapter.size)  # its weights sit beside the model's
     if desire.draft_model:
         with_draft = _with_draft(card, desire, state, builtin)
         if isinstance(with_draft, Unplaceable):
@@ -138,7 +140,7 @@ def place_for(state: State, desire: Desire, builtin: Mapping[ModelId, ModelCard]
             placed = Unplaceable("conflict", f"{desire.model_id} and its draft {desire.draft_model} do not fit on one "
                                              "node: an instance with a draft model runs on one node")
         if isinstance(placed, Instance):
-            return replace(placed, max_queue=desire.max_queue, command_id=CommandId(desire.desire_id),
+            return replace(placed, model_id=desire.model_id, max_queue=desire.max_queue, command_id=CommandId(desire.desire_id),
                            desire_id=desire.desire_id, draft_model=desire.draft_model,
                            num_draft_tokens=desire.num_draft_tokens)
     return placed

@@ -24,8 +24,10 @@ from typing import Any
 
 import mlx.core as mx
 import msgspec
+from mlx.utils import tree_unflatten
 from mlx_lm.generate import generation_stream
 from mlx_lm.sample_utils import make_sampler
+from mlx_lm.tuner.utils import load_adapters
 from mlx_lm.utils import load_model, load_tokenizer, sharded_load
 
 from exo.core.ids import TaskId
@@ -65,20 +67,35 @@ def _give_up_joining(hosts: list[str], timeout_s: float) -> None:
     os._exit(3)
 
 
-def load_shard(model_path: str, group: mx.distributed.Group, sharding: str, start: int, end: int) -> tuple[Any, Any]:
+def load_shard(model_path: str, group: mx.distributed.Group, sharding: str, start: int, end: int,
+               adapter_path: str = "") -> tuple[Any, Any]:
     """The model with this rank's part of it in memory: a slice of every layer (tensor) or a
-    block of layers (pipeline)."""
+    block of layers (pipeline). A LoRA adapter is applied to the whole model first, as mlx-lm
+    applies it; tensor sharding splits plain linear layers, so there it is fused into them first."""
     path = Path(model_path)
-    if sharding == "tensor":
+    if sharding == "tensor" and not adapter_path:
         # mlx-lm's own (it raises for architectures it cannot shard); given a local path it downloads nothing.
         loaded: tuple[Any, Any] = sharded_load(str(path), tensor_group=group)  # (model, tokenizer)
         return loaded
     model, config = load_model(path, lazy=True, strict=False)
-    split_layers(model, group, start, end)
+    if adapter_path:
+        load_adapters(model, adapter_path)
+    if sharding == "tensor":
+        _fuse_adapter(model)
+        model.shard(group)  # as sharded_load does, on the adapted weights
+    else:
+        split_layers(model, group, start, end)
     mx.eval(model.parameters())
     tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
     mx.eval(mx.distributed.all_sum(mx.array(1.0), group=group))  # everyone loaded before anyone serves
     return model, tokenizer
+
+
+def _fuse_adapter(model: Any) -> None:
+    """Each LoRA layer folded into its linear layer (mlx_lm.fuse's way), so the model shards as a plain one."""
+    fused = [(name, module.fuse()) for name, module in model.named_modules() if hasattr(module, "fuse")]
+    if fused:
+        model.update_modules(tree_unflatten(fused))
 
 
 def broadcast_bytes(group: mx.distributed.Group, data: bytes | None) -> bytes:

@@ -53,7 +53,10 @@ class EmbeddingEngine(Engine):
         self._pad_id = 0
         self._vocab_size = 0
 
-    def load(self, model_path: str, shard: RankSetup | None = None, max_context: int = 0, kv_bits: int = 0) -> None:
+    def load(self, model_path: str, shard: RankSetup | None = None, max_context: int = 0, kv_bits: int = 0,
+             adapter_path: str = "") -> None:
+        if adapter_path:
+            raise ValueError("LoRA adapters are served on text models, not embedding models")
         if shard is not None:
             raise ValueError("an embedding model runs on one node: place it with min_nodes 1")
         if kv_bits:

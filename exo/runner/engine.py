@@ -45,13 +45,16 @@ class Engine:
         self.draft_model: Any = None  # speculative decoding's draft (load_draft); mlx-lm's batches take none
         self.num_draft_tokens = 0
 
-    def load(self, model_path: str, shard: RankSetup | None = None, max_context: int = 0, kv_bits: int = 0) -> None:
+    def load(self, model_path: str, shard: RankSetup | None = None, max_context: int = 0, kv_bits: int = 0,
+             adapter_path: str = "") -> None:
+        """`adapter_path`: a LoRA adapter applied as mlx_lm.load(adapter_path=...) applies it."""
         self.kv_bits = kv_bits
         if shard is None:
-            self.model, self.tokenizer = load(model_path)
+            self.model, self.tokenizer = load(model_path, adapter_path=adapter_path or None)
         else:
             group = join_ring(shard.rank, shard.ring_hosts, self.settings.ring_join_timeout_s)
-            self.model, self.tokenizer = load_shard(model_path, group, shard.sharding, shard.start_layer, shard.end_layer)
+            self.model, self.tokenizer = load_shard(model_path, group, shard.sharding, shard.start_layer, shard.end_layer,
+                                                    adapter_path)
             self.lockstep = Lockstep(group)
         # The budget comes from the memory free once the model is in it. On a multi-node instance
         # rank 0 decides which entries every rank keeps (its byte count; see PromptCache.trim).

@@ -173,7 +173,7 @@ class Runner:
             if isinstance(request, Load):
                 self._choose_engine(request.model_path)
                 await loop.run_in_executor(self._mlx_thread, self._engine.load, request.model_path, request.shard,
-                                           request.max_context, request.kv_bits)
+                                           request.max_context, request.kv_bits, request.adapter_path)
                 if request.draft_path:
                     await loop.run_in_executor(self._mlx_thread, self._engine.load_draft, request.draft_path,
                                                request.num_draft_tokens)

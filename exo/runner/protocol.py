@@ -42,6 +42,7 @@ class Load(Request, frozen=True, tag="load", kw_only=True):
     kv_bits: int = 0  # the instance's KV cache quantized to this many bits; 0: not quantized
     draft_path: str = ""  # speculative decoding: the draft model's directory ("" : none)
     num_draft_tokens: int = 0
+    adapter_path: str = ""  # a LoRA adapter's folder (mlx-lm's layout), applied to the model ("" : none)
 
 
 class WarmUp(Request, frozen=True, tag="warm_up", kw_only=True):

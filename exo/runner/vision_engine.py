@@ -39,7 +39,10 @@ class VisionEngine(Engine):
         # Image features kept per runner, for models mlx-vlm can encode apart.
         self._vision_cache = VisionFeatureCache(max_size=settings.vision_cache_images)
 
-    def load(self, model_path: str, shard: RankSetup | None = None, max_context: int = 0, kv_bits: int = 0) -> None:
+    def load(self, model_path: str, shard: RankSetup | None = None, max_context: int = 0, kv_bits: int = 0,
+             adapter_path: str = "") -> None:
+        if adapter_path:
+            raise ValueError("LoRA adapters are served on text models (mlx-lm's), not vision models")
         if shard is not None:
             raise ValueError("mlx-vlm cannot split a model: a vision model runs on one node")
         if kv_bits:

@@ -153,6 +153,8 @@ class WorkerSettings(Frozen, frozen=True):
                                                    "before it is taken for hung and restarted")] = 30.0
     image_cache_bytes: Annotated[int, NonNegative, Env("EXO_IMAGE_CACHE_BYTES", "bytes of request images a worker "
                                                        "keeps on disk")] = 1 << 30
+    adapter_cache_bytes: Annotated[int, NonNegative, Env("EXO_ADAPTER_CACHE_BYTES", "bytes of LoRA adapters a worker "
+                                                         "keeps on disk (those its runners use stay)")] = 4 << 30
     advertise_addresses: Annotated[tuple[str, ...], Env("EXO_ADVERTISE_ADDRESSES", "addresses peers dial for the "
                                                         "ring of a multi-node instance, comma-separated (none: the "
                                                         "discovery address)", metavar="ADDRESSES")] = ()
@@ -193,6 +195,8 @@ class ApiSettings(Frozen, frozen=True):
     max_tokens_limit: Annotated[int, Positive, Env("EXO_MAX_TOKENS_LIMIT", "most tokens a request may ask "
                                                    "for")] = 32768
     max_image_bytes: Annotated[int, Positive, Env("EXO_MAX_IMAGE_BYTES", "largest image")] = 20 * 1024 * 1024
+    max_adapter_bytes: Annotated[int, Positive, Env("EXO_MAX_ADAPTER_BYTES", "largest LoRA adapter "
+                                                     "(adapters.safetensors) POST /adapters takes")] = 1 << 30
     max_images: Annotated[int, NonNegative, Env("EXO_MAX_IMAGES", "images per request")] = 16
     max_request_image_bytes: Annotated[int, Positive, Env("EXO_MAX_REQUEST_IMAGE_BYTES", "bytes of images per "
                                                           "request")] = 64 * 1024 * 1024

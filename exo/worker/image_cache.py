@@ -24,8 +24,9 @@ _DIGEST = re.compile(r"[0-9a-f]{64}")
 
 
 class ImageCache:
-    def __init__(self, directory: Path, limit_bytes: int) -> None:
+    def __init__(self, directory: Path, limit_bytes: int, what: str = "image", setting: str = "EXO_IMAGE_CACHE_BYTES") -> None:
         self.directory = directory
+        self._what, self._setting = what, setting  # for its log lines: the adapters' weights use it too
         self.limit_bytes = limit_bytes
         self._sizes: OrderedDict[str, int] = OrderedDict()  # least recently used first
         self._total = 0
@@ -45,7 +46,7 @@ class ImageCache:
                     stat = path.stat()
                     found.append((stat.st_mtime, path.name, stat.st_size))
             except OSError as error:
-                log.warning("image cache: cannot read %s: %s", path, error)
+                log.warning("%s cache: cannot read %s: %s", self._what, path, error)
         for _, digest, size in sorted(found):
             self.add(digest, size)
 
@@ -110,12 +111,13 @@ class ImageCache:
             try:
                 self.path(digest).unlink(missing_ok=True)
             except OSError as error:
-                log.warning("image cache: cannot remove %s: %s", digest, error)
+                log.warning("%s cache: cannot remove %s: %s", self._what, digest, error)
         if evicted:
-            log.info("image cache: evicted %d images (%d bytes kept, limit %d)", len(evicted), self._total, self.limit_bytes)
+            log.info("%s cache: evicted %d files (%d bytes kept, limit %d)", self._what, len(evicted), self._total,
+                     self.limit_bytes)
         over = self._total > self.limit_bytes
         if over and not self._over_logged:
-            log.warning("image cache: the images pending and running tasks need take %d bytes, over the limit of %d "
-                        "(EXO_IMAGE_CACHE_BYTES); keeping them until their tasks end", self._total, self.limit_bytes)
+            log.warning("%s cache: the files this node's work needs take %d bytes, over the limit of %d (%s); keeping "
+                        "them until it is done", self._what, self._total, self.limit_bytes, self._setting)
         self._over_logged = over
         return evicted

@@ -16,6 +16,7 @@ from typing import Any
 from msgspec.structs import replace
 
 from exo.background import Background
+from exo.bus.blobs import BlobUnavailable
 from exo.core.events import Event, RunnerStatusChanged, TaskFinished, TaskStarted
 from exo.core.ids import InstanceId, ModelId, NodeId, RunnerId, TaskId
 from exo.core.state import State
@@ -38,6 +39,7 @@ from exo.worker.task_runs import TaskRuns
 log = logging.getLogger(__name__)
 
 FetchModel = Callable[[ModelId, ShardAssignment], Awaitable[Path]]  # the files of a model's layers, on disk
+FetchAdapter = Callable[[ModelId], Awaitable[Path | None]]  # the folder of the LoRA adapter a model id names
 
 
 def wake_after(wake: asyncio.Event, delay: float) -> None:
@@ -48,7 +50,7 @@ class Runners:
     def __init__(
         self, node_id: NodeId, state: Callable[[], State], new_runner: RunnerFactory,
         publish: Callable[[Event], Awaitable[None]], runs: TaskRuns, fetch_model: FetchModel,
-        wake: asyncio.Event, migrate_grace_s: float,
+        wake: asyncio.Event, migrate_grace_s: float, fetch_adapter: FetchAdapter,
     ) -> None:
         self._node_id = node_id
         self._state = state
@@ -56,12 +58,14 @@ class Runners:
         self._publish = publish
         self._runs = runs  # shared with the worker: a runner's reports speak for the run it was given
         self._fetch_model = fetch_model
+        self._fetch_adapter = fetch_adapter
         self._wake = wake  # set: the worker plans again
         self._migrate_grace_s = migrate_grace_s
         self._records: dict[RunnerId, LocalRunner] = {}
         self._hosts: dict[RunnerId, RunnerLink] = {}
         self._model_paths: dict[RunnerId, Path] = {}
         self._draft_paths: dict[RunnerId, Path] = {}  # speculative decoding's draft model, where an instance has one
+        self._adapter_paths: dict[RunnerId, Path] = {}  # the LoRA adapter's folder, where the model id names one
         self._prompt_cache_stats: dict[InstanceId, PromptCacheStats] = {}  # by instance id, from runners' Done reports
         self._background = Background("runners")
 
@@ -118,8 +122,24 @@ class Runners:
                 await self._fail(step.runner_id, f"download failed: the draft model {instance.draft_model}: {error}",
                                  restartable=False)
                 return
+        if not await self._download_adapter(step):
+            return
         if self._set_phase(step.runner_id, "downloaded"):
             await self._publish_status(step.runner_id, "downloaded")  # peers wait for it to form a group
+
+    async def _download_adapter(self, step: DownloadModel) -> bool:
+        """Fetched by its hash before the runner loads (a late joiner too); False: the runner failed."""
+        try:
+            folder = await self._fetch_adapter(step.model_id)
+        except BlobUnavailable as error:  # missing or corrupt in the store: fetching again will not help
+            await self._fail(step.runner_id, f"cannot load the adapter of {step.model_id}: {error}", restartable=False)
+            return False
+        except OSError as error:  # e.g. a full disk: a restart may find room
+            await self._fail(step.runner_id, f"cannot store the adapter of {step.model_id}: {error}")
+            return False
+        if folder is not None:
+            self._adapter_paths[step.runner_id] = folder
+        return True
 
     async def load(self, runner_id: RunnerId) -> None:
         state = self._state()
@@ -127,7 +147,8 @@ class Runners:
         draft = self._draft_paths.get(runner_id)
         load = Load(model_path=str(self._model_paths[runner_id]), shard=rank_setup(state, runner_id),
                     max_context=instance.max_context if instance else 0, kv_bits=instance.kv_bits if instance else 0,
-                    draft_path=str(draft) if draft else "", num_draft_tokens=instance.num_draft_tokens if instance else 0)
+                    draft_path=str(draft) if draft else "", num_draft_tokens=instance.num_draft_tokens if instance else 0,
+                    adapter_path=str(self._adapter_paths.get(runner_id, "")))
         await self._send_lifecycle(runner_id, "loading", load)
 
     async def warm_up(self, runner_id: RunnerId) -> None:
@@ -220,6 +241,7 @@ class Runners:
             host.kill()
         self._model_paths.pop(step.runner_id, None)
         self._draft_paths.pop(step.runner_id, None)
+        self._adapter_paths.pop(step.runner_id, None)
         await self.create(step, failures, failed_at)
 
     def stop(self, runner_id: RunnerId) -> None:
@@ -240,6 +262,7 @@ class Runners:
         self._records.pop(runner_id, None)
         self._model_paths.pop(runner_id, None)
         self._draft_paths.pop(runner_id, None)
+        self._adapter_paths.pop(runner_id, None)
         self._wake.set()  # a group waiting for this node's stopping runner to leave may form now (plan.py)
 
     async def stop_all(self) -> None:

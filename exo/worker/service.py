@@ -21,7 +21,7 @@ from exo.bus.connection import Connection
 from exo.bus.event_log import EventLog
 from exo.bus.state_view import StateView
 from exo.bus.token_stream import publish_chunk, resume_point
-from exo.core.catalogue import find_card
+from exo.core.catalogue import adapter_of, find_card
 from exo.core.events import AnyEvent, CustomCardAdded, CustomCardDeleted, Event, TaskFinished
 from exo.core.ids import InstanceId, ModelId, NodeId, TaskId
 from exo.core.state import State
@@ -40,6 +40,7 @@ from exo.models.dirs import DownloadSettings
 from exo.models.transfer import DownloadError
 from exo.runner.protocol import Generate, Resume, RunnerStart
 from exo.settings.services import MasterSettings, ModelSettings, WorkerSettings
+from exo.worker.adapter_files import AdapterFiles
 from exo.worker.downloads import DownloadCoordinator
 from exo.worker.plan import (
     AbandonRunner,
@@ -101,7 +102,8 @@ class Worker:
         self._runs = TaskRuns()  # which run of each task this node forwarded and ended
         self._wake = asyncio.Event()
         self._runners = Runners(node_id, lambda: self._view.state, new_runner, self._publish, self._runs,
-                               self._model_files, self._wake, self._migrate_grace_s)
+                               self._model_files, self._wake, self._migrate_grace_s, self._adapter_folder)
+        self._adapters = AdapterFiles(nc, data_dir / "adapters", settings.adapter_cache_bytes, self._adapters_in_use)
         self._images = TaskImages(nc, self.images_dir, self._fail_tasks_needing, lambda: images_needed(self._worker_view()),
                                   settings.image_cache_bytes)
         self._background = Background("worker")
@@ -219,6 +221,16 @@ class Worker:
         if card is None:
             raise DownloadError("not_found", f"no model card for {model_id}")
         return await self.downloads.ensure(card, shard.start_layer, shard.end_layer)
+
+    async def _adapter_folder(self, model_id: ModelId) -> Path | None:
+        """The folder of the adapter "<base>:<adapter>" names, fetched if need be (None: a plain model)."""
+        adapter = adapter_of(self._view.state, model_id)
+        return None if adapter is None else await self._adapters.folder_for(adapter)
+
+    def _adapters_in_use(self) -> set[str]:
+        state = self._view.state
+        mine = (i for i in state.instances.values() if any(s.node_id == self.node_id for s in i.shards))
+        return {adapter.digest for i in mine if (adapter := adapter_of(state, i.model_id)) is not None}
 
     def _start_fetching(self, digests: list[str]) -> None:
         self._images.in_flight.update(digests)  # now: the next plan must not fetch them again

@@ -51,9 +51,9 @@ def place(http: httpx.Client, model_id: str, **extra) -> str:
 class Reference:
     """mlx-lm on the same model directory: the text the cluster must reproduce exactly."""
 
-    def __init__(self, model_dir: Path) -> None:
+    def __init__(self, model_dir: Path, adapter_dir: Path | None = None) -> None:
         self.model_dir = model_dir
-        self.model, self.tokenizer = mlx_lm.load(str(model_dir))
+        self.model, self.tokenizer = mlx_lm.load(str(model_dir), adapter_path=str(adapter_dir) if adapter_dir else None)
 
     def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None) -> str:
         return self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)

@@ -16,6 +16,7 @@ from exo.api.idempotency import command_id_for, earlier_placement
 from exo.api.outcomes import new_command_id
 from exo.api.request_body import decode_body
 from exo.api.validate import check_kv_bits, check_max_context
+from exo.core.adapters import split_adapter_id
 from exo.core.commands import DeleteDesire, DeleteInstance, PlaceInstance
 from exo.core.events import InstanceCreated
 from exo.core.ids import InstanceId, ModelId, NodeId, RunnerId
@@ -56,7 +57,7 @@ def report_of(state: State, instance: Instance) -> InstanceReport:
 
 def _runner_report(state: State, instance: Instance, runner_id: RunnerId, node_id: NodeId, rank: int) -> RunnerReport:
     runner = state.runners.get(runner_id)
-    record = state.download_of(node_id, instance.model_id)
+    record = state.download_of(node_id, split_adapter_id(instance.model_id)[0])  # an adapter's: its base's
     download = None if record is None else DownloadReport(
         status=record.status, done_bytes=record.done_bytes, total_bytes=record.total_bytes, speed_bps=record.speed_bps,
         eta_s=record.eta_s, source=record.source, error_code=record.error_code, error=record.error)

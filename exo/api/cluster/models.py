@@ -24,10 +24,13 @@ from exo.core.state import State
 from exo.core.types import ModelCard, is_valid_model_id
 
 
-def openai_entry(card: ModelCard, state: State, where: Availability) -> dict[str, Any]:
-    return {"id": card.model_id, "object": "model", "created": 0, "owned_by": "exo", "name": card.name or card.model_id,
-            "context_length": card.context_length, "max_context": state.max_context_of(card.model_id) or None,
-            **where.fields()}
+def openai_entry(card: ModelCard, state: State, where: Availability, model_id: ModelId | None = None) -> dict[str, Any]:
+    """`model_id`: "<base>:<adapter>" for an adapter, listed with its base's card (and `parent`, as vLLM lists one)."""
+    model_id = model_id or card.model_id
+    parent = {"parent": card.model_id} if model_id != card.model_id else {}
+    return {"id": model_id, "object": "model", "created": 0, "owned_by": "exo", "name": card.name or card.model_id,
+            "context_length": card.context_length, "max_context": state.max_context_of(model_id) or None,
+            **parent, **where.fields()}
 
 
 async def list_models(request: web.Request) -> web.Response:
@@ -36,6 +39,8 @@ async def list_models(request: web.Request) -> web.Response:
     where = availability(state)
     data = [openai_entry(card, state, where.get(card.model_id, NOWHERE))
             for card in sorted(ctx.all_cards().values(), key=lambda c: c.model_id)]
+    data += [openai_entry(card, state, where.get(adapter.model_id, NOWHERE), adapter.model_id)
+             for _, adapter in sorted(state.adapters.items()) if (card := ctx.card(adapter.base_model)) is not None]
     return web.json_response({"object": "list", "data": data})
 
 
@@ -45,8 +50,8 @@ async def get_model(request: web.Request) -> web.Response:
     model_id = ModelId(request.match_info["model_id"])
     card = ctx.require_card(model_id)
     state = ctx.view.state
-    where = availability(state).get(card.model_id, NOWHERE)
-    return web.json_response({**openai_entry(card, state, where), "card": msgspec.to_builtins(card)})
+    where = availability(state).get(model_id, NOWHERE)
+    return web.json_response({**openai_entry(card, state, where, model_id), "card": msgspec.to_builtins(card)})
 
 
 async def add_model(request: web.Request) -> web.Response:

@@ -26,12 +26,12 @@ from exo.bus.errors import BusError
 from exo.bus.jetstream_api import jetstream_request
 from exo.bus.server.embedded import EmbeddedNats
 from exo.bus.server.server_config import NODE_TAG
-from exo.bus.subjects import EVENTS_STREAM, IMAGES_STREAM, STATE_BUCKET
+from exo.bus.subjects import ADAPTERS_STREAM, EVENTS_STREAM, IMAGES_STREAM, STATE_BUCKET
 
 log = logging.getLogger(__name__)
 
 BACKUP_DIR = "nats-standalone"  # beside the data dir's `nats`: the old store, kept
-CARRIED = (EVENTS_STREAM, f"KV_{STATE_BUCKET}", IMAGES_STREAM)
+CARRIED = (EVENTS_STREAM, f"KV_{STATE_BUCKET}", IMAGES_STREAM, ADAPTERS_STREAM)
 _NO_MESSAGE = 10037
 _READ_AHEAD = 64  # messages read concurrently from the old store
 
