@@ -257,3 +257,36 @@ def test_a_corrupt_adapter_object_fails_its_instance_with_the_reason(node, http,
             assert http.delete(f"/instance/{instance['instance_id']}").status_code == 200
     assert http.delete("/adapters/broken").status_code == 200
     assert digest not in _objects(node)
+
+
+# --- a worker's copies on disk ---
+
+def _tiny_adapter(name: str, seed: int) -> tuple[Adapter, bytes]:
+    weights = _header(GOOD, bytes([seed]) * 1024)
+    facts = read_adapter(CONFIG, weights)
+    assert not isinstance(facts, str), facts
+    return Adapter(name=name, base_model=TINY_MODEL_ID, digest=hashlib.sha256(weights).hexdigest(), size=len(weights),
+                   config=CONFIG.decode(), **msgspec.structs.asdict(facts)), weights
+
+
+async def test_a_worker_keeps_verified_copies_within_its_bound_and_never_drops_one_in_use(nc, tmp_path):
+    from exo.bus.adapters import store_adapter
+    from exo.worker.adapter_files import AdapterFiles
+
+    (first, first_bytes), (second, second_bytes) = _tiny_adapter("a", 1), _tiny_adapter("b", 2)
+    for weights in (first_bytes, second_bytes):
+        await store_adapter(nc, weights)
+    in_use = {first.digest}
+    files = AdapterFiles(nc, tmp_path, limit_bytes=len(first_bytes) + 10, in_use=lambda: in_use)
+    folder = await files.folder_for(first)
+    assert (folder / "adapter_config.json").read_bytes() == CONFIG
+    assert (folder / "adapters.safetensors").read_bytes() == first_bytes
+    # A copy changed on disk is not used: it is fetched again.
+    (tmp_path / "weights" / first.digest).write_bytes(bytes(len(first_bytes)))
+    assert (await files.folder_for(first) / "adapters.safetensors").read_bytes() == first_bytes
+    # Over the bound, the least recently used goes, unless a runner uses it.
+    await files.folder_for(second)
+    assert files.weights.digests() == {first.digest}
+    in_use = {second.digest}
+    await files.folder_for(second)
+    assert files.weights.digests() == {second.digest}

@@ -1,0 +1,84 @@
+"""A LoRA adapter on an instance across two worker processes (tensor and pipeline): the workers
+join after the adapter was added, fetch its weights by hash before their runners load, and the
+text equals mlx-lm's in one process with the adapter loaded, token for token."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+
+import httpx
+import pytest
+
+from tests.support.adapters import make_adapter
+from tests.support.cluster import NatsServer, start_node, state_of, wait_until
+from tests.support.e2e import Reference
+from tests.support.tiny_model import Dims, make_tiny_model
+from tests.test_multinode import PROMPT, _ring_ports, _runner_pids, wait_until_gone
+
+pytestmark = pytest.mark.slow
+
+MODEL = "local/tiny4"
+ADAPTED = f"{MODEL}:pirate"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny4", Dims(layers=4))
+
+
+@pytest.fixture(scope="module")
+def adapter_dir(tmp_path_factory, model_dir):
+    return make_adapter(model_dir, tmp_path_factory.mktemp("adapter") / "pirate")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, model_dir, adapter_dir):
+    root = tmp_path_factory.mktemp("adapters-multinode")
+    nats = NatsServer(root / "nats")
+    beat = {"EXO_HEARTBEAT_S": "0.5", "EXO_ADVERTISE_ADDRESSES": "127.0.0.1"}
+    head = start_node(root, "head", nats.url, "--no-worker", env=beat)
+    http = httpx.Client(base_url=head.url, timeout=120)
+    assert http.post("/models/add", json={"model_id": MODEL, "path": str(model_dir)}).status_code == 200
+    files = {"config": (adapter_dir / "adapter_config.json").read_bytes(),
+             "weights": (adapter_dir / "adapters.safetensors").read_bytes()}
+    added = http.post("/adapters", data={"name": "pirate", "base_model": MODEL}, files=files)
+    assert added.status_code == 200, added.text
+    # The workers join later: the adapter is in State (and its weights in exo-adapters) before they exist.
+    workers = [
+        start_node(root, f"worker{n}", nats.url, "--no-master", "--no-api", env=beat | {"EXO_RING_PORTS": _ring_ports()})
+        for n in (1, 2)
+    ]
+    wait_until(lambda: len(state_of(head).nodes) == 2, 30, what="both workers registered")
+    yield head, workers, http, added.json()["adapter"]["digest"]
+    http.close()
+    runners = [pid for worker in workers for pid in _runner_pids(worker)]
+    for node in [*workers, head]:
+        if node.process.poll() is None:
+            node.interrupt()
+    nats.stop()
+    for pid in wait_until_gone(runners, 20):
+        os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("sharding", ["tensor", "pipeline"])
+def test_two_late_joiners_fetch_the_adapter_by_hash_and_generate_what_mlx_lm_does(cluster, model_dir, adapter_dir,
+                                                                                  sharding):
+    head, workers, http, digest = cluster
+    placed = http.post("/place_instance", json={"model_id": ADAPTED, "sharding": sharding, "min_nodes": 2, "wait": 120})
+    assert placed.status_code == 200, placed.text
+    instance = state_of(head).instances[placed.json()["instance_id"]]
+    assert len({s.node_id for s in instance.shards}) == 2
+    for worker in workers:  # each fetched the weights and verified them against the hash
+        cached = worker.data_dir / "adapters" / "weights" / digest
+        assert hashlib.sha256(cached.read_bytes()).hexdigest() == digest
+    expected = Reference(model_dir, adapter_dir).chat(PROMPT, 24)
+    assert expected != Reference(model_dir).chat(PROMPT, 24)
+    answer = http.post("/v1/chat/completions", json={"model": ADAPTED, "messages": PROMPT, "max_tokens": 24,
+                                                     "temperature": 0})
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["choices"][0]["message"]["content"] == expected
+    for instance_id in list(state_of(head).instances):
+        assert http.delete(f"/instance/{instance_id}").status_code == 200
+    wait_until(lambda: not state_of(head).runners, 30, what="runners gone")
