@@ -192,6 +192,12 @@ def test_an_adapter_serves_mlx_lm_text_with_it_loaded_beside_its_base(node, http
     completion = http.post("/v1/completions", json={"model": model, "prompt": "Once upon", "max_tokens": 30,
                                                     "temperature": 0}).json()
     assert completion["choices"][0]["text"] == adapted.generate("Once upon", 30)
+    # Every surface names it the same way: Anthropic's and Ollama's too.
+    message = http.post("/v1/messages", json={"model": model, "messages": ASK, "max_tokens": 40, "temperature": 0}).json()
+    assert message["content"][0]["text"] == adapted.chat(ASK, 40)
+    ollama = http.post("/api/chat", json={"model": model, "messages": ASK, "stream": False,
+                                          "options": {"num_predict": 40, "temperature": 0}}).json()
+    assert ollama["message"]["content"] == adapted.chat(ASK, 40)
 
 
 @pytest.mark.slow
