@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
@@ -14,13 +15,15 @@ from aiohttp.test_utils import TestClient, TestServer
 from exo.api.app import build_app
 from exo.api.context import ApiContext
 from exo.api.dashboard import STATIC_DIR
+from exo.core.state import State
 from exo.settings.services import ApiSettings
 from tests.support.dashboard import KEY
 
 
 def app_client(keys: frozenset[str]) -> TestClient:
-    # Only the dashboard routes and the key check run here: nothing touches NATS or State.
-    ctx = ApiContext(nc=None, view=None, outcomes=None, builtin_cards={}, node_id="", data_dir=Path("."),  # type: ignore[arg-type]
+    # Only the dashboard routes and the key check run here: nothing touches NATS, and State has no keys.
+    ctx = ApiContext(nc=None, view=SimpleNamespace(state=State()), outcomes=None,  # type: ignore[arg-type]
+                     builtin_cards={}, node_id="", data_dir=Path("."),
                      settings=ApiSettings(api_keys=tuple(keys)))
     return TestClient(TestServer(build_app(ctx)))
 

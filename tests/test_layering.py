@@ -54,6 +54,7 @@ def test_the_pure_core_imports_no_service_and_no_io_library():
 # The standard library parts the core uses, and msgspec: no asyncio, no sockets, no clock, no mlx.
 CORE_MAY_IMPORT = {"__future__", "collections", "dataclasses", "enum", "functools", "hashlib", "itertools", "json",
                    "math", "msgspec", "re", "typing", "collections.abc",
+                   "fnmatch",  # exo/core/keys.py: a key's model patterns
                    "llguidance"}  # exo/core/grammar.py: schemas to grammars, pure computation
 
 

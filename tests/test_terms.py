@@ -61,21 +61,25 @@ def test_a_masters_event_kind_without_a_term_is_skipped_whoever_wrote_it():
         CustomCardDeleted,
         DesireEnded,
         DesireSet,
+        KeyDeleted,
+        KeySet,
         NodeRegistered,
         NodeTimedOut,
         TaskCancelRequested,
         TaskCreated,
         TaskMigrated,
     )
+    from exo.core.keys import ApiKey
     from exo.core.types import Desire, ModelCard, NodeInfo, Task
 
     adapter = Adapter(name="real", base_model="org/real", digest="a" * 64, size=10, config="{}")
+    key = ApiKey(key_id="key_" + "0" * 16, secret_sha256="b" * 64)
     state = fold([LeaderElected(node_id="a", lease_revision=5)], State())
     state = fold([NodeRegistered(node=NodeInfo(node_id="n1")), InstanceCreated(instance=INSTANCE, term=1),
                   TaskCreated(task=Task(task_id="t1", instance_id="i1", model_id="m/a"), term=1),
                   CustomCardAdded(card=ModelCard(model_id="org/real", n_layers=2), term=1),
-                  AdapterAdded(adapter=adapter, term=1)], state)
-    assert state.adapters == {"real": adapter}
+                  AdapterAdded(adapter=adapter, term=1), KeySet(key=key, term=1)], state)
+    assert state.adapters == {"real": adapter} and state.api_keys == {key.key_id: key}
     forged = [InstanceDeleted(instance_id="i1"), InstanceCreated(instance=INSTANCE.__copy__()),
               TaskCreated(task=Task(task_id="t2", instance_id="i1", model_id="m/a")),
               TaskCancelRequested(task_id="t1"), NodeTimedOut(node_id="n1"),
@@ -83,11 +87,12 @@ def test_a_masters_event_kind_without_a_term_is_skipped_whoever_wrote_it():
               CustomCardDeleted(model_id="org/real"), CommandRejected(command_id="c1"),
               DesireSet(desire=Desire(desire_id="d1", model_id="m/a")), DesireEnded(desire_id="d0"),
               TaskMigrated(task_id="t1"), AdapterAdded(adapter=replace(adapter, name="x")),
-              AdapterDeleted(name="real")]
+              AdapterDeleted(name="real"), KeySet(key=replace(key, admin=True)), KeyDeleted(key_id=key.key_id)]
     assert {type(e) for e in forged} == MASTER_KINDS  # every master kind is tried
     after = apply_all(state, [(event, state.last_seq + n) for n, event in enumerate(forged, start=1)])  # as written
-    assert (after.instances, after.tasks, after.nodes, after.custom_model_cards, after.desires, after.adapters) == (
-        state.instances, state.tasks, state.nodes, state.custom_model_cards, state.desires, state.adapters)
+    assert (after.instances, after.tasks, after.nodes, after.custom_model_cards, after.desires, after.adapters,
+            after.api_keys) == (state.instances, state.tasks, state.nodes, state.custom_model_cards, state.desires,
+                                state.adapters, state.api_keys)
     assert "c1" not in after.answered_commands
     assert [s.reason for s in after.skipped_events] == ["a master's event without a term"] * len(forged)
 

@@ -8,7 +8,7 @@ from aiohttp import web
 from exo.api import dashboard
 from exo.api.anthropic import messages as anthropic_messages
 from exo.api.auth import auth_middleware
-from exo.api.cluster import adapters, cancel, downloads, events, instances, models, node_status, prometheus
+from exo.api.cluster import adapters, cancel, downloads, events, instances, keys, models, node_status, prometheus
 from exo.api.context import CONTEXT_KEY, ApiContext
 from exo.api.errors import error_middleware
 from exo.api.ollama import embed as ollama_embed
@@ -18,6 +18,7 @@ from exo.api.openai import chat_stream as openai_chat_stream
 from exo.api.openai import completions as openai_completions
 from exo.api.openai import embeddings as openai_embeddings
 from exo.api.openai import responses as openai_responses
+from exo.api.rate_headers import add_rate_headers
 from exo.api.request_metrics import metrics_middleware
 from exo.api.storage import storage_middleware
 
@@ -27,6 +28,7 @@ def build_app(ctx: ApiContext) -> web.Application:
     app = web.Application(middlewares=[metrics_middleware, error_middleware, auth_middleware, storage_middleware],
                           client_max_size=ctx.settings.max_body_bytes)
     app[CONTEXT_KEY] = ctx
+    app.on_response_prepare.append(add_rate_headers)  # streams too: headers go out before the first event
     _openai(app.router)
     _anthropic_and_ollama(app.router)
     _cluster(app.router)
@@ -66,6 +68,12 @@ def _cluster(router: web.UrlDispatcher) -> None:
     router.add_get("/desires", instances.list_desires)
     router.add_delete("/desire/{desire_id}", instances.delete_desire)
     router.add_post("/models/add", models.add_model)
+    router.add_post("/keys", keys.add_key)
+    router.add_get("/keys", keys.list_keys)
+    router.add_get("/keys/{key_id}", keys.get_key)
+    router.add_patch("/keys/{key_id}", keys.update_key)
+    router.add_delete("/keys/{key_id}", keys.delete_key)
+    router.add_get("/usage", keys.usage)
     router.add_post("/adapters", adapters.add_adapter)
     router.add_get("/adapters", adapters.list_adapters)
     router.add_get("/adapters/{name}", adapters.get_adapter)

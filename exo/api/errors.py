@@ -24,7 +24,8 @@ _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 4
                     404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
 
 STATUS_FOR_REJECTION: dict[RejectionCode, int] = {
-    "invalid": 400, "not_found": 404, "conflict": 409, "unavailable": 503, "overloaded": 429,
+    "invalid": 400, "not_found": 404, "conflict": 409, "unavailable": 503, "overloaded": 429, "rate_limited": 429,
+    "unauthorized": 403,
 }
 
 

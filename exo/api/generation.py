@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from exo.api.auth import current_grant
 from exo.api.context import ApiContext
 from exo.api.errors import ApiError
 from exo.api.outcomes import COMMAND_TIMEOUT_S, new_command_id, raise_if_rejected
@@ -242,6 +243,7 @@ async def cancel_generation(ctx: ApiContext, command_id: CommandId) -> None:
 async def start_generation(ctx: ApiContext, model_id: ModelId, params: GenerationParams) -> Generation:
     """Queue the request and return once the master accepted it (or raise why it did not)."""
     card = ctx.card(model_id)
+    grant = current_grant.get()
     # The context placed instances have room for, else the model's own (none placed: a 503 follows).
     check_limits(params, ctx.view.state.max_context_of(model_id) or (card.context_length if card is not None else 0),
                  ctx.settings.max_tokens_limit)
@@ -250,7 +252,10 @@ async def start_generation(ctx: ApiContext, model_id: ModelId, params: Generatio
     answer = ctx.outcomes.expect(command_id)
     ended = ctx.outcomes.expect_task_end(command_id)
     try:
-        await send_command(ctx.nc, GenerateText(command_id=command_id, model_id=model_id, params=params, at=time.time()))
+        key = grant.key
+        await send_command(ctx.nc, GenerateText(command_id=command_id, model_id=model_id, params=params, at=time.time(),
+                                                key_id=key.key_id if key else "",
+                                                priority=key.priority if key else "interactive"))
         raise_if_rejected(await asyncio.wait_for(answer, COMMAND_TIMEOUT_S))
     except TimeoutError:
         ctx.outcomes.forget_task_end(command_id, ended)
@@ -276,6 +281,10 @@ async def generating(ctx: ApiContext, model_id: ModelId, params: GenerationParam
     card = ctx.card(model_id)
     if card is None:
         raise missing or ctx.unknown_model(model_id, "model", f"The model {model_id!r} does not exist")
+    grant = current_grant.get()
+    if not grant.may_use(model_id):
+        raise ApiError(403, f"API key {grant.key.key_id if grant.key else ''} may not use the model {model_id!r} "
+                            "(its model patterns do not match)", param="model", code="model_not_allowed")
     if card.embedding is not None and params.embed is None:
         raise ApiError(400, f"the model {model_id!r} is an embedding model and does not generate text: use "
                             "POST /v1/embeddings (or Ollama's /api/embed)", param="model")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import uuid
 from collections.abc import Callable
 from typing import TypeVar
@@ -115,4 +116,6 @@ RETRY_AFTER_S = 1
 def raise_if_rejected(event: AnyEvent) -> None:
     if isinstance(event, CommandRejected):
         headers = {"Retry-After": str(RETRY_AFTER_S)} if event.code == "overloaded" else None
+        if event.code == "rate_limited":  # whole seconds, rounded up: a client that waits that long is let in
+            headers = {"Retry-After": str(max(1, math.ceil(event.retry_after_s)))}
         raise ApiError(STATUS_FOR_REJECTION[event.code], event.reason, code=event.code, headers=headers)

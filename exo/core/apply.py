@@ -20,6 +20,16 @@ from typing import Any, get_args
 
 from msgspec.structs import replace
 
+from exo.core.apply_access import (
+    count_request,
+    count_tokens,
+    on_adapter_added,
+    on_adapter_deleted,
+    on_card_added,
+    on_card_deleted,
+    on_key_deleted,
+    on_key_set,
+)
 from exo.core.conversation import digest_conversation, without_text
 from exo.core.events import (
     AdapterAdded,
@@ -36,6 +46,8 @@ from exo.core.events import (
     DownloadProgressed,
     InstanceCreated,
     InstanceDeleted,
+    KeyDeleted,
+    KeySet,
     LeaderElected,
     NodeHeartbeat,
     NodeRegistered,
@@ -49,6 +61,7 @@ from exo.core.events import (
     command_id_of,
 )
 from exo.core.ids import NodeId, TaskId
+from exo.core.skip import Skip
 from exo.core.state import MAX_ANSWERED_COMMANDS, MAX_FINISHED_TASKS, MAX_SKIPPED_KEPT, SkippedEvent, State
 from exo.core.types import DownloadProgress, Migration, RunnerInfo, Task
 
@@ -57,13 +70,12 @@ from exo.core.types import DownloadProgress, Migration, RunnerInfo, Task
 # write what").
 MASTER_KINDS: frozenset[type] = frozenset({
     NodeTimedOut, InstanceCreated, InstanceDeleted, TaskCreated, TaskCancelRequested,
-    CustomCardAdded, CustomCardDeleted, AdapterAdded, AdapterDeleted, CommandRejected, DesireSet, DesireEnded, TaskMigrated,
+    CustomCardAdded, CustomCardDeleted, AdapterAdded, AdapterDeleted, KeySet, KeyDeleted, CommandRejected, DesireSet,
+    DesireEnded, TaskMigrated,
 })
 
 
-class _Skip(Exception):
-    """An event that is well-formed but does not fit the State (e.g. names an unknown task)."""
-
+_Skip = Skip
 
 def apply(state: State, event: AnyEvent, seq: int) -> State:
     draft = Draft(state)
@@ -101,7 +113,8 @@ class Draft:
         "_base", "_own_downloads_of", "last_seq", "leader_term", "leader_node", "leader_by_sequence", "nodes", "instances",
         "runners",
         "tasks", "custom_model_cards", "skipped_events", "finished_task_ids", "answered_commands", "downloads",
-        "instance_end_reasons", "cluster", "desires", "migrations_total", "adapters",
+        "instance_end_reasons", "cluster", "desires", "migrations_total", "adapters", "api_keys", "key_windows", "usage",
+        "usage_totals",
     )
 
     def __init__(self, state: State) -> None:
@@ -125,6 +138,10 @@ class Draft:
         self.desires = state.desires
         self.migrations_total = state.migrations_total
         self.adapters = state.adapters
+        self.api_keys = state.api_keys
+        self.key_windows = state.key_windows
+        self.usage = state.usage
+        self.usage_totals = state.usage_totals
 
     def state(self) -> State:
         """The State so far. The draft can go on: from here it copies again what it changes."""
@@ -136,6 +153,7 @@ class Draft:
             finished_task_ids=self.finished_task_ids, answered_commands=self.answered_commands,
             downloads=self.downloads, instance_end_reasons=self.instance_end_reasons, cluster=self.cluster,
             desires=self.desires, migrations_total=self.migrations_total, adapters=self.adapters,
+            api_keys=self.api_keys, key_windows=self.key_windows, usage=self.usage, usage_totals=self.usage_totals,
         )
         self._base = state
         self._own_downloads_of = set()
@@ -250,6 +268,7 @@ def _on_task_created(draft: Draft, event: TaskCreated, seq: int) -> None:
         raise _Skip(f"task {event.task.task_id} already exists")
     task = event.task
     draft.own("tasks")[task.task_id] = replace(task, conversation=digest_conversation(task.params))
+    count_request(draft, task)
 
 
 def _open_task(draft: Draft, task_id: TaskId) -> Task:
@@ -320,36 +339,12 @@ def _on_task_finished(draft: Draft, event: TaskFinished, seq: int) -> None:
         prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens,
         cached_tokens=event.cached_tokens,
     )
+    count_tokens(draft, task, event)
     order = draft.own("finished_task_ids")
     order.append(event.task_id)
     if len(order) > MAX_FINISHED_TASKS:
         tasks.pop(order[0], None)
         del order[0]
-
-
-def _on_card_added(draft: Draft, event: CustomCardAdded, seq: int) -> None:
-    problem = event.card.problem()  # e.g. a stray publisher's: a bad card in State would stop every worker
-    if problem:
-        raise _Skip(f"custom card: {problem}")
-    draft.own("custom_model_cards")[event.card.model_id] = event.card
-
-
-def _on_card_deleted(draft: Draft, event: CustomCardDeleted, seq: int) -> None:
-    if event.model_id not in draft.custom_model_cards:
-        raise _Skip(f"unknown custom card {event.model_id}")
-    del draft.own("custom_model_cards")[event.model_id]
-
-
-def _on_adapter_added(draft: Draft, event: AdapterAdded, seq: int) -> None:
-    if problem := event.adapter.problem():  # a stray publisher's: workers write its config to disk
-        raise _Skip(f"adapter: {problem}")
-    draft.own("adapters")[event.adapter.name] = event.adapter
-
-
-def _on_adapter_deleted(draft: Draft, event: AdapterDeleted, seq: int) -> None:
-    if event.name not in draft.adapters:
-        raise _Skip(f"unknown adapter {event.name}")
-    del draft.own("adapters")[event.name]
 
 
 def _on_command_rejected(draft: Draft, event: CommandRejected, seq: int) -> None:
@@ -401,10 +396,12 @@ _HANDLERS: dict[type, Callable[[Draft, Any, int], None]] = {
     TaskCancelRequested: _on_task_cancel_requested,
     TaskStarted: _on_task_started,
     TaskFinished: _on_task_finished,
-    CustomCardAdded: _on_card_added,
-    CustomCardDeleted: _on_card_deleted,
-    AdapterAdded: _on_adapter_added,
-    AdapterDeleted: _on_adapter_deleted,
+    CustomCardAdded: on_card_added,
+    CustomCardDeleted: on_card_deleted,
+    AdapterAdded: on_adapter_added,
+    AdapterDeleted: on_adapter_deleted,
+    KeySet: on_key_set,
+    KeyDeleted: on_key_deleted,
     CommandRejected: _on_command_rejected,
     DownloadProgressed: _on_download_progressed,
     DownloadFailed: _on_download_failed,

@@ -7,6 +7,7 @@ import msgspec
 
 from exo.core.adapters import Adapter
 from exo.core.ids import CommandId, InstanceId, ModelId, TaskId
+from exo.core.keys import ApiKey
 from exo.core.types import GenerationParams, ModelCard, Sharding
 
 
@@ -39,6 +40,8 @@ class GenerateText(Command, frozen=True, tag="generate_text", kw_only=True):
     model_id: ModelId
     params: GenerationParams = GenerationParams()
     at: float = 0.0
+    key_id: str = ""  # the API key it came with: the master admits it within the key's limits
+    priority: str = "interactive"
 
 
 class CancelTask(Command, frozen=True, tag="cancel_task", kw_only=True):
@@ -61,8 +64,19 @@ class DeleteAdapter(Command, frozen=True, tag="delete_adapter", kw_only=True):
     name: str
 
 
+class SetKey(Command, frozen=True, tag="set_key", kw_only=True):
+    """Add an API key, or change one (the API sends the whole key, changed)."""
+
+    key: ApiKey
+    new: bool = True  # True: the key id must be unused; False: it must exist
+
+
+class DeleteKey(Command, frozen=True, tag="delete_key", kw_only=True):
+    key_id: str
+
+
 AnyCommand = (PlaceInstance | DeleteInstance | DeleteDesire | GenerateText | CancelTask | AddCustomCard | DeleteCustomCard
-              | AddAdapter | DeleteAdapter)
+              | AddAdapter | DeleteAdapter | SetKey | DeleteKey)
 
 _decoder = msgspec.json.Decoder(AnyCommand)
 _encoder = msgspec.json.Encoder()

@@ -10,6 +10,7 @@ import msgspec
 
 from exo.core.adapters import Adapter
 from exo.core.ids import CommandId, InstanceId, ModelId, NodeId, RunnerId, TaskId
+from exo.core.keys import ApiKey
 from exo.core.types import (
     ClusterLayout,
     Desire,
@@ -154,6 +155,16 @@ class AdapterDeleted(Event, frozen=True, tag="adapter.deleted", kw_only=True):
     name: str
 
 
+class KeySet(Event, frozen=True, tag="key.set", kw_only=True):
+    command_id: CommandId = CommandId("")
+    key: ApiKey
+
+
+class KeyDeleted(Event, frozen=True, tag="key.deleted", kw_only=True):
+    command_id: CommandId = CommandId("")
+    key_id: str
+
+
 class CommandRejected(Event, frozen=True, tag="command.rejected", kw_only=True):
     """A command the master could not carry out, with why: the API answers the caller from it."""
 
@@ -161,6 +172,7 @@ class CommandRejected(Event, frozen=True, tag="command.rejected", kw_only=True):
     command_kind: str = ""
     code: RejectionCode = "invalid"
     reason: str = ""
+    retry_after_s: float = 0.0  # rate_limited: when the key may try again
 
 
 class DownloadProgressed(Event, frozen=True, tag="download.progress", kw_only=True):
@@ -202,6 +214,8 @@ AnyEvent = (
     | CustomCardDeleted
     | AdapterAdded
     | AdapterDeleted
+    | KeySet
+    | KeyDeleted
     | CommandRejected
     | DownloadProgressed
     | DownloadFailed

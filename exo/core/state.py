@@ -6,7 +6,9 @@ import msgspec
 
 from exo.core.adapters import Adapter
 from exo.core.ids import CommandId, InstanceId, ModelId, NodeId, RunnerId, TaskId
+from exo.core.keys import ApiKey, KeyWindow
 from exo.core.types import ClusterLayout, Desire, DownloadProgress, Instance, ModelCard, NodeInfo, RunnerInfo, Task
+from exo.core.usage import UsageByDay, UsageCounts
 
 MAX_SKIPPED_KEPT = 100
 MAX_FINISHED_TASKS = 1000
@@ -40,6 +42,13 @@ class State(msgspec.Struct, frozen=True, kw_only=True):
     desires: dict[str, Desire] = {}  # desire id -> the placement the master keeps running (exo/master/heal.py)
     migrations_total: int = 0  # tasks moved off a dead instance, ever (/metrics)
     adapters: dict[str, Adapter] = {}  # LoRA adapters by name (exo/core/adapters.py)
+    api_keys: dict[str, ApiKey] = {}  # by key id (exo/core/keys.py): hashed, never the secret
+    key_windows: dict[str, KeyWindow] = {}  # by key id: what its per-minute limits count in
+    usage: UsageByDay = {}  # key id -> UTC day -> model id -> counts (exo/core/usage.py)
+    usage_totals: dict[str, dict[str, UsageCounts]] = {}  # key id -> model id -> counts since the key began
+
+    def open_tasks_of_key(self, key_id: str) -> int:
+        return sum(1 for t in self.tasks.values() if t.key_id == key_id and t.status in ("pending", "running"))
 
     def max_context_of(self, model_id: ModelId) -> int:
         """The most context any instance of the model has room for (0: none placed, or unknown)."""

@@ -19,7 +19,7 @@ RunnerStatus = Literal[
 ]
 TaskStatus = Literal["pending", "running", "completed", "cancelled", "failed"]
 FinishReason = Literal["stop", "length", "cancelled", "error"]
-RejectionCode = Literal["invalid", "not_found", "conflict", "unavailable", "overloaded"]
+RejectionCode = Literal["invalid", "not_found", "conflict", "unavailable", "overloaded", "rate_limited", "unauthorized"]
 DownloadStatus = Literal["pending", "downloading", "completed", "failed", "cancelled"]
 # Why a download failed, for programs; the event's reason says it for people.
 DownloadErrorCode = Literal[
@@ -314,6 +314,8 @@ class Task(msgspec.Struct, frozen=True, kw_only=True):
     completion_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens reused from the runner's prompt cache
     migrations: list[Migration] = []  # its moves to other instances, oldest first: its run is len(migrations)
+    key_id: str = ""  # the API key that asked for it (exo/core/keys.py); "": none (no keys, or an admin's from the env)
+    priority: str = "interactive"  # "batch": served after interactive requests (a Tier)
     # Set by the reducer: the prompt by digest. Once the task finishes, `params` loses its
     # messages, prompt, tools and stop strings, and this is what routing reads of it.
     conversation: ConversationDigest = ConversationDigest()

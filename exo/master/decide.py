@@ -17,8 +17,10 @@ from exo.core.commands import (
     DeleteCustomCard,
     DeleteDesire,
     DeleteInstance,
+    DeleteKey,
     GenerateText,
     PlaceInstance,
+    SetKey,
     command_tag,
 )
 from exo.core.events import (
@@ -32,14 +34,18 @@ from exo.core.events import (
     Event,
     InstanceCreated,
     InstanceDeleted,
+    KeyDeleted,
+    KeySet,
     TaskCancelRequested,
     TaskCreated,
     TaskFinished,
 )
 from exo.core.ids import ModelId, TaskId
+from exo.core.keys import KeyWindow, admission
 from exo.core.placement import Unplaceable, node_label
 from exo.core.state import State
 from exo.core.types import Desire, Instance, ModelCard, RejectionCode, RunnerInfo, Task
+from exo.core.usage import tokens_in_day, tokens_in_month
 from exo.master.heal import place_for
 from exo.master.routing import choose_instance
 from exo.settings.services import MasterSettings
@@ -82,10 +88,15 @@ def decide(
             return _add_adapter(state, command, builtin_cards)
         case DeleteAdapter():
             return _delete_adapter(state, command)
+        case SetKey():
+            return _set_key(state, command)
+        case DeleteKey():
+            return _delete_key(state, command)
 
 
-def _reject(command: AnyCommand, code: RejectionCode, reason: str) -> list[Event]:
-    return [CommandRejected(command_id=command.command_id, command_kind=command_tag(command), code=code, reason=reason)]
+def _reject(command: AnyCommand, code: RejectionCode, reason: str, retry_after_s: float = 0.0) -> list[Event]:
+    return [CommandRejected(command_id=command.command_id, command_kind=command_tag(command), code=code, reason=reason,
+                            retry_after_s=retry_after_s)]
 
 
 def _place(state: State, command: PlaceInstance, builtin: Mapping[ModelId, ModelCard], ids: Iterator[str]) -> list[Event]:
@@ -168,6 +179,8 @@ def _generate(state: State, command: GenerateText, builtin: Mapping[ModelId, Mod
               cache_routing: bool) -> list[Event]:
     if find_card(state, builtin, command.model_id) is None:
         return _reject(command, "not_found", f"unknown model {command.model_id!r}")
+    if command.key_id and (refused := _over_limits(state, command)):
+        return refused
     instances = state.instances_of(command.model_id)
     if not instances:
         ended = state.instance_end_reasons.get(command.model_id)
@@ -205,6 +218,8 @@ def _generate(state: State, command: GenerateText, builtin: Mapping[ModelId, Mod
         model_id=command.model_id,
         params=command.params,
         created_at=command.at,
+        key_id=command.key_id,
+        priority=command.priority,
     )
     return [TaskCreated(command_id=command.command_id, task=task)]
 
@@ -270,3 +285,36 @@ def _delete_adapter(state: State, command: DeleteAdapter) -> list[Event]:
     if state.instances_of(adapter.model_id) or any(d.model_id == adapter.model_id for d in state.desires.values()):
         return _reject(command, "conflict", f"{adapter.model_id!r} has instances placed; delete them first")
     return [AdapterDeleted(command_id=command.command_id, name=command.name)]
+
+
+def _over_limits(state: State, command: GenerateText) -> list[Event]:
+    """Admission within the key's limits (exo/core/keys.py): here, where every request is decided
+    in order, so API nodes together never let a key past its limit."""
+    key = state.api_keys.get(command.key_id)
+    if key is None:
+        return _reject(command, "unauthorized", f"API key {command.key_id} was deleted")
+    if not key.may_use(command.model_id):
+        return _reject(command, "unauthorized", f"API key {key.key_id} may not use {command.model_id!r}")
+    refusal = admission(key, state.key_windows.get(key.key_id, KeyWindow()), state.open_tasks_of_key(key.key_id),
+                        tokens_in_day(state.usage, key.key_id, command.at),
+                        tokens_in_month(state.usage, key.key_id, command.at), command.at)
+    return [] if refusal is None else _reject(command, "rate_limited", refusal.reason, refusal.retry_after_s)
+
+
+def _set_key(state: State, command: SetKey) -> list[Event]:
+    if problem := command.key.problem():
+        return _reject(command, "invalid", problem)
+    known = state.api_keys.get(command.key.key_id)
+    if command.new and known is not None:
+        return _reject(command, "conflict", f"API key {command.key.key_id} exists already")
+    if not command.new and known is None:
+        return _reject(command, "not_found", f"unknown API key {command.key.key_id!r}")
+    if not command.new and known is not None and known.secret_sha256 != command.key.secret_sha256:
+        return _reject(command, "invalid", "a key's secret cannot be changed: delete it and add another")
+    return [KeySet(command_id=command.command_id, key=command.key)]
+
+
+def _delete_key(state: State, command: DeleteKey) -> list[Event]:
+    if command.key_id not in state.api_keys:
+        return _reject(command, "not_found", f"unknown API key {command.key_id!r}")
+    return [KeyDeleted(command_id=command.command_id, key_id=command.key_id)]

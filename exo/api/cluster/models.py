@@ -12,6 +12,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from exo.api.auth import current_grant
 from exo.api.availability import NOWHERE, Availability, availability
 from exo.api.cluster.card_source import complete_card
 from exo.api.context import context_of
@@ -41,6 +42,8 @@ async def list_models(request: web.Request) -> web.Response:
             for card in sorted(ctx.all_cards().values(), key=lambda c: c.model_id)]
     data += [openai_entry(card, state, where.get(adapter.model_id, NOWHERE), adapter.model_id)
              for _, adapter in sorted(state.adapters.items()) if (card := ctx.card(adapter.base_model)) is not None]
+    grant = current_grant.get()  # a key sees the models it may use
+    data = [entry for entry in data if grant.may_use(entry["id"])]
     return web.json_response({"object": "list", "data": data})
 
 

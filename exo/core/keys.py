@@ -1,0 +1,146 @@
+"""API keys kept in State (hashed: never the secret), what each may do, and its limits.
+
+Limits are enforced by the master when it admits a generation (exo/master/decide.py), against
+State: the master decides every command in order, each against the State its earlier decisions
+left, so however many API nodes take a key's requests, the key gets its limit and not one
+request more. The windows it counts in are State too (`KeyWindow`), folded from the log, so a new
+master counts on where the old one stopped, and `exo replay` recomputes them.
+
+- requests per minute: a sliding window of the key's admitted requests' times (at most its
+  limit's worth kept);
+- tokens per minute: prompt + completion tokens of the requests the key started in the current
+  clock minute, counted when each finishes (a request that crosses the limit mid-stream is let
+  finish; the next one waits for the next minute);
+- concurrent requests: its open (pending or running) tasks;
+- tokens per day / per month: its usage (exo/core/usage.py) in the current UTC day / month.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from typing import Literal
+
+import msgspec
+
+from exo.core.usage import days_from_civil, month_of
+
+Tier = Literal["interactive", "batch"]  # vLLM's priority, OpenAI's service_tier: interactive first
+WINDOW_S = 60.0
+_KEY_ID = re.compile(r"key_[0-9a-f]{16}")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+class KeyLimits(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """0: no limit."""
+
+    requests_per_minute: int = 0
+    tokens_per_minute: int = 0
+    concurrent_requests: int = 0
+    tokens_per_day: int = 0
+    tokens_per_month: int = 0
+
+    def problem(self) -> str | None:
+        for name in self.__struct_fields__:
+            value = getattr(self, name)
+            if not 0 <= value <= 10**12:
+                return f"limits.{name} must be between 0 (no limit) and 10^12, not {value}"
+        return None
+
+
+class ApiKey(msgspec.Struct, frozen=True, kw_only=True):
+    key_id: str  # "key_" + 16 hex: how it is named in /keys, /usage and /metrics
+    secret_sha256: str  # the secret's sha256 hex: a presented key is hashed and looked up
+    name: str = ""
+    admin: bool = False  # may manage keys, models and instances, and read every key's usage
+    models: list[str] = []  # glob patterns of the model ids it may use ("org/*", "*:pirate"); empty: all
+    limits: KeyLimits = KeyLimits()
+    priority: Tier = "interactive"
+    created_at: float = 0.0
+
+    def problem(self) -> str | None:
+        if not _KEY_ID.fullmatch(self.key_id):
+            return f"invalid key id {self.key_id!r}"
+        if not _SHA256.fullmatch(self.secret_sha256):
+            return "secret_sha256 must be 64 lowercase hex digits"
+        if len(self.name) > 200 or len(self.models) > 100 or any(len(p) > 200 for p in self.models):
+            return "a key's name and model patterns are at most 200 characters, and at most 100 patterns"
+        return self.limits.problem()
+
+    def may_use(self, model_id: str) -> bool:
+        return not self.models or any(fnmatch.fnmatchcase(model_id, pattern) for pattern in self.models)
+
+
+class KeyWindow(msgspec.Struct, frozen=True, kw_only=True):
+    """What the master counts a key's per-minute limits in (see the module's docstring)."""
+
+    requests: list[float] = []  # admission times of its latest requests, oldest first (its limit's worth)
+    minute: int = 0  # the clock minute (time // 60) `minute_tokens` counts
+    minute_tokens: int = 0
+
+
+class Refusal(msgspec.Struct, frozen=True, kw_only=True):
+    reason: str
+    retry_after_s: float
+
+
+def admission(key: ApiKey, window: KeyWindow, open_tasks: int, used_day: int, used_month: int,
+              at: float) -> Refusal | None:
+    """Whether the key may start one more request at `at` (wall clock), and if not, why and when."""
+    limits = key.limits
+    if limits.concurrent_requests and open_tasks >= limits.concurrent_requests:
+        return Refusal(reason=f"key {key.key_id} has {open_tasks} requests open, its limit of concurrent requests",
+                       retry_after_s=1.0)
+    recent = requests_in_window(window, at)
+    if limits.requests_per_minute and len(recent) >= limits.requests_per_minute:
+        return Refusal(reason=f"key {key.key_id} made {len(recent)} requests in the last minute, its limit",
+                       retry_after_s=max(recent[-limits.requests_per_minute] + WINDOW_S - at, 0.001))
+    if limits.tokens_per_minute and minute_tokens(window, at) >= limits.tokens_per_minute:
+        return Refusal(reason=f"key {key.key_id} used {minute_tokens(window, at)} tokens this minute, its limit of "
+                              f"{limits.tokens_per_minute}", retry_after_s=next_minute(at) - at)
+    if limits.tokens_per_day and used_day >= limits.tokens_per_day:
+        return Refusal(reason=f"key {key.key_id} used {used_day} tokens today (UTC), its daily quota of "
+                              f"{limits.tokens_per_day}", retry_after_s=_next_day(at) - at)
+    if limits.tokens_per_month and used_month >= limits.tokens_per_month:
+        return Refusal(reason=f"key {key.key_id} used {used_month} tokens this month (UTC), its monthly quota of "
+                              f"{limits.tokens_per_month}", retry_after_s=_next_month(at) - at)
+    return None
+
+
+def requests_in_window(window: KeyWindow, at: float) -> list[float]:
+    return [t for t in window.requests if t > at - WINDOW_S]
+
+
+def minute_tokens(window: KeyWindow, at: float) -> int:
+    return window.minute_tokens if window.minute == int(at // 60) else 0
+
+
+def next_minute(at: float) -> float:
+    return (int(at // 60) + 1) * 60.0
+
+
+def _next_day(at: float) -> float:
+    return (int(at // 86400) + 1) * 86400.0
+
+
+def _next_month(at: float) -> float:
+    """The first second of the next UTC month."""
+    year, month = (int(part) for part in month_of(at).split("-"))
+    year, month = (year + 1, 1) if month == 12 else (year, month + 1)
+    return days_from_civil(year, month, 1) * 86400.0
+
+
+def window_after(window: KeyWindow, key: ApiKey, at: float) -> KeyWindow:
+    """The window once a request of the key was admitted at `at`: only its limit's worth kept."""
+    keep = key.limits.requests_per_minute
+    requests = [*requests_in_window(window, at), at][-keep:] if keep else []
+    return msgspec.structs.replace(window, requests=requests)
+
+
+def window_with_tokens(window: KeyWindow, started_at: float, tokens: int) -> KeyWindow:
+    """A finished request's tokens, counted in the minute it started (a later minute's start resets it)."""
+    minute = int(started_at // 60)
+    if minute < window.minute:
+        return window
+    counted = window.minute_tokens if minute == window.minute else 0
+    return msgspec.structs.replace(window, minute=minute, minute_tokens=counted + tokens)
