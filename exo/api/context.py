@@ -66,7 +66,7 @@ class ApiContext:
 
     def __post_init__(self) -> None:
         self.model_dirs = ModelDirs.of(self.models, self.data_dir)  # as the worker reads them
-        self.cluster_metrics = ClusterCollector(lambda: self.view.state)
+        self.cluster_metrics = ClusterCollector(lambda: self.view.state, per_key=self.settings.metrics_per_key)
         self.metrics.registry.register(self.cluster_metrics)
 
     def card(self, model_id: ModelId) -> ModelCard | None:

@@ -10,6 +10,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from exo.core.state import State
+from exo.core.usage import UsageCounts
 
 _PROMPT_CACHE_METRICS = (  # (field of PromptCacheStats, metric, counter or not, help)
     ("hits", "exo_prompt_cache_hits", True, "requests that reused a cached prompt prefix"),
@@ -24,13 +25,15 @@ _PROMPT_CACHE_METRICS = (  # (field of PromptCacheStats, metric, counter or not,
 class ClusterCollector(Collector):
     """What State says, read at each scrape; `lag` is set by the handler just before."""
 
-    def __init__(self, state: Callable[[], State]) -> None:
+    def __init__(self, state: Callable[[], State], per_key: bool = True) -> None:
         self._state = state
+        self._per_key = per_key
         self.lag = -1
 
     def collect(self) -> Iterator[Metric]:
         state = self._state()
         yield from _prompt_cache_metrics(state)
+        yield from _usage_metrics(state, self._per_key)
         queue = Counter(t.instance_id for t in state.tasks.values() if t.status in ("pending", "running"))
         depth = GaugeMetricFamily("exo_instance_queue_depth", "open (pending or running) tasks per instance",
                                   labels=["instance_id", "model_id"])
@@ -65,3 +68,22 @@ def _prompt_cache_metrics(state: State) -> Iterator[Metric]:
         for node_id, instance_id, stats in caches:
             family.add_metric([node_id, instance_id], getattr(stats, field))
         yield family
+
+
+def _usage_metrics(state: State, per_key: bool) -> Iterator[Metric]:
+    """Each API key's requests and tokens by model since it began (State's usage totals)."""
+    labels = ["key_id", "model_id"] if per_key else ["model_id"]
+    requests = CounterMetricFamily("exo_key_requests", "requests admitted, by API key and model", labels=labels)
+    tokens = CounterMetricFamily("exo_key_tokens", "tokens of finished requests, by API key, model and kind",
+                                 labels=[*labels, "kind"])
+    summed: dict[tuple[str, ...], UsageCounts] = {}
+    for key_id, models in sorted(state.usage_totals.items()):
+        for model_id, counts in sorted(models.items()):
+            label: tuple[str, ...] = (key_id, model_id) if per_key else (model_id,)
+            summed[label] = summed.get(label, UsageCounts()).plus(counts)
+    for label, counts in sorted(summed.items()):
+        requests.add_metric(list(label), counts.requests)
+        for kind in ("prompt", "completion", "cached"):
+            tokens.add_metric([*label, kind], getattr(counts, f"{kind}_tokens"))
+    yield requests
+    yield tokens

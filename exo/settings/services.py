@@ -197,6 +197,8 @@ class ApiSettings(Frozen, frozen=True):
     max_image_bytes: Annotated[int, Positive, Env("EXO_MAX_IMAGE_BYTES", "largest image")] = 20 * 1024 * 1024
     max_adapter_bytes: Annotated[int, Positive, Env("EXO_MAX_ADAPTER_BYTES", "largest LoRA adapter "
                                                      "(adapters.safetensors) POST /adapters takes")] = 1 << 30
+    metrics_per_key: Annotated[bool, Env("EXO_METRICS_PER_KEY", "label /metrics' usage counters by API key id (off: "
+                                         "summed over keys, for clusters with many keys)")] = True
     max_images: Annotated[int, NonNegative, Env("EXO_MAX_IMAGES", "images per request")] = 16
     max_request_image_bytes: Annotated[int, Positive, Env("EXO_MAX_REQUEST_IMAGE_BYTES", "bytes of images per "
                                                           "request")] = 64 * 1024 * 1024

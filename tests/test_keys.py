@@ -1,0 +1,127 @@
+"""API keys' limits as the master enforces them, with the clock injected: requests per minute in a
+sliding window, concurrent requests, tokens per minute, daily and monthly quotas that reset at
+their UTC period; scopes; and usage by key, day and model folded from the log."""
+
+from __future__ import annotations
+
+import calendar
+
+import pytest
+from msgspec.structs import replace
+
+from exo.core.apply import apply
+from exo.core.commands import GenerateText
+from exo.core.events import CommandRejected, Event, KeyDeleted, KeySet, TaskCreated, TaskFinished
+from exo.core.keys import ApiKey, KeyLimits
+from exo.core.state import State
+from exo.core.types import Instance, ModelCard, ShardAssignment
+from exo.core.usage import UsageCounts, day_of
+from exo.master.decide import decide
+
+MODEL = "org/model"
+CARDS = {MODEL: ModelCard(model_id=MODEL, n_layers=2), "org/other": ModelCard(model_id="org/other", n_layers=2)}
+KEY = ApiKey(key_id="key_0123456789abcdef", secret_sha256="a" * 64, models=["org/m*"])
+T0 = float(calendar.timegm((2026, 12, 31, 23, 58, 10)))  # near a minute, a day, a month and a year's end
+
+
+class Cluster:
+    """State with an instance of MODEL and the key, commands decided and their events folded in order."""
+
+    def __init__(self, limits: KeyLimits) -> None:
+        self.state = State(leader_term=1)
+        instances = {f"i-{m}": Instance(instance_id=f"i-{m}", model_id=m, max_queue=10_000,
+                                        shards=[ShardAssignment(runner_id=f"r-{m}", node_id="n")]) for m in CARDS}
+        self.state = replace(self.state, instances=instances)
+        self.fold(KeySet(key=replace(KEY, limits=limits), term=1))
+        self.count = 0
+
+    def fold(self, event: Event) -> None:
+        self.state = apply(self.state, replace(event, term=1), self.state.last_seq + 1)  # type: ignore[arg-type]
+
+    def ask(self, at: float, model: str = MODEL, key_id: str = KEY.key_id) -> CommandRejected | TaskCreated:
+        self.count += 1
+        command = GenerateText(command_id=f"c{self.count}", model_id=model, at=at, key_id=key_id)
+        [event] = decide(self.state, command, builtin_cards=CARDS, ids=iter([]))
+        self.fold(event)
+        assert isinstance(event, (CommandRejected, TaskCreated))
+        return event
+
+    def finish(self, created: CommandRejected | TaskCreated, prompt: int, completion: int) -> None:
+        assert isinstance(created, TaskCreated)
+        self.fold(TaskFinished(task_id=created.task.task_id, status="completed", prompt_tokens=prompt,
+                               completion_tokens=completion))
+
+
+def refused(event: CommandRejected | TaskCreated) -> CommandRejected:
+    assert isinstance(event, CommandRejected) and event.code == "rate_limited", event
+    return event
+
+
+def test_requests_per_minute_is_a_sliding_window():
+    cluster = Cluster(KeyLimits(requests_per_minute=3))
+    for n in range(3):
+        assert isinstance(cluster.ask(T0 + n), TaskCreated)
+    late = refused(cluster.ask(T0 + 10))
+    assert "made 3 requests in the last minute" in late.reason and late.retry_after_s == pytest.approx(50)
+    assert isinstance(cluster.ask(T0 + 60.5), TaskCreated)  # the first left the window
+    refused(cluster.ask(T0 + 60.6))
+    assert isinstance(cluster.ask(T0 + 61.5), TaskCreated)
+
+
+def test_concurrent_requests_count_the_open_ones():
+    cluster = Cluster(KeyLimits(concurrent_requests=2))
+    first, _ = cluster.ask(T0), cluster.ask(T0)
+    assert "2 requests open" in refused(cluster.ask(T0)).reason
+    cluster.finish(first, 5, 5)
+    assert isinstance(cluster.ask(T0), TaskCreated)
+
+
+def test_tokens_per_minute_count_finished_requests_in_the_minute_they_started():
+    cluster = Cluster(KeyLimits(tokens_per_minute=100))
+    cluster.finish(cluster.ask(T0), 60, 50)  # 110 tokens, counted in T0's minute
+    late = refused(cluster.ask(T0 + 5))
+    assert "used 110 tokens this minute" in late.reason and late.retry_after_s == pytest.approx(45)
+    assert isinstance(cluster.ask(T0 + 50.0), TaskCreated)  # the next minute
+
+
+@pytest.mark.parametrize(("limits", "period_end", "words"), [
+    (KeyLimits(tokens_per_day=100), calendar.timegm((2027, 1, 1, 0, 0, 0)), "tokens today (UTC), its daily quota"),
+    (KeyLimits(tokens_per_month=100), calendar.timegm((2027, 1, 1, 0, 0, 0)), "this month (UTC), its monthly quota"),
+])
+def test_quotas_reset_at_their_utc_period(limits, period_end, words):
+    cluster = Cluster(limits)
+    cluster.finish(cluster.ask(T0), 70, 40)
+    late = refused(cluster.ask(T0 + 100))
+    assert words in late.reason and late.retry_after_s == pytest.approx(period_end - (T0 + 100))
+    assert isinstance(cluster.ask(period_end + 1), TaskCreated)
+
+
+def test_a_month_counts_its_days_only():
+    cluster = Cluster(KeyLimits(tokens_per_month=100))
+    cluster.finish(cluster.ask(calendar.timegm((2026, 11, 30, 12, 0, 0))), 90, 90)  # November's
+    assert isinstance(cluster.ask(T0), TaskCreated)
+
+
+def test_a_key_is_refused_a_model_outside_its_patterns_and_once_deleted():
+    cluster = Cluster(KeyLimits())
+    rejected = cluster.ask(T0, model="org/other")
+    assert isinstance(rejected, CommandRejected) and rejected.code == "unauthorized"
+    assert "may not use 'org/other'" in rejected.reason
+    cluster.fold(KeyDeleted(key_id=KEY.key_id))
+    gone = cluster.ask(T0)
+    assert isinstance(gone, CommandRejected) and "was deleted" in gone.reason
+
+
+def test_usage_is_folded_by_key_day_and_model():
+    cluster = Cluster(KeyLimits())
+    cluster.finish(cluster.ask(T0), 10, 20)
+    cluster.finish(cluster.ask(T0 + 200), 1, 2)  # the next day (UTC) and year
+    open_one = cluster.ask(T0 + 201)
+    assert isinstance(open_one, TaskCreated)
+    assert cluster.state.usage == {KEY.key_id: {
+        "2026-12-31": {MODEL: UsageCounts(requests=1, prompt_tokens=10, completion_tokens=20)},
+        "2027-01-01": {MODEL: UsageCounts(requests=2, prompt_tokens=1, completion_tokens=2)},
+    }}
+    assert cluster.state.usage_totals == {KEY.key_id: {MODEL: UsageCounts(requests=3, prompt_tokens=11,
+                                                                           completion_tokens=22)}}
+    assert day_of(T0) == "2026-12-31"
