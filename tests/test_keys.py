@@ -14,9 +14,10 @@ from exo.core.commands import GenerateText
 from exo.core.events import CommandRejected, Event, KeyDeleted, KeySet, TaskCreated, TaskFinished
 from exo.core.keys import ApiKey, KeyLimits
 from exo.core.state import State
-from exo.core.types import Instance, ModelCard, ShardAssignment
+from exo.core.types import Instance, ModelCard, ShardAssignment, Task
 from exo.core.usage import UsageCounts, day_of
 from exo.master.decide import decide
+from exo.worker.fairness import next_to_forward
 
 MODEL = "org/model"
 CARDS = {MODEL: ModelCard(model_id=MODEL, n_layers=2), "org/other": ModelCard(model_id="org/other", n_layers=2)}
@@ -125,3 +126,36 @@ def test_usage_is_folded_by_key_day_and_model():
     assert cluster.state.usage_totals == {KEY.key_id: {MODEL: UsageCounts(requests=3, prompt_tokens=11,
                                                                            completion_tokens=22)}}
     assert day_of(T0) == "2026-12-31"
+
+
+# --- fairness: what a runner is given next ---
+
+def _task(n: int, key_id: str, priority: str = "interactive") -> Task:
+    return Task(task_id=f"t{n}", instance_id="i", model_id=MODEL, created_at=T0 + n, key_id=key_id, priority=priority)
+
+
+def test_a_keys_single_request_goes_ahead_of_another_keys_flood():
+    flood = [_task(n, "key_a") for n in range(100)]
+    lone = _task(200, "key_b")  # asked last
+    assert next_to_forward([*flood[2:], lone], flood[:2], 1) == [lone]
+    assert [t.key_id for t in next_to_forward([*flood[2:], lone], [], 4)] == ["key_a", "key_b", "key_a", "key_a"]
+    assert next_to_forward(flood, [], 0) == []
+
+
+def test_the_interactive_tier_goes_before_the_batch_tier():
+    batch = [_task(n, "key_a", "batch") for n in range(3)]
+    interactive = _task(10, "key_b")
+    assert next_to_forward([*batch, interactive], [], 2) == [interactive, batch[0]]
+
+
+def test_the_worker_gives_its_runner_a_batchs_worth_and_keeps_the_rest():
+    from exo.worker.plan import ForwardTask, LocalRunner, WorkerView, plan
+
+    instance = Instance(instance_id="i", model_id=MODEL, shards=[ShardAssignment(runner_id="r", node_id="n")])
+    tasks = {t.task_id: t for t in [_task(n, "key_a") for n in range(5)]}
+    state = State(instances={"i": instance}, tasks=tasks)
+    local = LocalRunner(runner_id="r", instance_id="i", phase="ready", forwarded=frozenset({"t0"}))
+    view = WorkerView(node_id="n", state=state, runners={"r": local}, batch_slots=3)
+    assert [s.task_id for s in plan(view) if isinstance(s, ForwardTask)] == ["t1", "t2"]
+    unbounded = replace(view, batch_slots=0)
+    assert [s.task_id for s in plan(unbounded) if isinstance(s, ForwardTask)] == ["t1", "t2", "t3", "t4"]

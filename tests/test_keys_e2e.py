@@ -6,6 +6,7 @@ GET /usage equals the usage a replay of the log computes."""
 
 from __future__ import annotations
 
+import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -154,3 +155,38 @@ def test_two_api_nodes_admit_a_keys_limit_and_not_one_request_more(tmp_path, mod
         for process in (second, head):
             process.interrupt()
         nats.stop()
+
+
+def _first_token_at(url: str, secret: str, max_tokens: int) -> float:
+    body = {"model": TINY_MODEL_ID, "messages": ASK, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    first = 0.0
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=300,
+                      headers={"Authorization": f"Bearer {secret}"}) as stream:
+        assert stream.status_code == 200, stream.read()
+        for line in stream.iter_lines():
+            if not first and line.startswith("data: {") and json.loads(line[6:])["choices"][0]["delta"].get("content"):
+                first = time.monotonic()
+    return first
+
+
+def test_one_keys_flood_does_not_starve_another_keys_request(tmp_path, model_dir):
+    """Batch of 2: key A's 10 long requests queue behind 2 running; key B's one, asked after them,
+    starts when the first slot frees, before A's third (first in, first out would make it 11th)."""
+    with FakeHub({TINY_MODEL_ID: model_dir}) as hub:
+        exo = start_exo(tmp_path, hub, {"EXO_API_KEYS": ADMIN, "EXO_MAX_BATCH": "2"})
+        try:
+            with admin_client(exo.url) as admin:
+                assert admin.post("/models/add", json={"model_id": TINY_MODEL_ID}).status_code == 200
+                placed = admin.post("/place_instance", json={"model_id": TINY_MODEL_ID, "wait": 120})
+                assert placed.status_code == 200, placed.text
+                _, flood_key = add_key(admin, name="flood")
+                _, lone_key = add_key(admin, name="lone")
+            with ThreadPoolExecutor(11) as pool:
+                flood = [pool.submit(_first_token_at, exo.url, flood_key, 800) for _ in range(10)]
+                time.sleep(0.5)  # all ten are admitted and queued before the lone one is asked
+                lone = pool.submit(_first_token_at, exo.url, lone_key, 5)
+                firsts = sorted(f.result() for f in flood)
+                lone_first = lone.result()
+            assert lone_first < firsts[2], (lone_first, firsts)
+        finally:
+            exo.interrupt()

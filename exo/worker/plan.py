@@ -28,6 +28,7 @@ from exo.core.events import (
 from exo.core.ids import InstanceId, ModelId, NodeId, RunnerId, TaskId
 from exo.core.state import State
 from exo.core.types import Instance, RunnerInfo, ShardAssignment, Task, TaskStatus
+from exo.worker.fairness import next_to_forward
 
 LocalPhase = Literal[
     "spawning", "spawned", "downloading", "downloaded", "loading", "loaded", "warming_up", "ready", "failed", "stopping"
@@ -60,6 +61,7 @@ class WorkerView(msgspec.Struct, frozen=True, kw_only=True):
     # A multi-node instance's runner that failed may have lost a peer machine: its tasks wait this
     # long for the master to move them (exo/master/heal.py) before this node ends them with the error.
     migrate_grace: float = 0.0
+    batch_slots: int = 0  # tasks a runner is given at once (its batch: exo/worker/fairness.py); 0: every one
 
 
 class Step(msgspec.Struct, frozen=True, kw_only=True, tag_field="step"):
@@ -220,6 +222,7 @@ def _my_shards(view: WorkerView) -> list[tuple[Instance, ShardAssignment]]:
 
 def _task_steps(view: WorkerView, instance: Instance, local: LocalRunner, tasks: list[Task]) -> list[Step]:
     steps: list[Step] = []
+    waiting: list[Task] = []  # pending, not yet given to the runner, ready to be
     held = len(instance.shards) > 1 and local.failed_at > 0 and view.now - local.failed_at < view.migrate_grace \
         and not _a_peer_failed(view, instance, local)
     for task in tasks:
@@ -237,8 +240,20 @@ def _task_steps(view: WorkerView, instance: Instance, local: LocalRunner, tasks:
         elif task.cancel_requested and task.task_id not in local.cancels_sent:
             steps.append(CancelForwardedTask(runner_id=local.runner_id, task_id=task.task_id))
         elif local.phase == "ready" and not forwarded and not missing_images(view, task):
-            steps.append(ForwardTask(runner_id=local.runner_id, task_id=task.task_id))
-    return steps
+            waiting.append(task)
+    return steps + _forwards(view, instance, local, tasks, waiting)
+
+
+def _forwards(view: WorkerView, instance: Instance, local: LocalRunner, tasks: list[Task],
+              waiting: list[Task]) -> list[Step]:
+    """The waiting tasks the runner is given now: as many as its batch has free slots, fairly."""
+    if not view.batch_slots:
+        return [ForwardTask(runner_id=local.runner_id, task_id=t.task_id) for t in waiting]
+    in_runner = [t for t in tasks if t.task_id in local.forwarded and t.task_id not in view.ended_tasks]
+    # The single path (a quantized KV cache, a draft model) serves one at a time: one slot.
+    slots = 1 if instance.kv_bits or instance.draft_model else view.batch_slots
+    chosen = next_to_forward(waiting, in_runner, max(slots - len(in_runner), 0))
+    return [ForwardTask(runner_id=local.runner_id, task_id=t.task_id) for t in chosen]
 
 
 def _a_peer_failed(view: WorkerView, instance: Instance, local: LocalRunner) -> bool:

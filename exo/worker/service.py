@@ -97,6 +97,7 @@ class Worker:
         self._migrate_grace_s = suspect_s + MIGRATE_MARGIN_S
         downloads = download_settings or DownloadSettings.of(ModelSettings(), data_dir)
         start = runner_start or RunnerStart(nats_urls=nats_urls)
+        self._batch_slots = start.settings.max_batch  # the queue stays here, fair between keys (fairness.py)
         new_runner = runner_factory or (
             lambda runner_id: RunnerHost(runner_id, start, data_dir / "logs", offline=downloads.offline))
         self._runs = TaskRuns()  # which run of each task this node forwarded and ended
@@ -169,6 +170,7 @@ class Worker:
             ended_tasks=self._runs.current_ends(self._view.state),
             local_images=self._images.cache.digests(), images_in_flight=frozenset(self._images.in_flight),
             now=time.monotonic(), stall_after=self._settings.runner_stall_s, migrate_grace=self._migrate_grace_s,
+            batch_slots=self._batch_slots,
         )
 
     def _on_event(self, seq: int, event: AnyEvent, state: State) -> None:
