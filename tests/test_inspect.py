@@ -61,8 +61,8 @@ async def test_inspect_json_shows_streams_consumers_keys_and_objects(populated):
     (snapshot,) = state_bucket["keys"]
     assert (snapshot["key"], snapshot["revision"], snapshot["revisions_kept"], snapshot["note"]) == \
         ("snapshot", 2, 2, "State at sequence 3")
-    (images,) = report["object_stores"]
-    assert images["bucket"] == "exo-images"
+    adapters, images = report["object_stores"]
+    assert (adapters["bucket"], adapters["objects"], images["bucket"]) == ("exo-adapters", [], "exo-images")
     assert [(o["name"], o["size"], o["chunks"]) for o in images["objects"]] == [(digest, len(IMAGE), 1)]
     assert report["server"]["url"] == redact(url) and report["server"]["monitor"] is None
 

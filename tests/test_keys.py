@@ -159,3 +159,10 @@ def test_the_worker_gives_its_runner_a_batchs_worth_and_keeps_the_rest():
     assert [s.task_id for s in plan(view) if isinstance(s, ForwardTask)] == ["t1", "t2"]
     unbounded = replace(view, batch_slots=0)
     assert [s.task_id for s in plan(unbounded) if isinstance(s, ForwardTask)] == ["t1", "t2", "t3", "t4"]
+
+
+def test_a_keys_fields_are_bounded():
+    assert "at most 10000" in (KeyLimits(requests_per_minute=20_000).problem() or "")
+    assert "between 0 (no limit)" in (KeyLimits(tokens_per_day=-1).problem() or "")
+    assert "at most 200 characters" in (replace(KEY, models=["x" * 201]).problem() or "")
+    assert replace(KEY, key_id="key_x").problem() == "invalid key id 'key_x'"

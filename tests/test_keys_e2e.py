@@ -190,3 +190,34 @@ def test_one_keys_flood_does_not_starve_another_keys_request(tmp_path, model_dir
             assert lone_first < firsts[2], (lone_first, firsts)
         finally:
             exo.interrupt()
+
+
+def test_a_request_may_ask_for_the_batch_tier_but_not_above_its_keys(node):
+    exo = node
+    with admin_client(exo.url) as admin:
+        _, batch_secret = add_key(admin, priority="batch")
+        asks = [(ADMIN, {"service_tier": "flex"}, "batch"), (ADMIN, {"priority": 5}, "batch"), (ADMIN, {}, "interactive"),
+                (batch_secret, {"service_tier": "priority"}, "batch")]
+        for secret, extra, tier in asks:
+            answer = httpx.post(f"{exo.url}/v1/chat/completions", headers={"Authorization": f"Bearer {secret}"},
+                                json={"model": TINY_MODEL_ID, "messages": ASK, "max_tokens": 2, **extra}, timeout=60)
+            assert answer.status_code == 200, answer.text
+            task = admin.get("/state").json()["tasks"][answer.json()["id"].removeprefix("chatcmpl-")]
+            assert task["priority"] == tier, (extra, task["priority"])
+
+
+def test_a_stream_that_crosses_its_token_limit_finishes_and_the_next_request_waits(node):
+    exo = node
+    with admin_client(exo.url) as admin:
+        _, secret = add_key(admin, limits={"tokens_per_minute": 30})
+    if time.time() % 60 > 50:  # the stream and the next request in one clock minute, the window tokens count in
+        time.sleep(60.5 - time.time() % 60)
+    client = openai.OpenAI(base_url=f"{exo.url}/v1", api_key=secret, max_retries=0)
+    stream = client.chat.completions.create(model=TINY_MODEL_ID, messages=ASK, max_tokens=60, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 60  # past 30, and let finish
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
+    with pytest.raises(openai.RateLimitError, match="tokens this minute, its limit of 30"):
+        wait_until(lambda: client.chat.completions.create(model=TINY_MODEL_ID, messages=ASK, max_tokens=2) and False,
+                   5, what="the next request refused")

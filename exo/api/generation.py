@@ -240,7 +240,9 @@ async def cancel_generation(ctx: ApiContext, command_id: CommandId) -> None:
     await send_command(ctx.nc, CancelTask(command_id=new_command_id(), task_id=command_id))
 
 
-async def start_generation(ctx: ApiContext, model_id: ModelId, params: GenerationParams) -> Generation:
+async def start_generation(ctx: ApiContext, model_id: ModelId, params: GenerationParams,
+                           tier: str = "interactive") -> Generation:
+    """`tier`: the request's own ("batch" lowers it; it cannot raise its key's)."""
     """Queue the request and return once the master accepted it (or raise why it did not)."""
     card = ctx.card(model_id)
     grant = current_grant.get()
@@ -255,7 +257,8 @@ async def start_generation(ctx: ApiContext, model_id: ModelId, params: Generatio
         key = grant.key
         await send_command(ctx.nc, GenerateText(command_id=command_id, model_id=model_id, params=params, at=time.time(),
                                                 key_id=key.key_id if key else "",
-                                                priority=key.priority if key else "interactive"))
+                                                priority="batch" if "batch" in (tier, key.priority if key else "")
+                                                else "interactive"))
         raise_if_rejected(await asyncio.wait_for(answer, COMMAND_TIMEOUT_S))
     except TimeoutError:
         ctx.outcomes.forget_task_end(command_id, ended)
@@ -270,10 +273,16 @@ async def start_generation(ctx: ApiContext, model_id: ModelId, params: Generatio
     return Generation(ctx, command_id, listener, ended)
 
 
+def requested_tier(service_tier: str | None, priority: int | None) -> str:
+    """A request's tier: OpenAI's `service_tier: "flex"` or vLLM's `priority` above 0 (lower goes
+    first there) ask for the batch tier; anything else keeps the key's."""
+    return "batch" if service_tier == "flex" or (priority or 0) > 0 else "interactive"
+
+
 @asynccontextmanager
 async def generating(ctx: ApiContext, model_id: ModelId, params: GenerationParams, missing: ApiError | None = None,
                      resume_grace_s: float = 0.0, storing: AbstractAsyncContextManager[None] | None = None,
-                     ) -> AsyncIterator[Generation]:
+                     tier: str = "interactive") -> AsyncIterator[Generation]:
     """The one way a surface runs a generation: the model must have a card (else `missing`, the
     surface's own 404, or OpenAI's), the request is queued (inside `storing`: what must be stored
     for it, e.g. its images), and however the handler ends the generation is closed: cancelled if
@@ -289,7 +298,7 @@ async def generating(ctx: ApiContext, model_id: ModelId, params: GenerationParam
         raise ApiError(400, f"the model {model_id!r} is an embedding model and does not generate text: use "
                             "POST /v1/embeddings (or Ollama's /api/embed)", param="model")
     async with storing or nullcontext():
-        generation = await start_generation(ctx, model_id, params)
+        generation = await start_generation(ctx, model_id, params, tier)
     try:
         yield generation
     finally:

@@ -27,6 +27,7 @@ from exo.core.usage import days_from_civil, month_of
 
 Tier = Literal["interactive", "batch"]  # vLLM's priority, OpenAI's service_tier: interactive first
 WINDOW_S = 60.0
+MAX_REQUESTS_PER_MINUTE = 10_000
 _KEY_ID = re.compile(r"key_[0-9a-f]{16}")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
@@ -45,6 +46,9 @@ class KeyLimits(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
             value = getattr(self, name)
             if not 0 <= value <= 10**12:
                 return f"limits.{name} must be between 0 (no limit) and 10^12, not {value}"
+        if self.requests_per_minute > MAX_REQUESTS_PER_MINUTE:  # State keeps that many request times per key
+            return (f"limits.requests_per_minute must be at most {MAX_REQUESTS_PER_MINUTE} (0: no limit), "
+                    f"not {self.requests_per_minute}")
         return None
 
 

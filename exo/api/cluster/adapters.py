@@ -33,6 +33,7 @@ from exo.core.state import State
 from exo.models.adapter_source import MAX_CONFIG_BYTES, AdapterTooLarge, hub_adapter
 from exo.models.transfer import DownloadError
 
+MAX_FORM_PARTS = 8
 _HUB_STATUS = {"not_found": 404, "gated": 403, "unauthorized": 403, "offline": 424, "network": 503,
                "rate_limited": 503}
 
@@ -97,6 +98,8 @@ async def _upload(request: web.Request, max_bytes: int) -> tuple[dict[str, str],
     files: dict[str, bytes] = {}
     reader = await request.multipart()
     while (part := await reader.next()) is not None:
+        if len(fields) + len(files) >= MAX_FORM_PARTS:
+            raise ApiError(400, f"the form has more than {MAX_FORM_PARTS} parts; send name, base_model, config and weights")
         if not isinstance(part, BodyPartReader) or part.name is None:
             raise ApiError(400, "the form may not nest multipart parts; send name, base_model, config and weights")
         limit = {"config": MAX_CONFIG_BYTES, "weights": max_bytes}.get(part.name, 1024)

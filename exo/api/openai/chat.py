@@ -10,7 +10,7 @@ from aiohttp import web
 from exo.api import thinking
 from exo.api.context import context_of
 from exo.api.errors import ApiError
-from exo.api.generation import generating
+from exo.api.generation import generating, requested_tier
 from exo.api.images import USER_ONLY, ImageUploads
 from exo.api.openai.chat_stream import complete_chat, parse_event_id, resume_chat, stream_chat
 from exo.api.openai.chat_wire import ChatRequest, ChatRequestMessage
@@ -96,7 +96,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     params = to_params(body, uploads)
     ctx = context_of(request)
     grace = ctx.settings.resume_grace_s if body.stream else 0.0
-    async with generating(ctx, body.model, params, resume_grace_s=grace,
+    async with generating(ctx, body.model, params, resume_grace_s=grace, tier=requested_tier(body.service_tier, body.priority),
                           storing=uploads.stored(ctx, body.model)) as generation:
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)

@@ -40,6 +40,8 @@ class StreamOptions(msgspec.Struct, kw_only=True):
 
 class ChatRequest(msgspec.Struct, kw_only=True):
     model: ModelId
+    service_tier: str | None = None  # "flex": the batch tier (served after interactive requests)
+    priority: int | None = None  # vLLM's: above 0, the batch tier
     messages: list[ChatRequestMessage]
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -65,6 +67,8 @@ class ChatRequest(msgspec.Struct, kw_only=True):
 
 class CompletionRequest(msgspec.Struct, kw_only=True):
     model: ModelId
+    service_tier: str | None = None  # as ChatRequest's
+    priority: int | None = None
     prompt: str | list[str]
     max_tokens: int | None = COMPLETIONS_MAX_TOKENS
     temperature: float | None = None

@@ -11,7 +11,7 @@ from aiohttp import web
 
 from exo.api.context import context_of
 from exo.api.errors import ApiError
-from exo.api.generation import collect, generating
+from exo.api.generation import collect, generating, requested_tier
 from exo.api.images import USER_ONLY, ImageUploads
 from exo.api.openai.responses_stream import Answer, response_body, stream_response
 from exo.api.openai.responses_wire import ContentPart, InputItem, NamedTool, ResponsesRequest
@@ -117,7 +117,8 @@ async def responses(request: web.Request) -> web.StreamResponse:
     params = to_params(body, uploads)
     echo = _echo(body)
     ctx = context_of(request)
-    async with generating(ctx, body.model, params, storing=uploads.stored(ctx, body.model, "input")) as generation:
+    async with generating(ctx, body.model, params, storing=uploads.stored(ctx, body.model, "input"),
+                          tier=requested_tier(body.service_tier, None)) as generation:
         if body.stream:
             return await stream_response(request, generation, echo)
         done = await collect(generation)

@@ -55,6 +55,7 @@ class TextOptions(msgspec.Struct, kw_only=True):
 
 class ResponsesRequest(msgspec.Struct, kw_only=True):
     model: ModelId
+    service_tier: str | None = None  # "flex": the batch tier (exo/api/generation.py requested_tier)
     input: str | list[InputItem]
     instructions: str | None = None
     max_output_tokens: int | None = None
