@@ -283,6 +283,23 @@ def _no_polling(page, state_fetches: list[float]) -> None:
     assert [t for t in state_fetches if t > quiet_from] == []
 
 
+def _confirm(button, gone) -> None:
+    """Click a confirm button twice (the first click only asks) until `gone` is gone. An event that
+    re-renders the list between the two clicks (the deleted instance's runner stopping, on a busy
+    machine) gives a fresh button that is not armed: click again, as a person would."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeoutError
+
+    for _ in range(3):
+        button.click()
+        button.click()
+        try:
+            gone.wait_for(state="detached", timeout=10_000)
+            return
+        except PlaywrightTimeoutError:
+            continue
+    gone.wait_for(state="detached", timeout=1)
+
+
 def _delete_instance_and_card(page, http, instance_id: str) -> None:
     delete = page.locator(f'.card.instance[data-instance-id="{instance_id}"] [data-action="delete-instance"]')
     delete.click()
@@ -293,9 +310,7 @@ def _delete_instance_and_card(page, http, instance_id: str) -> None:
     page.wait_for_selector("#chat-model option:text('no running model: place one')", state="attached")
 
     delete_card = page.locator(f'.model-row[data-model-id="{TINY_MODEL_ID}"] [data-action="delete-model"]')
-    delete_card.click()
-    delete_card.click()
-    page.locator(f'.model-row[data-model-id="{TINY_MODEL_ID}"]').wait_for(state="detached")
+    _confirm(delete_card, page.locator(f'.model-row[data-model-id="{TINY_MODEL_ID}"]'))
     assert http.get("/state").json()["custom_model_cards"] == {}
 
 
