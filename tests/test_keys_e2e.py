@@ -97,6 +97,12 @@ def test_anthropic_clients_see_their_headers_and_a_deleted_key_fails_within_a_se
         assert raw.headers["anthropic-ratelimit-requests-remaining"] == "4"
         assert raw.headers["anthropic-ratelimit-tokens-limit"] == "1000"
         assert raw.headers["anthropic-ratelimit-requests-reset"].endswith("Z")
+        for _ in range(4):
+            claude.messages.create(model=TINY_MODEL_ID, max_tokens=2, messages=ASK)
+        with pytest.raises(anthropic.RateLimitError, match="made 5 requests in the last minute") as limited:
+            claude.messages.create(model=TINY_MODEL_ID, max_tokens=2, messages=ASK)
+        assert 1 <= int(limited.value.response.headers["retry-after"]) <= 60
+        assert limited.value.response.headers["anthropic-ratelimit-requests-remaining"] == "0"
         assert admin.delete(f"/keys/{key_id}").status_code == 200
         deleted = time.monotonic()
     wait_until(lambda: chat(exo.url, secret).status_code == 401, 1.0, interval=0.02, what="the deleted key refused")
