@@ -32,12 +32,14 @@ def choose_instance(state: State, candidates: list[Instance], params: Generation
     if by_conversation and len(candidates) > 1:
         later = digest_conversation(params)
         opening = later.messages[0] if later.messages and params.prompt is None else None
-        for task in state.tasks.values():
-            earlier = task.conversation
-            if task.instance_id not in shared or (opening is not None and earlier.prompt_chars < 0
-                                                  and earlier.messages[:1] != [opening]):
-                continue  # different first messages share nothing: skip the full comparison (the common case)
-            here = shared_conversation(earlier, later, params.prompt)
+        # Different first messages share nothing: those tasks are passed over without the full
+        # comparison (the common case). One comprehension, not a loop: this runs over every task
+        # State keeps (1,000 finished and the open ones) for every request the master admits.
+        worth_comparing = [task for task in state.tasks.values() if task.instance_id in shared and (
+            opening is None or task.conversation.prompt_chars >= 0
+            or (task.conversation.messages and task.conversation.messages[0] == opening))]
+        for task in worth_comparing:
+            here = shared_conversation(task.conversation, later, params.prompt)
             shared[task.instance_id] = max(shared[task.instance_id], here)
     return min(candidates, key=lambda i: (-shared[i.instance_id], open_tasks[i.instance_id]))
 
