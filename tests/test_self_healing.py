@@ -266,7 +266,10 @@ def test_with_no_room_left_the_desire_says_why_and_the_generation_waits_for_the_
     reason = wait_until(waiting, 40, 0.3, "the desire waiting with its reason")
     assert "min_nodes=3" in reason, reason
     task = state_of(api).tasks[stream.task_id]
-    assert task.status != "failed" and [m.to_instance for m in task.migrations] == [""], task
+    # It waits ("" : no instance). On a loaded machine the surviving ranks may report their broken
+    # ring before the dead node is suspected: a replacement on the same three nodes is placed and
+    # takes the task first, then goes with the node (seen once in CI): a move before the wait.
+    assert task.status != "failed" and task.migrations[-1].to_instance == "" and len(task.migrations) <= 2, task
     assert not stream.done.is_set()
     cluster.bring_back()  # room again: the desire is placed, the task goes on
     _finished(stream)
