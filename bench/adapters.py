@@ -17,7 +17,6 @@ mlx-lm's own tokens/s with the adapter loaded, and its greedy text is mlx-lm's, 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -33,6 +32,7 @@ import mlx.core as mx  # noqa: E402
 import mlx_lm  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
+from bench.speculative import greedy_stream  # noqa: E402
 from tests.support.adapters import make_adapter  # noqa: E402
 from tests.support.exo_process import ExoProcess  # noqa: E402
 from tests.support.fake_hub import FakeHub  # noqa: E402
@@ -72,23 +72,7 @@ def direct_run(model: Any, tokenizer: Any, prompt: str, max_tokens: int) -> Run:
 
 
 def cluster_run(http: httpx.Client, model_id: str, ask: str, max_tokens: int) -> Run:
-    body = {"model": model_id, "messages": [{"role": "user", "content": ask}], "temperature": 0,
-            "max_tokens": max_tokens, "stream": True, "stream_options": {"include_usage": True}}
-    stamps: list[float] = []
-    usage: dict[str, Any] = {}
-    text = ""
-    with http.stream("POST", "/v1/chat/completions", json=body) as response:
-        if response.status_code != 200:
-            raise RuntimeError(f"{model_id}: {response.status_code} {response.read().decode()}")
-        for line in response.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                usage = chunk["usage"]
-            elif chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
-                stamps.append(time.perf_counter())
-                text += chunk["choices"][0]["delta"]["content"]
+    stamps, usage, text = greedy_stream(http, model_id, ask, max_tokens)
     tokens: int = usage["completion_tokens"]  # a chunk may carry several tokens (exo coalesces fast streams)
     return Run(tokens - 1, stamps[-1] - stamps[0], tokens, text)
 

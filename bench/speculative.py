@@ -79,7 +79,8 @@ def direct_run(model: Any, tokenizer: Any, prompt: str, max_tokens: int, draft: 
     return Run(len(stamps) - 1, stamps[-1] - stamps[0], len(stamps), accepted, text)
 
 
-def cluster_run(http: httpx.Client, model_id: str, ask: str, max_tokens: int) -> Run:
+def greedy_stream(http: httpx.Client, model_id: str, ask: str, max_tokens: int) -> tuple[list[float], dict[str, Any], str]:
+    """One streamed greedy chat through exo: when each piece of text came, the usage, the text."""
     body = {"model": model_id, "messages": [{"role": "user", "content": ask}], "temperature": 0,
             "max_tokens": max_tokens, "stream": True, "stream_options": {"include_usage": True}}
     stamps: list[float] = []
@@ -97,6 +98,11 @@ def cluster_run(http: httpx.Client, model_id: str, ask: str, max_tokens: int) ->
             elif chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
                 stamps.append(time.perf_counter())
                 text += chunk["choices"][0]["delta"]["content"]
+    return stamps, usage, text
+
+
+def cluster_run(http: httpx.Client, model_id: str, ask: str, max_tokens: int) -> Run:
+    stamps, usage, text = greedy_stream(http, model_id, ask, max_tokens)
     tokens: int = usage["completion_tokens"]  # a chunk may carry several tokens (exo coalesces fast streams)
     accepted: int = usage.get("completion_tokens_details", {}).get("accepted_prediction_tokens", 0)
     return Run(tokens - 1, stamps[-1] - stamps[0], tokens, accepted, text)

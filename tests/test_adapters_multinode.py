@@ -5,8 +5,6 @@ text equals mlx-lm's in one process with the adapter loaded, token for token."""
 from __future__ import annotations
 
 import hashlib
-import os
-import signal
 
 import httpx
 import pytest
@@ -15,7 +13,7 @@ from tests.support.adapters import make_adapter
 from tests.support.cluster import NatsServer, start_node, state_of, wait_until
 from tests.support.e2e import Reference
 from tests.support.tiny_model import Dims, make_tiny_model
-from tests.test_multinode import PROMPT, _ring_ports, _runner_pids, wait_until_gone
+from tests.test_multinode import PROMPT, _ring_ports, stop_cluster
 
 pytestmark = pytest.mark.slow
 
@@ -53,13 +51,7 @@ def cluster(tmp_path_factory, model_dir, adapter_dir):
     wait_until(lambda: len(state_of(head).nodes) == 2, 30, what="both workers registered")
     yield head, workers, http, added.json()["adapter"]["digest"]
     http.close()
-    runners = [pid for worker in workers for pid in _runner_pids(worker)]
-    for node in [*workers, head]:
-        if node.process.poll() is None:
-            node.interrupt()
-    nats.stop()
-    for pid in wait_until_gone(runners, 20):
-        os.kill(pid, signal.SIGKILL)
+    stop_cluster(head, workers, nats)
 
 
 @pytest.mark.parametrize("sharding", ["tensor", "pipeline"])

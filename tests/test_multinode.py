@@ -54,6 +54,12 @@ def cluster(tmp_path_factory, model_dir):
     assert http.post("/models/add", json={"model_id": MODEL, "path": str(model_dir)}).status_code == 200
     yield head, workers, http
     http.close()
+    left = stop_cluster(head, workers, nats)
+    assert not left, f"runner processes outlived their workers: {left}"
+
+
+def stop_cluster(head: ExoProcess, workers: list[ExoProcess], nats: NatsServer) -> list[int]:
+    """Stop the nodes and the server; the runner processes that outlived their workers (killed now)."""
     runners = [pid for worker in workers for pid in _runner_pids(worker)]
     for node in [*workers, head]:
         if node.process.poll() is None:
@@ -64,7 +70,7 @@ def cluster(tmp_path_factory, model_dir):
     left = wait_until_gone(runners, 20)
     for pid in left:
         os.kill(pid, signal.SIGKILL)
-    assert not left, f"runner processes outlived their workers: {left}"
+    return left
 
 
 def wait_until_gone(pids: list[int], timeout: float) -> list[int]:

@@ -76,13 +76,24 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
 def _grant_of(presented: str, env_keys: tuple[str, ...], state_keys: dict[str, ApiKey]) -> Grant:
     if presented and _key_matches(presented, env_keys):
         return OPEN
-    digest = hashlib.sha256(presented.encode()).hexdigest()
     # Looked up by the hash of what was presented: the time it takes says nothing about the secrets.
-    key = next((k for k in state_keys.values() if hmac.compare_digest(k.secret_sha256, digest)), None)
+    key = _by_hash(state_keys).get(hashlib.sha256(presented.encode()).hexdigest())
     if not presented or key is None:
         raise ApiError(401, "a valid API key is required: send 'Authorization: Bearer <key>'",
                        code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
     return Grant(admin=key.admin, key=key)
+
+
+_index: tuple[dict[str, ApiKey], dict[str, ApiKey]] = ({}, {})
+
+
+def _by_hash(keys: dict[str, ApiKey]) -> dict[str, ApiKey]:
+    """The keys by their secret's hash, made again only when State's key dict is another one
+    (the reducer replaces it on a key's event): not a scan of every key on every request."""
+    global _index
+    if _index[0] is not keys:
+        _index = (keys, {k.secret_sha256: k for k in keys.values()})
+    return _index[1]
 
 
 def _presented_key(request: web.Request) -> str:

@@ -19,6 +19,7 @@ from typing import Any
 import msgspec
 from aiohttp import BodyPartReader, web
 
+from exo.api.cluster.card_source import HUB_STATUS
 from exo.api.context import ApiContext, context_of
 from exo.api.errors import ApiError
 from exo.api.outcomes import new_command_id
@@ -34,8 +35,6 @@ from exo.models.adapter_source import MAX_CONFIG_BYTES, AdapterTooLarge, hub_ada
 from exo.models.transfer import DownloadError
 
 MAX_FORM_PARTS = 8
-_HUB_STATUS = {"not_found": 404, "gated": 403, "unauthorized": 403, "offline": 424, "network": 503,
-               "rate_limited": 503}
 
 
 class AdapterFromHub(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -132,7 +131,7 @@ async def _from_hub(asked: AdapterFromHub, max_bytes: int) -> tuple[bytes, bytes
     except AdapterTooLarge as error:
         raise ApiError(413, str(error), param="hub_id") from None
     except DownloadError as error:
-        raise ApiError(_HUB_STATUS.get(error.code, 502), error.reason, param="hub_id", code=error.code) from None
+        raise ApiError(HUB_STATUS.get(error.code, 502), error.reason, param="hub_id", code=error.code) from None
     return found.config, found.weights
 
 

@@ -29,7 +29,7 @@ from exo.models.transfer import DownloadError
 # The KV cache is kept in the activations' type, which follows the model's (quantized ones included).
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 # What each Hub failure is to the caller of /models/add.
-_HUB_STATUS = {"not_found": 404, "gated": 403, "unauthorized": 403, "offline": 424, "network": 503,
+HUB_STATUS = {"not_found": 404, "gated": 403, "unauthorized": 403, "offline": 424, "network": 503,
                "rate_limited": 503}
 
 
@@ -76,7 +76,7 @@ def _facts(card: ModelCard, model_dirs: ModelDirs) -> CardFacts:
         local = _local_copy(card, model_dirs)  # offline, or the Hub is down: a copy this node has will do
         if local is not None and error.code in ("offline", "network", "rate_limited"):
             return local
-        raise ApiError(_HUB_STATUS.get(error.code, 502), _hub_message(card, error), param="model_id",
+        raise ApiError(HUB_STATUS.get(error.code, 502), _hub_message(card, error), param="model_id",
                        code=f"hub_{error.code}") from None
 
 
