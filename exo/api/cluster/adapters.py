@@ -31,6 +31,7 @@ from exo.core.commands import AddAdapter, DeleteAdapter
 from exo.core.events import AdapterAdded
 from exo.core.ids import ModelId
 from exo.core.state import State
+from exo.core.types import is_valid_model_id
 from exo.models.adapter_source import MAX_CONFIG_BYTES, AdapterTooLarge, hub_adapter
 from exo.models.transfer import DownloadError
 
@@ -126,6 +127,11 @@ async def _read_part(part: BodyPartReader, limit: int) -> bytes:
 
 
 async def _from_hub(asked: AdapterFromHub, max_bytes: int) -> tuple[bytes, bytes]:
+    if not is_valid_model_id(asked.hub_id) or "/" not in asked.hub_id:  # checked here, not by the Hub's 502
+        raise ApiError(400, f"hub_id must be a Hub repository id such as 'org/name-lora', not {asked.hub_id!r}",
+                       param="hub_id")
+    if not 0 < len(asked.revision) <= 200:
+        raise ApiError(400, "revision must be a branch, tag or commit of at most 200 characters", param="revision")
     try:
         found = await asyncio.to_thread(hub_adapter, asked.hub_id, asked.revision, max_bytes)
     except AdapterTooLarge as error:
