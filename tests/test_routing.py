@@ -2,12 +2,15 @@
 served its earlier ones (whose runner holds them in its prompt cache), decided from State alone;
 everything else goes to the least busy instance."""
 
+import random
+
 from exo.core.apply import apply
 from exo.core.commands import GenerateText, PlaceInstance
 from exo.core.conversation import digest_conversation
 from exo.core.events import TaskFinished
 from exo.core.state import State
 from exo.core.types import ChatMessage, GenerationParams
+from exo.master.routing import TaskIndex, choose_instance
 from exo.master.routing import shared_conversation as shared_digests
 from tests.test_decide import run, with_node
 
@@ -114,3 +117,42 @@ def test_finished_tasks_keep_their_prompt_by_digest_only_and_state_stays_small()
     for n in (6, 7):
         _, where = ask(state, f"next{n}", params(n, "and on"))
         assert where == state.tasks[f"g{n}"].instance_id
+
+
+def _random_request(rng: random.Random, n: int) -> GenerationParams:
+    """Requests drawn so that many share a system prompt, an opening, tools or a raw prompt's start."""
+    if rng.random() < 0.2:  # completions: raw prompts that continue one another
+        return GenerationParams(prompt="Once upon a time, in a land far away, " * rng.randint(1, 3) + str(rng.randint(0, 3)))
+    system = [SYSTEM] if rng.random() < 0.6 else []
+    opening = [ChatMessage(role="user", content=f"topic {rng.randint(0, 5)}")]
+    later = [ChatMessage(role=rng.choice(["assistant", "user"]), content=f"turn {rng.randint(0, 2)}")
+             for _ in range(rng.randint(0, 3))]
+    tools = [{"type": "function", "function": {"name": "f"}}] if rng.random() < 0.2 else []
+    only_system = [SYSTEM] if rng.random() < 0.05 else None
+    return GenerationParams(messages=only_system or system + opening + later, tools=tools)
+
+
+def test_the_masters_task_index_changes_no_routing_decision(monkeypatch):
+    """Routing with the master's TaskIndex compares a request with the tasks of its chat key only:
+    over a long random run (tasks evicted, the index rebuilt, one index across every State), every
+    task that shares anything with the request is among those it compares, and the choice is the
+    one a scan of every task makes."""
+    monkeypatch.setattr("exo.core.apply.MAX_FINISHED_TASKS", 30)  # evictions, and the index's rebuilds, early
+    rng = random.Random(7)
+    state, _ = two_instances()
+    state, _ = run(state, PlaceInstance(command_id="p3", model_id="org/builtin"))
+    candidates = state.instances_of("org/builtin")
+    index, compared, rebuilt, seen_before = TaskIndex(), 0, 0, 0
+    for n in range(400):
+        params = _random_request(rng, n)
+        later = digest_conversation(params)
+        alike = {t.task_id for t in index.alike(state, later)}
+        sharing = {t.task_id for t in state.tasks.values() if shared_digests(t.conversation, later, params.prompt) > 0}
+        assert sharing <= alike, n
+        compared, rebuilt, seen_before = compared + len(sharing), rebuilt + (len(index._seen) < seen_before), len(index._seen)
+        busy = {i.instance_id: rng.randint(0, 2) for i in candidates}
+        assert choose_instance(state, candidates, params, busy, index=index) == \
+            choose_instance(state, candidates, params, busy), n
+        state, _ = ask(state, f"r{n}", params, finish=rng.random() < 0.8)
+    finished_kept = sum(t.status == "completed" for t in state.tasks.values())
+    assert compared > 200 and finished_kept == 30 and rebuilt >= 1, (compared, finished_kept, rebuilt)

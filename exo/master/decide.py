@@ -47,7 +47,7 @@ from exo.core.state import State
 from exo.core.types import Desire, Instance, ModelCard, RejectionCode, RunnerInfo, Task
 from exo.core.usage import tokens_in_day, tokens_in_month
 from exo.master.heal import place_for
-from exo.master.routing import choose_instance
+from exo.master.routing import TaskIndex, choose_instance
 from exo.settings.services import MasterSettings
 
 MAX_REPLICAS = 64
@@ -66,6 +66,7 @@ def decide(
     ids: Iterator[str],
     default_max_queue: int = DEFAULT_MAX_QUEUE,
     cache_routing: bool = True,
+    routing_index: TaskIndex | None = None,
 ) -> list[Event]:
     if command.command_id in state.answered_commands:
         return []  # redelivered after its first master appended the answer: decided already
@@ -77,7 +78,7 @@ def decide(
         case DeleteDesire():
             return _delete_desire(state, command)
         case GenerateText():
-            return _generate(state, command, builtin_cards, default_max_queue, cache_routing)
+            return _generate(state, command, builtin_cards, default_max_queue, cache_routing, routing_index)
         case CancelTask():
             return _cancel(state, command)
         case AddCustomCard():
@@ -176,7 +177,7 @@ def _delete_desire(state: State, command: DeleteDesire) -> list[Event]:
 
 
 def _generate(state: State, command: GenerateText, builtin: Mapping[ModelId, ModelCard], default_max_queue: int,
-              cache_routing: bool) -> list[Event]:
+              cache_routing: bool, routing_index: TaskIndex | None) -> list[Event]:
     if find_card(state, builtin, command.model_id) is None:
         return _reject(command, "not_found", f"unknown model {command.model_id!r}")
     if command.key_id and (refused := _over_limits(state, command)):
@@ -211,7 +212,8 @@ def _generate(state: State, command: GenerateText, builtin: Mapping[ModelId, Mod
     if not with_room:
         return _reject(command, "overloaded",
                        f"every instance of {command.model_id!r} has a full queue; try again shortly")
-    chosen = choose_instance(state, with_room, command.params, open_tasks, by_conversation=cache_routing)
+    chosen = choose_instance(state, with_room, command.params, open_tasks, by_conversation=cache_routing,
+                             index=routing_index)
     task = Task(
         task_id=TaskId(command.command_id),  # a task is named after the command that asked for it
         instance_id=chosen.instance_id,

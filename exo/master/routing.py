@@ -18,30 +18,87 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from exo.core.conversation import digest_conversation, prompt_starts_with
-from exo.core.ids import InstanceId
+from exo.core.ids import InstanceId, TaskId
 from exo.core.state import State
-from exo.core.types import ConversationDigest, GenerationParams, Instance
+from exo.core.types import ConversationDigest, GenerationParams, Instance, Task
 
 MIN_SHARED_PROMPT_CHARS = 32  # completions: a raw prompt that continues an earlier one by less is not worth a detour
 
 
 def choose_instance(state: State, candidates: list[Instance], params: GenerationParams,
-                    open_tasks: Mapping[InstanceId, int], by_conversation: bool = True) -> Instance:
-    """The candidate that served the longest shared conversation; ties (and none): the least busy."""
+                    open_tasks: Mapping[InstanceId, int], by_conversation: bool = True,
+                    index: TaskIndex | None = None) -> Instance:
+    """The candidate that served the longest shared conversation; ties (and none): the least busy.
+    `index` (the master keeps one across requests) only saves time: the choice is the same without it."""
     shared = {i.instance_id: 0 for i in candidates}
     if by_conversation and len(candidates) > 1:
         later = digest_conversation(params)
-        opening = later.messages[0] if later.messages and params.prompt is None else None
-        # Different first messages share nothing: those tasks are passed over without the full
-        # comparison (the common case). One comprehension, not a loop: this runs over every task
-        # State keeps (1,000 finished and the open ones) for every request the master admits.
-        worth_comparing = [task for task in state.tasks.values() if task.instance_id in shared and (
-            opening is None or task.conversation.prompt_chars >= 0
-            or (task.conversation.messages and task.conversation.messages[0] == opening))]
-        for task in worth_comparing:
-            here = shared_conversation(task.conversation, later, params.prompt)
-            shared[task.instance_id] = max(shared[task.instance_id], here)
+        for task in index.alike(state, later) if index is not None else _all_alike(state, later, params):
+            if task.instance_id in shared:
+                here = shared_conversation(task.conversation, later, params.prompt)
+                shared[task.instance_id] = max(shared[task.instance_id], here)
     return min(candidates, key=lambda i: (-shared[i.instance_id], open_tasks[i.instance_id]))
+
+
+def _all_alike(state: State, later: ConversationDigest, params: GenerationParams) -> list[Task]:
+    """Without an index: every kept task, less those whose first message differs (they share nothing)."""
+    opening = later.messages[0] if later.messages and params.prompt is None else None
+    return [task for task in state.tasks.values() if opening is None or task.conversation.prompt_chars >= 0
+            or (task.conversation.messages and task.conversation.messages[0] == opening)]
+
+
+ChatKey = tuple[str, tuple[str, ...]]
+
+
+def chat_key(conversation: ConversationDigest) -> ChatKey | None:
+    """What two chats must have in common for one's cache to serve the other at all: their tools
+    and their messages up to the first one that is no system prompt (message digests include the
+    role). None: a raw prompt, or a chat of system prompts only (which shares nothing that counts)."""
+    if conversation.prompt_chars >= 0:
+        return None
+    first = next((n for n, role in enumerate(conversation.roles) if role != "system"), None)
+    if first is None or first >= len(conversation.messages):
+        return None
+    return conversation.tools, tuple(conversation.messages[:first + 1])
+
+
+class TaskIndex:
+    """State's tasks by `chat_key`, so routing compares a request with the few tasks that can share
+    its conversation instead of every task State keeps (1,000 finished and the open ones). A cache
+    over State, not a second truth: each call first indexes the tasks it has not seen (a set
+    difference of task ids, in C), and reads every task back from the State it is given, so a
+    stale entry is skipped and a missing one cannot happen. Rebuilt when evicted tasks outnumber
+    the kept ones."""
+
+    def __init__(self) -> None:
+        self._seen: set[TaskId] = set()
+        self._chats: dict[ChatKey, list[TaskId]] = {}
+        self._prompts: list[TaskId] = []
+
+    def _forget_all(self) -> None:
+        self._seen, self._chats, self._prompts = set(), {}, []
+
+    def alike(self, state: State, conversation: ConversationDigest) -> list[Task]:
+        """The tasks of `state` whose cache may hold part of `conversation`: for a chat, those with
+        its chat key; for a raw prompt, every raw prompt's."""
+        self._catch_up(state)
+        if conversation.prompt_chars >= 0:
+            ids: list[TaskId] = self._prompts
+        else:
+            key = chat_key(conversation)
+            ids = self._chats.get(key, []) if key is not None else []
+        return [task for task_id in ids if (task := state.tasks.get(task_id)) is not None]
+
+    def _catch_up(self, state: State) -> None:
+        if len(self._seen) > 2 * len(state.tasks) + 64:
+            self._forget_all()  # start over from the tasks kept now
+        for task_id in state.tasks.keys() - self._seen:
+            self._seen.add(task_id)
+            conversation = state.tasks[task_id].conversation
+            if conversation.prompt_chars >= 0:
+                self._prompts.append(task_id)
+            elif (key := chat_key(conversation)) is not None:
+                self._chats.setdefault(key, []).append(task_id)
 
 
 def shared_conversation(earlier: ConversationDigest, later: ConversationDigest, later_prompt: str | None) -> int:

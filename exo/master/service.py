@@ -46,6 +46,7 @@ from exo.core.state import State
 from exo.core.types import ModelCard
 from exo.master.decide import decide
 from exo.master.heal import HealLimits
+from exo.master.routing import TaskIndex
 from exo.master.supervise import supervise
 from exo.settings.services import MasterSettings
 
@@ -79,6 +80,7 @@ class Master:
         view.add_listener(self._on_event)
         self.term = 0
         self._ahead: State | None = None  # State plus this batch's own events, until the view has them
+        self._routing_index = TaskIndex()  # kept across requests: saves routing a scan of every task
 
     def _on_event(self, seq: int, event: AnyEvent, state: State) -> None:
         if isinstance(event, (NodeRegistered, NodeHeartbeat)):
@@ -201,6 +203,7 @@ class Master:
         events = decide(
             state, command, builtin_cards=self._builtin_cards, ids=ids_for(command.command_id),
             cache_routing=self._settings.cache_routing, default_max_queue=self._settings.max_queue,
+            routing_index=self._routing_index,
         )
         for seq, event in await self._append(events, term, f"{command.command_id}:{term}"):
             if seq == state.last_seq + 1:  # nothing came between: fold it here, ahead of the view
