@@ -38,6 +38,11 @@ class NotLeader(Exception):
     """The master lost its lease while handling a command: leave the command to the next one."""
 
 
+class RetryBatch(Exception):
+    """The batch's events were refused as a whole, none stored: decide its commands again, now
+    (the master then appends one command's events at a time, so a bad one is answered alone)."""
+
+
 async def send_command(nc: Client, command: Command) -> None:
     """Durably queue a command; Nats-Msg-Id makes a retried send harmless."""
     subject = command_subject(command_tag(command))
@@ -107,6 +112,9 @@ async def _handle_batch(messages: list[Msg], on_command: OnCommand, still_leader
     except NotLeader:
         await _nak_all(handled)
         return False
+    except RetryBatch:
+        await _nak_all(handled)
+        return keep_going
     except Exception:
         # The broker failed under us (a nak, a wait for State): the rest goes back now, not after the ack wait.
         await _nak_all(handled + messages[done:])

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 import msgspec
 from nats.aio.client import Client
@@ -16,6 +16,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js import api
 
+from exo.bus.atomic_append import MAX_ATOMIC, NOT_ENABLED, AtomicAppendFailed, append_atomically
 from exo.bus.errors import LogGap
 from exo.bus.publish import publish_durably
 from exo.bus.subjects import ALL_EVENTS, EVENTS_STREAM, event_subject
@@ -32,11 +33,39 @@ class EventLog:
     def __init__(self, nc: Client) -> None:
         self._nc = nc
         self._js = nc.jetstream()
+        self.atomic = False  # the stream stores atomic batches (see `check_atomic`)
 
     async def append(self, event: Event, event_id: str) -> int:
         """Append one event; returns its sequence (the original one if it was a duplicate)."""
         ack = await publish_durably(self._nc, event_subject(event_tag(event)), encode_event(event), EVENTS_STREAM, event_id)
         return ack.seq
+
+    async def check_atomic(self) -> bool:
+        """Whether the stream takes atomic batches (streams/EXO_EVENTS.json allows them; a stream an
+        operator made without, or a server before 2.12, does not)."""
+        info = await self._js.stream_info(EVENTS_STREAM)
+        self.atomic = bool(info.config.allow_atomic)
+        return self.atomic
+
+    async def append_all(self, events: Sequence[tuple[Event, str]]) -> list[int]:
+        """Append in order; each event's sequence. Where the stream allows, as atomic batches (one
+        round trip each, all or none: AtomicAppendFailed when one is not confirmed); else one by
+        one, each with its id (a retry is deduplicated)."""
+        seqs: list[int] = []
+        while self.atomic and len(events) - len(seqs) > 1:
+            chunk = [event for event, _ in events[len(seqs):len(seqs) + MAX_ATOMIC]]
+            try:
+                last = await append_atomically(self._nc, chunk)
+            except AtomicAppendFailed as error:
+                if error.err_code != NOT_ENABLED:
+                    raise
+                log.warning("%s no longer takes atomic batches (%s): appending one event at a time", EVENTS_STREAM, error)
+                self.atomic = False
+                break
+            seqs.extend(range(last - len(chunk) + 1, last + 1))
+        for event, event_id in events[len(seqs):]:
+            seqs.append(await self.append(event, event_id))
+        return seqs
 
     async def last_sequence(self) -> int:
         info = await self._js.stream_info(EVENTS_STREAM)

@@ -50,6 +50,7 @@ Overrides = dict[str, dict[str, Any]]  # stream name -> fields that replace the 
 # tuned by anyone: it is updated to the file. Anything else is an operator's choice: an error.
 EARLIER_LIMITS: dict[str, list[dict[str, Any]]] = {
     IMAGES_STREAM: [{"max_bytes": -1}],  # before images were bounded by bytes
+    EVENTS_STREAM: [{"allow_atomic": None}],  # before the master appended its batches atomically
 }
 
 

@@ -19,7 +19,8 @@ from typing import cast
 from msgspec.structs import replace
 
 from exo.bus import broker_trouble
-from exo.bus.command_queue import NotLeader, consume_commands
+from exo.bus.atomic_append import AtomicAppendFailed
+from exo.bus.command_queue import NotLeader, RetryBatch, consume_commands
 from exo.bus.connection import Connection
 from exo.bus.errors import BROKER_ERRORS
 from exo.bus.event_log import EventLog
@@ -52,6 +53,8 @@ from exo.settings.services import MasterSettings
 
 log = logging.getLogger(__name__)
 
+ONE_BY_ONE_S = 60.0  # after an atomic batch was refused: how long commands append their own events
+
 _ID_NAMESPACE = uuid.UUID("6f1c4a52-3c1e-4e43-9d55-0b6f8f0f2a10")
 
 
@@ -81,6 +84,8 @@ class Master:
         self.term = 0
         self._ahead: State | None = None  # State plus this batch's own events, until the view has them
         self._routing_index = TaskIndex()  # kept across requests: saves routing a scan of every task
+        self._staged: list[tuple[Event, str]] = []  # this batch's decided events and their ids, not yet appended
+        self._one_by_one_until = 0.0  # time.monotonic() until which commands append their events one by one
 
     def _on_event(self, seq: int, event: AnyEvent, state: State) -> None:
         if isinstance(event, (NodeRegistered, NodeHeartbeat)):
@@ -120,7 +125,8 @@ class Master:
         if self._view.state.leader_term != seq:
             return  # a newer election came meanwhile
         term = self.term = seq
-        self._ahead = None
+        self._ahead, self._staged = None, []
+        await self._log.check_atomic()
         log.info("master: leading with term %d", term)
         renewing = asyncio.create_task(self._keep_lease())
         snapshots = asyncio.create_task(self._snapshotter.run(self._lease.valid))
@@ -189,7 +195,7 @@ class Master:
 
     async def give_up(self, command: AnyCommand, error: str) -> None:
         """A command whose handling kept failing: answer its caller with the error, once."""
-        term = self.term
+        term = self.term  # appended now, ahead of the batch's staged events: a rejection changes no State they read
         rejected = CommandRejected(command_id=command.command_id, command_kind=command_tag(command), code="unavailable",
                                    reason=f"the master could not handle this command: {error}")
         await self._append_all([rejected], term, f"{command.command_id}:{term}:failed")
@@ -197,7 +203,11 @@ class Master:
             raise NotLeader()
 
     async def handle(self, command: AnyCommand) -> None:
-        """Decide one command and append its events; `confirm` follows before it is acked."""
+        """Decide one command on State plus the batch's decisions so far. Its events are staged for
+        `confirm` to append with the batch's (one atomic batch), or appended now where the stream takes
+        no atomic batches or one was refused lately (a bad event then fails its own command)."""
+        if not self._lease.valid():
+            raise NotLeader()
         term = self.term
         state = self._deciding_state()
         events = decide(
@@ -205,22 +215,62 @@ class Master:
             cache_routing=self._settings.cache_routing, default_max_queue=self._settings.max_queue,
             routing_index=self._routing_index,
         )
-        for seq, event in await self._append(events, term, f"{command.command_id}:{term}"):
+        if not self._log.atomic or time.monotonic() < self._one_by_one_until:
+            self._ahead = await self._append_folding(state, events, term, f"{command.command_id}:{term}")
+            return
+        for n, event in enumerate(events):
+            event = replace(event, term=term)
+            self._staged.append((event, f"{command.command_id}:{term}:{n}"))
+            # Folded here, ahead of the view, at the sequence it gets if nothing comes between.
+            state = apply(state, cast(AnyEvent, event), state.last_seq + 1)
+        self._ahead = state
+
+    async def _append_folding(self, state: State, events: list[Event], term: int, id_prefix: str) -> State:
+        for seq, event in await self._append(events, term, id_prefix):
             if seq == state.last_seq + 1:  # nothing came between: fold it here, ahead of the view
                 state = apply(state, cast(AnyEvent, event), seq)
             elif seq > state.last_seq:  # others' events came between (a task finished...): the view has them
                 state = await self._view.wait_for(seq)
-        self._ahead = state
+        return state
 
     async def confirm(self) -> None:
-        """The commands handled since the last confirm may be acked: State holds their events
-        and still names this master's term (else they were fenced off: the new master decides them)."""
-        term, ahead = self.term, self._ahead
-        if ahead is not None:
-            await self._view.wait_for(ahead.last_seq)
+        """The commands handled since the last confirm may be acked: their events are appended, State
+        holds them and still names this master's term (else they were fenced off: the new master
+        decides them)."""
+        term = self.term
+        await self._commit_staged(term)
+        if self._ahead is not None:
+            await self._view.wait_for(self._ahead.last_seq)
             self._ahead = None
         if self._view.state.leader_term != term:
             raise NotLeader()
+
+    async def _commit_staged(self, term: int) -> None:
+        """Append the staged events: one atomic batch, one round trip (exo/bus/atomic_append.py). One
+        not confirmed ends this term (NotLeader): it may have landed, and only a new election tells
+        which decisions count."""
+        staged, self._staged = self._staged, []
+        if not staged:
+            return
+        if not self._lease.valid():
+            self._ahead = None
+            raise NotLeader()
+        planned_first = self._ahead.last_seq - len(staged) + 1 if self._ahead is not None else 0
+        try:
+            seqs = await self._log.append_all(staged)
+        except AtomicAppendFailed as error:
+            self._ahead = None
+            if error.stored_none:  # none stored: decide the batch again, appending command by command
+                log.warning("master: the batch of %d events was refused (%s); appending one command's events at a "
+                            "time for %.0f s", len(staged), error, ONE_BY_ONE_S)
+                self._one_by_one_until = time.monotonic() + ONE_BY_ONE_S
+                raise RetryBatch() from error
+            log.warning("master: the batch of %d events was not confirmed (%s); electing again", len(staged), error)
+            raise NotLeader() from error
+        if seqs[0] != planned_first or seqs != list(range(seqs[0], seqs[0] + len(seqs))):
+            # Others' events came between (a task finished...): the view has the log's order.
+            self._ahead = None
+            await self._view.wait_for(seqs[-1])
 
     def _deciding_state(self) -> State:
         """State as this master's own recent events left it: the view, unless it has yet to fold them."""

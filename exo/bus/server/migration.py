@@ -21,6 +21,7 @@ from typing import Any
 
 from nats.aio.client import Client
 
+from exo.bus.atomic_append import BATCH_HEADERS
 from exo.bus.connection import connect
 from exo.bus.errors import BusError
 from exo.bus.jetstream_api import jetstream_request
@@ -120,7 +121,9 @@ def _data(message: dict[str, Any]) -> bytes:
 
 
 def _headers(message: dict[str, Any]) -> dict[str, str] | None:
-    """NATS/1.0 header block -> dict (exo's and the KV/object store's headers are single-valued)."""
+    """NATS/1.0 header block -> dict (exo's and the KV/object store's headers are single-valued), less
+    an atomic batch's: each event is copied on its own (with them, the cluster would wait for a commit)."""
     raw = base64.b64decode(message.get("hdrs") or "").decode()
     lines = [line for line in raw.split("\r\n")[1:] if ":" in line]
-    return {key.strip(): value.strip() for key, value in (line.split(":", 1) for line in lines)} or None
+    headers = {key.strip(): value.strip() for key, value in (line.split(":", 1) for line in lines)}
+    return {key: value for key, value in headers.items() if key not in BATCH_HEADERS} or None
