@@ -25,7 +25,8 @@ MESSAGES = [{"role": "user", "content": "Hello, cluster"}]
 
 
 def stream_events(urls: list[str]) -> list[tuple[int, str]]:
-    """(sequence, Nats-Msg-Id) of every event in the log."""
+    """(sequence, id) of every event in the log: its Nats-Msg-Id, or where a master appended it in an
+    atomic batch (which cannot carry one), its batch id and place in the batch."""
 
     async def run():
         nc = await connect(urls, name="test-reader")
@@ -34,7 +35,8 @@ def stream_events(urls: list[str]) -> list[tuple[int, str]]:
         rows = []
         for seq in range(info.state.first_seq, info.state.last_seq + 1):
             msg = await js.get_msg("EXO_EVENTS", seq)
-            rows.append((seq, msg.headers["Nats-Msg-Id"]))
+            headers = msg.headers or {}
+            rows.append((seq, headers.get("Nats-Msg-Id") or f"{headers['Nats-Batch-Id']}/{headers['Nats-Batch-Sequence']}"))
         leader = info.cluster.leader
         replicas = info.config.num_replicas
         await nc.close()
