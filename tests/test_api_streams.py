@@ -99,7 +99,7 @@ def test_every_stream_event_carries_an_id(http, tiny):
 
 def test_a_dropped_stream_resumes_with_the_rest_of_the_same_generation(http, tiny, expected_long):
     command_id, first = open_stream(http, 4, max_tokens=LONG)
-    assert task_of(http, command_id)["status"] == "running"  # dropped mid-generation
+    assert task_of(http, command_id)["status"] in ("pending", "running")  # dropped mid-generation (running: after 1 s)
     after = first[-1]["id"].rsplit(":", 1)[1]
     with http.stream("GET", f"/v1/chat/completions/chatcmpl-{command_id}/stream", params={"after": after}) as response:
         assert response.status_code == 200
@@ -245,7 +245,8 @@ def test_events_replay_the_log_from_since_and_follow_it_live(http, client, tiny)
     # every event from the next sequence on, none skipped (a download's progress or a heartbeat may come between)
     assert [int(e["id"]) for e in live] == list(range(last_seq + 1, last_seq + 1 + len(live)))
     ours = [e for e in live if e["data"].get("task_id", e["data"].get("task", {}).get("task_id")) == task_id]
-    assert [e["event"] for e in ours] == ["task.created", "task.started", "task.finished"], [e["event"] for e in live]
+    # Four tokens take well under a second: the log hears no task.started (exo/worker/runners.py).
+    assert [e["event"] for e in ours] == ["task.created", "task.finished"], [e["event"] for e in live]
     assert http.get("/events", params={"since": "soon"}).status_code == 400
 
 

@@ -253,8 +253,13 @@ def _stop_a_long_generation(page, http) -> str:
     reply = page.locator(".msg.assistant")
     page.wait_for_function("() => document.querySelector('.msg.assistant .text').textContent.length > 20")
     command_id = reply.get_attribute("data-command-id")
-    assert http.get("/state").json()["tasks"][command_id]["status"] == "running"
+    # State hears a generation is running once it has run for a second (exo/worker/runners.py).
+    deadline = time.monotonic() + 10
+    while http.get("/state").json()["tasks"][command_id]["status"] != "running":
+        assert time.monotonic() < deadline, "the task was never reported running"
+        time.sleep(0.1)
     card = page.locator(".card.instance")
+    page.wait_for_function("() => document.querySelector('.card.instance').dataset.running === '1'", timeout=10_000)
     assert (card.get_attribute("data-running"), card.get_attribute("data-open")) == ("1", "1")
     assert "1 open (1 running, 0 queued)" in card.locator(".stats").inner_text()
     started = time.monotonic()

@@ -20,6 +20,7 @@ from exo.core.events import (
 from exo.core.state import State
 from exo.core.types import GenerationParams, ModelCard, NodeInfo
 from exo.master.decide import decide
+from exo.master.memo import DecideMemo
 from tests.support.as_master import stamped, with_leader
 
 BUILTIN = {"org/builtin": ModelCard(model_id="org/builtin", n_layers=8, storage_bytes=1000)}
@@ -29,8 +30,14 @@ def ids_for(command_id: str):
     return (f"{command_id}-{n}" for n in itertools.count())
 
 
+# One memo for every decision of these tests (and test_routing's), as the master keeps one for all
+# of its: each decision is made with it and without, and must be the same.
+MEMO = DecideMemo()
+
+
 def run(state: State, command) -> tuple[State, list]:
     events = decide(state, command, builtin_cards=BUILTIN, ids=ids_for(command.command_id))
+    assert decide(state, command, builtin_cards=BUILTIN, ids=ids_for(command.command_id), memo=MEMO) == events
     for event in events:
         state = apply(state, stamped(state, event), state.last_seq + 1)
     return state, events

@@ -1,5 +1,7 @@
 """The worker's planner on plain data: lifecycle order, task forwarding, cancels, failures."""
 
+import msgspec
+
 from exo.core.apply import apply
 from exo.core.events import (
     InstanceCreated,
@@ -65,6 +67,12 @@ def test_tasks_wait_for_a_ready_runner_then_are_forwarded_once():
     assert plan(view(state, "loading")) == []
     assert plan(view(state, "ready")) == [ForwardTask(runner_id="r1", task_id="t1")]
     assert plan(view(state, "ready", forwarded=frozenset({"t1"}))) == []
+    # Nor one State still calls pending, that the runners of this worker's earlier life were given.
+    pending = state_with(InstanceCreated(instance=MINE), TaskCreated(task=task))
+    assert isinstance(plan(view(pending, "ready"))[0], ForwardTask)
+    restarted = msgspec.structs.replace(view(pending, "ready"), given_before_restart=frozenset({"t1"}))
+    (end,) = plan(restarted)
+    assert isinstance(end, EndTask) and end.status == "failed" and end.reason == "its runner restarted mid-generation"
 
 
 def test_cancel_before_and_after_forwarding():

@@ -149,7 +149,7 @@ def test_the_masters_task_index_changes_no_routing_decision(monkeypatch):
         alike = {t.task_id for t in index.alike(state, later)}
         sharing = {t.task_id for t in state.tasks.values() if shared_digests(t.conversation, later, params.prompt) > 0}
         assert sharing <= alike, n
-        compared, rebuilt, seen_before = compared + len(sharing), rebuilt + (len(index._seen) < seen_before), len(index._seen)
+        compared, rebuilt, seen_before = compared + len(sharing), rebuilt + (index._entries < seen_before), index._entries
         busy = {i.instance_id: rng.randint(0, 2) for i in candidates}
         assert choose_instance(state, candidates, params, busy, index=index) == \
             choose_instance(state, candidates, params, busy), n

@@ -133,6 +133,7 @@ class TaskFinished(Event, frozen=True, tag="task.finished", kw_only=True):
     completion_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens reused from the runner's prompt cache
     attempt: int = 0  # the run that ended (len(task.migrations)); an older run's end is skipped (from workers)
+    generation_s: float = 0.0  # its runner's time from the generation's start to its end, as its worker saw it; 0: unknown
 
 
 class CustomCardAdded(Event, frozen=True, tag="card.added", kw_only=True):

@@ -44,10 +44,11 @@ from exo.core.ids import ModelId, TaskId
 from exo.core.keys import KeyWindow, admission
 from exo.core.placement import Unplaceable, node_label
 from exo.core.state import State
-from exo.core.types import Desire, Instance, ModelCard, RejectionCode, RunnerInfo, Task
+from exo.core.types import Desire, Instance, ModelCard, RejectionCode, Task
 from exo.core.usage import tokens_in_day, tokens_in_month
 from exo.master.heal import place_for
-from exo.master.routing import TaskIndex, choose_instance
+from exo.master.memo import DecideMemo
+from exo.master.routing import choose_instance
 from exo.settings.services import MasterSettings
 
 MAX_REPLICAS = 64
@@ -66,7 +67,7 @@ def decide(
     ids: Iterator[str],
     default_max_queue: int = DEFAULT_MAX_QUEUE,
     cache_routing: bool = True,
-    routing_index: TaskIndex | None = None,
+    memo: DecideMemo | None = None,
 ) -> list[Event]:
     if command.command_id in state.answered_commands:
         return []  # redelivered after its first master appended the answer: decided already
@@ -78,7 +79,7 @@ def decide(
         case DeleteDesire():
             return _delete_desire(state, command)
         case GenerateText():
-            return _generate(state, command, builtin_cards, default_max_queue, cache_routing, routing_index)
+            return _generate(state, command, builtin_cards, default_max_queue, cache_routing, memo or DecideMemo())
         case CancelTask():
             return _cancel(state, command)
         case AddCustomCard():
@@ -177,12 +178,12 @@ def _delete_desire(state: State, command: DeleteDesire) -> list[Event]:
 
 
 def _generate(state: State, command: GenerateText, builtin: Mapping[ModelId, ModelCard], default_max_queue: int,
-              cache_routing: bool, routing_index: TaskIndex | None) -> list[Event]:
+              cache_routing: bool, memo: DecideMemo) -> list[Event]:
     if find_card(state, builtin, command.model_id) is None:
         return _reject(command, "not_found", f"unknown model {command.model_id!r}")
     if command.key_id and (refused := _over_limits(state, command)):
         return refused
-    instances = state.instances_of(command.model_id)
+    instances, failures = memo.serving.of(state, command.model_id)
     if not instances:
         ended = state.instance_end_reasons.get(command.model_id)
         why = f" (its last instance was deleted: {ended})" if ended else ""
@@ -194,7 +195,6 @@ def _generate(state: State, command: GenerateText, builtin: Mapping[ModelId, Mod
         return _reject(command, "unavailable", f"no instance of {command.model_id!r} is running{why}; place one first")
     # A failed instance serves nothing until its runner restarts (the worker retries with back-off):
     # say so now, as a 503 with the reason, rather than queue the request for a failure.
-    failures = {i.instance_id: failed for i in instances if (failed := _failed_runner(state, i)) is not None}
     if len(failures) == len(instances):
         runner = failures[instances[0].instance_id]
         node = state.nodes.get(runner.node_id)
@@ -213,7 +213,7 @@ def _generate(state: State, command: GenerateText, builtin: Mapping[ModelId, Mod
         return _reject(command, "overloaded",
                        f"every instance of {command.model_id!r} has a full queue; try again shortly")
     chosen = choose_instance(state, with_room, command.params, open_tasks, by_conversation=cache_routing,
-                             index=routing_index)
+                             index=memo.tasks)
     task = Task(
         task_id=TaskId(command.command_id),  # a task is named after the command that asked for it
         instance_id=chosen.instance_id,
@@ -224,11 +224,6 @@ def _generate(state: State, command: GenerateText, builtin: Mapping[ModelId, Mod
         priority=command.priority,
     )
     return [TaskCreated(command_id=command.command_id, task=task)]
-
-
-def _failed_runner(state: State, instance: Instance) -> RunnerInfo | None:
-    runners = (state.runners.get(shard.runner_id) for shard in instance.shards)
-    return next((r for r in runners if r is not None and r.status == "failed"), None)
 
 
 def _cancel(state: State, command: CancelTask) -> list[Event]:

@@ -65,18 +65,20 @@ def chat_key(conversation: ConversationDigest) -> ChatKey | None:
 class TaskIndex:
     """State's tasks by `chat_key`, so routing compares a request with the few tasks that can share
     its conversation instead of every task State keeps (1,000 finished and the open ones). A cache
-    over State, not a second truth: each call first indexes the tasks it has not seen (a set
-    difference of task ids, in C), and reads every task back from the State it is given, so a
-    stale entry is skipped and a missing one cannot happen. Rebuilt when evicted tasks outnumber
-    the kept ones."""
+    over State, not a second truth: each call first brings it up to the State it is given (one
+    symmetric difference of task ids, in C: tasks new to it are indexed, tasks gone are forgotten,
+    so an id that comes back is indexed afresh), and reads every task back from that State, so a
+    stale entry is skipped. The master starts a new one each term. Rebuilt when its entries
+    outnumber twice the tasks kept."""
 
     def __init__(self) -> None:
+        self._forget_all()
+
+    def _forget_all(self) -> None:
         self._seen: set[TaskId] = set()
         self._chats: dict[ChatKey, list[TaskId]] = {}
         self._prompts: list[TaskId] = []
-
-    def _forget_all(self) -> None:
-        self._seen, self._chats, self._prompts = set(), {}, []
+        self._entries = 0
 
     def alike(self, state: State, conversation: ConversationDigest) -> list[Task]:
         """The tasks of `state` whose cache may hold part of `conversation`: for a chat, those with
@@ -90,14 +92,18 @@ class TaskIndex:
         return [task for task_id in ids if (task := state.tasks.get(task_id)) is not None]
 
     def _catch_up(self, state: State) -> None:
-        if len(self._seen) > 2 * len(state.tasks) + 64:
+        if self._entries > 2 * len(state.tasks) + 64:
             self._forget_all()  # start over from the tasks kept now
-        for task_id in state.tasks.keys() - self._seen:
+        for task_id in self._seen.symmetric_difference(state.tasks.keys()):
+            task = state.tasks.get(task_id)
+            if task is None:
+                self._seen.discard(task_id)  # evicted (or not in this State yet): indexed afresh if it comes
+                continue
             self._seen.add(task_id)
-            conversation = state.tasks[task_id].conversation
-            if conversation.prompt_chars >= 0:
+            self._entries += 1
+            if task.conversation.prompt_chars >= 0:
                 self._prompts.append(task_id)
-            elif (key := chat_key(conversation)) is not None:
+            elif (key := chat_key(task.conversation)) is not None:
                 self._chats.setdefault(key, []).append(task_id)
 
 

@@ -47,7 +47,7 @@ from exo.core.state import State
 from exo.core.types import ModelCard
 from exo.master.decide import decide
 from exo.master.heal import HealLimits
-from exo.master.routing import TaskIndex
+from exo.master.memo import DecideMemo
 from exo.master.supervise import supervise
 from exo.settings.services import MasterSettings
 
@@ -83,7 +83,7 @@ class Master:
         view.add_listener(self._on_event)
         self.term = 0
         self._ahead: State | None = None  # State plus this batch's own events, until the view has them
-        self._routing_index = TaskIndex()  # kept across requests: saves routing a scan of every task
+        self._memo = DecideMemo()  # kept across decisions: saves scans of every task and instance per request
         self._staged: list[tuple[Event, str]] = []  # this batch's decided events and their ids, not yet appended
         self._one_by_one_until = 0.0  # time.monotonic() until which commands append their events one by one
 
@@ -126,6 +126,7 @@ class Master:
             return  # a newer election came meanwhile
         term = self.term = seq
         self._ahead, self._staged = None, []
+        self._memo = DecideMemo()  # what it saw of earlier terms' States is not carried into this one
         await self._log.check_atomic()
         log.info("master: leading with term %d", term)
         renewing = asyncio.create_task(self._keep_lease())
@@ -213,7 +214,7 @@ class Master:
         events = decide(
             state, command, builtin_cards=self._builtin_cards, ids=ids_for(command.command_id),
             cache_routing=self._settings.cache_routing, default_max_queue=self._settings.max_queue,
-            routing_index=self._routing_index,
+            memo=self._memo,
         )
         if not self._log.atomic or time.monotonic() < self._one_by_one_until:
             self._ahead = await self._append_folding(state, events, term, f"{command.command_id}:{term}")

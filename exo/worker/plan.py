@@ -53,6 +53,9 @@ class WorkerView(msgspec.Struct, frozen=True, kw_only=True):
     state: State
     runners: dict[RunnerId, LocalRunner] = {}
     ended_tasks: frozenset[TaskId] = frozenset()  # tasks whose end this node already reported
+    # Tasks this node's runners were given before the worker restarted (forward_journal.py): begun,
+    # perhaps streamed from, and lost with those runners.
+    given_before_restart: frozenset[TaskId] = frozenset()
     local_images: frozenset[str] = frozenset()  # sha256 of images on this node's disk
     images_in_flight: frozenset[str] = frozenset()  # being fetched right now
     now: float = 0.0  # the worker's clock (time.monotonic()), for restart back-off
@@ -229,7 +232,8 @@ def _task_steps(view: WorkerView, instance: Instance, local: LocalRunner, tasks:
         if task.task_id in view.ended_tasks:
             continue
         forwarded = task.task_id in local.forwarded
-        if local.phase == "failed" or (task.status == "running" and not forwarded):
+        begun_before = task.status == "running" or task.task_id in view.given_before_restart
+        if local.phase == "failed" or (begun_before and not forwarded):
             if held:  # the master may move it to another instance: its generation goes on there
                 continue
             reason = ("its runner restarted mid-generation" if local.phase != "failed" else

@@ -38,6 +38,8 @@ from exo.worker.task_runs import TaskRuns
 
 log = logging.getLogger(__name__)
 
+STILL_RUNNING_S = 1.0  # a task still running this long after it started is announced in the log (task.started)
+
 FetchModel = Callable[[ModelId, ShardAssignment], Awaitable[Path]]  # the files of a model's layers, on disk
 FetchAdapter = Callable[[ModelId], Awaitable[Path | None]]  # the folder of the LoRA adapter a model id names
 
@@ -68,6 +70,8 @@ class Runners:
         self._adapter_paths: dict[RunnerId, Path] = {}  # the LoRA adapter's folder, where the model id names one
         self._prompt_cache_stats: dict[InstanceId, PromptCacheStats] = {}  # by instance id, from runners' Done reports
         self._background = Background("runners")
+        # Generations started: when, and the timer that announces them in the log if they run long.
+        self._announcements: dict[tuple[RunnerId, TaskId], tuple[float, asyncio.TimerHandle]] = {}
 
     def records(self) -> dict[RunnerId, LocalRunner]:
         """A copy, for the plan's view."""
@@ -183,14 +187,34 @@ class Runners:
                 self._set_phase(runner_id, "ready", failures=0)
                 await self._publish_status(runner_id, "ready")
             case Started():
-                await self._publish(TaskStarted(task_id=report.task_id,
-                                                attempt=self._runs.run_given(runner_id, report.task_id)))
+                self._announce_later(runner_id, report.task_id)
             case Done():
                 await self._on_done(runner_id, report)
             case Failed():
                 await self._fail(runner_id, report.error)
 
+    def _announce_later(self, runner_id: RunnerId, task_id: TaskId) -> None:
+        """`task.started` goes to the log only for a task still running STILL_RUNNING_S after it
+        started: most requests end sooner, and a restart learns what its runners had begun from
+        forward_journal.py, not from State. Nothing but operators and the dashboard reads it."""
+        attempt = self._runs.run_given(runner_id, task_id)
+        self._announcements[runner_id, task_id] = (time.monotonic(), asyncio.get_running_loop().call_later(
+            STILL_RUNNING_S, self._announce_if_running, runner_id, task_id, attempt))
+
+    def _announce_if_running(self, runner_id: RunnerId, task_id: TaskId, attempt: int) -> None:
+        task = self._state().tasks.get(task_id)
+        if task is None or task.status != "pending" or len(task.migrations) != attempt \
+                or task_id in self._runs.ended_ids() or self._runs.run_given(runner_id, task_id) != attempt:
+            return
+        self._background.start(self._announce(TaskStarted(task_id=task_id, attempt=attempt)))
+
+    async def _announce(self, event: TaskStarted) -> None:
+        await self._publish(event)
+
     async def _on_done(self, runner_id: RunnerId, report: Done) -> None:
+        started_at, announcement = self._announcements.pop((runner_id, report.task_id), (0.0, None))
+        if announcement is not None:
+            announcement.cancel()
         run = self._runs.finished(runner_id, report.task_id)
         runner = self._records.get(runner_id)
         if report.prompt_cache is not None and runner is not None:
@@ -200,6 +224,7 @@ class Runners:
             task_id=report.task_id, status=statuses.get(report.finish_reason, "completed"),
             finish_reason=report.finish_reason, error=report.error, prompt_tokens=report.prompt_tokens,
             completion_tokens=report.completion_tokens, cached_tokens=report.cached_tokens, attempt=run,
+            generation_s=round(time.monotonic() - started_at, 4) if started_at else 0.0,
         ))
 
     async def _on_exit(self, runner_id: RunnerId, code: int, log_tail: str) -> None:

@@ -22,7 +22,7 @@ from exo.bus.event_log import EventLog
 from exo.bus.state_view import StateView
 from exo.bus.token_stream import publish_chunk, resume_point
 from exo.core.catalogue import adapter_of, find_card
-from exo.core.events import AnyEvent, CustomCardAdded, CustomCardDeleted, Event, TaskFinished
+from exo.core.events import AnyEvent, CustomCardAdded, CustomCardDeleted, Event, TaskFinished, TaskStarted
 from exo.core.ids import InstanceId, ModelId, NodeId, TaskId
 from exo.core.state import State
 from exo.core.types import (
@@ -42,6 +42,7 @@ from exo.runner.protocol import Generate, Resume, RunnerStart
 from exo.settings.services import MasterSettings, ModelSettings, WorkerSettings
 from exo.worker.adapter_files import AdapterFiles
 from exo.worker.downloads import DownloadCoordinator
+from exo.worker.forward_journal import ForwardJournal
 from exo.worker.plan import (
     AbandonRunner,
     CancelForwardedTask,
@@ -101,6 +102,8 @@ class Worker:
         new_runner = runner_factory or (
             lambda runner_id: RunnerHost(runner_id, start, data_dir / "logs", offline=downloads.offline))
         self._runs = TaskRuns()  # which run of each task this node forwarded and ended
+        self._journal = ForwardJournal(data_dir / "worker" / "forwarded")  # what its runners were given, for a restart
+        self._given_before_restart: frozenset[TaskId] = frozenset()
         self._wake = asyncio.Event()
         self._runners = Runners(node_id, lambda: self._view.state, new_runner, self._publish, self._runs,
                                self._model_files, self._wake, self._migrate_grace_s, self._adapter_folder)
@@ -126,6 +129,8 @@ class Worker:
         # A late joiner first makes its disk match State (cards, then the images its pending
         # tasks need); only then does it plan anything.
         reconcile_custom_cards(self.custom_cards_dir, self._view.state.custom_model_cards)
+        self._given_before_restart = self._still_open(self._journal.load())
+        self._journal.compact(self._given_before_restart)
         await self.downloads.start()
         await self._fetch_images(images_to_fetch(self._worker_view()))
         self._images.trim()
@@ -170,7 +175,7 @@ class Worker:
             ended_tasks=self._runs.current_ends(self._view.state),
             local_images=self._images.cache.digests(), images_in_flight=frozenset(self._images.in_flight),
             now=time.monotonic(), stall_after=self._settings.runner_stall_s, migrate_grace=self._migrate_grace_s,
-            batch_slots=self._batch_slots,
+            batch_slots=self._batch_slots, given_before_restart=self._given_before_restart,
         )
 
     def _on_event(self, seq: int, event: AnyEvent, state: State) -> None:
@@ -247,9 +252,19 @@ class Worker:
             self._runs.ended(self._view.state, task_id)  # now, not when _end_task runs: the next plan must not fetch it again
             self._in_background(self._end_task(task_id, "failed", reason))
 
+    def _still_open(self, task_ids: frozenset[TaskId]) -> frozenset[TaskId]:
+        state = self._view.state
+        return frozenset(t for t in task_ids if (task := state.tasks.get(t)) is not None
+                         and task.status in ("pending", "running"))
+
     async def _forward(self, step: ForwardTask) -> None:
         self._runners.note_forwarded(step.runner_id, step.task_id)
         task = self._view.state.tasks[step.task_id]
+        if self._journal.due_for_compaction():
+            in_runners = {t for r in self._runners.records().values() for t in r.forwarded}
+            self._journal.compact(self._still_open(frozenset(in_runners)))
+        if not self._journal.note(task.task_id):  # a full disk: State must say it began, as it used to
+            await self._publish(TaskStarted(task_id=task.task_id, attempt=len(task.migrations)))
         card = find_card(self._view.state, self._builtin_cards, task.model_id)
         defaults = card.sampling_for(task.params.enable_thinking) if card else SamplingDefaults()
         images = {d: str(self._images.cache.path(d)) for d in images_of(task)}

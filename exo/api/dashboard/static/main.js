@@ -48,7 +48,7 @@ function onEvent(event) {
 function onLive({kind, data}) {
   if (kind === "task.started") ctx.rates.start(data.task_id);
   const task = kind === "task.finished" && live.state.tasks[data.task_id];
-  if (task) ctx.rates.finish(task, data.completion_tokens);
+  if (task) ctx.rates.finish(task, data.completion_tokens, data.generation_s);
 }
 
 function onConnection(status, detail) {
