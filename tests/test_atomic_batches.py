@@ -154,3 +154,30 @@ async def test_append_atomically_is_all_or_none_and_says_why(nc):
     except AtomicAppendFailed as error:
         assert error.stored_none and "payload" in str(error).lower()
     assert await EventLog(nc).last_sequence() == last  # the first one was not stored either
+
+
+async def test_a_batch_decides_on_its_own_staged_decisions_even_when_others_events_came_meanwhile(fresh_nats):
+    """A batch's decisions are folded at sequences only planned: a worker's event folded by the view
+    meanwhile takes the first of them. The next command must still be decided on the batch's
+    decisions (here: the one place in the queue is taken), not on the view that lacks them."""
+    from exo.core.events import NodeRegistered
+    from exo.core.types import NodeInfo
+    from exo.settings.services import MasterSettings
+
+    nc = await connect([fresh_nats], name="staged")
+    await provision(nc)
+    view, answers = await _placed_then_waiting(nc, "staged", [])
+    master = Master(nc, view, BUILTIN, node_id="staged", settings=MasterSettings(max_queue=1))
+    running = asyncio.create_task(master.run())
+    try:
+        await eventually(lambda: master.term > 0 and view.state.leader_term == master.term, 20)
+        await master.handle(GenerateText(command_id="staged-a", model_id="org/m"))
+        seq = await EventLog(nc).append(NodeRegistered(node=NodeInfo(node_id="another")), "staged-other")
+        await view.wait_for(seq)  # the view now holds an event at the sequence planned for staged-a's
+        await master.handle(GenerateText(command_id="staged-b", model_id="org/m"))
+        await master.confirm()
+        await eventually(lambda: "staged-a" in answers and "staged-b" in answers, 10)
+        assert isinstance(answers["staged-a"][0], TaskCreated)
+        assert answers["staged-b"][0].code == "overloaded"  # the queue of one was staged-a's
+    finally:
+        await _stop(running, view, nc)

@@ -274,9 +274,11 @@ class Master:
             await self._view.wait_for(seqs[-1])
 
     def _deciding_state(self) -> State:
-        """State as this master's own recent events left it: the view, unless it has yet to fold them."""
+        """State as this master's own recent events left it: while a batch is staged, State as the batch
+        began plus its decisions (their sequences are only planned: the view may already have folded
+        others' events at them); else the view, unless it has yet to fold what this master appended."""
         view = self._view.state
-        if self._ahead is not None and self._ahead.last_seq > view.last_seq:
+        if self._ahead is not None and (self._staged or self._ahead.last_seq > view.last_seq):
             return self._ahead
         return view
 
