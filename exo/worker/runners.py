@@ -236,6 +236,8 @@ class Runners:
         await self._fail(step.runner_id, f"the runner was hung: {step.reason}")
 
     async def _fail(self, runner_id: RunnerId, error: str, restartable: bool = True) -> None:
+        for key in [key for key in self._announcements if key[0] == runner_id]:  # its generations end unreported
+            self._announcements.pop(key)[1].cancel()
         runner = self._records.get(runner_id)
         if runner is None or runner.phase in ("failed", "stopping"):
             return
