@@ -25,23 +25,23 @@ from tests.support.fake_runner import FakeRunner
 from tests.support.simulator import fake_model_dir
 
 
-def test_the_journal_round_trips_ignores_what_is_no_task_id_and_compacts(tmp_path: Path):
+def test_the_journal_round_trips_ignores_what_is_no_task_run_and_compacts(tmp_path: Path):
     path = tmp_path / "worker" / "forwarded"
     journal = ForwardJournal(path)
-    assert journal.load() == frozenset()  # none yet
-    assert journal.note("t1") and journal.note("t2") and journal.note("t3")
-    assert ForwardJournal(path).load() == {"t1", "t2", "t3"}
-    with path.open("ab") as file:  # a hostile or broken file: garbage, an overlong line, control characters
-        file.write(b"\xff\xfe garbage\n" + b"x" * 500 + b"\nbad\x07id\n\n")
-    assert ForwardJournal(path).load() == {"t1", "t2", "t3", "\ufffd\ufffd garbage"}
-    journal.compact({"t2"})
-    assert ForwardJournal(path).load() == {"t2"}
-    assert journal.note("t4") and ForwardJournal(path).load() == {"t2", "t4"}
+    assert journal.load() == {}  # none yet
+    assert journal.note("t1", 0) and journal.note("t2", 0) and journal.note("t3", 1) and journal.note("t1", 2)
+    assert ForwardJournal(path).load() == {"t1": 2, "t2": 0, "t3": 1}  # a task's latest run
+    with path.open("ab") as file:  # a hostile or broken file: garbage, no run, an overlong line, control characters
+        file.write(b"\xff\xfe garbage 3\nno-run\n" + b"x" * 500 + b" 0\nbad\x07id 1\nt4 -1\nt5 99999999\n\n")
+    assert ForwardJournal(path).load() == {"t1": 2, "t2": 0, "t3": 1, "\ufffd\ufffd garbage": 3}
+    journal.compact({"t2": 0})
+    assert ForwardJournal(path).load() == {"t2": 0}
+    assert journal.note("t4", 1) and ForwardJournal(path).load() == {"t2": 0, "t4": 1}
 
 
 def test_a_journal_that_cannot_be_written_says_so(tmp_path: Path):
     (tmp_path / "worker").write_text("a file where the folder should be")
-    assert not ForwardJournal(tmp_path / "worker" / "forwarded").note("t1")
+    assert not ForwardJournal(tmp_path / "worker" / "forwarded").note("t1", 0)
 
 
 async def test_a_restarted_worker_fails_what_its_runners_had_begun_and_runs_what_they_had_not(

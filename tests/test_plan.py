@@ -16,7 +16,7 @@ from exo.core.events import (
     TaskStarted,
 )
 from exo.core.state import State
-from exo.core.types import Instance, NodeInfo, ShardAssignment, Task
+from exo.core.types import Instance, Migration, NodeInfo, ShardAssignment, Task
 from exo.worker.plan import (
     CancelForwardedTask,
     CreateRunner,
@@ -70,9 +70,13 @@ def test_tasks_wait_for_a_ready_runner_then_are_forwarded_once():
     # Nor one State still calls pending, that the runners of this worker's earlier life were given.
     pending = state_with(InstanceCreated(instance=MINE), TaskCreated(task=task))
     assert isinstance(plan(view(pending, "ready"))[0], ForwardTask)
-    restarted = msgspec.structs.replace(view(pending, "ready"), given_before_restart=frozenset({"t1"}))
+    restarted = msgspec.structs.replace(view(pending, "ready"), given_before_restart={"t1": 0})
     (end,) = plan(restarted)
     assert isinstance(end, EndTask) and end.status == "failed" and end.reason == "its runner restarted mid-generation"
+    # A task moved since (a later run, back on this node) was not begun here: it is forwarded.
+    moved = state_with(InstanceCreated(instance=MINE), TaskCreated(task=msgspec.structs.replace(
+        task, migrations=[Migration(from_instance="i0", to_instance="i1")])))
+    assert isinstance(plan(msgspec.structs.replace(view(moved, "ready"), given_before_restart={"t1": 0}))[0], ForwardTask)
 
 
 def test_cancel_before_and_after_forwarding():

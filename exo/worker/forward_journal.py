@@ -7,10 +7,12 @@ it now reads this file instead, and fails those tasks as before ("its runner res
 mid-generation"). The log hears `task.started` only of a task that is still running a second after
 it started (runners.py), for operators and the dashboard.
 
-One line per task id, appended as it is forwarded (no fsync: the file must outlive the process, not
-the machine; a machine that went down took its runners with it, and the master moves its tasks).
-Read strictly: a line that is no task id is ignored. A write that fails (a full disk) is reported
-to the caller, which then appends `task.started` at once, as before.
+One line per task given, "<task id> <run>" (the run: its number of migrations then), appended as it
+is forwarded (no fsync: the file must outlive the process, not the machine; a machine that went
+down took its runners with it, and the master moves its tasks). Only that run was begun here: a
+task moved since (a later run, perhaps back to this node) is not. Read strictly: a line that is no
+task id and run is ignored. A write that fails (a full disk) is reported to the caller, which then
+appends `task.started` at once, as before.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Mapping
 from pathlib import Path
 from typing import IO
 
@@ -37,27 +39,32 @@ class ForwardJournal:
         self._file: IO[str] | None = None
         self._lines = 0
 
-    def load(self) -> frozenset[TaskId]:
-        """The task ids the file holds (written by this node's earlier life)."""
+    def load(self) -> dict[TaskId, int]:
+        """Each task the file holds (written by this node's earlier life), with the latest run given."""
         try:
             with self._path.open("rb") as file:
                 data = file.read(MAX_READ_BYTES)
         except FileNotFoundError:
-            return frozenset()
+            return {}
         except OSError as error:
             log.warning("worker: cannot read %s (%s): a task begun before a restart may run again", self._path, error)
-            return frozenset()
+            return {}
         lines = data.decode("utf-8", errors="replace").splitlines()
         self._lines = len(lines)
-        return frozenset(TaskId(line) for line in lines if 0 < len(line) <= MAX_ID_CHARS and line.isprintable())
+        given: dict[TaskId, int] = {}
+        for line in lines:
+            task_id, _, run = line.rpartition(" ")
+            if 0 < len(task_id) <= MAX_ID_CHARS and task_id.isprintable() and run.isdigit() and len(run) <= 6:
+                given[TaskId(task_id)] = max(int(run), given.get(TaskId(task_id), 0))
+        return given
 
-    def note(self, task_id: TaskId) -> bool:
-        """Record a task given to a runner; False if it could not be written."""
+    def note(self, task_id: TaskId, run: int) -> bool:
+        """Record a task's run given to a runner; False if it could not be written."""
         try:
             if self._file is None:
                 self._path.parent.mkdir(parents=True, exist_ok=True)
                 self._file = self._path.open("a", encoding="utf-8")
-            self._file.write(f"{task_id}\n")
+            self._file.write(f"{task_id} {run}\n")
             self._file.flush()
         except OSError as error:
             log.warning("worker: cannot write %s (%s): announcing task %s in the log instead", self._path, error, task_id)
@@ -69,13 +76,13 @@ class ForwardJournal:
     def due_for_compaction(self) -> bool:
         return self._lines >= COMPACT_AT
 
-    def compact(self, keep: Iterable[TaskId]) -> None:
-        """Rewrite the file with `keep` only (the tasks still in progress)."""
-        kept = sorted(set(keep))
+    def compact(self, keep: Mapping[TaskId, int]) -> None:
+        """Rewrite the file with `keep` only (the tasks still in progress, with their runs)."""
+        kept = sorted(keep.items())
         temporary = self._path.with_name(self._path.name + ".new")
         try:
             self._path.parent.mkdir(parents=True, exist_ok=True)
-            temporary.write_text("".join(f"{task_id}\n" for task_id in kept), encoding="utf-8")
+            temporary.write_text("".join(f"{task_id} {run}\n" for task_id, run in kept), encoding="utf-8")
             self._close()
             os.replace(temporary, self._path)
         except OSError as error:

@@ -53,9 +53,9 @@ class WorkerView(msgspec.Struct, frozen=True, kw_only=True):
     state: State
     runners: dict[RunnerId, LocalRunner] = {}
     ended_tasks: frozenset[TaskId] = frozenset()  # tasks whose end this node already reported
-    # Tasks this node's runners were given before the worker restarted (forward_journal.py): begun,
-    # perhaps streamed from, and lost with those runners.
-    given_before_restart: frozenset[TaskId] = frozenset()
+    # Tasks this node's runners were given before the worker restarted, with the run they were given
+    # (forward_journal.py): that run was begun, perhaps streamed from, and lost with those runners.
+    given_before_restart: dict[TaskId, int] = {}
     local_images: frozenset[str] = frozenset()  # sha256 of images on this node's disk
     images_in_flight: frozenset[str] = frozenset()  # being fetched right now
     now: float = 0.0  # the worker's clock (time.monotonic()), for restart back-off
@@ -232,7 +232,7 @@ def _task_steps(view: WorkerView, instance: Instance, local: LocalRunner, tasks:
         if task.task_id in view.ended_tasks:
             continue
         forwarded = task.task_id in local.forwarded
-        begun_before = task.status == "running" or task.task_id in view.given_before_restart
+        begun_before = task.status == "running" or view.given_before_restart.get(task.task_id, -1) >= len(task.migrations)
         if local.phase == "failed" or (begun_before and not forwarded):
             if held:  # the master may move it to another instance: its generation goes on there
                 continue

@@ -103,7 +103,7 @@ class Worker:
             lambda runner_id: RunnerHost(runner_id, start, data_dir / "logs", offline=downloads.offline))
         self._runs = TaskRuns()  # which run of each task this node forwarded and ended
         self._journal = ForwardJournal(data_dir / "worker" / "forwarded")  # what its runners were given, for a restart
-        self._given_before_restart: frozenset[TaskId] = frozenset()
+        self._given_before_restart: dict[TaskId, int] = {}
         self._wake = asyncio.Event()
         self._runners = Runners(node_id, lambda: self._view.state, new_runner, self._publish, self._runs,
                                self._model_files, self._wake, self._migrate_grace_s, self._adapter_folder)
@@ -252,18 +252,19 @@ class Worker:
             self._runs.ended(self._view.state, task_id)  # now, not when _end_task runs: the next plan must not fetch it again
             self._in_background(self._end_task(task_id, "failed", reason))
 
-    def _still_open(self, task_ids: frozenset[TaskId]) -> frozenset[TaskId]:
+    def _still_open(self, given: Mapping[TaskId, int]) -> dict[TaskId, int]:
+        """The runs given whose task is still open on that run (not ended, not moved on since)."""
         state = self._view.state
-        return frozenset(t for t in task_ids if (task := state.tasks.get(t)) is not None
-                         and task.status in ("pending", "running"))
+        return {t: run for t, run in given.items() if (task := state.tasks.get(t)) is not None
+                and task.status in ("pending", "running") and len(task.migrations) == run}
 
     async def _forward(self, step: ForwardTask) -> None:
         self._runners.note_forwarded(step.runner_id, step.task_id)
         task = self._view.state.tasks[step.task_id]
         if self._journal.due_for_compaction():
-            in_runners = {t for r in self._runners.records().values() for t in r.forwarded}
-            self._journal.compact(self._still_open(frozenset(in_runners)))
-        if not self._journal.note(task.task_id):  # a full disk: State must say it began, as it used to
+            in_runners = {t: run_of(self._view.state, t) for r in self._runners.records().values() for t in r.forwarded}
+            self._journal.compact(self._still_open(in_runners))
+        if not self._journal.note(task.task_id, len(task.migrations)):  # a full disk: State must say it began, as before
             await self._publish(TaskStarted(task_id=task.task_id, attempt=len(task.migrations)))
         card = find_card(self._view.state, self._builtin_cards, task.model_id)
         defaults = card.sampling_for(task.params.enable_thinking) if card else SamplingDefaults()
