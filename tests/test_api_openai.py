@@ -252,7 +252,9 @@ def test_a_prompt_longer_than_the_context_is_400_and_the_instance_serves_on(http
     assert (error["type"], error["code"], error["param"]) == ("invalid_request_error", "context_length_exceeded", "messages")
     assert re.fullmatch(r"the prompt is 330\d\d tokens; this instance's context is 32768", error["message"]), error
     streamed = http.post("/v1/chat/completions", json={**body, "stream": True})
-    assert '"code": "context_length_exceeded"' in streamed.text, streamed.text
+    errors = [json.loads(line.removeprefix("data: ")) for line in streamed.text.splitlines()
+              if line.startswith("data: {") and '"error"' in line]
+    assert [e["error"]["code"] for e in errors] == ["context_length_exceeded"], streamed.text
     assert http.post("/v1/chat/completions", json={**body, "messages": MESSAGES}).status_code == 200
 
 

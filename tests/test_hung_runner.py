@@ -5,6 +5,7 @@ names the cause, the runner is killed and restarted, and the next request is ser
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import time
@@ -53,7 +54,8 @@ def test_a_hung_runner_fails_its_request_within_the_bound_and_comes_back(tmp_pat
         rest: list[str] = []
         with http.stream("POST", "/v1/chat/completions", json=body, timeout=httpx.Timeout(120, read=bound)) as response:
             lines = response.iter_lines()
-            next(line for line in lines if '"content"' in line and '"content": ""' not in line)
+            next(line for line in lines if line.startswith("data: {")  # the first chunk with text
+                 and json.loads(line.removeprefix("data: "))["choices"][0]["delta"].get("content"))
             os.kill(runner, signal.SIGSTOP)
             stopped_at = time.monotonic()
             try:
