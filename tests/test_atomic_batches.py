@@ -11,34 +11,17 @@ import os
 import signal
 
 from exo.bus.atomic_append import AtomicAppendFailed, append_atomically
-from exo.bus.command_queue import send_command
 from exo.bus.connection import connect
 from exo.bus.event_log import EventLog
 from exo.bus.provision import provision
-from exo.core.commands import GenerateText, PlaceInstance
+from exo.core.commands import GenerateText
 from exo.core.events import LeaderElected, TaskCreated, TaskStarted
 from exo.core.types import ChatMessage, GenerationParams, ModelCard
 from exo.master.service import Master
 from tests.conftest import eventually
-from tests.test_bus import view_with_a_node
+from tests.test_bus import placed_then_waiting
 
 BUILTIN = {"org/m": ModelCard(model_id="org/m", n_layers=2, storage_bytes=1000)}
-
-
-async def _placed_then_waiting(nc, node: str, commands: list[GenerateText]):
-    """A view, its answers, and an instance of org/m placed by a master that then stopped, with
-    `commands` queued for the next master."""
-    view, answers = await view_with_a_node(nc, node)
-    first = asyncio.create_task(Master(nc, view, BUILTIN, node_id=node).run())
-    try:
-        await send_command(nc, PlaceInstance(command_id=f"{node}-place", model_id="org/m"))
-        await eventually(lambda: f"{node}-place" in answers, 20)
-    finally:
-        first.cancel()
-        await asyncio.wait({first}, timeout=10)
-    for command in commands:
-        await send_command(nc, command)
-    return view, answers
 
 
 async def _log(nc, first: int = 1):
@@ -58,7 +41,7 @@ async def test_a_batch_of_decisions_lands_contiguously_as_one_atomic_batch(fresh
     await provision(nc)
     assert await EventLog(nc).check_atomic()  # streams/EXO_EVENTS.json allows atomic batches
     commands = [GenerateText(command_id=f"atomic-{n}", model_id="org/m") for n in range(10)]
-    view, answers = await _placed_then_waiting(nc, "atomic", commands)
+    view, answers = await placed_then_waiting(nc, "atomic", BUILTIN, commands)
     master = asyncio.create_task(Master(nc, view, BUILTIN, node_id="atomic").run())
     try:
         await eventually(lambda: all(c.command_id in answers for c in commands), 20)
@@ -83,7 +66,7 @@ async def test_a_refused_batch_is_decided_again_command_by_command_and_a_bad_eve
     big = GenerationParams(messages=[ChatMessage(role="user", content="x" * 8192)])
     commands = [GenerateText(command_id=f"refused-{n}", model_id="org/m", params=big if n == 4 else GenerationParams())
                 for n in range(10)]
-    view, answers = await _placed_then_waiting(nc, "refused", commands)
+    view, answers = await placed_then_waiting(nc, "refused", BUILTIN, commands)
     start = await EventLog(nc).last_sequence()
     master = asyncio.create_task(Master(nc, view, BUILTIN, node_id="refused").run())
     try:
@@ -110,7 +93,7 @@ async def test_a_commit_whose_answer_is_lost_ends_the_term_and_every_command_is_
     nc = await connect([fresh_server.url], name="lost-ack")
     await provision(nc)
     commands = [GenerateText(command_id=f"lost-{n}", model_id="org/m") for n in range(6)]
-    view, answers = await _placed_then_waiting(nc, "lost-ack", commands)
+    view, answers = await placed_then_waiting(nc, "lost-ack", BUILTIN, commands)
     assert fresh_server.process is not None
     pid, paused = fresh_server.process.pid, []
 
@@ -166,7 +149,7 @@ async def test_a_batch_decides_on_its_own_staged_decisions_even_when_others_even
 
     nc = await connect([fresh_nats], name="staged")
     await provision(nc)
-    view, answers = await _placed_then_waiting(nc, "staged", [])
+    view, answers = await placed_then_waiting(nc, "staged", BUILTIN, [])
     master = Master(nc, view, BUILTIN, node_id="staged", settings=MasterSettings(max_queue=1))
     running = asyncio.create_task(master.run())
     try:

@@ -84,6 +84,22 @@ async def view_with_a_node(nc, node_id: str) -> tuple[StateView, dict[str, list]
     return view, answers
 
 
+async def placed_then_waiting(nc, node: str, builtin: dict[str, ModelCard], commands: list[GenerateText]):
+    """A view, its answers, and an instance of org/m placed by a master that then stopped, with
+    `commands` queued for the next master."""
+    view, answers = await view_with_a_node(nc, node)
+    first = asyncio.create_task(Master(nc, view, builtin, node_id=node).run())
+    try:
+        await send_command(nc, PlaceInstance(command_id=f"{node}-place", model_id="org/m"))
+        await eventually(lambda: f"{node}-place" in answers, 20)
+    finally:
+        first.cancel()
+        await asyncio.wait({first}, timeout=10)
+    for command in commands:
+        await send_command(nc, command)
+    return view, answers
+
+
 async def test_master_answers_commands_with_events_and_a_redelivery_decides_the_same(nc):
     view, answers = await view_with_a_node(nc, "master-test")
     builtin = {"org/m": ModelCard(model_id="org/m", n_layers=2, storage_bytes=1000)}
@@ -113,24 +129,15 @@ async def test_waiting_commands_are_decided_in_one_batch_each_on_the_events_of_t
     ack round) and still admits exactly max_queue of them: each decision saw the ones before."""
     nc = await connect([fresh_nats], name="batch-test")
     await provision(nc)
-    view, answers = await view_with_a_node(nc, "batch-test")
     builtin = {"org/m": ModelCard(model_id="org/m", n_layers=2, storage_bytes=1000)}
+    view, answers = await placed_then_waiting(nc, "batch-test", builtin,
+                                              [GenerateText(command_id=f"batch-{n}", model_id="org/m") for n in range(10)])
     confirms: list[int] = []
 
     class Counting(Master):
         async def confirm(self) -> None:
             confirms.append(len(answers))
             await super().confirm()
-
-    first = asyncio.create_task(Master(nc, view, builtin, node_id="batch-test").run())
-    try:
-        await send_command(nc, PlaceInstance(command_id="batch-place", model_id="org/m"))
-        await eventually(lambda: "batch-place" in answers, 20)
-    finally:
-        first.cancel()
-        await asyncio.wait({first}, timeout=10)
-    for n in range(10):
-        await send_command(nc, GenerateText(command_id=f"batch-{n}", model_id="org/m"))
 
     async def slow_fold(seq, event, state) -> None:
         await asyncio.sleep(0.05)  # the view lags the log: decisions must not wait for it, nor miss their own events

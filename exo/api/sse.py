@@ -7,7 +7,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-_encoder = msgspec.json.Encoder()  # compact JSON, non-ASCII as is: 0.44 us a chunk against json.dumps' 7.3 us
+_encoder = msgspec.json.Encoder()  # compact JSON, non-ASCII as is: 0.47 us a chunk against json.dumps' 6.3 us (bench/sse_encoding.py)
 
 
 class SseStream:
