@@ -14,6 +14,7 @@ import msgspec
 
 from exo.core.ids import RunnerId
 from exo.runner.protocol import RUNNER_START_ENV, AnyReport, Request, RunnerStart, Shutdown, encode_line, report_decoder
+from exo.worker.child_process import ChildProcess, spawn
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +46,7 @@ class RunnerHost:
         self._start = start
         self._offline = offline
         self._log_path = log_dir / f"runner-{runner_id}.log"
-        self._process: asyncio.subprocess.Process | None = None
+        self._process: ChildProcess | None = None
         self._reader: asyncio.Task[None] | None = None
         self._stopping = False
         self._log_start = 0  # where this process's part of the (appended) log file begins
@@ -55,11 +56,7 @@ class RunnerHost:
         if self._offline:  # huggingface-hub in the runner must not reach the network either
             env["HF_HUB_OFFLINE"] = "1"
         with await asyncio.to_thread(self._open_log) as log:  # a slow disk must not hold up the event loop
-            self._process = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "exo.runner",
-                stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=log,
-                env=env, start_new_session=True,  # Ctrl-C reaches the node, which stops runners itself
-            )
+            self._process = await spawn([sys.executable, "-m", "exo.runner"], env, log)
         self._reader = asyncio.create_task(self._read(on_report, on_exit))
 
     def _open_log(self) -> BinaryIO:
@@ -88,10 +85,10 @@ class RunnerHost:
                 log.warning("runner %s did not stop within %.0f s (stuck in a collective whose peer is gone?): "
                             "killed", self.runner_id, timeout)
             process.kill()
-            try:  # asyncio's wait() also waits for its pipes: a child that inherited one would keep it open
+            try:
                 await asyncio.wait_for(process.wait(), max(timeout, 5.0))
             except TimeoutError:
-                log.error("runner %s (pid %d) killed, but its pipes are still open after %.0f s; going on",
+                log.error("runner %s (pid %d) killed, but has not exited after %.0f s; going on",
                           self.runner_id, process.pid, max(timeout, 5.0))
 
     def kill(self) -> None:
