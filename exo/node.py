@@ -20,6 +20,7 @@ from exo.api.app import build_app
 from exo.api.context import ApiContext
 from exo.api.outcomes import CommandOutcomes
 from exo.bus.catch_up import catch_up
+from exo.bus.cluster_view import ClusterView
 from exo.bus.connection import Connection, connect, redact
 from exo.bus.disk_watch import DiskWatch
 from exo.bus.errors import LogGap
@@ -142,7 +143,7 @@ class Node:
         self.worker: Worker | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._nc: Connection | None = None
-        self._view: StateView | None = None
+        self._view: ClusterView | None = None
         self._site_runner: web.AppRunner | None = None
         self.api_url = ""
         self._reader_presence: ReaderPresence | None = None  # answers for this API node's stream readers
@@ -168,22 +169,33 @@ class Node:
         await provision(nc, replicas=config.bus.replicas, overrides=overrides, keep_replicas=self.cluster is not None,
                         forming_wait_s=config.bus.cluster_forming_wait_s)
         builtin = load_builtin_cards(builtin_cards_dir())
-        self._view = view = await self._catch_up(nc)
+        view = await self._catch_up(nc)
+        self._view = cluster_view = ClusterView(nc, view)
+        await cluster_view.follow_groups()  # before anything acts: a late joiner has every group's requests too
         if self.cluster is not None:
             self._tasks.append(asyncio.create_task(self.cluster.keep(self._layout_recorder(nc, view)), name="cluster upkeep"))
         if config.run_master:
             master = Master(nc, view, builtin, node_id, config.master)
             self._tasks.append(asyncio.create_task(master.run(), name="master"))
+            cluster_view.on_group(lambda group_view: self._campaign_in_group(nc, group_view, view, builtin, node_id))
         if config.models.offline:
             set_offline()  # in this process; runner processes are told by the worker (runner_host.py)
         if config.run_worker:
-            await self._start_worker(nc, view, node_id, builtin)
+            await self._start_worker(nc, cluster_view, node_id, builtin)
         if config.run_api:
-            ctx = ApiContext(nc, view, CommandOutcomes(nc, view), builtin, node_id, config.data_dir,
+            ctx = ApiContext(nc, cluster_view, CommandOutcomes(nc, cluster_view), builtin, node_id, config.data_dir,
                              settings=config.api, models=config.models)
             if (watch := self._disk_watch) is not None:
                 ctx.storage_problem = lambda: watch.problem
             await self._start_api(ctx)
+
+    def _campaign_in_group(self, nc: Connection, group_view: StateView, shared: StateView,
+                           builtin: Mapping[ModelId, ModelCard], node_id: NodeId) -> None:
+        """A master candidate for a master group this node follows (unless EXO_LEAD_GROUPS leaves it out)."""
+        group = group_view.names.group
+        if self.config.master.leads_group(group):
+            master = Master(nc, group_view, builtin, node_id, self.config.master, shared=shared)
+            self._tasks.append(asyncio.create_task(master.run(), name=f"master of group {group}"))
 
     def _lock_data_dir(self, data_dir: Path) -> None:
         data_dir.mkdir(parents=True, exist_ok=True)
@@ -193,7 +205,7 @@ class Node:
             raise StartupError(f"{error}; a second node on this machine needs a data dir of its own: "
                                f"--data-dir {data_dir}-2 (or EXO_HOME)") from None
 
-    async def _start_worker(self, nc: Connection, view: StateView, node_id: NodeId,
+    async def _start_worker(self, nc: Connection, view: ClusterView, node_id: NodeId,
                             builtin: Mapping[ModelId, ModelCard]) -> None:
         """The worker and its heartbeat, once the node is registered in the log."""
         config = self.config
@@ -212,7 +224,7 @@ class Node:
             await send_pulse(nc, Pulse(node_id=node_id, incarnation=incarnation))
 
         heartbeat = Heartbeat(node_id, append, pulse, config.worker, prompt_caches=worker.prompt_caches, identity=identity)
-        view.add_listener(heartbeat.on_event)
+        view.shared.add_listener(heartbeat.on_event)
         info = describe_this_node(node_id, heartbeat.incarnation, time.time(), identity=identity)
         await events.append(NodeRegistered(node=info), uuid.uuid4().hex)
         self._tasks.append(asyncio.create_task(worker.run(), name="worker"))

@@ -61,6 +61,7 @@ def test_a_masters_event_kind_without_a_term_is_skipped_whoever_wrote_it():
         CustomCardDeleted,
         DesireEnded,
         DesireSet,
+        GroupsSet,
         KeyDeleted,
         KeySet,
         NodeRegistered,
@@ -87,12 +88,13 @@ def test_a_masters_event_kind_without_a_term_is_skipped_whoever_wrote_it():
               CustomCardDeleted(model_id="org/real"), CommandRejected(command_id="c1"),
               DesireSet(desire=Desire(desire_id="d1", model_id="m/a")), DesireEnded(desire_id="d0"),
               TaskMigrated(task_id="t1"), AdapterAdded(adapter=replace(adapter, name="x")),
-              AdapterDeleted(name="real"), KeySet(key=replace(key, admin=True)), KeyDeleted(key_id=key.key_id)]
+              AdapterDeleted(name="real"), KeySet(key=replace(key, admin=True)), KeyDeleted(key_id=key.key_id),
+              GroupsSet(groups={"g": ["m/*"]})]
     assert {type(e) for e in forged} == MASTER_KINDS  # every master kind is tried
     after = apply_all(state, [(event, state.last_seq + n) for n, event in enumerate(forged, start=1)])  # as written
     assert (after.instances, after.tasks, after.nodes, after.custom_model_cards, after.desires, after.adapters,
-            after.api_keys) == (state.instances, state.tasks, state.nodes, state.custom_model_cards, state.desires,
-                                state.adapters, state.api_keys)
+            after.api_keys, after.groups) == (state.instances, state.tasks, state.nodes, state.custom_model_cards,
+                                              state.desires, state.adapters, state.api_keys, state.groups)
     assert "c1" not in after.answered_commands
     assert [s.reason for s in after.skipped_events] == ["a master's event without a term"] * len(forged)
 

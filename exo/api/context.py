@@ -18,7 +18,7 @@ from exo.api.outcomes import CommandOutcomes
 from exo.api.state_metrics import ClusterCollector
 from exo.background import Background
 from exo.bus.connection import Connection
-from exo.bus.state_view import StateView
+from exo.bus.state_view import FoldedView
 from exo.core.catalogue import find_card
 from exo.core.ids import ModelId, NodeId
 from exo.core.types import ModelCard
@@ -45,7 +45,7 @@ def closest_model_id(asked: str, known: list[str]) -> str | None:
 @dataclass
 class ApiContext:
     nc: Connection
-    view: StateView
+    view: FoldedView
     outcomes: CommandOutcomes
     builtin_cards: Mapping[ModelId, ModelCard]
     node_id: NodeId

@@ -21,12 +21,13 @@ from exo.api.context import ApiContext
 from exo.api.errors import ApiError
 from exo.api.outcomes import COMMAND_TIMEOUT_S, new_command_id, raise_if_rejected
 from exo.api.validate import check_limits
+from exo.bus.cluster_view import names_for_model, names_for_task
 from exo.bus.command_queue import send_command
 from exo.bus.readers import read_anywhere
 from exo.bus.token_stream import TokenListener, stored_chunks
 from exo.core.commands import CancelTask, GenerateText
 from exo.core.events import TaskFinished
-from exo.core.ids import CommandId, ModelId
+from exo.core.ids import CommandId, ModelId, TaskId
 from exo.core.types import FinishReason, GenerationParams, TokenChunk, TokenLogprob, ToolCall
 
 log = logging.getLogger(__name__)
@@ -237,7 +238,8 @@ async def _cancel_if_unread(ctx: ApiContext, command_id: CommandId) -> None:
 async def cancel_generation(ctx: ApiContext, command_id: CommandId) -> None:
     """Ask the master to stop a generation; the runner stops within one decode step."""
     ctx.pending_cancels.pop(command_id, None)
-    await send_command(ctx.nc, CancelTask(command_id=new_command_id(), task_id=command_id))
+    await send_command(ctx.nc, CancelTask(command_id=new_command_id(), task_id=command_id),
+                       names_for_task(ctx.view, TaskId(command_id)))
 
 
 async def start_generation(ctx: ApiContext, model_id: ModelId, params: GenerationParams,
@@ -258,7 +260,8 @@ async def start_generation(ctx: ApiContext, model_id: ModelId, params: Generatio
         await send_command(ctx.nc, GenerateText(command_id=command_id, model_id=model_id, params=params, at=time.time(),
                                                 key_id=key.key_id if key else "",
                                                 priority="batch" if "batch" in (tier, key.priority if key else "")
-                                                else "interactive"))
+                                                else "interactive"),
+                           names_for_model(ctx.view, model_id))
         raise_if_rejected(await asyncio.wait_for(answer, COMMAND_TIMEOUT_S))
     except TimeoutError:
         ctx.outcomes.forget_task_end(command_id, ended)

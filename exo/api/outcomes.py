@@ -11,7 +11,7 @@ from typing import TypeVar
 from exo.api.errors import STATUS_FOR_REJECTION, ApiError
 from exo.bus.command_queue import send_command
 from exo.bus.connection import Connection
-from exo.bus.state_view import StateView
+from exo.bus.state_view import FoldedView
 from exo.core.apply import was_skipped
 from exo.core.commands import Command
 from exo.core.events import AnyEvent, CommandRejected, TaskFinished, command_id_of
@@ -29,7 +29,7 @@ def new_command_id() -> CommandId:
 
 
 class CommandOutcomes:
-    def __init__(self, nc: Connection, view: StateView) -> None:
+    def __init__(self, nc: Connection, view: FoldedView) -> None:
         self._nc = nc
         # Several callers may wait for one command (a retried Idempotency-Key): each has its own future.
         self._waiters: dict[str, list[asyncio.Future[AnyEvent]]] = {}

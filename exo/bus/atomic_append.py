@@ -20,7 +20,7 @@ import nats.errors
 from nats.aio.client import Client
 
 from exo.bus.errors import BusError
-from exo.bus.subjects import event_subject
+from exo.bus.subjects import SHARED, LogNames
 from exo.core.events import Event, encode_event, event_tag
 
 MAX_ATOMIC = 1000  # the server's limit on messages per atomic batch
@@ -39,7 +39,7 @@ class AtomicAppendFailed(BusError):
         self.err_code = err_code
 
 
-async def append_atomically(nc: Client, events: Sequence[Event]) -> int:
+async def append_atomically(nc: Client, events: Sequence[Event], names: LogNames = SHARED) -> int:
     """Append `events` (at most MAX_ATOMIC) all or none, in order; the last one's sequence."""
     if not 0 < len(events) <= MAX_ATOMIC:
         raise ValueError(f"an atomic batch holds 1 to {MAX_ATOMIC} events, not {len(events)}")
@@ -47,9 +47,9 @@ async def append_atomically(nc: Client, events: Sequence[Event]) -> int:
     last = events[-1]
     try:
         for n, event in enumerate(events[:-1], start=1):
-            await nc.publish(event_subject(event_tag(event)), encode_event(event),
+            await nc.publish(names.event_subject(event_tag(event)), encode_event(event),
                              headers={"Nats-Batch-Id": batch_id, "Nats-Batch-Sequence": str(n)})
-        reply = await nc.request(event_subject(event_tag(last)), encode_event(last), timeout=COMMIT_TIMEOUT_S,
+        reply = await nc.request(names.event_subject(event_tag(last)), encode_event(last), timeout=COMMIT_TIMEOUT_S,
                                  headers={"Nats-Batch-Id": batch_id, "Nats-Batch-Sequence": str(len(events)),
                                           "Nats-Batch-Commit": "1"})
     except (nats.errors.TimeoutError, nats.errors.ConnectionReconnectingError, nats.errors.StaleConnectionError,

@@ -12,16 +12,18 @@ from exo.bus.errors import LogGap
 from exo.bus.event_log import EventLog
 from exo.bus.snapshots import read_latest_snapshot
 from exo.bus.state_view import StateView
+from exo.bus.subjects import SHARED, LogNames
 
 log = logging.getLogger(__name__)
 
 
-async def catch_up(nc: Client, use_snapshot: bool = True, timeout: float = 600.0) -> tuple[StateView, int]:
+async def catch_up(nc: Client, use_snapshot: bool = True, timeout: float = 600.0,
+                   names: LogNames = SHARED) -> tuple[StateView, int]:
     """A live view that has applied the whole log, and the snapshot sequence it started from."""
     for attempt in range(2):
-        snapshot = await read_latest_snapshot(nc) if use_snapshot else None
-        view = StateView(nc, snapshot)
-        last_seq = await EventLog(nc).last_sequence()
+        snapshot = await read_latest_snapshot(nc, names) if use_snapshot else None
+        view = StateView(nc, snapshot, names)
+        last_seq = await EventLog(nc, names).last_sequence()
         started = time.perf_counter()
         try:
             await view.start()
@@ -34,7 +36,7 @@ async def catch_up(nc: Client, use_snapshot: bool = True, timeout: float = 600.0
             await view.stop()
             raise LogGap(view.gap)
         from_seq = snapshot.last_seq if snapshot else 0
-        log.info("caught up to sequence %d from a snapshot at %d in %.0f ms",
-                 view.state.last_seq, from_seq, (time.perf_counter() - started) * 1000)
+        log.info("%s caught up to sequence %d from a snapshot at %d in %.0f ms",
+                 names.events_stream, view.state.last_seq, from_seq, (time.perf_counter() - started) * 1000)
         return view, from_seq
     raise AssertionError("unreachable")

@@ -15,7 +15,7 @@ from nats.errors import TimeoutError as NatsTimeout
 from nats.js.client import JetStreamContext
 
 from exo.bus.publish import publish_durably
-from exo.bus.subjects import COMMANDS_STREAM, MASTER_CONSUMER, command_subject
+from exo.bus.subjects import MASTER_CONSUMER, SHARED, LogNames
 from exo.core.commands import AnyCommand, Command, command_tag, decode_command, encode_command
 
 log = logging.getLogger(__name__)
@@ -43,20 +43,22 @@ class RetryBatch(Exception):
     (the master then appends one command's events at a time, so a bad one is answered alone)."""
 
 
-async def send_command(nc: Client, command: Command) -> None:
-    """Durably queue a command; Nats-Msg-Id makes a retried send harmless."""
-    subject = command_subject(command_tag(command))
-    await publish_durably(nc, subject, encode_command(command), COMMANDS_STREAM, command.command_id)
+async def send_command(nc: Client, command: Command, names: LogNames = SHARED) -> None:
+    """Durably queue a command (for the shared master, or a master group's); Nats-Msg-Id makes a
+    retried send harmless."""
+    subject = names.command_subject(command_tag(command))
+    await publish_durably(nc, subject, encode_command(command), names.commands_stream, command.command_id)
 
 
 async def consume_commands(nc: Client, on_command: OnCommand, still_leader: Callable[[], bool],
-                           on_poison: OnPoison | None = None, confirm: Confirm | None = None) -> None:
+                           on_poison: OnPoison | None = None, confirm: Confirm | None = None,
+                           names: LogNames = SHARED) -> None:
     """Pull commands while `still_leader()`, as many as are waiting (up to BATCH) at a time, and
     handle them in order. A command is acked only after `on_command` returned and then `confirm()`
     did (once per batch: State holds the batch's events and this master still leads), so one that
     a dying or deposed master held is redelivered to the next. One whose handling keeps failing
     goes to `on_poison` (which answers its caller) after MAX_COMMAND_ATTEMPTS."""
-    subscription = await nc.jetstream().pull_subscribe_bind(MASTER_CONSUMER, stream=COMMANDS_STREAM)
+    subscription = await nc.jetstream().pull_subscribe_bind(MASTER_CONSUMER, stream=names.commands_stream)
     try:
         while still_leader():
             try:

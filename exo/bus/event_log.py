@@ -19,7 +19,7 @@ from nats.js import api
 from exo.bus.atomic_append import MAX_ATOMIC, NOT_ENABLED, AtomicAppendFailed, append_atomically
 from exo.bus.errors import LogGap
 from exo.bus.publish import publish_durably
-from exo.bus.subjects import ALL_EVENTS, EVENTS_STREAM, event_subject
+from exo.bus.subjects import SHARED, LogNames
 from exo.core.events import AnyEvent, Event, decode_event, encode_event, event_tag
 
 log = logging.getLogger(__name__)
@@ -30,20 +30,23 @@ OnUndecodable = Callable[[int, str], Awaitable[None]]
 
 
 class EventLog:
-    def __init__(self, nc: Client) -> None:
+    def __init__(self, nc: Client, names: LogNames = SHARED) -> None:
         self._nc = nc
         self._js = nc.jetstream()
+        self.names = names
         self.atomic = False  # the stream stores atomic batches (see `check_atomic`)
 
     async def append(self, event: Event, event_id: str) -> int:
         """Append one event; returns its sequence (the original one if it was a duplicate)."""
-        ack = await publish_durably(self._nc, event_subject(event_tag(event)), encode_event(event), EVENTS_STREAM, event_id)
+        names = self.names
+        ack = await publish_durably(self._nc, names.event_subject(event_tag(event)), encode_event(event),
+                                    names.events_stream, event_id)
         return ack.seq
 
     async def check_atomic(self) -> bool:
         """Whether the stream takes atomic batches (streams/EXO_EVENTS.json allows them; a stream an
         operator made without, or a server before 2.12, does not)."""
-        info = await self._js.stream_info(EVENTS_STREAM)
+        info = await self._js.stream_info(self.names.events_stream)
         self.atomic = bool(info.config.allow_atomic)
         return self.atomic
 
@@ -55,11 +58,12 @@ class EventLog:
         while self.atomic and len(events) - len(seqs) > 1:
             chunk = [event for event, _ in events[len(seqs):len(seqs) + MAX_ATOMIC]]
             try:
-                last = await append_atomically(self._nc, chunk)
+                last = await append_atomically(self._nc, chunk, self.names)
             except AtomicAppendFailed as error:
                 if error.err_code != NOT_ENABLED:
                     raise
-                log.warning("%s no longer takes atomic batches (%s): appending one event at a time", EVENTS_STREAM, error)
+                log.warning("%s no longer takes atomic batches (%s): appending one event at a time", self.names.events_stream,
+                            error)
                 self.atomic = False
                 break
             seqs.extend(range(last - len(chunk) + 1, last + 1))
@@ -68,7 +72,7 @@ class EventLog:
         return seqs
 
     async def last_sequence(self) -> int:
-        info = await self._js.stream_info(EVENTS_STREAM)
+        info = await self._js.stream_info(self.names.events_stream)
         return info.state.last_seq
 
 
@@ -79,8 +83,9 @@ class EventFollower:
     recreates the consumer after a gap, so a slow reader never misses a sequence.
     """
 
-    def __init__(self, nc: Client, on_event: OnEvent, on_undecodable: OnUndecodable) -> None:
+    def __init__(self, nc: Client, on_event: OnEvent, on_undecodable: OnUndecodable, names: LogNames = SHARED) -> None:
         self._js = nc.jetstream()
+        self._names = names
         self._on_event = on_event
         self._on_undecodable = on_undecodable
         self._next_seq = 1
@@ -89,7 +94,7 @@ class EventFollower:
 
     async def start(self, start_seq: int = 1) -> None:
         self._next_seq = start_seq
-        info = await self._js.stream_info(EVENTS_STREAM)
+        info = await self._js.stream_info(self._names.events_stream)
         if info.state.messages and info.state.first_seq > start_seq:
             raise LogGap(
                 f"the event stream starts at sequence {info.state.first_seq} but this reader needs "
@@ -97,8 +102,8 @@ class EventFollower:
             )
         config = api.ConsumerConfig(opt_start_seq=start_seq)
         self._subscription = await self._js.subscribe(
-            ALL_EVENTS,
-            stream=EVENTS_STREAM,
+            self._names.all_events,
+            stream=self._names.events_stream,
             ordered_consumer=True,
             deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE,
             config=config,

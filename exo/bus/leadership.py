@@ -28,8 +28,10 @@ VALID_FRACTION = 0.6
 
 
 class Lease:
-    def __init__(self, nc: Client, node_id: NodeId, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, nc: Client, node_id: NodeId, clock: Callable[[], float] = time.monotonic,
+                 key: str = LEADER_KEY) -> None:
         self._js = nc.jetstream()
+        self._key = key  # a master group's lease has a key of its own (exo/bus/subjects.py)
         self._node_id = node_id
         self._clock = clock
         self._revision = 0
@@ -44,14 +46,14 @@ class Lease:
         value = json.dumps({"node_id": self._node_id}).encode()
         sent_at = self._clock()
         try:
-            entry = await kv.get(LEADER_KEY)
+            entry = await kv.get(self._key)
         except KeyNotFoundError:
             entry = None
         try:
             if entry is None:
-                revision = await kv.create(LEADER_KEY, value)
+                revision = await kv.create(self._key, value)
             elif json.loads(entry.value or b"{}").get("node_id") == self._node_id:
-                revision = await kv.update(LEADER_KEY, value, last=entry.revision)  # our own, from before a restart
+                revision = await kv.update(self._key, value, last=entry.revision)  # our own, from before a restart
             else:
                 return None
         except KeyWrongLastSequenceError:
@@ -66,7 +68,7 @@ class Lease:
         kv = await self._js.key_value(LEADER_BUCKET)
         sent_at = self._clock()
         try:
-            self._revision = await kv.update(LEADER_KEY, json.dumps({"node_id": self._node_id}).encode(), last=self._revision)
+            self._revision = await kv.update(self._key, json.dumps({"node_id": self._node_id}).encode(), last=self._revision)
         except KeyWrongLastSequenceError:
             log.warning("lost the master lease (term %d): someone else holds it", self.term)
             self._valid_until = 0.0
@@ -87,6 +89,6 @@ class Lease:
         self._valid_until = 0.0
         try:
             kv = await self._js.key_value(LEADER_BUCKET)
-            await kv.delete(LEADER_KEY, last=self._revision)
+            await kv.delete(self._key, last=self._revision)
         except Exception as error:  # it expires by itself anyway
             log.info("could not release the master lease: %s", error)

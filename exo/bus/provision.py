@@ -21,7 +21,7 @@ from nats.aio.client import Client
 from exo.bus.errors import BusError, ConfigMismatch
 from exo.bus.jetstream_api import ClusterForming, jetstream_request
 from exo.bus.stream_fit import FITTED_TO_DISK, create_fitting, fit_divisor
-from exo.bus.subjects import EVENTS_STREAM, IMAGES_STREAM
+from exo.bus.subjects import COMMANDS_STREAM, EVENTS_STREAM, IMAGES_STREAM, MASTER_CONSUMER, LogNames
 from exo.resources import streams_dir
 from exo.settings.services import BusSettings
 
@@ -114,6 +114,33 @@ async def _provision_once(nc: Client, replicas: int | None, overrides: Overrides
             await _check_existing(nc, config, info.get("config", {}), keep_replicas)  # reservation first
     for stream, config in consumer_configs():
         await _create_consumer(nc, stream, config)
+
+
+def group_configs(names: LogNames) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """A master group's event and command streams and its master's consumer: the shared ones'
+    files (streams/EXO_EVENTS.json, ...) with the group's names and subjects."""
+    shared = {c["name"]: c for c in stream_configs()}
+    events = {**shared[EVENTS_STREAM], "name": names.events_stream, "subjects": [names.all_events],
+              "description": f"master group {names.group}'s event log: its models' requests (exo/core/groups.py)"}
+    commands = {**shared[COMMANDS_STREAM], "name": names.commands_stream, "subjects": [names.all_commands],
+                "description": f"requests to master group {names.group}'s master"}
+    consumer = next(c for stream, c in consumer_configs() if stream == COMMANDS_STREAM and c["durable_name"] == MASTER_CONSUMER)
+    return [events, commands], {**consumer, "filter_subject": names.all_commands}
+
+
+async def provision_group(nc: Client, names: LogNames) -> None:
+    """Create a master group's streams and consumer, idempotently (the shared master does before it
+    names the group in the log; every follower checks them before reading)."""
+    configs, consumer = group_configs(names)
+    infos = [await jetstream_request(nc, f"$JS.API.STREAM.INFO.{c['name']}", {}) for c in configs]
+    missing = [c for c, info in zip(configs, infos, strict=True) if info.get("error")]
+    divisor = await fit_divisor(nc, missing) if missing else 1
+    for config, info in zip(configs, infos, strict=True):
+        if info.get("error"):
+            await _create_stream(nc, config, True, divisor)
+        else:
+            await _check_existing(nc, config, info.get("config", {}), True)
+    await _create_consumer(nc, names.commands_stream, consumer)
 
 
 async def _create_stream(nc: Client, config: dict[str, Any], keep_replicas: bool, divisor: int) -> None:

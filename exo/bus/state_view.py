@@ -5,10 +5,12 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
+from typing import Protocol
 
 from nats.aio.client import Client
 
 from exo.bus.event_log import EventFollower
+from exo.bus.subjects import SHARED, LogNames
 from exo.core.apply import apply, skip_event
 from exo.core.events import AnyEvent
 from exo.core.state import State
@@ -18,12 +20,22 @@ log = logging.getLogger(__name__)
 Listener = Callable[[int, AnyEvent, State], Awaitable[None] | None]
 
 
+class FoldedView(Protocol):
+    """What API nodes and workers read: a StateView, or a ClusterView (exo/bus/cluster_view.py)."""
+
+    @property
+    def state(self) -> State: ...
+
+    def add_listener(self, listener: Listener) -> None: ...
+
+
 class StateView:
-    def __init__(self, nc: Client, initial: State | None = None) -> None:
-        self.state = initial or State()
+    def __init__(self, nc: Client, initial: State | None = None, names: LogNames = SHARED) -> None:
+        self.names = names
+        self.state = initial or State(group=names.group)
         self._listeners: list[Listener] = []
         self._advanced = asyncio.Condition()
-        self._follower = EventFollower(nc, self._on_event, self._on_undecodable)
+        self._follower = EventFollower(nc, self._on_event, self._on_undecodable, names)
 
     def add_listener(self, listener: Listener) -> None:
         """Called after each event is folded in, with the new State. Listeners run on the

@@ -1,5 +1,7 @@
 """The one table of subjects, stream and bucket names. Nothing else builds these strings."""
 
+from typing import NamedTuple
+
 from exo.core.ids import CommandId, NodeId
 
 EVENTS_STREAM = "EXO_EVENTS"
@@ -60,3 +62,37 @@ ALL_READERS = "exo.readers.>"
 
 def readers_subject(command_id: CommandId) -> str:
     return f"exo.readers.{command_id}"
+
+
+class LogNames(NamedTuple):
+    """Where one master's log lives: the shared one (today's names) or a master group's
+    (issue #34: a group owns the requests of its models). A group's subjects sit under
+    `exo.group.<group>.`, not under `exo.events.>`/`exo.commands.>`: JetStream refuses two streams
+    with overlapping subjects, and those belong to the shared streams."""
+
+    group: str  # "" for the shared log
+    events_stream: str
+    all_events: str
+    commands_stream: str
+    all_commands: str
+    leader_key: str
+    snapshot_key: str
+
+    def event_subject(self, tag: str) -> str:
+        return f"{self.all_events[:-1]}{tag}"
+
+    def command_subject(self, tag: str) -> str:
+        return f"{self.all_commands[:-1]}{tag}"
+
+
+SHARED = LogNames(group="", events_stream=EVENTS_STREAM, all_events=ALL_EVENTS, commands_stream=COMMANDS_STREAM,
+                  all_commands=ALL_COMMANDS, leader_key=LEADER_KEY, snapshot_key=SNAPSHOT_KEY)
+
+
+def group_names(group: str) -> LogNames:
+    """A master group's log (`group` is checked by exo/core/groups.py: letters, digits, _ and -)."""
+    if not group:
+        return SHARED
+    return LogNames(group=group, events_stream=f"{EVENTS_STREAM}_{group}", all_events=f"exo.group.{group}.events.>",
+                    commands_stream=f"{COMMANDS_STREAM}_{group}", all_commands=f"exo.group.{group}.commands.>",
+                    leader_key=f"{LEADER_KEY}.{group}", snapshot_key=f"{SNAPSHOT_KEY}.{group}")

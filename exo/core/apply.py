@@ -44,6 +44,7 @@ from exo.core.events import (
     DownloadDeleted,
     DownloadFailed,
     DownloadProgressed,
+    GroupsSet,
     InstanceCreated,
     InstanceDeleted,
     KeyDeleted,
@@ -59,7 +60,9 @@ from exo.core.events import (
     TaskMigrated,
     TaskStarted,
     command_id_of,
+    event_tag,
 )
+from exo.core.groups import GROUP_KINDS, on_groups_set
 from exo.core.ids import NodeId, TaskId
 from exo.core.skip import Skip
 from exo.core.state import MAX_ANSWERED_COMMANDS, MAX_FINISHED_TASKS, MAX_SKIPPED_KEPT, SkippedEvent, State
@@ -71,7 +74,7 @@ from exo.core.types import DownloadProgress, Migration, RunnerInfo, Task
 MASTER_KINDS: frozenset[type] = frozenset({
     NodeTimedOut, InstanceCreated, InstanceDeleted, TaskCreated, TaskCancelRequested,
     CustomCardAdded, CustomCardDeleted, AdapterAdded, AdapterDeleted, KeySet, KeyDeleted, CommandRejected, DesireSet,
-    DesireEnded, TaskMigrated,
+    DesireEnded, TaskMigrated, GroupsSet,
 })
 
 
@@ -114,7 +117,7 @@ class Draft:
         "runners",
         "tasks", "custom_model_cards", "skipped_events", "finished_task_ids", "answered_commands", "downloads",
         "instance_end_reasons", "cluster", "desires", "migrations_total", "adapters", "api_keys", "key_windows", "usage",
-        "usage_totals",
+        "usage_totals", "group", "groups", "group_logs",
     )
 
     def __init__(self, state: State) -> None:
@@ -142,6 +145,9 @@ class Draft:
         self.key_windows = state.key_windows
         self.usage = state.usage
         self.usage_totals = state.usage_totals
+        self.group = state.group
+        self.groups = state.groups
+        self.group_logs = state.group_logs
 
     def state(self) -> State:
         """The State so far. The draft can go on: from here it copies again what it changes."""
@@ -154,6 +160,7 @@ class Draft:
             downloads=self.downloads, instance_end_reasons=self.instance_end_reasons, cluster=self.cluster,
             desires=self.desires, migrations_total=self.migrations_total, adapters=self.adapters,
             api_keys=self.api_keys, key_windows=self.key_windows, usage=self.usage, usage_totals=self.usage_totals,
+            group=self.group, groups=self.groups, group_logs=self.group_logs,
         )
         self._base = state
         self._own_downloads_of = set()
@@ -177,6 +184,8 @@ class Draft:
     def apply(self, event: AnyEvent, seq: int) -> str:
         """Fold one event in; returns why it was skipped, or "" if it was used."""
         try:
+            if self.group and type(event) not in GROUP_KINDS:
+                raise _Skip(f"a {event_tag(event)} event in master group {self.group}'s log, which holds requests only")
             if type(event) in MASTER_KINDS or (event.term and not isinstance(event, LeaderElected)):
                 self._check_term(event.term)
             _HANDLERS[type(event)](self, event, seq)
@@ -300,10 +309,11 @@ def _check_attempt(task: Task, attempt: int, what: str) -> None:
 
 def _on_task_migrated(draft: Draft, event: TaskMigrated, seq: int) -> None:
     task = _open_task(draft, event.task_id)
-    if event.to_instance and event.to_instance not in draft.instances:
-        raise _Skip(f"task {event.task_id}: unknown instance {event.to_instance}")
-    if event.to_instance and draft.instances[event.to_instance].model_id != task.model_id:
-        raise _Skip(f"task {event.task_id}: instance {event.to_instance} serves another model")
+    if event.to_instance and not draft.group:  # a group's log holds no instances: its master checked the shared log
+        if event.to_instance not in draft.instances:
+            raise _Skip(f"task {event.task_id}: unknown instance {event.to_instance}")
+        if draft.instances[event.to_instance].model_id != task.model_id:
+            raise _Skip(f"task {event.task_id}: instance {event.to_instance} serves another model")
     moved = Migration(from_instance=task.instance_id, to_instance=event.to_instance, reason=event.reason, at=event.at)
     waiting_already = not task.instance_id and task.migrations  # from waiting to an instance: the same move
     migrations = [*task.migrations[:-1], replace(task.migrations[-1], to_instance=event.to_instance)] \
@@ -410,6 +420,7 @@ _HANDLERS: dict[type, Callable[[Draft, Any, int], None]] = {
     DesireSet: _on_desire_set,
     DesireEnded: _on_desire_ended,
     TaskMigrated: _on_task_migrated,
+    GroupsSet: on_groups_set,
 }
 # Checked once at import: a new event kind needs a handler, a new State field a place in the Draft.
 if set(_HANDLERS) != set(get_args(AnyEvent)):

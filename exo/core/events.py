@@ -199,6 +199,12 @@ class DownloadDeleted(Event, frozen=True, tag="download.deleted", kw_only=True):
     model_id: ModelId
 
 
+class GroupsSet(Event, frozen=True, tag="groups.set", kw_only=True):
+    """The master group map (exo/core/groups.py): group name -> the model-id globs it serves."""
+
+    groups: dict[str, list[str]]
+
+
 AnyEvent = (
     LeaderElected
     | NodeRegistered
@@ -225,6 +231,7 @@ AnyEvent = (
     | DesireSet
     | DesireEnded
     | TaskMigrated
+    | GroupsSet
 )
 
 _decoder = msgspec.json.Decoder(AnyEvent)

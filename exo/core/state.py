@@ -46,6 +46,12 @@ class State(msgspec.Struct, frozen=True, kw_only=True):
     key_windows: dict[str, KeyWindow] = {}  # by key id: what its per-minute limits count in
     usage: UsageByDay = {}  # key id -> UTC day -> model id -> counts (exo/core/usage.py)
     usage_totals: dict[str, dict[str, UsageCounts]] = {}  # key id -> model id -> counts since the key began
+    # Master groups (exo/core/groups.py). `group`: the log this State folds ("" the shared one).
+    # In the shared log only: the group map (group -> model-id globs) and every group ever in it,
+    # whose logs nodes follow (a group's tasks in flight finish there after a model moves).
+    group: str = ""
+    groups: dict[str, list[str]] = {}
+    group_logs: list[str] = []
 
     def open_tasks_of_key(self, key_id: str) -> int:
         return sum(1 for t in self.tasks.values() if t.key_id == key_id and t.status in ("pending", "running"))

@@ -26,8 +26,10 @@ from exo.bus.errors import BROKER_ERRORS
 from exo.bus.event_log import EventLog
 from exo.bus.leadership import Lease
 from exo.bus.liveness import Pulse, listen_for_pulses
+from exo.bus.provision import provision_group
 from exo.bus.snapshots import write_snapshot
 from exo.bus.state_view import StateView
+from exo.bus.subjects import group_names
 from exo.core.apply import apply
 from exo.core.commands import AnyCommand, command_tag
 from exo.core.events import (
@@ -42,10 +44,13 @@ from exo.core.events import (
     TaskMigrated,
     event_tag,
 )
+from exo.core.groups import for_group, parse_groups
 from exo.core.ids import CommandId, ModelId, NodeId
+from exo.core.keys import ApiKey
 from exo.core.state import State
 from exo.core.types import ModelCard
 from exo.master.decide import decide
+from exo.master.group import groups_to_set, heal_group, key_copy, not_for_group
 from exo.master.heal import HealLimits
 from exo.master.memo import DecideMemo
 from exo.master.supervise import supervise
@@ -66,16 +71,22 @@ def ids_for(command_id: CommandId) -> Iterator[str]:
 class Master:
     def __init__(
         self, nc: Connection, view: StateView, builtin_cards: Mapping[ModelId, ModelCard], node_id: NodeId,
-        settings: MasterSettings = MasterSettings(),
+        settings: MasterSettings = MasterSettings(), shared: StateView | None = None,
     ) -> None:
+        """`view` follows this master's own log: the shared one, or (with `shared`, the shared
+        log's view) a master group's, whose requests it decides on both (exo/core/groups.py)."""
         self._settings = settings
         self._nc = nc
         self._view = view
-        self._log = EventLog(nc)
+        self._shared = shared
+        self._names = view.names
+        self._wanted_groups = parse_groups(settings.groups) if shared is None else {}
+        self._log = EventLog(nc, self._names)
         self._builtin_cards = builtin_cards
-        self._lease = Lease(nc, node_id)
+        self._lease = Lease(nc, node_id, key=self._names.leader_key)
         self._node_id = node_id
         self._snapshotter = Snapshotter(nc, view, settings.snapshot_every, settings.snapshot_interval_s)
+        self._copied_keys: dict[str, ApiKey] = {}  # a group's: the keys its log has copies of
         self._node_timeout = settings.node_timeout_s
         self._heal = HealLimits(suspect_s=settings.suspect_s, deadline_s=settings.migration_deadline_s,
                                 max_migrations=settings.max_migrations)
@@ -128,18 +139,32 @@ class Master:
         self._ahead, self._staged = None, []
         self._memo = DecideMemo()  # what it saw of earlier terms' States is not carried into this one
         await self._log.check_atomic()
-        log.info("master: leading with term %d", term)
+        self._copied_keys = dict(self._view.state.api_keys)
+        await self._name_groups(term)
+        log.info("master%s: leading with term %d", self._group_label, term)
         renewing = asyncio.create_task(self._keep_lease())
         snapshots = asyncio.create_task(self._snapshotter.run(self._lease.valid))
         supervising = asyncio.create_task(self._supervise(term))
         try:
-            await consume_commands(self._nc, self.handle, lambda: self._still_leading(term), self.give_up, self.confirm)
+            await consume_commands(self._nc, self.handle, lambda: self._still_leading(term), self.give_up, self.confirm,
+                                   self._names)
         finally:
             renewing.cancel()
             snapshots.cancel()
             supervising.cancel()
             self.term = 0
-            log.warning("master: no longer leading (term %d)", term)
+            log.warning("master%s: no longer leading (term %d)", self._group_label, term)
+
+    @property
+    def _group_label(self) -> str:
+        return f" of group {self._names.group}" if self._names.group else ""
+
+    async def _name_groups(self, term: int) -> None:
+        """The shared master: the group map of its settings into the log, each group's streams first."""
+        events = groups_to_set(self._wanted_groups, self._view.state) if self._shared is None else []
+        for group in self._wanted_groups if events else ():
+            await provision_group(self._nc, group_names(group))
+        await self._append_all(events, term, f"groups:{term}")
 
     def _still_leading(self, term: int) -> bool:
         """The lease is ours and the log's latest election is ours (else: campaign, and elect again)."""
@@ -154,6 +179,9 @@ class Master:
         interval, last_tick = min(1.0, self._node_timeout / 4), time.monotonic()
         while self._lease.valid():
             await asyncio.sleep(interval)
+            if self._shared is not None:
+                await self._heal_group(term)
+                continue
             state, now = self._view.state, time.monotonic()
             # This loop itself stalled (a long GC, a starved machine): the pulses queued meanwhile
             # are not read yet, so silence proves nothing this time round. Nor does silence while
@@ -211,11 +239,11 @@ class Master:
             raise NotLeader()
         term = self.term
         state = self._deciding_state()
-        events = decide(
+        events = self._refused_here(state, command) or [*self._group_events(state, command), *decide(
             state, command, builtin_cards=self._builtin_cards, ids=ids_for(command.command_id),
             cache_routing=self._settings.cache_routing, default_max_queue=self._settings.max_queue,
             memo=self._memo,
-        )
+        )]
         if not self._log.atomic or time.monotonic() < self._one_by_one_until:
             self._ahead = await self._append_folding(state, events, term, f"{command.command_id}:{term}")
             return
@@ -231,7 +259,7 @@ class Master:
             if seq == state.last_seq + 1:  # nothing came between: fold it here, ahead of the view
                 state = apply(state, cast(AnyEvent, event), seq)
             elif seq > state.last_seq:  # others' events came between (a task finished...): the view has them
-                state = await self._view.wait_for(seq)
+                state = self._laid_over(await self._view.wait_for(seq))
         return state
 
     async def confirm(self) -> None:
@@ -265,6 +293,7 @@ class Master:
                 log.warning("master: the batch of %d events was refused (%s); appending one command's events at a "
                             "time for %.0f s", len(staged), error, ONE_BY_ONE_S)
                 self._one_by_one_until = time.monotonic() + ONE_BY_ONE_S
+                self._copied_keys = dict(self._view.state.api_keys)  # the batch's key copies were not stored
                 raise RetryBatch() from error
             log.warning("master: the batch of %d events was not confirmed (%s); electing again", len(staged), error)
             raise NotLeader() from error
@@ -280,7 +309,30 @@ class Master:
         view = self._view.state
         if self._ahead is not None and (self._staged or self._ahead.last_seq > view.last_seq):
             return self._ahead
-        return view
+        return self._laid_over(view)
+
+    def _laid_over(self, own: State) -> State:
+        """A group's State as its master decides on it: laid over the shared State."""
+        return own if self._shared is None else for_group(self._shared.state, own)
+
+    def _refused_here(self, state: State, command: AnyCommand) -> list[Event]:
+        return [] if self._shared is None else not_for_group(state, command)
+
+    def _group_events(self, state: State, command: AnyCommand) -> list[Event]:
+        if self._shared is None or command.command_id in state.answered_commands:
+            return []
+        return key_copy(self._shared.state.api_keys, self._copied_keys, command)
+
+    async def _heal_group(self, term: int) -> None:
+        """A group's supervision: its requests whose instance the shared master ended move on."""
+        state = self._laid_over(self._view.state)
+        events = heal_group(state, time.time(), self._heal)
+        try:
+            await self._append_all(events, term, f"heal:{term}:{state.last_seq}")
+        except (TimeoutError, *BROKER_ERRORS, NotLeader) as error:  # type: ignore[misc]  # as in _supervise
+            log.warning("master of group %s: healing events not appended: %r", self._names.group, error)
+        for event in events:
+            log.warning("master of group %s: %s %s", self._names.group, event_tag(event), getattr(event, "reason", ""))
 
 
 class Snapshotter:
@@ -288,6 +340,7 @@ class Snapshotter:
 
     def __init__(self, nc: Connection, view: StateView, every: int, interval: float) -> None:
         self._nc = nc
+        self._names = view.names
         self._view = view
         self._every = every
         self._interval = interval
@@ -307,7 +360,7 @@ class Snapshotter:
             state = self._view.state
             if state.last_seq > self._written_seq and still_leader():
                 started = time.perf_counter()
-                written = await write_snapshot(self._nc, state)
+                written = await write_snapshot(self._nc, state, names=self._names)
                 self._written_seq = state.last_seq  # not written: try again with the next `every` events
                 if written:
                     log.info("snapshot at sequence %d (%.0f ms)", state.last_seq, (time.perf_counter() - started) * 1000)

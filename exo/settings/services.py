@@ -140,6 +140,14 @@ class MasterSettings(Frozen, frozen=True):
                                                     "with the reason")] = 2
     cache_routing: Annotated[bool, Env("EXO_CACHE_ROUTING", "send a request to the instance that caches most of "
                                        "its prompt (off: the least busy one)")] = True
+    groups: Annotated[str, Env("EXO_MASTER_GROUPS", "master groups, each deciding its models' requests with a log, "
+                               "lease and master of its own: name=glob|glob,name=glob (docs/scaling.md); the shared "
+                               "master writes its map to the log")] = ""
+    lead_groups: Annotated[str, Env("EXO_LEAD_GROUPS", "the master groups this node campaigns to lead, by name "
+                                    "(comma-separated; empty: every group)")] = ""
+
+    def leads_group(self, group: str) -> bool:
+        return not self.lead_groups.strip() or group in {g.strip() for g in self.lead_groups.split(",")}
 
 
 class WorkerSettings(Frozen, frozen=True):

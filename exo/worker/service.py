@@ -17,9 +17,11 @@ from pathlib import Path
 from typing import Any
 
 from exo.background import Background
+from exo.bus.cluster_view import names_for_task
 from exo.bus.connection import Connection
 from exo.bus.event_log import EventLog
-from exo.bus.state_view import StateView
+from exo.bus.state_view import FoldedView
+from exo.bus.subjects import SHARED, LogNames
 from exo.bus.token_stream import publish_chunk, resume_point
 from exo.core.catalogue import adapter_of, find_card
 from exo.core.events import AnyEvent, CustomCardAdded, CustomCardDeleted, Event, TaskFinished, TaskStarted
@@ -81,7 +83,7 @@ MIGRATE_MARGIN_S = 3.0
 
 class Worker:
     def __init__(
-        self, nc: Connection, view: StateView, node_id: NodeId, data_dir: Path,
+        self, nc: Connection, view: FoldedView, node_id: NodeId, data_dir: Path,
         nats_urls: list[str], builtin_cards: Mapping[ModelId, ModelCard], download_settings: DownloadSettings | None = None,
         runner_factory: RunnerFactory | None = None, *, settings: WorkerSettings = WorkerSettings(),
         runner_start: RunnerStart | None = None, suspect_s: float = MasterSettings().suspect_s,
@@ -89,7 +91,7 @@ class Worker:
         self.node_id = node_id
         self._nc = nc
         self._view = view
-        self._log = EventLog(nc)
+        self._logs: dict[LogNames, EventLog] = {}  # by log: a task's events go to the log that holds it
         self._data_dir = data_dir
         self._builtin_cards = builtin_cards
         # A runner that has work and shows no progress for settings.runner_stall_s (no Alive report: its
@@ -190,7 +192,10 @@ class Worker:
             self._wake.set()
 
     async def _publish(self, event: Event) -> None:
-        await self._log.append(event, event_id=uuid.uuid4().hex)
+        names = names_for_task(self._view, event.task_id) if isinstance(event, (TaskStarted, TaskFinished)) else SHARED
+        if (events := self._logs.get(names)) is None:
+            events = self._logs[names] = EventLog(self._nc, names)
+        await events.append(event, event_id=uuid.uuid4().hex)
 
     def _in_background(self, coroutine: Coroutine[Any, Any, Any]) -> None:
         self._background.start(coroutine)

@@ -5,11 +5,21 @@ from __future__ import annotations
 from aiohttp import web
 
 from exo.api.context import context_of
+from exo.api.errors import ApiError
+from exo.bus.cluster_view import ClusterView
 from exo.core.state import encode_state
 
 
 async def get_state(request: web.Request) -> web.Response:
-    return web.Response(body=encode_state(context_of(request).view.state), content_type="application/json")
+    """The cluster's State; `?group=NAME`: a master group's own, as its log folds it (exo/core/groups.py)."""
+    view = context_of(request).view
+    group = request.query.get("group", "")
+    if not group:
+        return web.Response(body=encode_state(view.state), content_type="application/json")
+    followed = view.groups if isinstance(view, ClusterView) else {}
+    if group not in followed:
+        raise ApiError(404, f"this node follows no master group {group[:64]!r} (followed: {', '.join(followed) or 'none'})")
+    return web.Response(body=encode_state(followed[group].state), content_type="application/json")
 
 
 async def get_node_id(request: web.Request) -> web.Response:

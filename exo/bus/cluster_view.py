@@ -1,0 +1,134 @@
+"""What an API node or a worker reads: the shared log's State with every master group's requests
+laid over it (exo/core/groups.py), and where to send a model's commands or a task's events.
+
+It follows the shared log and every group log the shared State names (`group_logs`); a group
+named later is caught up in the background (its requests cannot precede its name in the log).
+Listeners hear every log's events, each with the cluster State as of that event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from nats.aio.client import Client
+
+from exo.bus.catch_up import catch_up
+from exo.bus.provision import provision_group
+from exo.bus.state_view import FoldedView, Listener, StateView
+from exo.bus.subjects import SHARED, LogNames, group_names
+from exo.core.events import AnyEvent, GroupsSet
+from exo.core.groups import for_cluster, group_of
+from exo.core.ids import TaskId
+from exo.core.state import State
+
+log = logging.getLogger(__name__)
+
+
+class ClusterView:
+    def __init__(self, nc: Client, shared: StateView) -> None:
+        self._nc = nc
+        self.shared = shared
+        self.groups: dict[str, StateView] = {}
+        self._listeners: list[Listener] = []
+        self._state: State | None = None  # the merged State, made again when a log moves on
+        self._made_of: list[State] = []  # the States it was made of (by identity: each fold makes a new one)
+        self._following: set[str] = set()
+        self._background: set[asyncio.Task[None]] = set()
+        self._on_group: list[Callable[[StateView], None]] = []
+        shared.add_listener(self._on_shared_event)
+
+    @property
+    def state(self) -> State:
+        logs = [self.shared.state, *(v.state for v in self.groups.values())]
+        if self._state is None or len(logs) != len(self._made_of) or any(
+                a is not b for a, b in zip(logs, self._made_of, strict=True)):
+            self._state = for_cluster(logs[0], logs[1:])
+            self._made_of = logs
+        return self._state
+
+    @property
+    def gap(self) -> str:
+        return next((g for g in [self.shared.gap, *(v.gap for v in self.groups.values())] if g), "")
+
+    def add_listener(self, listener: Listener) -> None:
+        self._listeners.append(listener)
+
+    async def follow_groups(self) -> None:
+        """Catch up every group log the shared State names; before anything on the node acts."""
+        for group in list(self.shared.state.group_logs):
+            await self._follow(group)
+
+    def on_group(self, call: Callable[[StateView], None]) -> None:
+        """`call` with each group's view, once caught up: those followed now, and later ones."""
+        self._on_group.append(call)
+        for view in self.groups.values():
+            call(view)
+
+    def names_for_model(self, model_id: str) -> LogNames:
+        """Where a request for the model goes: its group's master, or the shared one."""
+        group = group_of(model_id, self.shared.state.groups)
+        return group_names(group) if group in self.groups else SHARED
+
+    def names_for_task(self, task_id: TaskId) -> LogNames:
+        """The log that holds the task (its events go there), the shared one if none does."""
+        return next((view.names for view in self.groups.values() if task_id in view.state.tasks), SHARED)
+
+    async def stop(self) -> None:
+        for task in list(self._background):
+            task.cancel()
+        for view in [*self.groups.values(), self.shared]:
+            await view.stop()
+
+    async def _follow(self, group: str) -> None:
+        if group in self._following:
+            return
+        self._following.add(group)
+        names = group_names(group)
+        await provision_group(self._nc, names)
+        view, _ = await catch_up(self._nc, names=names)
+        view.add_listener(self._on_group_event)
+        self.groups[group] = view
+        for call in self._on_group:
+            call(view)
+        log.info("following master group %s's log (%s), at sequence %d", group, names.events_stream, view.state.last_seq)
+
+    async def _on_shared_event(self, seq: int, event: AnyEvent, state: State) -> None:
+        if isinstance(event, GroupsSet):
+            for group in state.group_logs:
+                if group not in self._following:
+                    task = asyncio.create_task(self._follow_logged(group))
+                    self._background.add(task)
+                    task.add_done_callback(self._background.discard)
+        await self._tell(seq, event, self.state)
+
+    async def _on_group_event(self, seq: int, event: AnyEvent, group_state: State) -> None:
+        merged = for_cluster(self.shared.state, [v.state for v in self.groups.values()], source=group_state)
+        await self._tell(seq, event, merged)
+
+    async def _follow_logged(self, group: str) -> None:
+        try:
+            await self._follow(group)
+        except Exception:
+            self._following.discard(group)  # the next GroupsSet, or a restart, tries again
+            log.exception("could not follow master group %s's log", group)
+
+    async def _tell(self, seq: int, event: AnyEvent, state: State) -> None:
+        for listener in self._listeners:
+            try:
+                result = listener(seq, event, state)
+                if result is not None:
+                    await result
+            except Exception:  # one listener's failure must not keep the event from the others
+                log.exception("a cluster State listener failed on event %d (%s)", seq, type(event).__name__)
+
+
+def names_for_model(view: FoldedView, model_id: str) -> LogNames:
+    """Where a command about the model goes (the shared master, unless `view` follows groups)."""
+    return view.names_for_model(model_id) if isinstance(view, ClusterView) else SHARED
+
+
+def names_for_task(view: FoldedView, task_id: TaskId) -> LogNames:
+    """The log holding the task: its cancel and its events go there."""
+    return view.names_for_task(task_id) if isinstance(view, ClusterView) else SHARED

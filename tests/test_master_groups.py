@@ -1,0 +1,179 @@
+"""Master groups on three real nodes and one nats-server (issue #34, part 2): two groups serve
+their models exactly (mlx-lm's text), each request in its own group's log; kill -9 of one
+group's master pauses that group only; a node that joins late catches up on both groups."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import statistics
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from exo.bus.connection import connect
+from exo.core.state import State, decode_state
+from tests.support.cluster import NatsServer, start_node, state_of, wait_until
+from tests.support.e2e import Reference
+from tests.support.exo_process import ExoProcess
+from tests.support.tiny_model import make_tiny_model
+
+pytestmark = pytest.mark.slow
+
+ALPHA, BETA = "local/alpha", "local/beta"
+PROMPT = [{"role": "user", "content": "tell me about the sea"}]
+ENV = {"EXO_MASTER_GROUPS": f"alpha={ALPHA},beta={BETA}", "EXO_HEARTBEAT_S": "0.5", "EXO_SNAPSHOT_EVERY": "4"}
+
+
+def node_id(node: ExoProcess) -> str:
+    return httpx.get(f"{node.url}/node_id", timeout=10).json()
+
+
+def group_state(node: ExoProcess, group: str) -> State | None:
+    answer = httpx.get(f"{node.url}/state", params={"group": group}, timeout=30)
+    return decode_state(answer.content) if answer.status_code == 200 else None
+
+
+def leader_of(node: ExoProcess, group: str) -> str:
+    state = group_state(node, group)
+    return state.leader_node if state is not None else ""
+
+
+def chat(api: ExoProcess, model: str, max_tokens: int = 16, timeout: float = 120) -> httpx.Response:
+    body = {"model": model, "messages": PROMPT, "max_tokens": max_tokens, "temperature": 0}
+    return httpx.post(f"{api.url}/v1/chat/completions", json=body, timeout=timeout)
+
+
+def text_of(answer: httpx.Response) -> str:
+    assert answer.status_code == 200, answer.text
+    return answer.json()["choices"][0]["message"]["content"]
+
+
+def messages_on(nats_url: str, stream: str, subject: str) -> int:
+    async def count() -> int:
+        nc = await connect([nats_url], name="test-count")
+        try:
+            info = await nc.jetstream().stream_info(stream, subjects_filter=subject)
+            return sum((info.state.subjects or {}).values())  # state.messages counts the whole stream
+        finally:
+            await nc.close()
+    return asyncio.run(count())
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir) -> Reference:
+    return Reference(model_dir)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, model_dir):
+    """n1 leads the shared log and group alpha; n2 leads beta and stands by for alpha (EXO_LEAD_GROUPS);
+    n3 is the worker. All three serve the API."""
+    root = tmp_path_factory.mktemp("groups")
+    nats = NatsServer(root / "nats")
+    n1 = start_node(root, "n1", nats.url, "--no-worker", env=ENV | {"EXO_LEAD_GROUPS": "alpha"})
+    wait_until(lambda: leader_of(n1, "alpha") == node_id(n1) and state_of(n1).leader_node == node_id(n1), 60,
+               what="n1 leads the shared log and group alpha")
+    n2 = start_node(root, "n2", nats.url, "--no-worker", env=ENV | {"EXO_LEAD_GROUPS": "beta,alpha"})
+    wait_until(lambda: leader_of(n2, "beta") == node_id(n2), 60, what="n2 leads group beta")
+    n3 = start_node(root, "n3", nats.url, "--no-master", env=ENV)
+    http = httpx.Client(base_url=n1.url, timeout=120)
+    wait_until(lambda: len(state_of(n1).nodes) == 1, 30, what="the worker registered")
+    for model in (ALPHA, BETA):
+        assert http.post("/models/add", json={"model_id": model, "path": str(model_dir)}).status_code == 200
+        placed = http.post("/place_instance", json={"model_id": model, "wait": 120})
+        assert placed.status_code == 200, placed.text
+    yield {"nats": nats, "n1": n1, "n2": n2, "n3": n3, "root": root}
+    http.close()
+    for node in (n3, n2, n1):
+        if node.process.poll() is None:
+            node.interrupt()
+    nats.stop()
+
+
+def test_two_groups_serve_exactly_and_each_request_lands_in_its_groups_log(cluster, reference):
+    expected = reference.chat(PROMPT, 16)
+    for api in (cluster["n1"], cluster["n2"], cluster["n3"]):
+        for model in (ALPHA, BETA):
+            assert text_of(chat(api, model)) == expected
+    n3 = cluster["n3"]
+    alpha, beta = group_state(n3, "alpha"), group_state(n3, "beta")
+    assert alpha is not None and beta is not None
+    assert {t.model_id for t in alpha.tasks.values()} == {ALPHA} and len(alpha.tasks) == 3
+    assert {t.model_id for t in beta.tasks.values()} == {BETA} and len(beta.tasks) == 3
+    assert {t.status for s in (alpha, beta) for t in s.tasks.values()} == {"completed"}  # the worker's events went there
+    url = cluster["nats"].url
+    assert messages_on(url, "EXO_EVENTS", "exo.events.task.>") == 0  # none in the shared log
+    assert messages_on(url, "EXO_EVENTS_alpha", "exo.group.alpha.events.task.created") == 3
+    assert set(state_of(n3).tasks) == set(alpha.tasks) | set(beta.tasks)  # the cluster view has both
+
+
+class Sender:
+    """Greedy requests for one model, one after another, each timed, until stopped."""
+
+    def __init__(self, api: ExoProcess, model: str) -> None:
+        self.api, self.model = api, model
+        self.results: list[tuple[float, float, str]] = []  # (started, seconds, text or error)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            started = time.monotonic()
+            answer = chat(self.api, self.model, max_tokens=4, timeout=60)
+            text = answer.json()["choices"][0]["message"]["content"] if answer.status_code == 200 else answer.text
+            self.results.append((started, time.monotonic() - started, text))
+
+    def __enter__(self) -> Sender:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(90)
+
+
+def test_kill_9_of_one_groups_master_pauses_only_that_group(cluster, reference):
+    n1, n2, n3 = cluster["n1"], cluster["n2"], cluster["n3"]
+    expected = reference.chat(PROMPT, 4)
+    with Sender(n3, BETA) as beta:
+        wait_until(lambda: len(beta.results) >= 10, 60, what="beta's requests flowing")
+        n1.process.kill()  # kill -9: the shared master and group alpha's
+        killed_at = time.monotonic()
+        alpha = chat(n3, ALPHA, max_tokens=4)  # waits for alpha's next master
+        alpha_s = time.monotonic() - killed_at
+        time.sleep(2)
+    assert text_of(alpha) == expected
+    assert leader_of(n3, "alpha") == node_id(n2)
+    before = [s for started, s, _ in beta.results if started < killed_at]
+    during = [(s, text) for started, s, text in beta.results if killed_at <= started < killed_at + alpha_s]
+    assert len(during) >= 5 and all(text == expected for _, text in during), during
+    during_s = sorted(s for s, _ in during)
+    p99 = during_s[min(len(during_s) - 1, int(0.99 * len(during_s)))]
+    print(f"\nalpha paused {alpha_s:.1f} s; beta meanwhile: {len(during)} requests, p50 "
+          f"{statistics.median(during_s) * 1000:.0f} ms, p99 {p99 * 1000:.0f} ms, max {during_s[-1] * 1000:.0f} ms "
+          f"(before the kill: p50 {statistics.median(before) * 1000:.0f} ms, max {max(before) * 1000:.0f} ms)")
+    assert alpha_s > 3 * during_s[-1]  # alpha waited for a new master; beta never did
+
+
+def test_a_late_joiner_catches_up_on_both_groups(cluster):
+    n3 = cluster["n3"]
+    late = start_node(cluster["root"], "late", cluster["nats"].url, "--no-master", "--no-worker", env=ENV)
+    try:
+        for group in ("alpha", "beta"):
+            mine, theirs = group_state(late, group), group_state(n3, group)
+            assert mine is not None and theirs is not None
+            assert mine.tasks == theirs.tasks and mine.last_seq == theirs.last_seq
+            caught = re.search(rf"EXO_EVENTS_{group} caught up to sequence (\d+) from a snapshot at (\d+)", late.output())
+            assert caught and int(caught.group(2)) > 0, late.output()[-3000:]  # started from the group's snapshot
+        assert set(state_of(late).tasks) == set(state_of(n3).tasks)
+    finally:
+        late.interrupt()
