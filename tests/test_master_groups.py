@@ -19,6 +19,7 @@ from exo.core.state import State, decode_state
 from tests.support.cluster import NatsServer, start_node, state_of, wait_until
 from tests.support.e2e import Reference
 from tests.support.exo_process import ExoProcess
+from tests.support.exo_tools import json_lines, run_tool
 from tests.support.tiny_model import make_tiny_model
 
 pytestmark = pytest.mark.slow
@@ -114,6 +115,24 @@ def test_two_groups_serve_exactly_and_each_request_lands_in_its_groups_log(clust
     assert messages_on(url, "EXO_EVENTS", "exo.events.task.>") == 0  # none in the shared log
     assert messages_on(url, "EXO_EVENTS_alpha", "exo.group.alpha.events.task.created") == 3
     assert set(state_of(n3).tasks) == set(alpha.tasks) | set(beta.tasks)  # the cluster view has both
+
+
+def test_replay_per_group_and_all_together_equals_what_nodes_hold(cluster):
+    n3, url = cluster["n3"], cluster["nats"].url
+    for group in ("alpha", "beta"):
+        done = run_tool(["replay", "--group", group, "--json"], url)
+        assert done.returncode == 0, done.stderr
+        replayed = json_lines(done.stdout)[-1]["state"]
+        held = group_state(n3, group)
+        assert held is not None and replayed["tasks"].keys() == held.tasks.keys()
+        assert replayed["last_seq"] == held.last_seq and replayed["group"] == group
+        verified = run_tool(["replay", "--group", group, "--verify"], url)  # against the group's snapshots
+        assert verified.returncode == 0 and "agree with the replay" in verified.stdout, verified.stdout + verified.stderr
+    together = run_tool(["replay", "--all-groups", "--json"], url)
+    assert together.returncode == 0, together.stderr
+    state = json_lines(together.stdout)[-1]["state"]
+    assert state["tasks"].keys() == state_of(n3).tasks.keys() and len(state["tasks"]) == 6
+    assert run_tool(["replay", "--group", "Not A Group"], url).returncode == 2
 
 
 class Sender:

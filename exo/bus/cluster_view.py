@@ -12,6 +12,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 
+from msgspec.structs import replace
 from nats.aio.client import Client
 
 from exo.bus.catch_up import catch_up
@@ -104,7 +105,8 @@ class ClusterView:
         await self._tell(seq, event, self.state)
 
     async def _on_group_event(self, seq: int, event: AnyEvent, group_state: State) -> None:
-        merged = for_cluster(self.shared.state, [v.state for v in self.groups.values()], source=group_state)
+        # The cluster State, with the position and skipped events of the log this event is in.
+        merged = replace(self.state, last_seq=group_state.last_seq, skipped_events=group_state.skipped_events)
         await self._tell(seq, event, merged)
 
     async def _follow_logged(self, group: str) -> None:

@@ -108,7 +108,8 @@ class Master:
     async def run(self) -> None:
         """Campaign for the lease until this node wins it, lead until it is lost, repeat. Pulses
         are heard all along, so a node that takes over knows who is alive."""
-        pulses = await listen_for_pulses(self._nc, self._on_pulse)
+        # Pulses tell the shared master who is alive; a group's master leaves that to it.
+        pulses = await listen_for_pulses(self._nc, self._on_pulse) if self._shared is None else None
         try:
             while True:
                 try:
@@ -121,7 +122,8 @@ class Master:
                     log.warning("master: %r; campaigning again", error)
                     await asyncio.sleep(1)
         finally:
-            await pulses.unsubscribe()
+            if pulses is not None:
+                await pulses.unsubscribe()
             await self._lease.release()
 
     async def _lead(self) -> None:

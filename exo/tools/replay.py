@@ -7,6 +7,8 @@
     exo replay --diff --filter kind=task.*  per event: what it changed in State
     exo replay --list --filter instance=ID  per event: one line
     exo replay --verify                     compare with every snapshot the KV bucket keeps
+    exo replay --group chat                 master group chat's log (its own sequences and snapshots)
+    exo replay --all-groups                 the shared log and every group's: the cluster State
     ... --json                              JSON Lines: one object per listed event, then the result
 
 Events that do not decode, that the reducer skips, or that are missing are listed with their
@@ -23,10 +25,12 @@ from typing import Any
 
 import msgspec
 
+from exo.bus.subjects import group_names
 from exo.bus.tooling.log_reader import LogRecord, log_bounds, read_log_batches
 from exo.bus.tooling.snapshot_reader import StoredSnapshot, stored_snapshots
 from exo.core.apply import Draft
 from exo.core.events import decode_event
+from exo.core.groups import GROUP_NAME, for_cluster
 from exo.core.state import SkippedEvent, State, decode_state
 from exo.tools.cli import EXIT_FAILED, EXIT_OK, Output, ToolError, add_nats_option, open_nats, run_tool
 from exo.tools.event_view import parse_filters
@@ -50,7 +54,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--filter", action="append", default=[], metavar="KEY=VALUE",
                         help="only show events matching: kind=PATTERN, node=ID, instance=ID, command=ID")
     parser.add_argument("--json", action="store_true", help="machine-readable output (JSON Lines)")
+    parser.add_argument("--group", default="", metavar="NAME", help="replay master group NAME's log (EXO_MASTER_GROUPS)")
+    parser.add_argument("--all-groups", action="store_true",
+                        help="replay the shared log, then every master group's it names, into the cluster's State")
     args = parser.parse_args(argv)
+    if args.group and not GROUP_NAME.fullmatch(args.group):
+        parser.error(f"--group {args.group[:64]!r}: a group name is a lowercase letter, then a-z, 0-9, _ and -")
+    if args.all_groups and (args.group or args.file or args.until is not None or args.verify or args.from_snapshot):
+        parser.error("--all-groups replays every log to its end: it takes no --group, --file, --until, --verify "
+                     "or --from-snapshot")
     try:
         args.event_filter = parse_filters(args.filter)
     except ValueError as error:
@@ -72,12 +84,14 @@ async def _replay(args: argparse.Namespace) -> int:
     out = Output()
     started = time.perf_counter()
     if args.file:
-        from_file = _new_replayer(args, out, State())
+        from_file = _new_replayer(args, out, State(group=args.group))
         _fold_file(args.file, from_file, args.until)
         replayer: Replayer = from_file
         unreadable: list[str] = []
     else:
         replayer, unreadable = await _fold_stream(args, out)
+    if args.all_groups:
+        await _fold_groups(args, out, replayer)
     elapsed = time.perf_counter() - started
     code = _report(args, out, replayer, unreadable)
     out.flush()
@@ -150,20 +164,37 @@ def _fold_file(path: str, replayer: BatchReplayer, until: int | None) -> None:
 
 async def _fold_stream(args: argparse.Namespace, out: Output) -> tuple[Replayer, list[str]]:
     nc = await open_nats(args.nats, "replay")
+    names = group_names(args.group)
     try:
-        snapshots = await stored_snapshots(nc) if (args.verify or args.from_snapshot) else []
+        snapshots = await stored_snapshots(nc, names) if (args.verify or args.from_snapshot) else []
         checkpoints, unreadable = _decode_snapshots(snapshots)
-        start = State()
+        empty = start = State(group=args.group)
         if args.from_snapshot:
-            start = _latest_at_or_before([c.state for c in checkpoints], args.until)
+            start = _latest_at_or_before([c.state for c in checkpoints], args.until, empty)
         if args.verify:
-            start, checkpoints = _verify_start(checkpoints, (await log_bounds(nc)).first_seq)
+            start, checkpoints = _verify_start(checkpoints, (await log_bounds(nc, names)).first_seq, empty)
         replayer = _new_replayer(args, out, start, checkpoints if args.verify else [])
         await read_log_batches(nc, replayer.feed_all, first_seq=start.last_seq + 1, last_seq=args.until,
-                               headers=False)
+                               headers=False, names=names)
     finally:
         await nc.close()
     return replayer, unreadable
+
+
+async def _fold_groups(args: argparse.Namespace, out: Output, shared: Replayer) -> None:
+    """Every group log the shared State names, each folded on its own, laid over the shared State."""
+    nc = await open_nats(args.nats, "replay")
+    groups: list[State] = []
+    try:
+        for group in shared.state.group_logs:
+            replayer = _new_replayer(args, out, State(group=group))
+            await read_log_batches(nc, replayer.feed_all, headers=False, names=group_names(group))
+            shared.replayed += replayer.replayed
+            shared.skipped += [SkippedEvent(seq=s.seq, reason=f"group {group}: {s.reason}") for s in replayer.skipped]
+            groups.append(replayer.state)
+    finally:
+        await nc.close()
+    shared.state = for_cluster(shared.state, groups)
 
 
 def _decode_snapshots(snapshots: list[StoredSnapshot]) -> tuple[list[Checkpoint], list[str]]:
@@ -176,11 +207,11 @@ def _decode_snapshots(snapshots: list[StoredSnapshot]) -> tuple[list[Checkpoint]
     return checkpoints, unreadable
 
 
-def _verify_start(checkpoints: list[Checkpoint], first_seq: int) -> tuple[State, list[Checkpoint]]:
+def _verify_start(checkpoints: list[Checkpoint], first_seq: int, empty: State) -> tuple[State, list[Checkpoint]]:
     """Verify from sequence 1 if the log still starts there; otherwise from the oldest kept
     snapshot the log continues (it is trusted, the later ones are checked against it)."""
     if first_seq <= 1:
-        return State(), checkpoints
+        return empty, checkpoints
     reachable = [c for c in checkpoints if c.state.last_seq >= first_seq - 1]
     if not reachable:
         raise ToolError(f"the event stream starts at sequence {first_seq} and no kept snapshot reaches it: "
@@ -192,12 +223,12 @@ def _verify_start(checkpoints: list[Checkpoint], first_seq: int) -> tuple[State,
     return base.state, reachable[1:]
 
 
-def _latest_at_or_before(states: list[State], until: int | None) -> State:
+def _latest_at_or_before(states: list[State], until: int | None, empty: State) -> State:
     usable = [s for s in states if until is None or s.last_seq <= until]
     if not usable:
         print("exo replay: no stored snapshot" + (f" at or before {until}" if until is not None else "")
               + "; replaying from the start", file=sys.stderr)
-        return State()
+        return empty
     return max(usable, key=lambda s: s.last_seq)
 
 

@@ -21,7 +21,7 @@ from nats.js import api
 
 from exo.bus.connection import connect_like
 from exo.bus.errors import BusError, LogGap
-from exo.bus.subjects import ALL_EVENTS, EVENTS_STREAM
+from exo.bus.subjects import ALL_EVENTS, EVENTS_STREAM, SHARED, LogNames
 from exo.bus.tooling.log_records import HEARTBEAT_S, LogBounds, LogRecord, OnBatch, OnRecord, unsubscribe_quietly
 from exo.bus.tooling.raw_reader import RawParser, RawRangeReader
 
@@ -42,8 +42,8 @@ def record_of(msg: Msg) -> LogRecord:
     return LogRecord(seq=seq, subject=msg.subject, time_ns=time_ns, headers=msg.headers, data=msg.data)
 
 
-async def log_bounds(nc: Client) -> LogBounds:
-    state = (await nc.jetstream().stream_info(EVENTS_STREAM)).state
+async def log_bounds(nc: Client, names: LogNames = SHARED) -> LogBounds:
+    state = (await nc.jetstream().stream_info(names.events_stream)).state
     return LogBounds(first_seq=state.first_seq if state.messages else 0, last_seq=state.last_seq)
 
 
@@ -67,7 +67,7 @@ async def read_log(
 
 async def read_log_batches(
     nc: Client, on_batch: OnBatch, first_seq: int = 1, last_seq: int | None = None, stall_timeout: float = 10.0,
-    headers: bool = True,
+    headers: bool = True, names: LogNames = SHARED,
 ) -> int:
     """`read_log`, handing over records as they arrive, many at a time (whatever one read
     from the socket holds, ~100), in order. `headers=False` leaves every record's headers None
@@ -77,17 +77,17 @@ async def read_log_batches(
     over raw (`RawParser`), several times faster than nats-py's Msg per message; if that
     parser cannot be installed (another nats-py), it reads through nats-py's ordered consumer.
     """
-    end = await _end_of_read(nc, first_seq, last_seq)
+    end = await _end_of_read(nc, first_seq, last_seq, names)
     if end < first_seq:
         return 0
     reader_nc = await _reader_connection(nc)
     if reader_nc is None:
-        return await _read_ordered(nc, on_batch, first_seq, end, stall_timeout)
+        return await _read_ordered(nc, on_batch, first_seq, end, stall_timeout, names)
     try:
         if not RawParser.install(reader_nc):
             log.warning("nats-py's protocol parser is not the one exo knows: reading the log the slow way")
-            return await _read_ordered(nc, on_batch, first_seq, end, stall_timeout)
-        return await RawRangeReader(nc, reader_nc, on_batch, first_seq, end, headers).run(stall_timeout)
+            return await _read_ordered(nc, on_batch, first_seq, end, stall_timeout, names)
+        return await RawRangeReader(nc, reader_nc, on_batch, first_seq, end, headers, names).run(stall_timeout)
     finally:
         await reader_nc.close()
 
@@ -103,11 +103,11 @@ async def read_log_ordered(
     return await _read_ordered(nc, on_batch, first_seq, end, stall_timeout)
 
 
-async def _end_of_read(nc: Client, first_seq: int, last_seq: int | None) -> int:
+async def _end_of_read(nc: Client, first_seq: int, last_seq: int | None, names: LogNames = SHARED) -> int:
     """The last sequence a read from `first_seq` to `last_seq` (None: the stream's last one
     now) delivers; below `first_seq` if there is nothing to read. LogGap if the stream no
     longer holds `first_seq` (nats-py would silently start at the stream's first sequence)."""
-    bounds = await log_bounds(nc)
+    bounds = await log_bounds(nc, names)
     end = bounds.last_seq if last_seq is None else min(last_seq, bounds.last_seq)
     if bounds.first_seq == 0 or end < first_seq:
         return first_seq - 1
@@ -129,10 +129,11 @@ async def _reader_connection(nc: Client) -> Client | None:
         return None
 
 
-async def _read_ordered(nc: Client, on_batch: OnBatch, first_seq: int, end: int, stall_timeout: float) -> int:
+async def _read_ordered(nc: Client, on_batch: OnBatch, first_seq: int, end: int, stall_timeout: float,
+                        names: LogNames = SHARED) -> int:
     reader = _RangeReader(lambda record: on_batch([record]), first_seq, end)
     subscription = await nc.jetstream().subscribe(
-        ALL_EVENTS, stream=EVENTS_STREAM, ordered_consumer=True, cb=reader.on_msg, idle_heartbeat=HEARTBEAT_S,
+        names.all_events, stream=names.events_stream, ordered_consumer=True, cb=reader.on_msg, idle_heartbeat=HEARTBEAT_S,
         deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE, config=api.ConsumerConfig(opt_start_seq=first_seq),
     )
     try:

@@ -17,7 +17,7 @@ from nats.js import api
 from nats.protocol.parser import AWAITING_CONTROL_LINE, ERR_RE, INFO_RE, OK_RE, PING_RE, PONG_RE, Parser
 
 from exo.bus.errors import BusError, LogGap
-from exo.bus.subjects import ALL_EVENTS, EVENTS_STREAM
+from exo.bus.subjects import SHARED, LogNames
 from exo.bus.tooling.log_records import HEARTBEAT_S, LogRecord, OnBatch, unsubscribe_quietly
 
 log = logging.getLogger(__name__)
@@ -164,7 +164,9 @@ class RawRangeReader:
 
     MAX_RESTARTS = 10  # consumers recreated without progress before the read gives up
 
-    def __init__(self, nc: Client, reader_nc: Client, on_batch: OnBatch, first: int, end: int, headers: bool) -> None:
+    def __init__(self, nc: Client, reader_nc: Client, on_batch: OnBatch, first: int, end: int, headers: bool,
+                 names: LogNames = SHARED) -> None:
+        self._names = names
         self._js = nc.jetstream()  # consumers are created and deleted over the caller's connection
         self._nc = reader_nc
         self._parser: RawParser = reader_nc._ps  # type: ignore[assignment]  # installed by RawParser.install
@@ -222,10 +224,10 @@ class RawRangeReader:
         await self._nc.flush()  # the server knows the inbox before the consumer sends to it
         config = api.ConsumerConfig(
             deliver_subject=inbox, deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=self._next,
-            filter_subject=ALL_EVENTS, ack_policy=api.AckPolicy.NONE, max_deliver=1, flow_control=True,
+            filter_subject=self._names.all_events, ack_policy=api.AckPolicy.NONE, max_deliver=1, flow_control=True,
             idle_heartbeat=HEARTBEAT_S, mem_storage=True, num_replicas=1, inactive_threshold=30.0,
         )
-        self._consumer = (await self._js.add_consumer(EVENTS_STREAM, config=config)).name
+        self._consumer = (await self._js.add_consumer(self._names.events_stream, config=config)).name
 
     async def _stop(self) -> None:
         subscription, self._subscription = self._subscription, None
@@ -235,7 +237,7 @@ class RawRangeReader:
         if self._consumer:
             consumer, self._consumer = self._consumer, ""
             with contextlib.suppress(Exception):  # gone already, or the server goes away: it expires on its own
-                await self._js.delete_consumer(EVENTS_STREAM, consumer)
+                await self._js.delete_consumer(self._names.events_stream, consumer)
 
     async def _not_raw(self, msg: Msg) -> None:
         if self._subscription is not None and msg.sid == self._subscription._id:  # cannot happen; never silently

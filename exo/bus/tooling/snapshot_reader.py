@@ -13,6 +13,7 @@ from nats.aio.client import Client
 from nats.js.errors import BucketNotFoundError, NotFoundError
 
 from exo.bus.snapshots import snapshot_entries
+from exo.bus.subjects import SHARED, LogNames
 
 
 class StoredSnapshot(msgspec.Struct, frozen=True, kw_only=True):
@@ -21,10 +22,10 @@ class StoredSnapshot(msgspec.Struct, frozen=True, kw_only=True):
     value: bytes
 
 
-async def stored_snapshots(nc: Client) -> list[StoredSnapshot]:
-    """Oldest first. Deleted or purged revisions (empty values) are left out."""
+async def stored_snapshots(nc: Client, names: LogNames = SHARED) -> list[StoredSnapshot]:
+    """Oldest first (the shared log's, or a master group's). Deleted or purged revisions (empty values) are left out."""
     try:
-        entries = await snapshot_entries(nc)
+        entries = await snapshot_entries(nc, names=names)
     except (BucketNotFoundError, NotFoundError):
         return []
     return [
