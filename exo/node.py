@@ -33,6 +33,7 @@ from exo.bus.server.embedded import EmbeddedNats
 from exo.bus.server.server_config import NODE_TAG
 from exo.bus.state_view import StateView
 from exo.core.events import ClusterLayoutChanged, Event, NodeRegistered
+from exo.core.groups import parse_groups
 from exo.core.ids import ModelId, NodeId
 from exo.core.types import ClusterLayout, ModelCard
 from exo.defaults import DEFAULT_API_PORT, DEFAULT_NATS_PORT
@@ -247,12 +248,14 @@ class Node:
 
     async def _start_embedded(self, node_id: str) -> str:
         store = self.config.data_dir / "nats"
+        groups = list(parse_groups(self.config.master.groups))
         if self.config.discovery is None:
-            self.embedded = EmbeddedNats(store, port=self.config.nats_port, memory_limit=self.config.bus.nats_memory_limit)
+            self.embedded = EmbeddedNats(store, port=self.config.nats_port, memory_limit=self.config.bus.nats_memory_limit,
+                                         master_groups=groups)
             await self.embedded.start()
         else:
             self.cluster = ClusterNode(store, node_id, self.config.nats_port, self.config.discovery,
-                                       memory_limit=self.config.bus.nats_memory_limit)
+                                       memory_limit=self.config.bus.nats_memory_limit, master_groups=groups)
             self.embedded = await self.cluster.start()
         self._tasks.append(asyncio.create_task(self.embedded.supervise(), name="embedded nats-server"))
         self._disk_watch = DiskWatch(self.embedded)

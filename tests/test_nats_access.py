@@ -105,3 +105,46 @@ def test_the_deploy_docs_give_exactly_the_embedded_servers_permissions():
 
     docs = (streams_dir().parent / "docs" / "deploy.md").read_text()
     assert authorization_block("EXO_PASSWORD", "OPERATOR_PASSWORD") in docs
+
+
+async def test_the_operator_cannot_take_a_master_groups_commands_either(tmp_path):
+    """A master group's master consumes EXO_COMMANDS_<group> through its own exo-master: the same
+    denials, by wildcard for the named forms and per group (from the server's EXO_MASTER_GROUPS)
+    for the legacy one. Reading the group's log still works."""
+    from exo.bus.provision import provision_group
+    from exo.bus.subjects import group_names
+
+    server = EmbeddedNats(tmp_path / "nats", port=0, master_groups=["alpha"])
+    await server.start()
+    exo = await connect([server.url], name="exo")
+    violations: list[str] = []
+
+    async def on_error(error: Exception) -> None:
+        violations.append(str(error))
+
+    operator = await nats.connect(server.operator_url, error_cb=on_error, max_reconnect_attempts=-1)
+    try:
+        await provision(exo)
+        names = group_names("alpha")
+        await provision_group(exo, names)
+        await send_command(exo, PlaceInstance(command_id="queued", model_id="org/m"), names)
+        await EventLog(exo, names).append(TaskStarted(task_id="t1"), uuid.uuid4().hex)
+        stream, master = names.commands_stream, MASTER_CONSUMER
+        writes = [f"$JS.API.CONSUMER.CREATE.{stream}.{master}", f"$JS.API.CONSUMER.CREATE.{stream}.{master}.x",
+                  f"$JS.API.CONSUMER.CREATE.{stream}", f"$JS.API.CONSUMER.DELETE.{stream}.{master}",
+                  f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{master}", f"$JS.ACK.{stream}.{master}.1.1.1.1.1",
+                  "exo.group.alpha.events.leader.elected", "exo.group.alpha.commands.generate_text"]
+        for subject in writes:
+            await operator.publish(subject, b'{"stream_name":"x","config":{"name":"exo-master"}}', reply=operator.new_inbox())
+        await operator.flush()
+        refused = lambda: [v for v in violations if "permissions violation for publish" in v.lower()]  # noqa: E731
+        await eventually(lambda: len(refused()) >= len(writes), timeout=10)
+        assert len(refused()) == len(writes), violations
+        read, _ = await catch_up(operator, use_snapshot=False, names=names)  # the group's log, read in order
+        assert read.state.last_seq == 1 and read.state.group == "alpha"
+        still = await exo.jetstream().consumer_info(stream, master)
+        assert (still.num_pending, still.config.filter_subject) == (1, names.all_commands)
+    finally:
+        await operator.close()
+        await exo.close()
+        server.stop()

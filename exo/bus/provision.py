@@ -128,10 +128,28 @@ def group_configs(names: LogNames) -> tuple[list[dict[str, Any]], dict[str, Any]
     return [events, commands], {**consumer, "filter_subject": names.all_commands}
 
 
+async def group_streams(nc: Client) -> list[str]:
+    """The master groups' streams on this server (EXO_EVENTS_<group>, EXO_COMMANDS_<group>), sorted:
+    a discovered cluster replicates them, and a migration carries their logs, as it does the shared ones."""
+    names: list[str] = []
+    while True:
+        reply = await jetstream_request(nc, "$JS.API.STREAM.NAMES", {"offset": len(names)})
+        page = reply.get("streams") or []
+        names += page
+        if not page or len(names) >= reply.get("total", 0):
+            break
+    prefixes = (f"{EVENTS_STREAM}_", f"{COMMANDS_STREAM}_")
+    return sorted(n for n in names if n.startswith(prefixes))
+
+
 async def provision_group(nc: Client, names: LogNames) -> None:
     """Create a master group's streams and consumer, idempotently (the shared master does before it
     names the group in the log; every follower checks them before reading)."""
     configs, consumer = group_configs(names)
+    # Placed and replicated like the shared log (a discovered cluster: on real nodes, R3 once it has three).
+    shared = (await jetstream_request(nc, f"$JS.API.STREAM.INFO.{EVENTS_STREAM}", {})).get("config") or {}
+    like = {key: shared[key] for key in ("placement", "num_replicas") if key in shared}
+    configs = [{**config, **like} for config in configs]
     infos = [await jetstream_request(nc, f"$JS.API.STREAM.INFO.{c['name']}", {}) for c in configs]
     missing = [c for c, info in zip(configs, infos, strict=True) if info.get("error")]
     divisor = await fit_divisor(nc, missing) if missing else 1

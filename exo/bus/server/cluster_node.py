@@ -19,7 +19,7 @@ import contextlib
 import logging
 import shutil
 import socket
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
 import msgspec
@@ -104,7 +104,8 @@ def free_port(host: str) -> int:
 
 class ClusterNode:
     def __init__(self, store_dir: Path, node_id: str, client_port: int, settings: DiscoverySettings,
-                 memory_limit: str = BusSettings().nats_memory_limit) -> None:
+                 memory_limit: str = BusSettings().nats_memory_limit, master_groups: Sequence[str] = ()) -> None:
+        self.master_groups = tuple(master_groups)
         self.store_dir = store_dir
         self.memory_limit = memory_limit  # of each embedded server (EmbeddedNats)
         self.node_id = node_id
@@ -231,13 +232,14 @@ class ClusterNode:
         host, secret = self.settings.address, self.settings.secret
         self.server = EmbeddedNats(self.store_dir, port=self.client_port, server_name=self.server_name, cluster=ClusterLink(
             name=membership.cluster, host=host, port=membership.port, secret=secret, routes=self._routes(membership)),
-            memory_limit=self.memory_limit)
+            memory_limit=self.memory_limit, master_groups=self.master_groups)
         starting = [self.server.start()]
         if self._runs_witness(membership):
             self.witness = EmbeddedNats(self.store_dir.parent / WITNESS_DIR, port=0, server_name=self.witness_name,
                                         cluster=ClusterLink(name=membership.cluster, host=host, port=membership.witness_port,
                                                             secret=secret, routes=[route_url(host, membership.port)],
-                                                            witness=True), memory_limit=self.memory_limit)
+                                                            witness=True), memory_limit=self.memory_limit,
+                                        master_groups=self.master_groups)
             starting.append(self.witness.start())
         await asyncio.gather(*starting)
         if self.witness is not None:

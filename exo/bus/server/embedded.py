@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import msgspec
@@ -123,8 +124,9 @@ class EmbeddedNats:
 
     def __init__(self, store_dir: Path, host: str = "127.0.0.1", port: int = 4222,
                  server_name: str = "exo-embedded", cluster: ClusterLink | None = None,
-                 memory_limit: str = BusSettings().nats_memory_limit) -> None:
+                 memory_limit: str = BusSettings().nats_memory_limit, master_groups: Sequence[str] = ()) -> None:
         self.store_dir = store_dir
+        self.master_groups = tuple(master_groups)  # their consumers' denials for the operator (permissions.py)
         # The Go runtime keeps what the file store cached (blocks read back, large messages) until the
         # heap nears a limit; without one, RSS grew to hundreds of MB after images were read back
         # (bench/nats_memory.py). A soft limit (EXO_NATS_MEMORY_LIMIT); GOMEMLIMIT in the environment wins.
@@ -175,7 +177,8 @@ class EmbeddedNats:
         config.touch(mode=0o600)
         config.chmod(0o600)  # it holds the passwords; set before writing them
         config.write_text(server_config(credentials.exo_password, credentials.operator_password,
-                                        credentials.system_password, MAX_PAYLOAD_BYTES, self.cluster))
+                                        credentials.system_password, MAX_PAYLOAD_BYTES, self.cluster,
+                                        self.master_groups))
         args = [
             nats_server_binary(), "--config", str(config), "--jetstream", "--store_dir", str(self.store_dir / "jetstream"),
             "--addr", self.host, "--port", str(self.port if self.port else -1),

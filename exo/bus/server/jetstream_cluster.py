@@ -17,7 +17,8 @@ import msgspec
 from nats.aio.client import Client
 
 from exo.bus.jetstream_api import jetstream_request
-from exo.bus.provision import consumer_configs, stream_configs
+from exo.bus.provision import consumer_configs, group_streams, stream_configs
+from exo.bus.subjects import COMMANDS_STREAM, MASTER_CONSUMER
 from exo.core.types import ClusterLayout, ClusterServer, StreamPlacement
 
 log = logging.getLogger(__name__)
@@ -73,14 +74,14 @@ async def meta_group(monitor_url: str) -> MetaGroup | None:
 async def stream_replicas(nc: Client) -> list[StreamReplicas]:
     """exo's streams (events, commands, tokens, KV buckets, images) and where their replicas are."""
     found = []
-    for config in stream_configs():
-        info = await jetstream_request(nc, f"$JS.API.STREAM.INFO.{config['name']}")
+    for name in await _exo_streams(nc):
+        info = await jetstream_request(nc, f"$JS.API.STREAM.INFO.{name}")
         if info.get("error"):
             continue
         cluster = info.get("cluster") or {}
         followers = cluster.get("replicas") or []
         found.append(StreamReplicas(
-            name=config["name"], replicas=info["config"].get("num_replicas", 1), leader=cluster.get("leader", ""),
+            name=name, replicas=info["config"].get("num_replicas", 1), leader=cluster.get("leader", ""),
             servers=[cluster.get("leader", ""), *(f["name"] for f in followers)],
             current=all(f.get("current") for f in followers)))
     return found
@@ -90,8 +91,10 @@ async def consumers_replicated(nc: Client, replicas: int = FULL_REPLICAS) -> boo
     """exo's durable consumers (the master's command queue) have `replicas` current copies: a
     consumer whose new replicas have not caught up has no leader if its old one dies (seen: a
     machine killed 1 s after the streams went to R3 left the master's queue without a leader)."""
-    for stream, config in consumer_configs():
-        info = await jetstream_request(nc, f"$JS.API.CONSUMER.INFO.{stream}.{config['durable_name']}")
+    consumers = [(stream, config["durable_name"]) for stream, config in consumer_configs()]
+    consumers += [(name, MASTER_CONSUMER) for name in await group_streams(nc) if name.startswith(COMMANDS_STREAM)]
+    for stream, durable in consumers:
+        info = await jetstream_request(nc, f"$JS.API.CONSUMER.INFO.{stream}.{durable}")
         followers = (info.get("cluster") or {}).get("replicas") or []
         if info.get("error") or len(followers) < replicas - 1 or not all(f.get("current") for f in followers):
             return False
@@ -103,22 +106,27 @@ async def scale_streams(nc: Client, replicas: int = FULL_REPLICAS) -> bool:
     its data (the new replicas catch up from the leader). Failing here (too few servers with
     the node tag yet) is normal while nodes join: the caller tries again later."""
     done = True
-    for config in stream_configs():
-        info = await jetstream_request(nc, f"$JS.API.STREAM.INFO.{config['name']}")
+    for name in await _exo_streams(nc):
+        info = await jetstream_request(nc, f"$JS.API.STREAM.INFO.{name}")
         if info.get("error"):
             done = False
             continue
         existing = info["config"]
         if existing.get("num_replicas", 1) >= replicas:
             continue
-        reply = await jetstream_request(nc, f"$JS.API.STREAM.UPDATE.{config['name']}", {**existing, "num_replicas": replicas})
+        reply = await jetstream_request(nc, f"$JS.API.STREAM.UPDATE.{name}", {**existing, "num_replicas": replicas})
         if reply.get("error"):
-            log.info("stream %s stays at %s replicas for now: %s", config["name"], existing.get("num_replicas", 1),
+            log.info("stream %s stays at %s replicas for now: %s", name, existing.get("num_replicas", 1),
                      reply["error"].get("description"))
             done = False
         else:
-            log.info("stream %s now has %d replicas", config["name"], replicas)
+            log.info("stream %s now has %d replicas", name, replicas)
     return done
+
+
+async def _exo_streams(nc: Client) -> list[str]:
+    """The shared streams of streams/*.json, then the master groups' (exo/core/groups.py)."""
+    return [c["name"] for c in stream_configs()] + await group_streams(nc)
 
 
 async def step_down_if_leader(system_nc: Client, monitor_url: str, server_name: str, timeout: float = 10.0) -> None:

@@ -25,6 +25,7 @@ from exo.bus.atomic_append import BATCH_HEADERS
 from exo.bus.connection import connect
 from exo.bus.errors import BusError
 from exo.bus.jetstream_api import jetstream_request
+from exo.bus.provision import group_streams
 from exo.bus.server.embedded import EmbeddedNats
 from exo.bus.server.server_config import NODE_TAG
 from exo.bus.subjects import ADAPTERS_STREAM, EVENTS_STREAM, IMAGES_STREAM, STATE_BUCKET
@@ -60,7 +61,7 @@ async def migrate_standalone_store(store_dir: Path, cluster_nc: Client) -> None:
     await old.start()
     old_nc = await connect([old.url], name="exo-migration")
     try:
-        for name in CARRIED:
+        for name in [*CARRIED, *(n for n in await group_streams(old_nc) if n.startswith(f"{EVENTS_STREAM}_"))]:
             copied = await _copy_stream(old_nc, cluster_nc, name)
             log.info("migration: stream %s: %d message(s) copied into the cluster", name, copied)
     finally:
@@ -90,17 +91,18 @@ async def _copy_stream(old_nc: Client, new_nc: Client, name: str) -> int:
     if created.get("error"):
         raise BusError(f"migration: cannot create {name} in the cluster: {created['error'].get('description')}")
     js, copied = new_nc.jetstream(), 0
+    is_log = name == EVENTS_STREAM or name.startswith(f"{EVENTS_STREAM}_")  # the shared log or a master group's
     if not info["state"]["messages"]:
         return 0
     for start in range(first, last + 1, _READ_AHEAD):
         batch = await asyncio.gather(*(_message(old_nc, name, seq) for seq in range(start, min(start + _READ_AHEAD, last + 1))))
         for seq, message in zip(range(start, last + 1), batch, strict=False):
             if message is None:
-                if name == EVENTS_STREAM:  # the log's sequences are its index: a hole cannot be copied
+                if is_log:  # the log's sequences are its index: a hole cannot be copied
                     raise BusError(f"migration: event {seq} is missing from the old log; it cannot keep its sequences")
                 continue
             ack = await js.publish(message["subject"], _data(message), stream=name, headers=_headers(message))
-            if name == EVENTS_STREAM and ack.seq != seq:
+            if is_log and ack.seq != seq:
                 raise BusError(f"migration: event {seq} landed at {ack.seq}")
             copied += 1
     return copied

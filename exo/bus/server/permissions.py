@@ -13,8 +13,9 @@ neither taken over, deleted nor acknowledged for.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 
-from exo.bus.subjects import COMMANDS_STREAM, MASTER_CONSUMER
+from exo.bus.subjects import COMMANDS_STREAM, MASTER_CONSUMER, group_names
 
 EXO_USER = "exo"
 OPERATOR_USER = "operator"
@@ -45,6 +46,12 @@ OPERATOR_PERMISSIONS: dict[str, dict[str, list[str]]] = {
             f"$JS.API.CONSUMER.DELETE.{_MASTER}", f"$JS.API.CONSUMER.MSG.NEXT.{_MASTER}",
             # An ack, nak or term of the master's delivery would settle a command it never decided.
             f"$JS.ACK.{_MASTER}.>",
+            # The same for every master group's master (its commands stream is EXO_COMMANDS_<group>,
+            # its consumer named alike). The legacy form, with the stream's name alone, is denied per
+            # group the server is started with (`authorization_block`).
+            f"$JS.API.CONSUMER.CREATE.*.{MASTER_CONSUMER}", f"$JS.API.CONSUMER.CREATE.*.{MASTER_CONSUMER}.>",
+            f"$JS.API.CONSUMER.DELETE.*.{MASTER_CONSUMER}", f"$JS.API.CONSUMER.MSG.NEXT.*.{MASTER_CONSUMER}",
+            f"$JS.ACK.*.{MASTER_CONSUMER}.>",
         ],
     },
     "subscribe": {
@@ -56,10 +63,16 @@ OPERATOR_PERMISSIONS: dict[str, dict[str, list[str]]] = {
 }
 
 
-def authorization_block(exo_password: str, operator_password: str) -> str:
-    """The nats-server `authorization` block for both roles (JSON is valid nats-server config)."""
+def authorization_block(exo_password: str, operator_password: str, master_groups: Sequence[str] = ()) -> str:
+    """The nats-server `authorization` block for both roles (JSON is valid nats-server config);
+    `master_groups` (EXO_MASTER_GROUPS' names) adds each group's legacy consumer-create denial."""
+    permissions = OPERATOR_PERMISSIONS
+    if master_groups:
+        legacy = [f"$JS.API.CONSUMER.CREATE.{group_names(g).commands_stream}" for g in master_groups]
+        publish = OPERATOR_PERMISSIONS["publish"]
+        permissions = {**OPERATOR_PERMISSIONS, "publish": {**publish, "deny": [*publish["deny"], *legacy]}}
     users = [
         {"user": EXO_USER, "password": exo_password},
-        {"user": OPERATOR_USER, "password": operator_password, "permissions": OPERATOR_PERMISSIONS},
+        {"user": OPERATOR_USER, "password": operator_password, "permissions": permissions},
     ]
     return "authorization: " + json.dumps({"users": users}, indent=2) + "\n"

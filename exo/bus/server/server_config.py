@@ -14,6 +14,7 @@ have a quorum (a lone server in cluster mode has no JetStream at all).
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 
 import msgspec
 
@@ -49,9 +50,9 @@ def _with_route_credentials(route: str, secret: str) -> str:
 
 
 def server_config(exo_password: str, operator_password: str, system_password: str,
-                  max_payload: int, cluster: ClusterLink | None) -> str:
+                  max_payload: int, cluster: ClusterLink | None, master_groups: Sequence[str] = ()) -> str:
     """The whole config file. JSON values are valid nats-server config syntax."""
-    lines = [f"max_payload: {max_payload}", authorization_block(exo_password, operator_password)]
+    lines = [f"max_payload: {max_payload}", authorization_block(exo_password, operator_password, master_groups)]
     if cluster is None:
         return "\n".join(lines)
     accounts = {SYSTEM_ACCOUNT: {"users": [{"user": SYSTEM_USER, "password": system_password}]}}
