@@ -196,3 +196,23 @@ def test_a_late_joiner_catches_up_on_both_groups(cluster):
         assert set(state_of(late).tasks) == set(state_of(n3).tasks)
     finally:
         late.interrupt()
+
+
+def test_a_model_moved_to_another_group_keeps_its_instances(cluster, reference):
+    """The map is the shared master's setting: a new shared master with beta's model in alpha moves
+    it. Instances are in the shared log, so beta's instance serves on; its next request is alpha's."""
+    n2, n3 = cluster["n2"], cluster["n3"]
+    instance = next(i.instance_id for i in state_of(n3).instances.values() if i.model_id == BETA)
+    moved = ENV | {"EXO_MASTER_GROUPS": f"alpha={ALPHA}|{BETA}", "EXO_LEAD_GROUPS": "alpha"}
+    n5 = start_node(cluster["root"], "n5", cluster["nats"].url, "--no-worker", env=moved)
+    try:
+        n2.interrupt()  # hands its leases back: n5 leads the shared log, writes its map, and leads alpha
+        wait_until(lambda: state_of(n3).groups == {"alpha": [ALPHA, BETA]}, 60, what="the new map in the log")
+        wait_until(lambda: leader_of(n3, "alpha") == node_id(n5), 60, what="n5 leads alpha")
+        assert text_of(chat(n3, BETA)) == reference.chat(PROMPT, 16)
+        alpha, beta = group_state(n3, "alpha"), group_state(n3, "beta")
+        assert alpha is not None and beta is not None  # beta's log is still followed: its history stays
+        assert [t.model_id for t in alpha.tasks.values()].count(BETA) == 1
+        assert next(i.instance_id for i in state_of(n3).instances.values() if i.model_id == BETA) == instance
+    finally:
+        n5.interrupt()
