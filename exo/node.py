@@ -33,7 +33,7 @@ from exo.bus.server.embedded import EmbeddedNats
 from exo.bus.server.server_config import NODE_TAG
 from exo.bus.state_view import StateView
 from exo.core.events import ClusterLayoutChanged, Event, NodeRegistered
-from exo.core.groups import parse_groups
+from exo.core.groups import groups_ranked_on, parse_groups
 from exo.core.ids import ModelId, NodeId
 from exo.core.types import ClusterLayout, ModelCard
 from exo.defaults import DEFAULT_API_PORT, DEFAULT_NATS_PORT
@@ -171,7 +171,9 @@ class Node:
                         forming_wait_s=config.bus.cluster_forming_wait_s)
         builtin = load_builtin_cards(builtin_cards_dir())
         view = await self._catch_up(nc)
-        self._view = cluster_view = ClusterView(nc, view)
+        # A worker-only node follows the groups of the models it has ranks of; any other, every group.
+        wants = None if config.run_api or config.run_master else (lambda state: groups_ranked_on(state, node_id))
+        self._view = cluster_view = ClusterView(nc, view, wants)
         await cluster_view.follow_groups()  # before anything acts: a late joiner has every group's requests too
         if self.cluster is not None:
             self._tasks.append(asyncio.create_task(self.cluster.keep(self._layout_recorder(nc, view)), name="cluster upkeep"))

@@ -19,7 +19,7 @@ from exo.core.events import (
     TaskFinished,
     TaskMigrated,
 )
-from exo.core.groups import for_cluster, for_group, group_of, parse_groups
+from exo.core.groups import for_cluster, for_group, group_of, groups_ranked_on, parse_groups
 from exo.core.ids import CommandId, InstanceId, ModelId, NodeId, RunnerId, TaskId
 from exo.core.keys import ApiKey
 from exo.core.state import State
@@ -27,7 +27,6 @@ from exo.core.types import Desire, Instance, ShardAssignment, Task
 from exo.core.usage import UsageCounts
 from exo.master.group import groups_to_set, heal_group, key_copy, not_for_group
 from exo.master.heal import HealLimits
-
 
 KEY = "key_0123456789abcdef"
 
@@ -77,9 +76,11 @@ def test_a_groups_log_holds_requests_only() -> None:
 
 def test_views_lay_the_groups_requests_over_the_shared_state() -> None:
     shared = replace(State(last_seq=40), api_keys={KEY: ApiKey(key_id=KEY, secret_sha256="a" * 64)})
-    alpha = State(group="alpha", last_seq=7, tasks={TaskId("a1"): Task(task_id=TaskId("a1"), instance_id=InstanceId("i"), model_id=ModelId("x"))},
+    a1 = Task(task_id=TaskId("a1"), instance_id=InstanceId("i"), model_id=ModelId("x"))
+    b1 = Task(task_id=TaskId("b1"), instance_id=InstanceId("i"), model_id=ModelId("y"))
+    alpha = State(group="alpha", last_seq=7, tasks={a1.task_id: a1},
                   usage_totals={KEY: {"x": UsageCounts(requests=2)}})
-    beta = State(group="beta", last_seq=3, tasks={TaskId("b1"): Task(task_id=TaskId("b1"), instance_id=InstanceId("i"), model_id=ModelId("y"))},
+    beta = State(group="beta", last_seq=3, tasks={b1.task_id: b1},
                  usage_totals={KEY: {"x": UsageCounts(requests=1)}})
     decided_on = for_group(shared, alpha)
     assert decided_on.tasks is alpha.tasks and decided_on.api_keys is shared.api_keys
@@ -118,8 +119,8 @@ def test_a_groups_requests_move_when_the_shared_master_ends_their_instance() -> 
         return Task(task_id=TaskId(tid), model_id=ModelId("x"), instance_id=InstanceId(on), created_at=1.0, **extra)
 
     live = {InstanceId("live"): instance("live")}
-    tasks = {t.task_id: t for t in [task("moves", "gone"), task("stays", "live"), task("cancelled", "gone", cancel_requested=True),
-                                    task("done", "gone", status="completed")]}
+    tasks = {t.task_id: t for t in [task("moves", "gone"), task("stays", "live"),
+                                    task("cancelled", "gone", cancel_requested=True), task("done", "gone", status="completed")]}
     state = State(group="alpha", instances=live, tasks=tasks, instance_end_reasons={ModelId("x"): "node n timed out"})
     events = heal_group(state, now=5.0, limits=HealLimits())
     assert events == [
@@ -135,3 +136,16 @@ def test_a_groups_requests_move_when_the_shared_master_ends_their_instance() -> 
     desired = replace(bare, desires={"d": Desire(desire_id="d", model_id=ModelId("x"))})
     assert heal_group(desired, 5.0, HealLimits()) == [TaskMigrated(task_id=TaskId("moves"), to_instance=InstanceId(""),
                                                                    reason="instance gone: node n timed out", at=5.0)]
+
+
+def test_a_worker_only_node_wants_the_groups_of_its_ranks() -> None:
+    def instance(iid: str, model: str, *nodes: str) -> Instance:
+        return Instance(instance_id=InstanceId(iid), model_id=ModelId(model),
+                        shards=[ShardAssignment(node_id=NodeId(n), runner_id=RunnerId(f"{iid}-{n}")) for n in nodes])
+
+    state = State(groups={"chat": ["org/*"], "code": ["*coder*"]},
+                  instances={i.instance_id: i for i in [instance("a", "org/llama", "n1", "n2"), instance("b", "x/coder", "n2"),
+                                                        instance("c", "x/other", "n1")]})
+    assert groups_ranked_on(state, "n1") == {"chat"}  # x/other is the shared master's
+    assert groups_ranked_on(state, "n2") == {"chat", "code"}
+    assert groups_ranked_on(state, "n3") == set()

@@ -5,6 +5,7 @@ group's master pauses that group only; a node that joins late catches up on both
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import statistics
 import threading
@@ -80,24 +81,29 @@ def cluster(tmp_path_factory, model_dir):
     n3 is the worker. All three serve the API."""
     root = tmp_path_factory.mktemp("groups")
     nats = NatsServer(root / "nats")
-    n1 = start_node(root, "n1", nats.url, "--no-worker", env=ENV | {"EXO_LEAD_GROUPS": "alpha"})
-    wait_until(lambda: leader_of(n1, "alpha") == node_id(n1) and state_of(n1).leader_node == node_id(n1), 60,
-               what="n1 leads the shared log and group alpha")
-    n2 = start_node(root, "n2", nats.url, "--no-worker", env=ENV | {"EXO_LEAD_GROUPS": "beta,alpha"})
-    wait_until(lambda: leader_of(n2, "beta") == node_id(n2), 60, what="n2 leads group beta")
-    n3 = start_node(root, "n3", nats.url, "--no-master", env=ENV)
-    http = httpx.Client(base_url=n1.url, timeout=120)
-    wait_until(lambda: len(state_of(n1).nodes) == 1, 30, what="the worker registered")
-    for model in (ALPHA, BETA):
-        assert http.post("/models/add", json={"model_id": model, "path": str(model_dir)}).status_code == 200
-        placed = http.post("/place_instance", json={"model_id": model, "wait": 120})
-        assert placed.status_code == 200, placed.text
-    yield {"nats": nats, "n1": n1, "n2": n2, "n3": n3, "root": root}
-    http.close()
-    for node in (n3, n2, n1):
-        if node.process.poll() is None:
-            node.interrupt()
-    nats.stop()
+    started: list[ExoProcess] = []  # stopped at the end, even when the set-up fails half-way
+    try:
+        n1 = start_node(root, "n1", nats.url, "--no-worker", env=ENV | {"EXO_LEAD_GROUPS": "alpha"})
+        started.append(n1)
+        wait_until(lambda: leader_of(n1, "alpha") == node_id(n1) and state_of(n1).leader_node == node_id(n1), 60,
+                   what="n1 leads the shared log and group alpha")
+        n2 = start_node(root, "n2", nats.url, "--no-worker", env=ENV | {"EXO_LEAD_GROUPS": "beta,alpha"})
+        started.append(n2)
+        wait_until(lambda: leader_of(n2, "beta") == node_id(n2), 60, what="n2 leads group beta")
+        n3 = start_node(root, "n3", nats.url, "--no-master", env=ENV)
+        started.append(n3)
+        with httpx.Client(base_url=n1.url, timeout=120) as http:
+            wait_until(lambda: len(state_of(n1).nodes) == 1, 30, what="the worker registered")
+            for model in (ALPHA, BETA):
+                assert http.post("/models/add", json={"model_id": model, "path": str(model_dir)}).status_code == 200
+                placed = http.post("/place_instance", json={"model_id": model, "wait": 120})
+                assert placed.status_code == 200, placed.text
+        yield {"nats": nats, "n1": n1, "n2": n2, "n3": n3, "root": root}
+    finally:
+        for node in reversed(started):
+            if node.process.poll() is None:
+                node.interrupt()
+        nats.stop()
 
 
 def test_two_groups_serve_exactly_and_each_request_lands_in_its_groups_log(cluster, reference):
@@ -133,6 +139,29 @@ def test_replay_per_group_and_all_together_equals_what_nodes_hold(cluster):
     state = json_lines(together.stdout)[-1]["state"]
     assert state["tasks"].keys() == state_of(n3).tasks.keys() and len(state["tasks"]) == 6
     assert run_tool(["replay", "--group", "Not A Group"], url).returncode == 2
+    with httpx.stream("GET", f"{n3.url}/events", params={"group": "beta", "since": 0}, timeout=30) as feed:
+        kinds = []
+        for line in feed.iter_lines():
+            if line.startswith("event: "):
+                kinds.append(line.removeprefix("event: "))
+            if kinds.count("task.finished") == 3:
+                break
+    assert kinds[0] == "leader.elected" and kinds.count("task.created") == 3
+    assert httpx.get(f"{n3.url}/events", params={"group": "nope"}, timeout=30).status_code == 404
+
+
+def test_a_cancel_goes_to_the_log_that_holds_the_request(cluster):
+    n3 = cluster["n3"]
+    body = {"model": ALPHA, "messages": PROMPT, "max_tokens": 30_000, "stream": True}  # the card's context: 32768
+    with httpx.Client(base_url=n3.url, timeout=120) as http, http.stream("POST", "/v1/chat/completions", json=body) as stream:
+        lines = (line for line in stream.iter_lines() if line.startswith("data: {"))
+        command_id = json.loads(next(lines)[6:])["id"].removeprefix("chatcmpl-")
+        cancelled = http.post(f"/v1/cancel/{command_id}")
+    assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled", cancelled.text
+    alpha = group_state(n3, "alpha")
+    assert alpha is not None and alpha.tasks[command_id].status == "cancelled" and alpha.tasks[command_id].cancel_requested
+    url = cluster["nats"].url
+    assert messages_on(url, "EXO_EVENTS_alpha", "exo.group.alpha.events.task.cancel_requested") == 1
 
 
 class Sender:
@@ -196,6 +225,24 @@ def test_a_late_joiner_catches_up_on_both_groups(cluster):
         assert set(state_of(late).tasks) == set(state_of(n3).tasks)
     finally:
         late.interrupt()
+
+
+def test_a_worker_only_node_follows_the_groups_of_its_ranks_only(cluster, reference):
+    n3 = cluster["n3"]
+    worker = start_node(cluster["root"], "worker-only", cluster["nats"].url, "--no-master", "--no-api", env=ENV)
+    try:
+        time.sleep(2)
+        assert "following master group" not in worker.output()  # no ranks here yet: no group log folded
+        placed = httpx.post(f"{n3.url}/place_instance", json={"model_id": ALPHA, "replicas": 2, "wait": 120}, timeout=150)
+        assert placed.status_code == 200, placed.text
+        wait_until(lambda: "following master group alpha's log" in worker.output(), 30, what="the worker follows alpha")
+        expected = reference.chat(PROMPT, 16)
+        assert all(text_of(chat(n3, ALPHA)) == expected for _ in range(4))  # some on the new node's instance
+        alpha = group_state(n3, "alpha")
+        assert alpha is not None and {t.status for t in alpha.tasks.values()} <= {"completed", "cancelled"}
+        assert "following master group beta" not in worker.output()
+    finally:
+        worker.interrupt()
 
 
 def test_a_model_moved_to_another_group_keeps_its_instances(cluster, reference):

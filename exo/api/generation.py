@@ -21,7 +21,6 @@ from exo.api.context import ApiContext
 from exo.api.errors import ApiError
 from exo.api.outcomes import COMMAND_TIMEOUT_S, new_command_id, raise_if_rejected
 from exo.api.validate import check_limits
-from exo.bus.cluster_view import names_for_model, names_for_task
 from exo.bus.command_queue import send_command
 from exo.bus.readers import read_anywhere
 from exo.bus.token_stream import TokenListener, stored_chunks
@@ -239,7 +238,7 @@ async def cancel_generation(ctx: ApiContext, command_id: CommandId) -> None:
     """Ask the master to stop a generation; the runner stops within one decode step."""
     ctx.pending_cancels.pop(command_id, None)
     await send_command(ctx.nc, CancelTask(command_id=new_command_id(), task_id=command_id),
-                       names_for_task(ctx.view, TaskId(command_id)))
+                       ctx.view.names_for_task(TaskId(command_id)))
 
 
 async def start_generation(ctx: ApiContext, model_id: ModelId, params: GenerationParams,
@@ -261,7 +260,7 @@ async def start_generation(ctx: ApiContext, model_id: ModelId, params: Generatio
                                                 key_id=key.key_id if key else "",
                                                 priority="batch" if "batch" in (tier, key.priority if key else "")
                                                 else "interactive"),
-                           names_for_model(ctx.view, model_id))
+                           ctx.view.names_for_model(model_id))
         raise_if_rejected(await asyncio.wait_for(answer, COMMAND_TIMEOUT_S))
     except TimeoutError:
         ctx.outcomes.forget_task_end(command_id, ended)

@@ -1,8 +1,9 @@
 """What an API node or a worker reads: the shared log's State with every master group's requests
 laid over it (exo/core/groups.py), and where to send a model's commands or a task's events.
 
-It follows the shared log and every group log the shared State names (`group_logs`); a group
-named later is caught up in the background (its requests cannot precede its name in the log).
+It follows the shared log and every group log the shared State names (`group_logs`), or only
+those `wants` picks (a worker-only node: the groups of the models it has ranks of); a group named
+or wanted later is caught up in the background, and followed from then on.
 Listeners hear every log's events, each with the cluster State as of that event.
 """
 
@@ -17,9 +18,9 @@ from nats.aio.client import Client
 
 from exo.bus.catch_up import catch_up
 from exo.bus.provision import provision_group
-from exo.bus.state_view import FoldedView, Listener, StateView
+from exo.bus.state_view import Listener, StateView
 from exo.bus.subjects import SHARED, LogNames, group_names
-from exo.core.events import AnyEvent, GroupsSet
+from exo.core.events import AnyEvent, GroupsSet, InstanceCreated
 from exo.core.groups import for_cluster, group_of
 from exo.core.ids import TaskId
 from exo.core.state import State
@@ -28,8 +29,9 @@ log = logging.getLogger(__name__)
 
 
 class ClusterView:
-    def __init__(self, nc: Client, shared: StateView) -> None:
+    def __init__(self, nc: Client, shared: StateView, wants: Callable[[State], set[str]] | None = None) -> None:
         self._nc = nc
+        self._wants = wants
         self.shared = shared
         self.groups: dict[str, StateView] = {}
         self._listeners: list[Listener] = []
@@ -58,7 +60,7 @@ class ClusterView:
 
     async def follow_groups(self) -> None:
         """Catch up every group log the shared State names; before anything on the node acts."""
-        for group in list(self.shared.state.group_logs):
+        for group in self._wanted(self.shared.state):
             await self._follow(group)
 
     def on_group(self, call: Callable[[StateView], None]) -> None:
@@ -96,8 +98,8 @@ class ClusterView:
         log.info("following master group %s's log (%s), at sequence %d", group, names.events_stream, view.state.last_seq)
 
     async def _on_shared_event(self, seq: int, event: AnyEvent, state: State) -> None:
-        if isinstance(event, GroupsSet):
-            for group in state.group_logs:
+        if isinstance(event, (GroupsSet, InstanceCreated)):
+            for group in self._wanted(state):
                 if group not in self._following:
                     task = asyncio.create_task(self._follow_logged(group))
                     self._background.add(task)
@@ -108,6 +110,10 @@ class ClusterView:
         # The cluster State, with the position and skipped events of the log this event is in.
         merged = replace(self.state, last_seq=group_state.last_seq, skipped_events=group_state.skipped_events)
         await self._tell(seq, event, merged)
+
+    def _wanted(self, state: State) -> list[str]:
+        wanted = None if self._wants is None else self._wants(state)
+        return [g for g in state.group_logs if wanted is None or g in wanted]
 
     async def _follow_logged(self, group: str) -> None:
         try:
@@ -125,12 +131,3 @@ class ClusterView:
             except Exception:  # one listener's failure must not keep the event from the others
                 log.exception("a cluster State listener failed on event %d (%s)", seq, type(event).__name__)
 
-
-def names_for_model(view: FoldedView, model_id: str) -> LogNames:
-    """Where a command about the model goes (the shared master, unless `view` follows groups)."""
-    return view.names_for_model(model_id) if isinstance(view, ClusterView) else SHARED
-
-
-def names_for_task(view: FoldedView, task_id: TaskId) -> LogNames:
-    """The log holding the task: its cancel and its events go there."""
-    return view.names_for_task(task_id) if isinstance(view, ClusterView) else SHARED

@@ -13,6 +13,7 @@ from exo.bus.event_log import EventFollower
 from exo.bus.subjects import SHARED, LogNames
 from exo.core.apply import apply, skip_event
 from exo.core.events import AnyEvent
+from exo.core.ids import TaskId
 from exo.core.state import State
 
 log = logging.getLogger(__name__)
@@ -27,6 +28,14 @@ class FoldedView(Protocol):
     def state(self) -> State: ...
 
     def add_listener(self, listener: Listener) -> None: ...
+
+    def names_for_model(self, model_id: str) -> LogNames:
+        """Where a command about the model goes: its master group's log, or the shared one."""
+        ...
+
+    def names_for_task(self, task_id: TaskId) -> LogNames:
+        """The log holding the task: its cancel and its events go there."""
+        ...
 
 
 class StateView:
@@ -45,6 +54,12 @@ class StateView:
 
     async def start(self) -> None:
         await self._follower.start(self.state.last_seq + 1)
+
+    def names_for_model(self, model_id: str) -> LogNames:
+        return SHARED  # one log followed: a node that follows groups reads a ClusterView
+
+    def names_for_task(self, task_id: TaskId) -> LogNames:
+        return self.names
 
     @property
     def gap(self) -> str:

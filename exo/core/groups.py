@@ -91,6 +91,12 @@ def group_of(model_id: str, groups: Mapping[str, Sequence[str]]) -> str:
     return next((name for name, globs in groups.items() if any(fnmatchcase(model_id, g) for g in globs)), "")
 
 
+def groups_ranked_on(state: State, node_id: str) -> set[str]:
+    """The groups whose requests a worker-only node can be given: those of the models it has ranks of."""
+    return {group for i in state.instances.values() if any(s.node_id == node_id for s in i.shards)
+            if (group := group_of(i.model_id, state.groups))}
+
+
 def on_groups_set(draft: Draft, event: GroupsSet, seq: int) -> None:
     if problem := groups_problem(event.groups):
         raise Skip(problem)

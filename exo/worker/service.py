@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 from exo.background import Background
-from exo.bus.cluster_view import names_for_task
 from exo.bus.connection import Connection
 from exo.bus.event_log import EventLog
 from exo.bus.state_view import FoldedView
@@ -192,7 +191,7 @@ class Worker:
             self._wake.set()
 
     async def _publish(self, event: Event) -> None:
-        names = names_for_task(self._view, event.task_id) if isinstance(event, (TaskStarted, TaskFinished)) else SHARED
+        names = self._view.names_for_task(event.task_id) if isinstance(event, (TaskStarted, TaskFinished)) else SHARED
         if (events := self._logs.get(names)) is None:
             events = self._logs[names] = EventLog(self._nc, names)
         await events.append(event, event_id=uuid.uuid4().hex)

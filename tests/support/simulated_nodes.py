@@ -23,12 +23,14 @@ from collections import defaultdict
 from pathlib import Path
 
 from exo.bus.catch_up import catch_up
+from exo.bus.cluster_view import ClusterView
 from exo.bus.connection import Connection, connect
 from exo.bus.event_log import EventLog
 from exo.bus.liveness import Pulse, send_pulse
-from exo.bus.state_view import Listener, StateView
+from exo.bus.state_view import Listener
+from exo.bus.subjects import LogNames
 from exo.core.events import AnyEvent, Event, NodeRegistered
-from exo.core.ids import NodeId, RunnerId
+from exo.core.ids import NodeId, RunnerId, TaskId
 from exo.core.state import State
 from exo.models.dirs import DownloadSettings
 from exo.settings.services import ModelSettings
@@ -56,9 +58,15 @@ class NodeScopedView:
     def add_listener(self, listener: Listener) -> None:
         self._shared.listeners[self._node_id].append(listener)
 
+    def names_for_model(self, model_id: str) -> LogNames:
+        return self._shared.view.names_for_model(model_id)
+
+    def names_for_task(self, task_id: TaskId) -> LogNames:
+        return self._shared.view.names_for_task(task_id)
+
 
 class SharedView:
-    def __init__(self, view: StateView) -> None:
+    def __init__(self, view: ClusterView) -> None:
         self.view = view
         self.listeners: defaultdict[NodeId, list[Listener]] = defaultdict(list)
         view.add_listener(self._dispatch)
@@ -90,7 +98,9 @@ class SimulatedNodes:
 
     async def start(self) -> None:
         self.nc = nc = await connect([self.nats_url], name="exo-simulated-nodes")
-        view, _ = await catch_up(nc)
+        shared_log, _ = await catch_up(nc)
+        view = ClusterView(nc, shared_log)
+        await view.follow_groups()  # master groups' logs too (bench/groups.py)
         self.shared = SharedView(view)
         events = EventLog(nc)
 
@@ -111,8 +121,7 @@ class SimulatedNodes:
         def fake_runner(runner_id: RunnerId) -> FakeRunner:
             return FakeRunner(runner_id, nc, self.delay_s, self.chunks)
 
-        worker = Worker(nc, scoped, node_id, data_dir, [self.nats_url], {}, settings,  # type: ignore[arg-type]
-                        runner_factory=fake_runner)
+        worker = Worker(nc, scoped, node_id, data_dir, [self.nats_url], {}, settings, runner_factory=fake_runner)
 
         async def pulse(incarnation: str) -> None:
             await send_pulse(nc, Pulse(node_id=node_id, incarnation=incarnation))

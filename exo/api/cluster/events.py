@@ -3,6 +3,7 @@
 `?since=SEQ` (or `Last-Event-ID: SEQ` on a reconnect) starts after event SEQ; without it the
 stream starts with the next event. Each event's SSE id is its stream sequence and its SSE
 event name its wire tag, so `curl -N host/events?since=0` shows the whole history.
+`?group=NAME` streams master group NAME's log instead (its own sequences: exo/core/groups.py).
 """
 
 from __future__ import annotations
@@ -12,11 +13,13 @@ import logging
 
 from aiohttp import web
 
+from exo.api.cluster.node_status import group_view
 from exo.api.context import context_of
 from exo.api.errors import ApiError
 from exo.api.sse import SseStream
 from exo.bus.errors import LogGap
 from exo.bus.event_log import EventFollower
+from exo.bus.subjects import SHARED, LogNames
 from exo.core.events import AnyEvent, encode_event, event_tag
 
 log = logging.getLogger(__name__)
@@ -27,7 +30,8 @@ _QUEUE_BOUND = 1024  # a slow client holds back its own reader, not the node
 
 async def events(request: web.Request) -> web.StreamResponse:
     ctx = context_of(request)
-    since = _since(request, default=ctx.view.state.last_seq)
+    names, position = _log_of(request)
+    since = _since(request, default=position)
     queue: asyncio.Queue[tuple[int, str, str]] = asyncio.Queue(_QUEUE_BOUND)
 
     async def on_event(seq: int, event: AnyEvent) -> None:
@@ -36,7 +40,7 @@ async def events(request: web.Request) -> web.StreamResponse:
     async def on_undecodable(seq: int, reason: str) -> None:
         await queue.put((seq, "undecodable", reason))
 
-    follower = EventFollower(ctx.nc, on_event, on_undecodable)
+    follower = EventFollower(ctx.nc, on_event, on_undecodable, names)
     try:
         await follower.start(since + 1)
     except LogGap as gap:
@@ -56,6 +60,14 @@ async def events(request: web.Request) -> web.StreamResponse:
         return sse.response if sse is not None else web.Response(status=400)
     finally:
         await follower.stop()
+
+
+def _log_of(request: web.Request) -> tuple[LogNames, int]:
+    """The log asked for (the shared one, or `?group=`'s) and this node's position in it."""
+    group = group_view(request)
+    if group is None:
+        return SHARED, context_of(request).view.state.last_seq
+    return group.names, group.state.last_seq
 
 
 def _since(request: web.Request, default: int) -> int:
