@@ -53,7 +53,7 @@ async def one_request(http: aiohttp.ClientSession, url: str, model: str, n: int,
             if response.status != 200:
                 return None
             async for line in response.content:
-                if first is None and line.startswith(b"data: {") and b'"content":"' in line:
+                if first is None and line.startswith(b"data: {") and b'"content":"' in line and b'"content":""' not in line:
                     first = time.perf_counter()
     except (TimeoutError, aiohttp.ClientError):
         return None
@@ -135,7 +135,8 @@ async def measure(args: argparse.Namespace, groups: int, root: Path, nats: NatsS
         simulator.wait_ready(900)
         await asyncio.to_thread(place, api, models, min(args.instances, args.nodes), fake_model_dir(root / "fake"))
         pids = {f"master{n}": pid_of(m.process) for n, m in enumerate(masters)}
-        pids |= {"API": pid_of(api.process), "simulated nodes": simulator.process.pid, "nats-server": pid_of(nats.server.process)}
+        pids |= {"API": pid_of(api.process), "simulated nodes": simulator.process.pid, "nats-server": pid_of(nats.server.process),
+                 "load generator": os.getpid()}
         for rate in args.rates:
             step = await drive(api.url, models, rate, args.seconds, args.delay_ms / 1000, pids)
             report(groups, step)

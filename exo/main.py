@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from exo import event_loop
 from exo.bus.connection import split_urls
+from exo.core.groups import parse_groups
 from exo.settings.declare import SettingError, is_given, read
 from exo.settings.flags import add_setting_flags, environment_only, given_flags
 from exo.settings.services import (
@@ -97,6 +98,10 @@ def parse_args(argv: list[str] | None = None, environ: Mapping[str, str] = os.en
         settings = {cls: read(cls, environ, given_flags(args, cls)) for cls in SERVICE_SETTINGS}
     except SettingError as error:
         parser.error(str(error))
+    try:  # read here, so a bad map stops the node before it starts anything
+        parse_groups(cast(MasterSettings, settings[MasterSettings]).groups)
+    except ValueError as error:
+        parser.error(f"EXO_MASTER_GROUPS (--master-groups): {error}")
     node = cast(NodeSettings, settings[NodeSettings])
     logging.basicConfig(level=node.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for chatty in ("httpx", "httpx2", "huggingface_hub"):  # one line per HTTP request is noise here

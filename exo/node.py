@@ -9,7 +9,7 @@ import platform
 import socket
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO
@@ -35,6 +35,7 @@ from exo.bus.state_view import StateView
 from exo.core.events import ClusterLayoutChanged, Event, NodeRegistered
 from exo.core.groups import groups_ranked_on, parse_groups
 from exo.core.ids import ModelId, NodeId
+from exo.core.state import State
 from exo.core.types import ClusterLayout, ModelCard
 from exo.defaults import DEFAULT_API_PORT, DEFAULT_NATS_PORT
 from exo.identity import IdentityError, load_node_id, lock_data_dir
@@ -171,9 +172,7 @@ class Node:
                         forming_wait_s=config.bus.cluster_forming_wait_s)
         builtin = load_builtin_cards(builtin_cards_dir())
         view = await self._catch_up(nc)
-        # A worker-only node follows the groups of the models it has ranks of; any other, every group.
-        wants = None if config.run_api or config.run_master else (lambda state: groups_ranked_on(state, node_id))
-        self._view = cluster_view = ClusterView(nc, view, wants)
+        self._view = cluster_view = ClusterView(nc, view, self._groups_wanted(node_id))
         await cluster_view.follow_groups()  # before anything acts: a late joiner has every group's requests too
         if self.cluster is not None:
             self._tasks.append(asyncio.create_task(self.cluster.keep(self._layout_recorder(nc, view)), name="cluster upkeep"))
@@ -191,6 +190,19 @@ class Node:
             if (watch := self._disk_watch) is not None:
                 ctx.storage_problem = lambda: watch.problem
             await self._start_api(ctx)
+
+    def _groups_wanted(self, node_id: NodeId) -> Callable[[State], set[str]] | None:
+        """The group logs this node folds: every one for an API node (it routes to them all); else
+        those it may lead, and those of its ranks (requests its runners are given); None: all."""
+        config = self.config
+        if config.run_api:
+            return None
+
+        def wanted(state: State) -> set[str]:
+            ranked = groups_ranked_on(state, node_id) if config.run_worker else set()
+            leadable = {g for g in state.group_logs if config.master.leads_group(g)} if config.run_master else set()
+            return ranked | leadable
+        return wanted
 
     def _campaign_in_group(self, nc: Connection, group_view: StateView, shared: StateView,
                            builtin: Mapping[ModelId, ModelCard], node_id: NodeId) -> None:

@@ -128,6 +128,7 @@ def test_a_groups_requests_move_when_the_shared_master_ends_their_instance() -> 
         TaskFinished(task_id=TaskId("cancelled"), status="cancelled", finish_reason="cancelled",
                      error="instance deleted: node n timed out"),
     ]
+    assert heal_group(state, now=2.0, limits=HealLimits()) == []  # 1 s old: the shared view may lag a new master's
     # No instance left: a request waits for its desire's replacement, or ends without one.
     bare = replace(state, instances={}, tasks={TaskId("moves"): tasks[TaskId("moves")]})
     assert heal_group(bare, 5.0, HealLimits()) == [TaskFinished(task_id=TaskId("moves"), status="failed",
@@ -149,3 +150,13 @@ def test_a_worker_only_node_wants_the_groups_of_its_ranks() -> None:
     assert groups_ranked_on(state, "n1") == {"chat"}  # x/other is the shared master's
     assert groups_ranked_on(state, "n2") == {"chat", "code"}
     assert groups_ranked_on(state, "n3") == set()
+
+
+def test_a_bad_group_map_stops_the_node_before_it_starts(capsys) -> None:
+    from exo.main import parse_args
+
+    with pytest.raises(SystemExit) as stopped:
+        parse_args([], environ={"EXO_MASTER_GROUPS": "chat=org/*,Chat Two=x"})
+    assert stopped.value.code == 2
+    assert "EXO_MASTER_GROUPS (--master-groups): master group 'Chat Two'" in capsys.readouterr().err
+    assert parse_args([], environ={"EXO_MASTER_GROUPS": "chat=org/*"}).master.groups == "chat=org/*"

@@ -104,9 +104,12 @@ class ClusterView:
                     task = asyncio.create_task(self._follow_logged(group))
                     self._background.add(task)
                     task.add_done_callback(self._background.discard)
-        await self._tell(seq, event, self.state)
+        if self._listeners:  # a master-only node has none: no cluster State to make per event
+            await self._tell(seq, event, self.state)
 
     async def _on_group_event(self, seq: int, event: AnyEvent, group_state: State) -> None:
+        if not self._listeners:
+            return
         # The cluster State, with the position and skipped events of the log this event is in.
         merged = replace(self.state, last_seq=group_state.last_seq, skipped_events=group_state.skipped_events)
         await self._tell(seq, event, merged)

@@ -16,6 +16,10 @@ from exo.core.keys import ApiKey
 from exo.core.state import State
 from exo.master.heal import HealLimits, usable_instance, waiting_tasks
 
+# A request newer than this is left alone even if its instance is not in the shared State: a master
+# that just took over may follow the shared log a little behind the group's (the instance is new).
+SETTLE_S = 2.0
+
 
 def not_for_group(state: State, command: AnyCommand) -> list[Event]:
     """A rejection for a command a group's master does not decide ([] for one it does). A request
@@ -51,6 +55,8 @@ def heal_group(state: State, now: float, limits: HealLimits, lost: frozenset[Nod
     events: list[Event] = []
     for task in state.tasks.values():
         if task.status not in ("pending", "running") or not task.instance_id or task.instance_id in state.instances:
+            continue
+        if now - task.created_at < SETTLE_S:
             continue
         reason = state.instance_end_reasons.get(task.model_id, "its instance was deleted")
         if task.cancel_requested:

@@ -22,7 +22,7 @@ from exo.bus import broker_trouble
 from exo.bus.atomic_append import AtomicAppendFailed
 from exo.bus.command_queue import NotLeader, RetryBatch, consume_commands
 from exo.bus.connection import Connection
-from exo.bus.errors import BROKER_ERRORS
+from exo.bus.errors import BROKER_ERRORS, BusError
 from exo.bus.event_log import EventLog
 from exo.bus.leadership import Lease
 from exo.bus.liveness import Pulse, listen_for_pulses
@@ -164,8 +164,12 @@ class Master:
     async def _name_groups(self, term: int) -> None:
         """The shared master: the group map of its settings into the log, each group's streams first."""
         events = groups_to_set(self._wanted_groups, self._view.state) if self._shared is None else []
-        for group in self._wanted_groups if events else ():
-            await provision_group(self._nc, group_names(group))
+        try:
+            for group in self._wanted_groups if events else ():
+                await provision_group(self._nc, group_names(group))
+        except BusError as error:  # e.g. an operator's stream of that name: the map stays as the log has it
+            log.error("master: the group map of EXO_MASTER_GROUPS is not written: %s", error)
+            return
         await self._append_all(events, term, f"groups:{term}")
 
     def _still_leading(self, term: int) -> bool:
