@@ -178,8 +178,8 @@ def main() -> None:
     args = parser.parse_args()
     print(f"{os.cpu_count()} cores; {args.nodes} simulated nodes, {args.instances} instances", flush=True)
     with tempfile.TemporaryDirectory(prefix="exo-groups-") as tmp:
-        for groups in args.groups:
-            root = Path(tmp) / f"g{groups}"
+        for run, groups in enumerate(args.groups):
+            root = Path(tmp) / f"run{run}-g{groups}"
             nats = NatsServer(root / "nats")
             try:
                 asyncio.run(measure(args, groups, root, nats))

@@ -160,3 +160,38 @@ def test_a_bad_group_map_stops_the_node_before_it_starts(capsys) -> None:
     assert stopped.value.code == 2
     assert "EXO_MASTER_GROUPS (--master-groups): master group 'Chat Two'" in capsys.readouterr().err
     assert parse_args([], environ={"EXO_MASTER_GROUPS": "chat=org/*"}).master.groups == "chat=org/*"
+
+
+def test_the_live_union_equals_a_union_made_afresh_after_every_event() -> None:
+    """ClusterView patches one union of every log's tasks and answered commands per event; past
+    1,000 finished tasks and 1,024 answered commands per log, the oldest leave it as they leave State."""
+    import random
+
+    from exo.core.groups import LiveUnion
+    from exo.core.state import MAX_ANSWERED_COMMANDS, MAX_FINISHED_TASKS
+
+    rng = random.Random(7)
+    logs = {"": elected(State(), 1), "a": elected(State(group="a"), 1)}
+    union = LiveUnion()
+    for state in logs.values():
+        union.add_log(state)
+    open_tasks: dict[str, list[str]] = {name: [] for name in logs}
+    for n in range(5 * MAX_FINISHED_TASKS):
+        name = rng.choice(list(logs))
+        before = logs[name]
+        if open_tasks[name] and rng.random() < 0.5:
+            event = TaskFinished(task_id=TaskId(open_tasks[name].pop(rng.randrange(len(open_tasks[name])))),
+                                 status="completed")
+        elif rng.random() < 0.05:  # one the reducer skips: nothing changes
+            event = TaskFinished(task_id=TaskId("no-such-task"), status="completed")
+        else:
+            task_id = f"{name}-t{n}"
+            open_tasks[name].append(task_id)
+            event = TaskCreated(term=1, command_id=CommandId(task_id),
+                                task=Task(task_id=TaskId(task_id), instance_id=InstanceId("i"), model_id=ModelId("x")))
+        after = logs[name] = apply(before, event, before.last_seq + 1)
+        union.fold(before, after, event)
+        assert union.tasks == {k: v for s in logs.values() for k, v in s.tasks.items()}
+        assert union.answered == {k: v for s in logs.values() for k, v in s.answered_commands.items()}
+    assert max(len(s.finished_task_ids) for s in logs.values()) == MAX_FINISHED_TASKS  # evictions were exercised
+    assert max(len(s.answered_commands) for s in logs.values()) == MAX_ANSWERED_COMMANDS

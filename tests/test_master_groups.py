@@ -121,6 +121,10 @@ def test_two_groups_serve_exactly_and_each_request_lands_in_its_groups_log(clust
     assert messages_on(url, "EXO_EVENTS", "exo.events.task.>") == 0  # none in the shared log
     assert messages_on(url, "EXO_EVENTS_alpha", "exo.group.alpha.events.task.created") == 3
     assert set(state_of(n3).tasks) == set(alpha.tasks) | set(beta.tasks)  # the cluster view has both
+    answer = chat(cluster["n1"], BETA)  # a group's finished generation replays whole, from another node
+    with httpx.stream("GET", f"{n3.url}/v1/chat/completions/{answer.json()['id']}/stream", timeout=60) as replayed:
+        chunks = [json.loads(line[6:]) for line in replayed.iter_lines() if line.startswith("data: {")]
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]) == expected
 
 
 def test_replay_per_group_and_all_together_equals_what_nodes_hold(cluster):
@@ -137,16 +141,16 @@ def test_replay_per_group_and_all_together_equals_what_nodes_hold(cluster):
     together = run_tool(["replay", "--all-groups", "--json"], url)
     assert together.returncode == 0, together.stderr
     state = json_lines(together.stdout)[-1]["state"]
-    assert state["tasks"].keys() == state_of(n3).tasks.keys() and len(state["tasks"]) == 6
+    assert state["tasks"].keys() == state_of(n3).tasks.keys() and len(state["tasks"]) == 7
     assert run_tool(["replay", "--group", "Not A Group"], url).returncode == 2
     with httpx.stream("GET", f"{n3.url}/events", params={"group": "beta", "since": 0}, timeout=30) as feed:
         kinds = []
         for line in feed.iter_lines():
             if line.startswith("event: "):
                 kinds.append(line.removeprefix("event: "))
-            if kinds.count("task.finished") == 3:
+            if kinds.count("task.finished") == 4:
                 break
-    assert kinds[0] == "leader.elected" and kinds.count("task.created") == 3
+    assert kinds[0] == "leader.elected" and kinds.count("task.created") == 4
     assert httpx.get(f"{n3.url}/events", params={"group": "nope"}, timeout=30).status_code == 404
 
 

@@ -21,7 +21,7 @@ from exo.bus.provision import provision_group
 from exo.bus.state_view import Listener, StateView
 from exo.bus.subjects import SHARED, LogNames, group_names
 from exo.core.events import AnyEvent, GroupsSet, InstanceCreated
-from exo.core.groups import for_cluster, group_of
+from exo.core.groups import LiveUnion, for_cluster, group_of
 from exo.core.ids import TaskId
 from exo.core.state import State
 
@@ -40,6 +40,9 @@ class ClusterView:
         self._following: set[str] = set()
         self._background: set[asyncio.Task[None]] = set()
         self._on_group: list[Callable[[StateView], None]] = []
+        self._union = LiveUnion()  # every log's tasks and answered commands, patched per event
+        self._union.add_log(shared.state)
+        self._folded: dict[str, State] = {"": shared.state}  # each log's State as the union has it
         shared.add_listener(self._on_shared_event)
 
     @property
@@ -47,7 +50,7 @@ class ClusterView:
         logs = [self.shared.state, *(v.state for v in self.groups.values())]
         if self._state is None or len(logs) != len(self._made_of) or any(
                 a is not b for a, b in zip(logs, self._made_of, strict=True)):
-            self._state = for_cluster(logs[0], logs[1:])
+            self._state = for_cluster(logs[0], logs[1:], union=self._union)
             self._made_of = logs
         return self._state
 
@@ -91,13 +94,18 @@ class ClusterView:
         names = group_names(group)
         await provision_group(self._nc, names)
         view, _ = await catch_up(self._nc, names=names)
-        view.add_listener(self._on_group_event)
+        # No await from here to the listener: no event can be folded in between.
+        self._union.add_log(view.state)
+        self._folded[group] = view.state
+        view.add_listener(lambda seq, event, state: self._on_group_event(group, event, seq, state))
         self.groups[group] = view
         for call in self._on_group:
             call(view)
         log.info("following master group %s's log (%s), at sequence %d", group, names.events_stream, view.state.last_seq)
 
     async def _on_shared_event(self, seq: int, event: AnyEvent, state: State) -> None:
+        self._union.fold(self._folded[""], state, event)
+        self._folded[""] = state
         if isinstance(event, (GroupsSet, InstanceCreated)):
             for group in self._wanted(state):
                 if group not in self._following:
@@ -107,7 +115,9 @@ class ClusterView:
         if self._listeners:  # a master-only node has none: no cluster State to make per event
             await self._tell(seq, event, self.state)
 
-    async def _on_group_event(self, seq: int, event: AnyEvent, group_state: State) -> None:
+    async def _on_group_event(self, group: str, event: AnyEvent, seq: int, group_state: State) -> None:
+        self._union.fold(self._folded[group], group_state, event)
+        self._folded[group] = group_state
         if not self._listeners:
             return
         # The cluster State, with the position and skipped events of the log this event is in.
