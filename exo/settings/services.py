@@ -141,8 +141,9 @@ class MasterSettings(Frozen, frozen=True):
     cache_routing: Annotated[bool, Env("EXO_CACHE_ROUTING", "send a request to the instance that caches most of "
                                        "its prompt (off: the least busy one)")] = True
     groups: Annotated[str, Env("EXO_MASTER_GROUPS", "master groups, each deciding its models' requests with a log, "
-                               "lease and master of its own: name=glob|glob,name=glob (docs/scaling.md); the shared "
-                               "master writes its map to the log")] = ""
+                               "lease and master of its own: NAME=GLOB,... (a group's globs joined by a vertical bar; "
+                               "docs/scaling.md); the shared master writes its map to the log: give every master "
+                               "candidate the same")] = ""
     lead_groups: Annotated[str, Env("EXO_LEAD_GROUPS", "the master groups this node campaigns to lead, by name "
                                     "(comma-separated; empty: every group)")] = ""
 
