@@ -81,12 +81,14 @@ async def drive(url: str, models: list[str], rate: float, seconds: float, delay_
             "p50": pct(latencies, 0.5), "p99": pct(latencies, 0.99), "cpu": cpu, "per_model": per_model, "wall": wall}
 
 
-def start_masters(root: Path, nats_url: str, groups: int) -> list[ExoProcess]:
+def start_masters(root: Path, nats_url: str, groups: int, groups_only: bool) -> list[ExoProcess]:
     """One master process per group (the first also leads the shared log); G = 0: one master, no groups."""
     env = {"EXO_MASTER_GROUPS": group_map(groups)}
     masters = []
     for n in range(max(groups, 1)):
         lead = {"EXO_LEAD_GROUPS": f"g{n}"} if groups else {}
+        if groups and n > 0 and groups_only:  # groups only: no shared lease, no pulses
+            lead["EXO_LEAD_SHARED"] = "0"
         masters.append(start_node(root, f"master{n}", nats_url, "--no-worker", "--no-api", env=env | lead))
         if n == 0:  # it leads the shared log: the others stand by for it
             time.sleep(2)
@@ -128,7 +130,7 @@ async def catch_up_times(nats_url: str, groups: int) -> list[float]:
 
 async def measure(args: argparse.Namespace, groups: int, root: Path, nats: NatsServer) -> None:
     models = models_for(groups)
-    masters = start_masters(root, nats.url, groups)
+    masters = start_masters(root, nats.url, groups, args.groups_only)
     api = start_node(root, "api", nats.url, "--no-worker", "--no-master")
     simulator = SimulatorProcess(nats.url, args.nodes, root / "sim", root / "sim.log", delay_ms=args.delay_ms)
     try:
@@ -175,6 +177,8 @@ def main() -> None:
     parser.add_argument("--rates", type=float, nargs="+", default=[100, 200, 300])
     parser.add_argument("--seconds", type=float, default=8.0)
     parser.add_argument("--delay-ms", type=float, default=5.0)
+    parser.add_argument("--groups-only", action="store_true",
+                        help="masters after the first lead their group only (EXO_LEAD_SHARED=0): no pulses heard")
     args = parser.parse_args()
     print(f"{os.cpu_count()} cores; {args.nodes} simulated nodes, {args.instances} instances", flush=True)
     with tempfile.TemporaryDirectory(prefix="exo-groups-") as tmp:

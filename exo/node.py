@@ -176,9 +176,10 @@ class Node:
         await cluster_view.follow_groups()  # before anything acts: a late joiner has every group's requests too
         if self.cluster is not None:
             self._tasks.append(asyncio.create_task(self.cluster.keep(self._layout_recorder(nc, view)), name="cluster upkeep"))
-        if config.run_master:
+        if config.run_master and config.master.lead_shared:
             master = Master(nc, view, builtin, node_id, config.master)
             self._tasks.append(asyncio.create_task(master.run(), name="master"))
+        if config.run_master:
             cluster_view.on_group(lambda group_view: self._campaign_in_group(nc, group_view, view, builtin, node_id))
         if config.models.offline:
             set_offline()  # in this process; runner processes are told by the worker (runner_host.py)

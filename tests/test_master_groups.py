@@ -267,3 +267,17 @@ def test_a_model_moved_to_another_group_keeps_its_instances(cluster, reference):
         assert next(i.instance_id for i in state_of(n3).instances.values() if i.model_id == BETA) == instance
     finally:
         n5.interrupt()
+
+
+def test_a_node_off_the_shared_lease_leads_only_its_groups(cluster):
+    """EXO_LEAD_SHARED=0: no campaign for the shared log (and no pulses heard), even with no other
+    candidate left (n1 killed, n2 and n5 stopped by the tests before); it leads group beta."""
+    n6 = start_node(cluster["root"], "n6", cluster["nats"].url, "--no-worker",
+                    env=ENV | {"EXO_LEAD_GROUPS": "beta", "EXO_LEAD_SHARED": "0"})
+    try:
+        wait_until(lambda: leader_of(n6, "beta") == node_id(n6), 60, what="n6 leads group beta")
+        time.sleep(3)  # time enough to have taken a free shared lease, had it campaigned
+        assert state_of(n6).leader_node != node_id(n6)
+        assert "master of group beta: leading" in n6.output() and "master: leading" not in n6.output()
+    finally:
+        n6.interrupt()

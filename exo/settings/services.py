@@ -147,6 +147,9 @@ class MasterSettings(Frozen, frozen=True):
     lead_groups: Annotated[str, Env("EXO_LEAD_GROUPS", "the master groups this node campaigns to lead, by name "
                                     "(comma-separated; empty: every group)")] = ""
 
+    lead_shared: Annotated[bool, Env("EXO_LEAD_SHARED", "campaign to lead the shared log too (off: a node that leads "
+                                     "master groups only, and hears no node's pulses)")] = True
+
     def leads_group(self, group: str) -> bool:
         return not self.lead_groups.strip() or group in {g.strip() for g in self.lead_groups.split(",")}
 
