@@ -26,13 +26,12 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import aiohttp  # noqa: E402
-import httpx  # noqa: E402
 
-from bench.scale import cpu_seconds, pct, pid_of  # noqa: E402
+from bench.scale import cpu_seconds, one_request, pct, pid_of, place_instances  # noqa: E402
 from exo.bus.catch_up import catch_up  # noqa: E402
 from exo.bus.connection import connect  # noqa: E402
 from exo.bus.subjects import group_names  # noqa: E402
-from tests.support.cluster import NatsServer, start_node, state_of  # noqa: E402
+from tests.support.cluster import NatsServer, start_node  # noqa: E402
 from tests.support.exo_process import ExoProcess  # noqa: E402
 from tests.support.simulator import SimulatorProcess, fake_model_dir  # noqa: E402
 
@@ -45,21 +44,6 @@ def group_map(groups: int) -> str:
     return ",".join(f"g{n}={model}" for n, model in enumerate(models_for(groups))) if groups else ""
 
 
-async def one_request(http: aiohttp.ClientSession, url: str, model: str, n: int, delay_s: float) -> float | None:
-    body = {"model": model, "messages": [{"role": "user", "content": f"request {n}"}], "max_tokens": 8, "stream": True}
-    sent, first = time.perf_counter(), None
-    try:
-        async with http.post(f"{url}/v1/chat/completions", json=body) as response:
-            if response.status != 200:
-                return None
-            async for line in response.content:
-                if first is None and line.startswith(b"data: {") and b'"content":"' in line and b'"content":""' not in line:
-                    first = time.perf_counter()
-    except (TimeoutError, aiohttp.ClientError):
-        return None
-    return None if first is None else first - sent - delay_s
-
-
 async def drive(url: str, models: list[str], rate: float, seconds: float, delay_s: float,
                 pids: dict[str, int]) -> dict[str, Any]:
     """Open loop at `rate`, request i for model i % len(models)."""
@@ -70,7 +54,7 @@ async def drive(url: str, models: list[str], rate: float, seconds: float, delay_
         for n in range(int(rate * seconds)):
             if (wait := started + n / rate - time.perf_counter()) > 0:
                 await asyncio.sleep(wait)
-            pending.append(asyncio.create_task(one_request(http, url, models[n % len(models)], n, delay_s)))
+            pending.append(asyncio.create_task(one_request(http, url, n, delay_s, models[n % len(models)])))
         results = await asyncio.gather(*pending)
         wall = time.perf_counter() - started
         cpu = {name: (cpu_seconds(pid) - before[name]) / wall * 100 for name, pid in pids.items()}
@@ -93,22 +77,6 @@ def start_masters(root: Path, nats_url: str, groups: int, groups_only: bool) -> 
         if n == 0:  # it leads the shared log: the others stand by for it
             time.sleep(2)
     return masters
-
-
-def place(api: ExoProcess, models: list[str], instances: int, model_dir: Path) -> None:
-    http = httpx.Client(base_url=api.url, timeout=120)
-    for model in models:
-        assert http.post("/models/add", json={"model_id": model, "path": str(model_dir)}).status_code == 200
-    for n in range(instances):
-        placed = http.post("/place_instance", json={"model_id": models[n % len(models)]})
-        assert placed.status_code == 200, placed.text
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        runners = state_of(api).runners.values()
-        if len(runners) == instances and all(r.status == "ready" for r in runners):
-            return
-        time.sleep(0.5)
-    raise RuntimeError("the instances did not become ready")
 
 
 async def catch_up_times(nats_url: str, groups: int) -> list[float]:
@@ -135,7 +103,8 @@ async def measure(args: argparse.Namespace, groups: int, root: Path, nats: NatsS
     simulator = SimulatorProcess(nats.url, args.nodes, root / "sim", root / "sim.log", delay_ms=args.delay_ms)
     try:
         simulator.wait_ready(900)
-        await asyncio.to_thread(place, api, models, min(args.instances, args.nodes), fake_model_dir(root / "fake"))
+        await asyncio.to_thread(place_instances, api.url, min(args.instances, args.nodes), fake_model_dir(root / "fake"),
+                                api, tuple(models))
         pids = {f"master{n}": pid_of(m.process) for n, m in enumerate(masters)}
         pids |= {"API": pid_of(api.process), "simulated nodes": simulator.process.pid, "nats-server": pid_of(nats.server.process),
                  "load generator": os.getpid()}

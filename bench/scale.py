@@ -138,9 +138,10 @@ def _has_content(line: bytes) -> bool:
     return bool(choices[0].get("delta", {}).get("content"))
 
 
-async def one_request(http: aiohttp.ClientSession, url: str, n: int, delay_s: float) -> float | None:
+async def one_request(http: aiohttp.ClientSession, url: str, n: int, delay_s: float,
+                      model: str = FAKE_MODEL) -> float | None:
     """Control-plane latency of one streamed request (seconds), or None if it failed."""
-    body = {"model": FAKE_MODEL, "messages": [{"role": "user", "content": f"request {n}"}], "max_tokens": 8,
+    body = {"model": model, "messages": [{"role": "user", "content": f"request {n}"}], "max_tokens": 8,
             "stream": True}
     sent = time.perf_counter()
     first = None
@@ -185,12 +186,15 @@ async def drive(url: str, rate: float, seconds: float, delay_s: float, probe: Pr
                 cpu=cpu, events_per_s={k: v / wall for k, v in events.most_common()})
 
 
-def place_instances(api_url: str, count: int, model_dir: Path, head: ExoProcess) -> None:
+def place_instances(api_url: str, count: int, model_dir: Path, head: ExoProcess,
+                    models: tuple[str, ...] = (FAKE_MODEL,)) -> None:
+    """`count` instances, spread in turn over `models` (each a card of `model_dir`), once all are ready."""
     http = httpx.Client(base_url=api_url, timeout=120)
-    added = http.post("/models/add", json={"model_id": FAKE_MODEL, "path": str(model_dir)})
-    assert added.status_code == 200, added.text
-    for _ in range(count):
-        placed = http.post("/place_instance", json={"model_id": FAKE_MODEL})
+    for model in models:
+        added = http.post("/models/add", json={"model_id": model, "path": str(model_dir)})
+        assert added.status_code == 200, added.text
+    for n in range(count):
+        placed = http.post("/place_instance", json={"model_id": models[n % len(models)]})
         assert placed.status_code == 200, placed.text
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
