@@ -4,16 +4,12 @@ finish). exo/core/apply.py dispatches to them; the same rules hold (decide, then
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from exo.core.draft import Draft
 from exo.core.events import AdapterAdded, AdapterDeleted, CustomCardAdded, CustomCardDeleted, KeyDeleted, KeySet, TaskFinished
 from exo.core.keys import KeyWindow, window_after, window_with_tokens
 from exo.core.skip import Skip
 from exo.core.types import Task
 from exo.core.usage import UsageCounts, counted
-
-if TYPE_CHECKING:
-    from exo.core.apply import Draft
 
 
 def on_card_added(draft: Draft, event: CustomCardAdded, seq: int) -> None:

@@ -15,10 +15,11 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 from fnmatch import fnmatchcase
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 
 from msgspec.structs import replace
 
+from exo.core.draft import Draft
 from exo.core.events import (
     AnyEvent,
     CommandRejected,
@@ -37,9 +38,6 @@ from exo.core.skip import Skip
 from exo.core.state import State
 from exo.core.types import Task
 from exo.core.usage import UsageByDay, UsageCounts
-
-if TYPE_CHECKING:
-    from exo.core.apply import Draft
 
 K = TypeVar("K")
 V = TypeVar("V")

@@ -28,7 +28,8 @@ import msgspec
 from exo.bus.subjects import group_names
 from exo.bus.tooling.log_reader import LogRecord, log_bounds, read_log_batches
 from exo.bus.tooling.snapshot_reader import StoredSnapshot, stored_snapshots
-from exo.core.apply import Draft
+from exo.core.apply import fold_into
+from exo.core.draft import Draft
 from exo.core.events import decode_event
 from exo.core.groups import GROUP_NAME, for_cluster
 from exo.core.state import SkippedEvent, State, decode_state
@@ -101,7 +102,7 @@ async def _replay(args: argparse.Namespace) -> int:
 
 class BatchReplayer(Replayer):
     """A Replayer that also takes records many at a time. With nothing to show per event (no
-    --list, --diff or --filter) a batch goes through one `Draft` of State (exo.core.apply), so
+    --list, --diff or --filter) a batch goes through one `Draft` of State (exo.core.draft), so
     each part of State is copied once per batch, not once per event; the State is taken at the
     end of the batch and at every checkpoint in it. Same State, same skipped list, same checks
     as `feed` one record at a time."""
@@ -125,7 +126,7 @@ class BatchReplayer(Replayer):
                 reason = f"undecodable event on {record.subject}: {error}"
                 draft.skip(seq, reason)
             else:
-                reason = draft.apply(event, seq)
+                reason = fold_into(draft, event, seq)
             if reason:
                 self.skipped.append(SkippedEvent(seq=seq, reason=reason))
             self.replayed += 1
