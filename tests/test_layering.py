@@ -6,6 +6,10 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
+from tests.support.layering import ALLOWED_ARROWS, BEGIN, arrows_markdown, with_arrows_table
+
 EXO = Path(__file__).resolve().parents[1] / "exo"
 
 
@@ -58,28 +62,6 @@ CORE_MAY_IMPORT = {"__future__", "collections", "dataclasses", "enum", "functool
                    "llguidance"}  # exo/core/grammar.py: schemas to grammars, pure computation
 
 
-# Which of exo's packages each package may import: no arrow runs back up, no service reaches
-# into another (the card catalogue and wire types the services share live in exo/core).
-ALLOWED_ARROWS = {
-    "core": set(),
-    "settings": set(),  # declarations only: every service may import its settings struct
-    "models": {"core", "settings"},
-    "resources": {"settings"},
-    "memory": set(),
-    "bus": {"core", "resources", "settings"},
-    "runner": {"bus", "core", "event_loop", "memory", "settings"},
-    "worker": {"background", "bus", "core", "memory", "models", "runner", "settings"},
-    "master": {"bus", "core", "settings"},
-    "api": {"background", "bus", "core", "models", "settings"},  # adding a card reads its config and size from its source
-    "tools": {"bus", "core", "event_loop", "settings"},
-    # leaf modules at the top (checked as packages of one file): they import only the core
-    "background": set(),
-    "event_loop": set(),
-    "identity": {"core"},
-    "defaults": set(),
-}
-
-
 def test_no_arrow_runs_back_up():
     crossing = {}
     for path in sorted(EXO.rglob("*.py")):
@@ -91,6 +73,21 @@ def test_no_arrow_runs_back_up():
         if wrong:
             crossing[str(path.relative_to(EXO.parent))] = sorted(wrong)
     assert crossing == {}
+
+
+def test_docs_architecture_shows_the_allowed_arrows():
+    document = (EXO.parent / "docs" / "architecture.md").read_text()
+    assert with_arrows_table(document) == document, "run `uv run python -m tests.support.layering docs/architecture.md`"
+
+
+def test_the_arrows_table_renders_each_package_with_what_it_may_import():
+    rows = arrows_markdown().splitlines()
+    assert len(rows) == 2 + len(ALLOWED_ARROWS) + 1  # header, rule, one row per package, the wiring on top
+    assert "| `exo/core` | nothing else of exo |" in rows
+    assert "| `exo/runner` | `bus`, `core`, `event_loop`, `memory`, `settings` |" in rows
+    assert "| `exo/event_loop.py` | nothing else of exo |" in rows
+    with pytest.raises(ValueError, match="no layers block"):
+        with_arrows_table(f"a table lost its end marker: {BEGIN}")
 
 
 def test_only_the_tools_use_the_log_tooling():

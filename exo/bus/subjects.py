@@ -36,6 +36,10 @@ ADAPTERS_STREAM = f"OBJ_{ADAPTERS_BUCKET}"
 
 # Core NATS request/reply between nodes (no stream keeps these): see exo/bus/peers/model_share.py and
 # exo/bus/peers/download_control.py.
+ALL_MODEL_SHARES = "exo.models.>"
+ALL_DOWNLOAD_CONTROLS = "exo.downloads.>"
+
+
 def model_share_subject(node_id: NodeId, what: str) -> str:
     """A node serving its models to peers: `what` is "manifest" or "chunk"."""
     return f"exo.models.{node_id}.{what}"
@@ -62,6 +66,21 @@ ALL_READERS = "exo.readers.>"
 
 def readers_subject(command_id: CommandId) -> str:
     return f"exo.readers.{command_id}"
+
+
+# JetStream's own subjects (nats-server names them; exo asks them and grants them in
+# exo/bus/server/permissions.py). A token may be a wildcard: "*" for any stream, ">" for the rest.
+JETSTREAM_FLOW_CONTROL = "$JS.FC.>"
+
+
+def jetstream_api_subject(*tokens: str) -> str:
+    """`$JS.API.<tokens>`: ("CONSUMER.CREATE", stream, consumer) creates that consumer."""
+    return ".".join(("$JS.API", *tokens))
+
+
+def jetstream_ack_subject(*tokens: str) -> str:
+    """`$JS.ACK.<tokens>`: a delivery's reply subject, acked, nak'ed or termed by publishing to it."""
+    return ".".join(("$JS.ACK", *tokens))
 
 
 class LogNames(NamedTuple):

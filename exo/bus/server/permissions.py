@@ -15,50 +15,64 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 
-from exo.bus.subjects import COMMANDS_STREAM, MASTER_CONSUMER, group_names
+from exo.bus.subjects import (
+    ALL_DOWNLOAD_CONTROLS,
+    ALL_MODEL_SHARES,
+    ALL_READERS,
+    COMMANDS_STREAM,
+    JETSTREAM_FLOW_CONTROL,
+    MASTER_CONSUMER,
+    group_names,
+)
+from exo.bus.subjects import jetstream_ack_subject as js_ack
+from exo.bus.subjects import jetstream_api_subject as js_api
 
 EXO_USER = "exo"
 OPERATOR_USER = "operator"
 
-_MASTER = f"{COMMANDS_STREAM}.{MASTER_CONSUMER}"
+ANY_STREAM = "*"  # a wildcard token: one stream, any name
+ALL = ">"  # a wildcard token: every subject below
 
 OPERATOR_PERMISSIONS: dict[str, dict[str, list[str]]] = {
     "publish": {
         "allow": [
-            "$JS.API.INFO",
-            "$JS.API.STREAM.INFO.>", "$JS.API.STREAM.LIST", "$JS.API.STREAM.NAMES",
-            "$JS.API.STREAM.MSG.GET.>", "$JS.API.DIRECT.GET.>",
-            "$JS.API.CONSUMER.INFO.>", "$JS.API.CONSUMER.LIST.>", "$JS.API.CONSUMER.NAMES.>",
+            js_api("INFO"),
+            js_api("STREAM.INFO", ALL), js_api("STREAM.LIST"), js_api("STREAM.NAMES"),
+            js_api("STREAM.MSG.GET", ALL), js_api("DIRECT.GET", ALL),
+            js_api("CONSUMER.INFO", ALL), js_api("CONSUMER.LIST", ALL), js_api("CONSUMER.NAMES", ALL),
             # Reading a stream in order takes a consumer of one's own (ordered, ephemeral),
             # with flow-control replies, and deleting it when done.
-            "$JS.API.CONSUMER.CREATE.>", "$JS.API.CONSUMER.DELETE.>", "$JS.API.CONSUMER.MSG.NEXT.>", "$JS.FC.>",
+            js_api("CONSUMER.CREATE", ALL), js_api("CONSUMER.DELETE", ALL), js_api("CONSUMER.MSG.NEXT", ALL),
+            JETSTREAM_FLOW_CONTROL,
             # ... and acknowledging what it delivers (`nats stream view`'s pager acks each message).
             # An ack moves only the consumer it names (every stream keeps messages by limits, so
             # none is removed by an ack), and exo's one acking consumer is denied below.
-            "$JS.ACK.>",
+            js_ack(ALL),
         ],
         "deny": [
-            f"$JS.API.CONSUMER.CREATE.{_MASTER}", f"$JS.API.CONSUMER.CREATE.{_MASTER}.>",
+            js_api("CONSUMER.CREATE", COMMANDS_STREAM, MASTER_CONSUMER),
+            js_api("CONSUMER.CREATE", COMMANDS_STREAM, MASTER_CONSUMER, ALL),
             # The legacy form names the consumer in the body, not the subject: {"name": "exo-master"}
             # there replaced the master's consumer (its filter, its ack wait). Readers of the
             # command stream use the named form (`nats` does).
-            f"$JS.API.CONSUMER.CREATE.{COMMANDS_STREAM}",
-            f"$JS.API.CONSUMER.DELETE.{_MASTER}", f"$JS.API.CONSUMER.MSG.NEXT.{_MASTER}",
+            js_api("CONSUMER.CREATE", COMMANDS_STREAM),
+            js_api("CONSUMER.DELETE", COMMANDS_STREAM, MASTER_CONSUMER),
+            js_api("CONSUMER.MSG.NEXT", COMMANDS_STREAM, MASTER_CONSUMER),
             # An ack, nak or term of the master's delivery would settle a command it never decided.
-            f"$JS.ACK.{_MASTER}.>",
+            js_ack(COMMANDS_STREAM, MASTER_CONSUMER, ALL),
             # The same for every master group's master (its commands stream is EXO_COMMANDS_<group>,
             # its consumer named alike). The legacy form, with the stream's name alone, is denied per
             # group the server is started with (`authorization_block`).
-            f"$JS.API.CONSUMER.CREATE.*.{MASTER_CONSUMER}", f"$JS.API.CONSUMER.CREATE.*.{MASTER_CONSUMER}.>",
-            f"$JS.API.CONSUMER.DELETE.*.{MASTER_CONSUMER}", f"$JS.API.CONSUMER.MSG.NEXT.*.{MASTER_CONSUMER}",
-            f"$JS.ACK.*.{MASTER_CONSUMER}.>",
+            js_api("CONSUMER.CREATE", ANY_STREAM, MASTER_CONSUMER), js_api("CONSUMER.CREATE", ANY_STREAM, MASTER_CONSUMER, ALL),
+            js_api("CONSUMER.DELETE", ANY_STREAM, MASTER_CONSUMER), js_api("CONSUMER.MSG.NEXT", ANY_STREAM, MASTER_CONSUMER),
+            js_ack(ANY_STREAM, MASTER_CONSUMER, ALL),
         ],
     },
     "subscribe": {
-        "allow": [">"],
+        "allow": [ALL],
         # Subscribing to a request subject would let one answer it: model files, download
         # control, stream readers and the JetStream API are answered by nodes and the server only.
-        "deny": ["exo.models.>", "exo.downloads.>", "exo.readers.>", "$JS.API.>"],
+        "deny": [ALL_MODEL_SHARES, ALL_DOWNLOAD_CONTROLS, ALL_READERS, js_api(ALL)],
     },
 }
 
@@ -68,7 +82,7 @@ def authorization_block(exo_password: str, operator_password: str, master_groups
     `master_groups` (EXO_MASTER_GROUPS' names) adds each group's legacy consumer-create denial."""
     permissions = OPERATOR_PERMISSIONS
     if master_groups:
-        legacy = [f"$JS.API.CONSUMER.CREATE.{group_names(g).commands_stream}" for g in master_groups]
+        legacy = [js_api("CONSUMER.CREATE", group_names(g).commands_stream) for g in master_groups]
         publish = OPERATOR_PERMISSIONS["publish"]
         permissions = {**OPERATOR_PERMISSIONS, "publish": {**publish, "deny": [*publish["deny"], *legacy]}}
     users = [
