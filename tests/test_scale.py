@@ -9,11 +9,15 @@ from pathlib import Path
 
 import httpx
 import pytest
+from msgspec.structs import replace
 
-from exo.core.events import InstanceCreated, TaskCreated, TaskFinished
+from exo.core.commands import GenerateText
+from exo.core.events import CommandRejected, InstanceCreated, TaskCreated, TaskFinished
 from exo.core.state import encode_state
 from tests.support.cluster import NatsServer, replay, start_node, state_of, wait_until
 from tests.support.simulator import FAKE_MODEL, SimulatorProcess, fake_model_dir
+from tests.test_decide import run
+from tests.test_routing import chat, two_instances
 
 pytestmark = pytest.mark.slow
 
@@ -84,32 +88,74 @@ def test_a_hundred_simulated_nodes_serve_every_request_exactly_once_and_state_is
     assert not_least_busy(seen, set(task_ids)) == []  # routing's promise, however the load fell
 
 
+def test_the_reading_of_least_busy_takes_a_batch_decided_before_a_task_finished_ahead_of_it_in_the_log():
+    """Two instances with a task each; one finishes while the master decides a batch of three on the
+    State before it. The log has the task.finished ahead of the batch, yet the batch's third decision
+    (a tie in its State) is no least busy one in the State just after the second."""
+    state, (first, second) = two_instances()
+    log = [InstanceCreated(instance=state.instances[i]) for i in (first, second)]
+    for task_id in ("t0", "t1", "t2", "t3", "t4"):
+        state, (created,) = run(state, GenerateText(command_id=task_id, model_id="org/builtin",
+                                                    params=chat(("user", f"request {task_id}"))))
+        log.append(created)
+    log.insert(4, TaskFinished(task_id="t1", status="completed"))  # appended while t2..t4 were decided
+    assert [e.task.instance_id for e in log if isinstance(e, TaskCreated)] == [first, second, first, second, first]
+    assert not_least_busy([(seq, e, True) for seq, e in enumerate(log, 1)], {"t0", "t1", "t2", "t3", "t4"}) == []
+
+
+def test_the_reading_of_least_busy_finds_a_request_sent_to_a_busier_instance():
+    state, (first, second) = two_instances()
+    log = [InstanceCreated(instance=state.instances[i]) for i in (first, second)]
+    for task_id in ("t0", "t1"):
+        state, (created,) = run(state, GenerateText(command_id=task_id, model_id="org/builtin",
+                                                    params=chat(("user", f"request {task_id}"))))
+        log.append(replace(created, task=replace(created.task, instance_id=first)))
+    assert not_least_busy([(seq, e, True) for seq, e in enumerate(log, 1)], {"t0", "t1"}) == [(4, "t1")]
+
+
 def not_least_busy(seen: list, ours: set[str]) -> list[tuple[int, str]]:
     """The task.created events (seq, task) whose instance was not a least busy one in any State the
-    master could have decided from. The master decides from a State that holds at least its own
-    previous task.created, and perhaps some of the task.finished appended since (folded or not
-    yet): so the chosen instance must have had the fewest open tasks at one point of that window."""
+    master could have decided from. It decides a batch of commands on State as the batch began plus
+    the batch's own decisions, and appends the batch contiguously (exo/bus/atomic_append.py). So a
+    decision's State holds every earlier task.created, and the task.finished up to some point after
+    the previous append: those appended since sit before the batch in the log, yet none of its
+    decisions may have seen them. A task.finished between two task.created puts them in different
+    appends, so the previous append ended at or before the task.created ahead of this run of them."""
     open_tasks: Counter[str] = Counter()
     instance_of: dict[str, str] = {}
-    least_in_window: set[str] = set()
+    finished_since_created: list[str] = []  # the instances of the task.finished since the latest task.created
+    maybe_unseen: list[str] = []  # those ahead of this run of task.created: perhaps not folded when it was decided
+    in_run = False
     wrong = []
-
-    def least() -> set[str]:
-        fewest = min(open_tasks.values())
-        return {instance for instance, count in open_tasks.items() if count == fewest}
-
     for seq, event, used in seen:
-        if not used:
+        if isinstance(event, (TaskCreated, CommandRejected)):  # what a batch of requests appends
+            if used and isinstance(event, TaskCreated) and event.task.task_id in ours:
+                if not in_run:
+                    maybe_unseen, in_run = finished_since_created, True
+                finished_since_created = []
+                instance = instance_of[event.task.task_id] = event.task.instance_id
+                if not least_with_some_unseen(open_tasks, maybe_unseen, instance):
+                    wrong.append((seq, event.task.task_id))
+                open_tasks[instance] += 1
             continue
-        if isinstance(event, InstanceCreated):
+        in_run = False
+        if used and isinstance(event, InstanceCreated):
             open_tasks[event.instance.instance_id] += 0  # known, with nothing open
-        elif isinstance(event, TaskCreated) and event.task.task_id in ours:
-            instance = instance_of[event.task.task_id] = event.task.instance_id
-            if instance not in least_in_window | least():
-                wrong.append((seq, event.task.task_id))
-            open_tasks[instance] += 1
-            least_in_window = least()
-        elif isinstance(event, TaskFinished) and event.task_id in ours:
+        elif used and isinstance(event, TaskFinished) and event.task_id in ours:
             open_tasks[instance_of[event.task_id]] -= 1
-            least_in_window |= least()
+            finished_since_created.append(instance_of[event.task_id])
     return wrong
+
+
+def least_with_some_unseen(open_tasks: Counter[str], maybe_unseen: list[str], instance: str) -> bool:
+    """Whether `instance` had the fewest open tasks with none, the first few or all of the task.finished
+    of `maybe_unseen` (their instances, in log order) folded."""
+    counts = open_tasks.copy()
+    for finished_at in maybe_unseen:
+        counts[finished_at] += 1  # none folded yet
+    for finished_at in [*maybe_unseen, None]:
+        if counts[instance] == min(counts.values()):
+            return True
+        if finished_at is not None:
+            counts[finished_at] -= 1
+    return False
