@@ -71,8 +71,8 @@ class Cluster:
             tap.append(event)
             await log.append(event, uuid.uuid4().hex)
 
-        coordinator = DownloadCoordinator(self.nc, node_id, DownloadSettings(**options), publish,
-                                          lambda: self.view.state, self.cards.get)
+        coordinator = DownloadCoordinator(nc=self.nc, node_id=node_id, settings=DownloadSettings(**options), publish=publish,
+                                          state=lambda: self.view.state, card_of=self.cards.get)
         await coordinator.start()
         self.coordinators.append(coordinator)
         return coordinator

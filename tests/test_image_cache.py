@@ -9,12 +9,12 @@ import os
 from pathlib import Path
 
 from exo.core.apply import apply
-from exo.core.events import InstanceCreated, TaskCreated, TaskStarted
+from exo.core.events import InstanceCreated, InstanceDeleted, TaskCreated, TaskFinished, TaskMigrated, TaskStarted
 from exo.core.types import ChatMessage, GenerationParams, Instance, ShardAssignment, Task
 from exo.settings.declare import read
 from exo.settings.services import WorkerSettings
 from exo.worker.image_cache import ImageCache
-from exo.worker.plan import WorkerView, images_needed, tasks_needing
+from exo.worker.plan import WorkerView, images_needed, images_of_waiting_tasks, tasks_needing
 from tests.support.as_master import stamped, with_leader
 
 
@@ -137,6 +137,23 @@ def test_needed_means_the_images_of_this_nodes_pending_and_running_tasks():
     assert tasks_needing(view, A) == ["pending"]
     assert tasks_needing(view, C) == []
     assert tasks_needing(WorkerView(node_id="me", state=state, ended_tasks=frozenset({"pending"})), A) == []
+
+
+def test_a_late_joiner_also_fetches_the_images_of_tasks_waiting_for_a_lost_instance():
+    # While a worker was down its instance was deleted and its task waits for the desire's
+    # replacement (instance ""), which may be placed on this node once it is back: it fetches the
+    # image before it plans, not after the replacement comes.
+    state = with_leader()
+    for event in (InstanceCreated(instance=MINE), InstanceCreated(instance=THEIRS),
+                  TaskCreated(task=task("waits", "i1", A, B)), TaskCreated(task=task("served", "i2", C)),
+                  TaskCreated(task=task("done", "i1", D)), TaskFinished(task_id="done", status="completed"),
+                  TaskMigrated(task_id="waits", to_instance="", reason="instance i1: node lost", at=1.0),
+                  InstanceDeleted(instance_id="i1", reason="node lost")):
+        state = apply(state, stamped(state, event), state.last_seq + 1)
+    view = WorkerView(node_id="me", state=state, local_images=frozenset({B}))
+    assert images_of_waiting_tasks(view) == [A]  # not B (here), C (served elsewhere), D (finished)
+    assert images_of_waiting_tasks(WorkerView(node_id="me", state=state, images_in_flight=frozenset({A}))) == [B]
+    assert images_of_waiting_tasks(WorkerView(node_id="me", state=state, ended_tasks=frozenset({"waits"}))) == []
 
 
 def test_a_write_is_whole_or_leaves_nothing(tmp_path):

@@ -91,7 +91,9 @@ def test_a_late_node_catches_up_from_the_snapshot_to_exactly_a_full_replay(tmp_p
 
 def test_a_worker_that_was_down_reconciles_cards_and_fetches_images_before_it_plans(tmp_path, nats):
     model_dir = make_vision_model(tmp_path / "model")
-    head = start_node(tmp_path, "head", nats.url, "--no-worker", env={"EXO_MAX_IMAGE_BYTES": "1000000"})
+    # The master ends a silent node's instances after EXO_SUSPECT_S: long enough here for the request
+    # below to queue on the instance first, whatever the machine's load.
+    head = start_node(tmp_path, "head", nats.url, "--no-worker", env={"EXO_MAX_IMAGE_BYTES": "1000000", "EXO_SUSPECT_S": "15"})
     worker = start_node(tmp_path, "worker", nats.url, "--no-master", "--no-api")
     http = httpx.Client(base_url=head.url, timeout=120)
     try:
@@ -124,6 +126,13 @@ def test_a_worker_that_was_down_reconciles_cards_and_fetches_images_before_it_pl
         chat = threading.Thread(target=lambda: answer.update(http.post("/v1/chat/completions", json=body).json()))
         chat.start()
         wait_until(lambda: any(t.status == "pending" for t in state_of(head).tasks.values()), 30, what="task queued")
+        assert [t.instance_id for t in state_of(head).tasks.values() if t.status == "pending"] == [instance]
+        # Self-healing ends the instance of the silent worker (EXO_SUSPECT_S) and the task waits for
+        # the desire's replacement: the late joiner must fetch its image before planning all the same,
+        # though no task of its own needs it yet. Waiting for that here makes the order of the two
+        # deterministic (a start before it is the plain case: the task is the worker's own).
+        wait_until(lambda: instance not in state_of(head).instances, 30, what="the down worker's instance ended")
+        assert [t.instance_id for t in state_of(head).tasks.values() if t.status == "pending"] == [""]
 
         worker = start_node(tmp_path, "worker", nats.url, "--no-master", "--no-api")
         chat.join(120)
@@ -135,8 +144,11 @@ def test_a_worker_that_was_down_reconciles_cards_and_fetches_images_before_it_pl
         assert sorted(p.name for p in cards.iterdir()) == ["local--vision.toml", "org--added-while-down.toml"]
 
         seen, _ = VisionReference(model_dir, tmp_path).chat("What is in this picture?", [image], 12)
+        assert "choices" in answer, answer
         assert answer["choices"][0]["message"]["content"] == seen  # mlx-vlm's answer, the image seen
-        assert http.delete(f"/instance/{instance}").status_code == 200
+        replacements = list(state_of(head).instances)
+        assert replacements and instance not in replacements  # the desire's replacement served it
+        assert all(http.delete(f"/instance/{i}").status_code == 200 for i in replacements)
     finally:
         http.close()
         for node in (worker, head):

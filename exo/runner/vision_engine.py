@@ -95,7 +95,9 @@ class VisionEngine(Engine):
         images: Sequence[str] = (),
         resume: Resume | None = None,
     ) -> GenerationResult:
-        if resume is not None:  # its prompt is mlx-vlm's to build: no earlier tokens can be put after it
+        # Its prompt is mlx-vlm's to build: no earlier tokens can be put after it. A run moved before
+        # anything was streamed (it waited for a lost instance's replacement) simply starts.
+        if resume is not None and (resume.token_ids or resume.next_index):
             raise RuntimeError("a vision model cannot take over a generation another runner began")
         _readable(images)
         prompt = self.prompt_for(params)

@@ -55,7 +55,7 @@ class _Job:
 
 class DownloadCoordinator:
     def __init__(
-        self, nc: Connection, node_id: NodeId, settings: DownloadSettings, publish: Callable[[Event], Awaitable[None]],
+        self, *, nc: Connection, node_id: NodeId, settings: DownloadSettings, publish: Callable[[Event], Awaitable[None]],
         state: Callable[[], State], card_of: Callable[[ModelId], ModelCard | None], clock: Callable[[], float] = time.time,
     ) -> None:
         self.node_id = node_id

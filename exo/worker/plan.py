@@ -323,6 +323,18 @@ def images_to_fetch(view: WorkerView) -> list[str]:
     return list(wanted)
 
 
+def images_of_waiting_tasks(view: WorkerView) -> list[str]:
+    """Images of the open tasks that wait for an instance (theirs was lost, a desire will place
+    another), missing here: a late joiner fetches them before it plans, since the replacement may
+    well be placed on it (the caller bounds them by the image cache)."""
+    wanted: dict[str, None] = {}
+    for task in view.state.tasks.values():
+        waiting = task.status == "pending" and task.instance_id not in view.state.instances
+        if waiting and task.task_id not in view.ended_tasks:
+            wanted.update((d, None) for d in missing_images(view, task) if d not in view.images_in_flight)
+    return list(wanted)
+
+
 def _my_open_tasks(view: WorkerView) -> list[Task]:
     """Open tasks of the instances this node has a shard of, instance by instance."""
     shards = _my_shards(view)

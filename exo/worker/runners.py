@@ -50,7 +50,7 @@ def wake_after(wake: asyncio.Event, delay: float) -> None:
 
 class Runners:
     def __init__(
-        self, node_id: NodeId, state: Callable[[], State], new_runner: RunnerFactory,
+        self, *, node_id: NodeId, state: Callable[[], State], new_runner: RunnerFactory,
         publish: Callable[[Event], Awaitable[None]], runs: TaskRuns, fetch_model: FetchModel,
         wake: asyncio.Event, migrate_grace_s: float, fetch_adapter: FetchAdapter,
     ) -> None:

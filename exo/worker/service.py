@@ -62,6 +62,7 @@ from exo.worker.plan import (
     busy,
     images_needed,
     images_of,
+    images_of_waiting_tasks,
     images_to_fetch,
     nodes_concerned,
     plan,
@@ -106,15 +107,18 @@ class Worker:
         self._journal = ForwardJournal(data_dir / "worker" / "forwarded")  # what its runners were given, for a restart
         self._given_before_restart: dict[TaskId, int] = {}
         self._wake = asyncio.Event()
-        self._runners = Runners(node_id, lambda: self._view.state, new_runner, self._publish, self._runs,
-                               self._model_files, self._wake, self._migrate_grace_s, self._adapter_folder)
+        self._runners = Runners(
+            node_id=node_id, state=lambda: self._view.state, new_runner=new_runner, publish=self._publish,
+            runs=self._runs, fetch_model=self._model_files, wake=self._wake, migrate_grace_s=self._migrate_grace_s,
+            fetch_adapter=self._adapter_folder)
         self._adapters = AdapterFiles(nc, data_dir / "adapters", settings.adapter_cache_bytes, self._adapters_in_use)
-        self._images = TaskImages(nc, self.images_dir, self._fail_tasks_needing, lambda: images_needed(self._worker_view()),
-                                  settings.image_cache_bytes)
+        self._images = TaskImages(
+            nc=nc, images_dir=self.images_dir, fail_tasks_needing=self._fail_tasks_needing,
+            needed=lambda: images_needed(self._worker_view()), limit_bytes=settings.image_cache_bytes)
         self._background = Background("worker")
         self.downloads = DownloadCoordinator(
-            nc, node_id, downloads, self._publish,
-            lambda: self._view.state, lambda model_id: find_card(self._view.state, builtin_cards, model_id),
+            nc=nc, node_id=node_id, settings=downloads, publish=self._publish, state=lambda: self._view.state,
+            card_of=lambda model_id: find_card(self._view.state, builtin_cards, model_id),
         )
         view.add_listener(self._on_event)
 
@@ -128,12 +132,14 @@ class Worker:
 
     async def run(self) -> None:
         # A late joiner first makes its disk match State (cards, then the images its pending
-        # tasks need); only then does it plan anything.
+        # tasks need, and those of tasks waiting for a lost instance's replacement, which may be
+        # placed here); only then does it plan anything.
         reconcile_custom_cards(self.custom_cards_dir, self._view.state.custom_model_cards)
         self._given_before_restart = self._still_open(self._journal.load())
         self._journal.compact(self._given_before_restart)
         await self.downloads.start()
         await self._fetch_images(images_to_fetch(self._worker_view()))
+        await self._images.fetch_while_room(images_of_waiting_tasks(self._worker_view()))
         self._images.trim()
         log.info("worker: disk reconciled with State at sequence %d; planning starts", self._view.state.last_seq)
         self._in_background(self._watch_busy_runners())

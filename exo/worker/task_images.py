@@ -17,7 +17,7 @@ log = logging.getLogger(__name__)
 
 
 class TaskImages:
-    def __init__(self, nc: Connection, images_dir: Path, fail_tasks_needing: Callable[[str, str], None],
+    def __init__(self, *, nc: Connection, images_dir: Path, fail_tasks_needing: Callable[[str, str], None],
                  needed: Callable[[], Iterable[str]], limit_bytes: int) -> None:
         self._nc = nc
         self.cache = ImageCache(images_dir, limit_bytes)  # what is on disk: plan's local_images
@@ -31,6 +31,14 @@ class TaskImages:
                 await self._fetch_one(digest)
             finally:  # in flight until it is on disk (or failed): a plan meanwhile must not fetch it again
                 self.in_flight.discard(digest)
+
+    async def fetch_while_room(self, digests: list[str]) -> None:
+        """Fetch images no task of this node needs yet (a late joiner's guess at its coming work),
+        while the cache has room: they must never push out what is needed."""
+        for digest in digests:
+            if self.cache.total_bytes >= self.cache.limit_bytes:
+                return
+            await self.fetch([digest])
 
     async def _fetch_one(self, digest: str) -> None:
         try:
