@@ -10,7 +10,7 @@ its greedy text differs from the base's. Target: exo with the adapter reaches at
 mlx-lm's own tokens/s with the adapter loaded, and its greedy text is mlx-lm's, token for token.
 "adapter / base" is what the LoRA layers themselves cost (two extra small matmuls per linear layer).
 
-    uv run python bench/adapters.py [--runs 5] [--max-tokens 96] [--rank 8]
+    uv run python -m bench.adapters [--runs 5] [--max-tokens 96] [--rank 8]
                                     [--hidden 512 --intermediate 1408 --layers 8]
 """
 
@@ -19,24 +19,21 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any, NamedTuple
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import httpx
+import mlx.core as mx
+import mlx_lm
+from mlx_lm.models.cache import make_prompt_cache
 
-import httpx  # noqa: E402
-import mlx.core as mx  # noqa: E402
-import mlx_lm  # noqa: E402
-from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
-
-from bench.speculative import greedy_stream  # noqa: E402
-from tests.support.adapters import make_adapter  # noqa: E402
-from tests.support.exo_process import ExoProcess  # noqa: E402
-from tests.support.fake_hub import FakeHub  # noqa: E402
-from tests.support.tiny_model import TINY_MODEL_ID, Dims, make_tiny_model  # noqa: E402
+from bench.speculative import greedy_stream
+from tests.support.adapters import make_adapter
+from tests.support.exo_process import ExoProcess
+from tests.support.fake_hub import FakeHub
+from tests.support.tiny_model import TINY_MODEL_ID, Dims, make_tiny_model
 
 ADAPTER = "bench-lora"
 ADAPTER_ID = f"{TINY_MODEL_ID}:{ADAPTER}"

@@ -7,7 +7,7 @@ Both systems get the same conversation (the calls are the same; each answer is t
 and greedy answers are the same text). Runs alternate which system goes first. Reported: wall
 time per step (call + answer) as the median over runs, and the whole session's median and range.
 
-    uv run python bench/agent_loop.py [--runs 3] [--steps 10] [--hidden 256] [--layers 4] [--result-bytes 1024 4096]
+    uv run python -m bench.agent_loop [--runs 3] [--steps 10] [--hidden 256] [--layers 4] [--result-bytes 1024 4096]
 
 The generated model's tokenizer makes about 1.4 characters a token (a real BPE one, about 4), and
 mlx's CPU backend attends slowly: on a 2-core machine without a GPU, smaller tool results
@@ -19,20 +19,17 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import httpx
 
-import httpx  # noqa: E402
-
-from bench.api_load import start_exo, start_mlx_lm_server  # noqa: E402
-from bench.summary import alternating  # noqa: E402
-from tests.support.tiny_model import Dims  # noqa: E402
-from tests.support.tool_model import CALL_ARGUMENTS, CALL_NAME, TOOL_MODEL_ID, WEATHER_TOOL, make_tool_model  # noqa: E402
+from bench.api_load import start_exo, start_mlx_lm_server
+from bench.summary import alternating
+from tests.support.tiny_model import Dims
+from tests.support.tool_model import CALL_ARGUMENTS, CALL_NAME, TOOL_MODEL_ID, WEATHER_TOOL, make_tool_model
 
 FORECAST = "Paris, hour by hour: clouds {h}% at {h}:00, wind {w} km/h from the west, rain {r} mm, 1{h} C. "
 

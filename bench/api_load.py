@@ -4,7 +4,7 @@ OpenAI API side by side with mlx_lm.server on the same model, in the same run.
 Each client loops: a streamed, greedy chat completion of --max-tokens tokens, then the next;
 requests/s is completed requests over wall time; TTFT is from sending to the first content.
 
-    uv run python bench/api_load.py [--concurrency 1 8 32] [--requests-per-client 4] [--max-tokens 64] [--max-batch N]
+    uv run python -m bench.api_load [--concurrency 1 8 32] [--requests-per-client 4] [--max-tokens 64] [--max-batch N]
 
 --max-batch sets EXO_MAX_BATCH for exo's runner (how many requests decode together; 1: one at a time).
 """
@@ -15,20 +15,17 @@ import argparse
 import asyncio
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import TypedDict
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import httpx
 
-import httpx  # noqa: E402
-
-from tests.support.exo_process import ExoProcess  # noqa: E402
-from tests.support.fake_hub import FakeHub  # noqa: E402
-from tests.support.mlx_lm_server import start_mlx_lm_server as start_mlx_lm_server  # noqa: E402 (the benches' reference)
-from tests.support.tiny_model import TINY_MODEL_ID, make_tiny_model  # noqa: E402
+from tests.support.exo_process import ExoProcess
+from tests.support.fake_hub import FakeHub
+from tests.support.mlx_lm_server import start_mlx_lm_server as start_mlx_lm_server  # the benches' reference
+from tests.support.tiny_model import TINY_MODEL_ID, make_tiny_model
 
 MESSAGES = [{"role": "user", "content": "Write a short story about a lighthouse keeper and the sea."}]
 

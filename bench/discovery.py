@@ -8,7 +8,7 @@
    gap between two acknowledged appends is the outage;
 3. appends per second to an R3 and an R1 stream of the same cluster, alternated.
 
-    uv run python bench/discovery.py [--rounds 3] [--appends 2000]
+    uv run python -m bench.discovery [--rounds 3] [--appends 2000]
 """
 
 from __future__ import annotations
@@ -17,21 +17,18 @@ import argparse
 import asyncio
 import json
 import statistics
-import sys
 import tempfile
 import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import httpx
 
-import httpx  # noqa: E402
-
-from exo.bus.connection import Connection, connect  # noqa: E402
-from exo.bus.server.server_config import NODE_TAG  # noqa: E402
-from tests.support.exo_process import ExoProcess  # noqa: E402
-from tests.support.healing import kill_9, stop_all  # noqa: E402
+from exo.bus.connection import Connection, connect
+from exo.bus.server.server_config import NODE_TAG
+from tests.support.exo_process import ExoProcess
+from tests.support.healing import kill_9, stop_all
 
 
 def env(namespace: str) -> dict[str, str]:

@@ -6,7 +6,7 @@ the Hub stopped.
 Both use exo's download coordinator as a worker does (verification, manifest, events included),
 against an embedded nats-server and tests/support/fake_hub.py on this machine.
 
-    uv run python bench/download.py [--layers 3] [--hidden 1024]
+    uv run python -m bench.download [--layers 3] [--hidden 1024]
 """
 
 from __future__ import annotations
@@ -22,23 +22,21 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from exo import event_loop  # noqa: E402
-from exo.bus.connection import Connection, connect  # noqa: E402
-from exo.bus.event_log import EventLog  # noqa: E402
-from exo.bus.provision import provision  # noqa: E402
-from exo.bus.server.embedded import EmbeddedNats  # noqa: E402
-from exo.bus.state_view import StateView  # noqa: E402
-from exo.core.events import Event  # noqa: E402
-from exo.core.ids import ModelId, NodeId  # noqa: E402
-from exo.core.state import State  # noqa: E402
-from exo.core.types import ModelCard  # noqa: E402
-from exo.models.dirs import DownloadSettings, ModelDirs  # noqa: E402
-from exo.worker.downloads import DownloadCoordinator  # noqa: E402
-from tests.support.fake_hub import FakeHub  # noqa: E402
-from tests.support.sharded_model import make_sharded_model  # noqa: E402
-from tests.support.tiny_model import Dims  # noqa: E402
+from exo import event_loop
+from exo.bus.connection import Connection, connect
+from exo.bus.event_log import EventLog
+from exo.bus.provision import provision
+from exo.bus.server.embedded import EmbeddedNats
+from exo.bus.state_view import StateView
+from exo.core.events import Event
+from exo.core.ids import ModelId, NodeId
+from exo.core.state import State
+from exo.core.types import ModelCard
+from exo.models.dirs import DownloadSettings, ModelDirs
+from exo.worker.downloads import DownloadCoordinator
+from tests.support.fake_hub import FakeHub
+from tests.support.sharded_model import make_sharded_model
+from tests.support.tiny_model import Dims
 
 REPO = ModelId("exo-bench/sharded-llama")
 
@@ -55,7 +53,8 @@ def coordinator(nc: Connection, node_id: NodeId, root: Path, endpoint: str, card
     async def publish(event: Event) -> None:
         await log.append(event, uuid.uuid4().hex)
 
-    return DownloadCoordinator(nc, node_id, settings, publish, state, {card.model_id: card}.get)
+    return DownloadCoordinator(nc=nc, node_id=node_id, settings=settings, publish=publish, state=state,
+                               card_of={card.model_id: card}.get)
 
 
 async def timed_download(url: str, view: StateView, card: ModelCard, root: Path, endpoint: str,
@@ -107,7 +106,7 @@ async def main(dims: Dims) -> None:
             await view.start()
             hub_s, hub_source, first = await timed_download(url, view, card, root / "a", endpoint, first_id)
             hub.stop()
-            peer = subprocess.Popen([sys.executable, __file__, "--serve", url, first_id, str(root / "a")],
+            peer = subprocess.Popen([sys.executable, "-m", "bench.download", "--serve", url, first_id, str(root / "a")],
                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
             assert peer.stdout is not None and peer.stdout.readline().strip() == "serving"
             peer_s, peer_source, second = await timed_download(url, view, card, root / "b", endpoint, NodeId(uuid.uuid4().hex))

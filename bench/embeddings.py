@@ -10,7 +10,7 @@ parsed into a numpy array. The model is a random-weight BERT of MiniLM's size (h
 texts for both systems in a run. Runs alternate the two systems (and which goes first). Target: the
 cluster reaches at least 50% of direct throughput at batch 32 and 256.
 
-    uv run python bench/embeddings.py [--runs 5] [--batches 1,32,256] [--hidden 384] [--layers 6]
+    uv run python -m bench.embeddings [--runs 5] [--batches 1,32,256] [--hidden 384] [--layers 6]
 """
 
 from __future__ import annotations
@@ -18,22 +18,19 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import httpx
+import mlx.core as mx
+import mlx_embeddings
+import numpy as np
 
-import httpx  # noqa: E402
-import mlx.core as mx  # noqa: E402
-import mlx_embeddings  # noqa: E402
-import numpy as np  # noqa: E402
-
-from bench.api_load import start_exo  # noqa: E402
-from bench.summary import alternating  # noqa: E402
-from tests.support.embedding_models import make_tiny_bert  # noqa: E402
+from bench.api_load import start_exo
+from bench.summary import alternating
+from tests.support.embedding_models import make_tiny_bert
 
 MODEL_ID = "exo-bench/minilm-sized-random-bert"
 SYSTEMS = ["direct", "cluster"]

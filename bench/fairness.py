@@ -13,7 +13,7 @@ token.
 - alone on one thread: B's prompt processed by `stream_generate` with A's next step waiting for
   it, i.e. the stall a prefill on the single path causes to whatever comes after it.
 
-    uv run python bench/fairness.py [--runs 3] [--long-words 250] [--hidden 256] [--layers 4]
+    uv run python -m bench.fairness [--runs 3] [--long-words 250] [--hidden 256] [--layers 4]
 """
 
 from __future__ import annotations
@@ -21,22 +21,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
-import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.summary import alternating, print_medians  # noqa: E402
-from exo.core.ids import TaskId  # noqa: E402
-from exo.core.types import ChatMessage, GenerationParams, SamplingDefaults  # noqa: E402
-from exo.runner import batch  # noqa: E402
-from exo.runner.batch import Batcher  # noqa: E402
-from exo.runner.decoding import Output  # noqa: E402
-from exo.runner.engine import Engine  # noqa: E402
-from tests.support.tiny_model import Dims, make_tiny_model  # noqa: E402
+from bench.summary import alternating, print_medians
+from exo.core.ids import TaskId
+from exo.core.types import ChatMessage, GenerationParams, SamplingDefaults
+from exo.runner import batch
+from exo.runner.batch import Batcher
+from exo.runner.decoding import Output
+from exo.runner.engine import Engine
+from tests.support.tiny_model import Dims, make_tiny_model
 
 
 def chat(text: str, max_tokens: int) -> GenerationParams:

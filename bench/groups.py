@@ -8,7 +8,7 @@ every master, of the API, the simulated nodes and nats-server. Then the CPU per 
 group's master (its CPU over its own requests), and what a core per master would carry. Last, a
 late joiner's catch-up: the shared log alone, then with 1, 2, ... G group logs.
 
-    uv run python bench/groups.py [--nodes 1000] [--groups 0 1 2 4] [--rates 100 200 300] [--seconds 8]
+    uv run python -m bench.groups [--nodes 1000] [--groups 0 1 2 4] [--rates 100 200 300] [--seconds 8]
 """
 
 from __future__ import annotations
@@ -17,23 +17,20 @@ import argparse
 import asyncio
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import aiohttp
 
-import aiohttp  # noqa: E402
-
-from bench.scale import cpu_seconds, one_request, pct, pid_of, place_instances  # noqa: E402
-from exo.bus.catch_up import catch_up  # noqa: E402
-from exo.bus.connection import connect  # noqa: E402
-from exo.bus.subjects import group_names  # noqa: E402
-from tests.support.cluster import NatsServer, start_node  # noqa: E402
-from tests.support.exo_process import ExoProcess  # noqa: E402
-from tests.support.simulator import SimulatorProcess, fake_model_dir  # noqa: E402
+from bench.scale import cpu_seconds, one_request, pct, pid_of, place_instances
+from exo.bus.catch_up import catch_up
+from exo.bus.connection import connect
+from exo.bus.subjects import group_names
+from tests.support.cluster import NatsServer, start_node
+from tests.support.exo_process import ExoProcess
+from tests.support.simulator import SimulatorProcess, fake_model_dir
 
 
 def models_for(groups: int) -> list[str]:

@@ -2,7 +2,7 @@
 sequence 1, against logs of 10k, 100k and 1M events; and image transfer through the object
 store. One run, side by side, with ratios.
 
-    uv run python bench/late_join.py [--sizes 10000,100000,1000000] [--image-mb 10]
+    uv run python -m bench.late_join [--sizes 10000,100000,1000000] [--image-mb 10]
 """
 
 from __future__ import annotations
@@ -10,24 +10,21 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from exo.bus.catch_up import catch_up  # noqa: E402
-from exo.bus.connection import Connection, connect  # noqa: E402
-from exo.bus.images import fetch_image, store_image  # noqa: E402
-from exo.bus.provision import provision  # noqa: E402
-from exo.bus.server.embedded import EmbeddedNats  # noqa: E402
-from exo.bus.snapshots import write_snapshot  # noqa: E402
-from exo.bus.subjects import IMAGES_BUCKET, event_subject  # noqa: E402
-from exo.core.events import Event, NodeRegistered, TaskCreated, TaskFinished, TaskStarted, encode_event, event_tag  # noqa: E402
-from exo.core.ids import InstanceId, ModelId, NodeId, TaskId  # noqa: E402
-from exo.core.state import State, encode_state  # noqa: E402
-from exo.core.types import GenerationParams, NodeInfo, Task  # noqa: E402
+from exo.bus.catch_up import catch_up
+from exo.bus.connection import Connection, connect
+from exo.bus.images import fetch_image, store_image
+from exo.bus.provision import provision
+from exo.bus.server.embedded import EmbeddedNats
+from exo.bus.snapshots import write_snapshot
+from exo.bus.subjects import IMAGES_BUCKET, event_subject
+from exo.core.events import Event, NodeRegistered, TaskCreated, TaskFinished, TaskStarted, encode_event, event_tag
+from exo.core.ids import InstanceId, ModelId, NodeId, TaskId
+from exo.core.state import State, encode_state
+from exo.core.types import GenerationParams, NodeInfo, Task
 
 TAIL = 500  # events after the snapshot, as between two snapshots of a busy master
 

@@ -3,7 +3,7 @@
 separate processes (MLX ring group on loopback), tensor and pipeline, in one run; one process
 without a group for reference. Greedy, the same prompt, tokens/s over the whole request.
 
-    uv run python bench/lockstep_batch.py [--hidden 512] [--layers 8] [--max-tokens 128] [--repeat 3]
+    uv run python -m bench.lockstep_batch [--hidden 512] [--layers 8] [--max-tokens 128] [--repeat 3]
 """
 
 from __future__ import annotations
@@ -20,16 +20,14 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from exo.core.ids import TaskId  # noqa: E402
-from exo.core.types import ChatMessage, GenerationParams, SamplingDefaults  # noqa: E402
-from exo.runner.batch import Batcher  # noqa: E402
-from exo.runner.engine import Engine  # noqa: E402
-from exo.runner.follower import follow  # noqa: E402
-from exo.runner.protocol import RankSetup  # noqa: E402
-from tests.support.exo_process import free_port  # noqa: E402
-from tests.support.tiny_model import Dims, make_tiny_model  # noqa: E402
+from exo.core.ids import TaskId
+from exo.core.types import ChatMessage, GenerationParams, SamplingDefaults
+from exo.runner.batch import Batcher
+from exo.runner.engine import Engine
+from exo.runner.follower import follow
+from exo.runner.protocol import RankSetup
+from tests.support.exo_process import free_port
+from tests.support.tiny_model import Dims, make_tiny_model
 
 PROMPT = "Write a short story about a lighthouse keeper and the sea."
 
@@ -74,9 +72,9 @@ def run_setup(model: Path, sharding: str, layers: int, args: argparse.Namespace)
     ranks = [0] if sharding == "none" else [0, 1]
     blocks = [(0, layers // 2), (layers // 2, layers)]
     processes = [
-        subprocess.Popen([sys.executable, __file__, "--rank", str(rank), "--hosts", hosts, "--model", str(model),
-                          "--sharding", sharding, "--start", str(blocks[rank][0]), "--end", str(blocks[rank][1]),
-                          "--max-tokens", str(args.max_tokens), "--repeat", str(args.repeat)],
+        subprocess.Popen([sys.executable, "-m", "bench.lockstep_batch", "--rank", str(rank), "--hosts", hosts,
+                          "--model", str(model), "--sharding", sharding, "--start", str(blocks[rank][0]),
+                          "--end", str(blocks[rank][1]), "--max-tokens", str(args.max_tokens), "--repeat", str(args.repeat)],
                          stdout=subprocess.PIPE, text=True)
         for rank in ranks
     ]

@@ -6,7 +6,7 @@ processes; the two ranks of a 2-node instance talk over loopback TCP (MLX ring b
 machine, two nodes share its cores: this measures exo's overhead for splitting a model, not the
 speed-up of more hardware.
 
-    uv run python bench/multinode.py [--hidden 512] [--layers 8] [--max-tokens 128] [--concurrency 1 4 8]
+    uv run python -m bench.multinode [--hidden 512] [--layers 8] [--max-tokens 128] [--concurrency 1 4 8]
 """
 
 from __future__ import annotations
@@ -15,20 +15,17 @@ import argparse
 import asyncio
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import TypedDict
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import httpx
 
-import httpx  # noqa: E402
-
-from bench.api_load import LoadResult, load, start_mlx_lm_server  # noqa: E402
-from tests.support.cluster import NatsServer, start_node, state_of, wait_until  # noqa: E402
-from tests.support.exo_process import ExoProcess, free_port  # noqa: E402
-from tests.support.tiny_model import Dims, make_tiny_model  # noqa: E402
+from bench.api_load import LoadResult, load, start_mlx_lm_server
+from tests.support.cluster import NatsServer, start_node, state_of, wait_until
+from tests.support.exo_process import ExoProcess, free_port
+from tests.support.tiny_model import Dims, make_tiny_model
 
 MODEL = "local/bench"
 PROMPT = [{"role": "user", "content": "Write a short story about a lighthouse keeper and the sea."}]

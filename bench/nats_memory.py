@@ -5,7 +5,7 @@ half of them back, publishes --big 8 MB token messages, then samples the server'
 10 s later) and times the reads. The limits alternate run by run ("off" is no limit, as before
 EXO_NATS_MEMORY_LIMIT); medians with ranges over --runs runs each.
 
-    uv run python bench/nats_memory.py [--runs 3] [--images 40] [--big 10] [--limits off 256MiB 64MiB]
+    uv run python -m bench.nats_memory [--runs 3] [--images 40] [--big 10] [--limits off 256MiB 64MiB]
 """
 
 from __future__ import annotations
@@ -13,18 +13,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.summary import alternating, print_medians  # noqa: E402
-from exo.bus.connection import connect  # noqa: E402
-from exo.bus.images import fetch_image, store_image  # noqa: E402
-from exo.bus.provision import provision  # noqa: E402
-from exo.bus.server.embedded import EmbeddedNats  # noqa: E402
+from bench.summary import alternating, print_medians
+from exo.bus.connection import connect
+from exo.bus.images import fetch_image, store_image
+from exo.bus.provision import provision
+from exo.bus.server.embedded import EmbeddedNats
 
 
 def rss_mb(pid: int) -> int:

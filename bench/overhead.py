@@ -4,7 +4,7 @@
 OpenAI API (a separate process with its embedded NATS, the model downloaded from a local
 imitation of the Hub). Greedy, same max tokens; runs alternate so drift hits both alike.
 
-    uv run python bench/overhead.py [--requests 20] [--max-tokens 64] [--hidden 256 --layers 4]
+    uv run python -m bench.overhead [--requests 20] [--max-tokens 64] [--hidden 256 --layers 4]
 """
 
 from __future__ import annotations
@@ -12,20 +12,17 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import httpx
+import mlx_lm
 
-import httpx  # noqa: E402
-import mlx_lm  # noqa: E402
-
-from tests.support.exo_process import ExoProcess  # noqa: E402
-from tests.support.fake_hub import FakeHub  # noqa: E402
-from tests.support.tiny_model import TINY_MODEL_ID, Dims, make_tiny_model  # noqa: E402
+from tests.support.exo_process import ExoProcess
+from tests.support.fake_hub import FakeHub
+from tests.support.tiny_model import TINY_MODEL_ID, Dims, make_tiny_model
 
 MESSAGES = [{"role": "user", "content": "Write a short story about a lighthouse keeper and the sea."}]
 Run = tuple[float, float, int]  # (time to first token s, decode tokens/s, completion tokens) of one request

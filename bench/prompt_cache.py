@@ -11,7 +11,7 @@ Part 2: an exo node with two instances of the model; --conversations concurrent 
 --turns turns each. Once with cache-aware routing (the default), once with EXO_CACHE_ROUTING=0
 (every request to the least busy instance), alternating, --runs times each.
 
-    uv run python bench/prompt_cache.py [--runs 3] [--system-words 250 1200] [--max-tokens 24]
+    uv run python -m bench.prompt_cache [--runs 3] [--system-words 250 1200] [--max-tokens 24]
         [--conversations 8] [--turns 8] [--routing-system-words 150] [--own-context] [--skip-ttft] [--skip-routing]
 
 On the generated model's tokenizer a system prompt of 250 words is ~780 tokens (the whole
@@ -24,17 +24,14 @@ import argparse
 import asyncio
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import httpx
 
-import httpx  # noqa: E402
-
-from bench.api_load import start_exo, start_mlx_lm_server  # noqa: E402
-from tests.support.tiny_model import TINY_MODEL_ID, Dims, make_tiny_model  # noqa: E402
+from bench.api_load import start_exo, start_mlx_lm_server
+from tests.support.tiny_model import TINY_MODEL_ID, Dims, make_tiny_model
 
 WORDS = [
     "the", "quick", "brown", "fox", "jumps", "over", "the", "lazy", "dog", "while", "the", "old", "fisherman", "mends",

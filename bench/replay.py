@@ -15,7 +15,7 @@ time per event, which says more than wall time on a shared machine):
   one apply per event: the reducer's ceiling
 All replays must end in the same State, or the run fails.
 
-    uv run python bench/replay.py [--events 100000 1000000] [--runs 3]
+    uv run python -m bench.replay [--events 100000 1000000] [--runs 3]
 """
 
 from __future__ import annotations
@@ -24,22 +24,19 @@ import argparse
 import asyncio
 import functools
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from exo import event_loop  # noqa: E402
-from exo.bus.connection import Connection, connect  # noqa: E402
-from exo.bus.provision import provision  # noqa: E402
-from exo.bus.server.embedded import EmbeddedNats  # noqa: E402
-from exo.bus.subjects import EVENTS_STREAM, event_subject  # noqa: E402
-from exo.bus.tooling.log_reader import log_bounds, read_log, read_log_batches, read_log_fetching, read_log_ordered  # noqa: E402
-from exo.bus.tooling.log_records import LogRecord, OnBatch  # noqa: E402
-from exo.core.events import (  # noqa: E402
+from exo import event_loop
+from exo.bus.connection import Connection, connect
+from exo.bus.provision import provision
+from exo.bus.server.embedded import EmbeddedNats
+from exo.bus.subjects import EVENTS_STREAM, event_subject
+from exo.bus.tooling.log_reader import log_bounds, read_log, read_log_batches, read_log_fetching, read_log_ordered
+from exo.bus.tooling.log_records import LogRecord, OnBatch
+from exo.core.events import (
     CustomCardAdded,
     Event,
     InstanceCreated,
@@ -52,12 +49,12 @@ from exo.core.events import (  # noqa: E402
     encode_event,
     event_tag,
 )
-from exo.core.ids import CommandId, InstanceId, ModelId, NodeId, RunnerId, TaskId  # noqa: E402
-from exo.core.state import State  # noqa: E402
-from exo.core.types import ChatMessage, GenerationParams, Instance, ModelCard, NodeInfo, ShardAssignment, Task  # noqa: E402
-from exo.tools.export_format import encode_line, read_lines  # noqa: E402
-from exo.tools.replay import BatchReplayer, _fold_file  # noqa: E402
-from exo.tools.replay_fold import Replayer  # noqa: E402
+from exo.core.ids import CommandId, InstanceId, ModelId, NodeId, RunnerId, TaskId
+from exo.core.state import State
+from exo.core.types import ChatMessage, GenerationParams, Instance, ModelCard, NodeInfo, ShardAssignment, Task
+from exo.tools.export_format import encode_line, read_lines
+from exo.tools.replay import BatchReplayer, _fold_file
+from exo.tools.replay_fold import Replayer
 
 PUBLISH_BATCH = 5000
 ACK_TIMEOUT_S = 30  # whole seconds: nats-py's flush takes an int

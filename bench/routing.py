@@ -5,26 +5,22 @@ at ~18% of the master's samples there (2026-12-05). Prints microseconds per call
 [min-max] over the runs, without the master's TaskIndex (a scan of every kept task) and with it
 (each call on a State with one more task than the last, as the master sees them).
 
-    uv run python bench/routing.py [--tasks 1100] [--instances 100] [--runs 7] [--calls 200]
+    uv run python -m bench.routing [--tasks 1100] [--instances 100] [--runs 7] [--calls 200]
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import msgspec
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from exo.core.conversation import digest_conversation  # noqa: E402
-from exo.core.ids import InstanceId, ModelId, TaskId  # noqa: E402
-from exo.core.state import State  # noqa: E402
-from exo.core.types import ChatMessage, GenerationParams, Instance, Task  # noqa: E402
-from exo.master.routing import TaskIndex, choose_instance  # noqa: E402
+from exo.core.conversation import digest_conversation
+from exo.core.ids import InstanceId, ModelId, TaskId
+from exo.core.state import State
+from exo.core.types import ChatMessage, GenerationParams, Instance, Task
+from exo.master.routing import TaskIndex, choose_instance
 
 
 def crowded_state(tasks: int, instances: int) -> tuple[State, list[Instance]]:

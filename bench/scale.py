@@ -8,7 +8,7 @@ p50/p99 per rate and the highest rate sustained with p99 <= 100 ms, the CPU of e
 in the log by kind under load and idle, State size and snapshot write time, a new node's
 catch-up time, the followers' lag, and the API node's memory.
 
-    uv run python bench/scale.py [--nodes 10 100 1000] [--instances 100] [--rates 50 100 200 400] [--seconds 6]
+    uv run python -m bench.scale [--nodes 10 100 1000] [--instances 100] [--rates 50 100 200 400] [--seconds 6]
 """
 
 from __future__ import annotations
@@ -20,28 +20,25 @@ import os
 import re
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from collections import Counter
 from pathlib import Path
 from typing import Any, TypedDict
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import aiohttp
+import httpx
+from nats.aio.msg import Msg
 
-import aiohttp  # noqa: E402
-import httpx  # noqa: E402
-from nats.aio.msg import Msg  # noqa: E402
-
-from exo.bus.catch_up import catch_up  # noqa: E402
-from exo.bus.connection import connect  # noqa: E402
-from exo.bus.event_log import EventLog  # noqa: E402
-from exo.bus.subjects import ALL_EVENTS  # noqa: E402
-from exo.core.state import encode_state  # noqa: E402
-from tests.support.cluster import NatsServer, start_node, state_of  # noqa: E402
-from tests.support.exo_process import ExoProcess  # noqa: E402
-from tests.support.simulated_nodes import SEQ_PROBE  # noqa: E402
-from tests.support.simulator import FAKE_MODEL, SimulatorProcess, fake_model_dir  # noqa: E402
+from exo.bus.catch_up import catch_up
+from exo.bus.connection import connect
+from exo.bus.event_log import EventLog
+from exo.bus.subjects import ALL_EVENTS
+from exo.core.state import encode_state
+from tests.support.cluster import NatsServer, start_node, state_of
+from tests.support.exo_process import ExoProcess
+from tests.support.simulated_nodes import SEQ_PROBE
+from tests.support.simulator import FAKE_MODEL, SimulatorProcess, fake_model_dir
 
 TICK = os.sysconf("SC_CLK_TCK")
 

@@ -21,7 +21,7 @@ survives. Each sample is split where State shows it (polled every 50 ms from a s
 Each sample ends by starting the killed node again (it rejoins). Medians with [min-max] and the
 sample count; `master` counts samples whose killed node held the master lease.
 
-    uv run python bench/self_healing.py [--samples 3] [--max-tokens 1000]
+    uv run python -m bench.self_healing [--samples 3] [--max-tokens 1000]
 """
 
 from __future__ import annotations
@@ -35,13 +35,11 @@ import time
 from pathlib import Path
 from typing import Literal, TypedDict
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import httpx
 
-import httpx  # noqa: E402
-
-from exo.core.ids import InstanceId, TaskId  # noqa: E402
-from exo.core.state import State  # noqa: E402
-from tests.support.healing import (  # noqa: E402
+from exo.core.ids import InstanceId, TaskId
+from exo.core.state import State
+from tests.support.healing import (
     SUSPECT_S,
     Cluster,
     SharedNatsCluster,
@@ -52,7 +50,7 @@ from tests.support.healing import (  # noqa: E402
     stream_chat,
     wait_until,
 )
-from tests.support.tiny_model import Dims, make_tiny_model  # noqa: E402
+from tests.support.tiny_model import Dims, make_tiny_model
 
 
 class Placement(TypedDict, total=False):

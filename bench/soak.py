@@ -13,8 +13,8 @@ At the end it checks, and exits 1 unless all hold (each printed PASS or FAIL):
 - every 25th chat (greedy) equals mlx-lm's text for the same prompt;
 - State equals a replay of the log, and no request hung.
 
-    uv run python bench/soak.py --duration 1800 --fault-every 180   # the report's run
-    uv run python bench/soak.py --duration 110 --fault-every 50     # CI's run (tests/test_soak.py)
+    uv run python -m bench.soak --duration 1800 --fault-every 180   # the report's run
+    uv run python -m bench.soak --duration 110 --fault-every 50     # CI's run (tests/test_soak.py)
 """
 
 from __future__ import annotations
@@ -30,16 +30,14 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import httpx
 
-import httpx  # noqa: E402
-
-from exo.bus.connection import connect  # noqa: E402
-from exo.core.state import State  # noqa: E402
-from tests.support.cluster import replay, state_of_url  # noqa: E402
-from tests.support.compose_topology import LocalTopology  # noqa: E402
-from tests.support.fake_hub import FakeHub  # noqa: E402
-from tests.support.tiny_model import TINY_MODEL_ID, make_tiny_model  # noqa: E402
+from exo.bus.connection import connect
+from exo.core.state import State
+from tests.support.cluster import replay, state_of_url
+from tests.support.compose_topology import LocalTopology
+from tests.support.fake_hub import FakeHub
+from tests.support.tiny_model import TINY_MODEL_ID, make_tiny_model
 
 REQUEST_TIMEOUT_S = 60
 SAMPLE_EVERY = 25  # every 25th chat's text is compared with mlx-lm's

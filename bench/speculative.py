@@ -14,7 +14,7 @@ is expected to be SLOWER here. The bench reports what it measures; a missed spee
 as missed, not as a failure. Where decode is bound by memory bandwidth (Apple silicon, CUDA) the
 draft's k steps cost less than one target step, and the speed-up depends on the acceptance rate.
 
-    uv run python bench/speculative.py [--runs 3] [--max-tokens 128] [--num-draft-tokens 3]
+    uv run python -m bench.speculative [--runs 3] [--max-tokens 128] [--num-draft-tokens 3]
                                        [--hidden 512 --intermediate 1408 --layers 8]
 """
 
@@ -25,22 +25,19 @@ import json
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any, NamedTuple
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import httpx
+import mlx.core as mx
+import mlx_lm
+from mlx_lm.models.cache import make_prompt_cache
 
-import httpx  # noqa: E402
-import mlx.core as mx  # noqa: E402
-import mlx_lm  # noqa: E402
-from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
-
-from tests.support.exo_process import ExoProcess  # noqa: E402
-from tests.support.fake_hub import FakeHub  # noqa: E402
-from tests.support.tiny_model import TINY_MODEL_ID, Dims, make_tiny_model  # noqa: E402
+from tests.support.exo_process import ExoProcess
+from tests.support.fake_hub import FakeHub
+from tests.support.tiny_model import TINY_MODEL_ID, Dims, make_tiny_model
 
 PLAIN_ID = "exo-test/tiny-llama-plain"  # the same model directory as TINY_MODEL_ID, placed without a draft
 DRAFT_ID = "exo-test/tiny-llama-4bit"

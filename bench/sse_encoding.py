@@ -4,7 +4,7 @@ node's py-spy samples under bench/scale.py at 1,000 nodes, 2026-12-05). Both enc
 chunk; the bytes parse to the same JSON (checked). Prints microseconds per chunk, median
 [min-max] over the runs, the two alternating.
 
-    uv run python bench/sse_encoding.py [--runs 7] [--calls 20000]
+    uv run python -m bench.sse_encoding [--runs 7] [--calls 20000]
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ its upload to the object store and the worker's fetch; later ones with the same 
 bytes again (clients do) but nothing is stored or fetched: the bench reads the object store's
 byte count and the worker's fetch log lines around them to show it.
 
-    uv run python bench/vision.py [--requests 20] [--max-tokens 32] [--image-kb 1000]
+    uv run python -m bench.vision [--requests 20] [--max-tokens 32] [--image-kb 1000]
 """
 
 from __future__ import annotations
@@ -19,25 +19,22 @@ import asyncio
 import base64
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any, cast
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import httpx
+import mlx_vlm
+from mlx_vlm.prompt_utils import apply_chat_template
 
-import httpx  # noqa: E402
-import mlx_vlm  # noqa: E402
-from mlx_vlm.prompt_utils import apply_chat_template  # noqa: E402
-
-from bench.overhead import Run, decode_rate, timed_chat_stream  # noqa: E402
-from exo.bus.connection import connect  # noqa: E402
-from exo.bus.subjects import IMAGES_STREAM  # noqa: E402
-from tests.support.exo_process import ExoProcess  # noqa: E402
-from tests.support.fake_hub import FakeHub  # noqa: E402
-from tests.support.tiny_model import Dims  # noqa: E402
-from tests.support.vision_model import VISION_MODEL_ID, make_vision_model, png  # noqa: E402
+from bench.overhead import Run, decode_rate, timed_chat_stream
+from exo.bus.connection import connect
+from exo.bus.subjects import IMAGES_STREAM
+from tests.support.exo_process import ExoProcess
+from tests.support.fake_hub import FakeHub
+from tests.support.tiny_model import Dims
+from tests.support.vision_model import VISION_MODEL_ID, make_vision_model, png
 
 ASK = "Describe this picture in a few words."
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from exo.bus.connection import connect
 from exo.bus.provision import provision
 from exo.bus.server.embedded import EmbeddedNats
 from tests.support.e2e import start_exo
+from tests.support.polling import eventually as eventually  # where tests import it from
 
 # Every exo the tests start is standalone unless a test asks for discovery (tests/test_cluster_*.py):
 # nodes of unrelated tests on one machine must not find each other and form a cluster.
@@ -52,14 +52,6 @@ async def fresh_server(tmp_path: Path):
 async def fresh_nats(fresh_server: EmbeddedNats) -> str:
     """Its URL for exo's own processes (user `exo`)."""
     return fresh_server.url
-
-
-async def eventually(predicate, timeout: float = 10.0, interval: float = 0.02):
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not predicate():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(interval)
 
 
 # An `exo` process whose downloads come from the module's `hub` fixture (a fake Hub); modules

@@ -78,6 +78,15 @@ def test_vectors_equal_an_independent_forward_pass_alone_and_in_a_padded_batch(m
 
 
 @pytest.mark.slow
+def test_a_model_without_a_normalize_module_keeps_its_vectors_lengths(tmp_path):
+    path = make_tiny_bert(tmp_path / "bert-unnormalized", "mean", normalize=False)
+    vectors = _vectors(_engine(path), EmbedInputs(texts=TEXTS))
+    np.testing.assert_allclose(vectors, numpy_bert_embeddings(path, TEXTS, normalize=False), atol=ATOL)
+    norms = np.linalg.norm(vectors, axis=1)
+    assert np.all(np.abs(norms - 1) > 0.1), norms
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["mean", "qwen3"])
 def test_vectors_equal_mlx_embeddings_own_pooled_output(models, kind):
     """mlx-embeddings pools BERT by mean and Qwen3 by last token itself: its text_embeds, one text at a time."""

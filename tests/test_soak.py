@@ -16,9 +16,8 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.mark.timeout(360)
 def test_load_with_the_event_stream_leader_killed_twice_and_kept_down():
     result = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "soak.py"), "--duration", "110", "--fault-every", "50",
-         "--restart-after", "30"],
-        capture_output=True, text=True, timeout=340,
+        [sys.executable, "-m", "bench.soak", "--duration", "110", "--fault-every", "50", "--restart-after", "30"],
+        capture_output=True, text=True, timeout=340, cwd=ROOT,
     )
     verdicts = [line for line in result.stdout.splitlines() if line.startswith(("PASS: ", "FAIL: "))]
     assert result.returncode == 0, "\n".join(verdicts) or result.stdout[-3000:] + result.stderr[-3000:]

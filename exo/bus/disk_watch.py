@@ -15,6 +15,7 @@ import asyncio
 import logging
 import shutil
 import signal
+from collections.abc import Callable
 from pathlib import Path
 
 from exo.bus.server.embedded import EmbeddedNats
@@ -26,10 +27,16 @@ CHECK_EVERY_S = 1.0
 _WRITE_FAILED = b"no space left on device"
 
 
+def free_bytes(path: Path) -> int:
+    return shutil.disk_usage(path).free
+
+
 class DiskWatch:
-    def __init__(self, server: EmbeddedNats, low_space_bytes: int = LOW_SPACE_BYTES) -> None:
+    def __init__(self, server: EmbeddedNats, low_space_bytes: int = LOW_SPACE_BYTES,
+                 free_space: Callable[[Path], int] = free_bytes) -> None:
         self._server = server
         self._low = low_space_bytes
+        self._free_space = free_space  # the free bytes of a path's disk (a test gives its own)
         self._log_path: Path = server.store_dir / "nats-server.log"
         self._log_offset = self._log_size()  # only what the server logs from now on counts
         self._write_failed = False
@@ -45,7 +52,7 @@ class DiskWatch:
             await asyncio.sleep(CHECK_EVERY_S)
 
     async def _check(self) -> None:
-        free = shutil.disk_usage(self._server.store_dir).free
+        free = self._free_space(self._server.store_dir)
         self._write_failed = self._write_failed or self._logged_write_failure()
         # Full below `low`, room again only above twice that: a disk near the line does not flap.
         if free < self._low or (self._was_full and free < 2 * self._low):

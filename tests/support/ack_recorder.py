@@ -14,8 +14,9 @@ from exo.bus.connection import connect
 from exo.bus.errors import BusError
 from exo.bus.event_log import EventLog
 from exo.core.events import NodeTimedOut
+from exo.core.ids import NodeId
 
-PROBE_NODE = "ack-probe"
+PROBE_NODE = NodeId("ack-probe")
 
 
 class AckRecorder:
@@ -51,7 +52,7 @@ class AckRecorder:
         self._thread.start()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join(60)
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import time
 from pathlib import Path
 
 import httpx
@@ -16,6 +15,7 @@ from exo.core.apply import apply, skip_event, was_skipped
 from exo.core.events import AnyEvent
 from exo.core.state import State, decode_state
 from tests.support.exo_process import ExoProcess
+from tests.support.polling import wait_until as wait_until  # where tests import it from
 
 
 class NatsServer:
@@ -29,7 +29,7 @@ class NatsServer:
         self.server.stop()
 
 
-def start_node(root: Path, name: str, nats_url: str, *flags: str, env: dict | None = None) -> ExoProcess:
+def start_node(root: Path, name: str, nats_url: str, *flags: str, env: dict[str, str] | None = None) -> ExoProcess:
     return ExoProcess(root / name, env or {}, ["--nats", nats_url, *flags]).start()
 
 
@@ -41,24 +41,14 @@ def state_of_url(api_url: str) -> State:
     return decode_state(httpx.get(f"{api_url}/state", timeout=30).content)
 
 
-def wait_until(predicate, timeout: float, interval: float = 0.1, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"{what} not met within {timeout} s")
-
-
-def log_line(node: ExoProcess, pattern: str) -> re.Match | None:
+def log_line(node: ExoProcess, pattern: str) -> re.Match[str] | None:
     return re.search(pattern, node.output())
 
 
 def replay(nats_url: str | list[str], upto: int) -> tuple[State, list[tuple[int, AnyEvent, bool]]]:
     """Fold the log from sequence 1 to `upto`; also says, per event, whether it was applied."""
 
-    async def run() -> tuple[State, list]:
+    async def run() -> tuple[State, list[tuple[int, AnyEvent, bool]]]:
         nc = await connect(nats_url if isinstance(nats_url, list) else [nats_url], name="test-replay")
         state = State()
         seen: list[tuple[int, AnyEvent, bool]] = []

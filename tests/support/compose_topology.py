@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import yaml
@@ -23,7 +24,7 @@ REPO = Path(__file__).resolve().parents[2]  # tests/support/ -> the repository
 class Service:
     def __init__(self, name: str, args: list[str], env: dict[str, str], log: Path) -> None:
         self.name, self.args, self.env, self.log_path = name, args, env, log
-        self.process: subprocess.Popen | None = None
+        self.process: subprocess.Popen[bytes] | None = None
 
     def start(self) -> Service:
         self.log = open(self.log_path, "ab")
@@ -54,11 +55,11 @@ class LocalTopology:
 
     def _map_hosts(self, text: str) -> str:
         """nats-2:6222 -> 127.0.0.1:<free port of nats-2's 6222>, 0.0.0.0:P -> 127.0.0.1:<own P>."""
-        def host_port(match: re.Match) -> str:
+        def host_port(match: re.Match[str]) -> str:
             return f"127.0.0.1:{self.ports[match.group(1)][match.group(2)]}"
         return re.sub(r"(nats-\d+):(\d+)", host_port, text)
 
-    def _volumes(self, service: dict, name: str) -> dict[str, str]:
+    def _volumes(self, service: dict[str, Any], name: str) -> dict[str, str]:
         mapping = {}
         for volume in service.get("volumes", []):
             source, target = volume.split(":")[:2]
@@ -115,7 +116,7 @@ class LocalTopology:
     def wait_ready(self, service: Service, timeout: float = 90) -> None:
         deadline = time.monotonic() + timeout
         while "node ready" not in service.output():
-            assert service.process.poll() is None, f"{service.name} exited:\n{service.output()}"
+            assert service.process is not None and service.process.poll() is None, f"{service.name} exited:\n{service.output()}"
             assert time.monotonic() < deadline, f"{service.name} not ready:\n{service.output()}"
             time.sleep(0.1)
 

@@ -39,7 +39,7 @@ def exo_node(root: Path, repos: dict[str, Path]) -> Iterator[ExoProcess]:
         try:
             yield exo
         finally:
-            if exo.process.poll() is None:
+            if exo.process is not None and exo.process.poll() is None:
                 exo.interrupt()
 
 
@@ -54,7 +54,7 @@ def chromium_page(profile: Path) -> Iterator[Any]:
             str(profile), executable_path=str(CHROMIUM), args=CHROMIUM_ARGS, headless=True,
             viewport={"width": 1440, "height": 1000})
         context.set_default_timeout(30_000)
-        page = context.pages[0] if context.pages else context.new_page()
+        page: Any = context.pages[0] if context.pages else context.new_page()  # a Page, given `errors` below
         page.errors = []
         page.on("pageerror", lambda error: page.errors.append(str(error)))
         try:

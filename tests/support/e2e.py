@@ -19,6 +19,7 @@ from tests.support.fake_hub import FakeHub
 
 
 def start_exo(root: Path, hub: FakeHub, env: dict[str, str] | None = None) -> ExoProcess:
+    assert hub.endpoint is not None, "start the hub first"
     base = {"HF_ENDPOINT": hub.endpoint, "HF_HOME": str(root / "hf"), "HF_HUB_DISABLE_TELEMETRY": "1"}
     return ExoProcess(root / "data", base | (env or {})).start()
 
@@ -38,14 +39,15 @@ def nats_url_of(node: ExoProcess) -> str:
     return node.nats_url()
 
 
-def place(http: httpx.Client, model_id: str, **extra) -> str:
+def place(http: httpx.Client, model_id: str, **extra: object) -> str:
     """Add the model's card from the (fake) Hub and place an instance; returns its id once ready."""
     if model_id not in [m["id"] for m in http.get("/v1/models").json()["data"]]:
         added = http.post("/models/add", json={"model_id": model_id})
         assert added.status_code == 200, added.text
     placed = http.post("/place_instance", json={"model_id": model_id, **extra})
     assert placed.status_code == 200, placed.text
-    return placed.json()["instance_id"]
+    instance_id: str = placed.json()["instance_id"]
+    return instance_id
 
 
 class Reference:
@@ -55,16 +57,19 @@ class Reference:
         self.model_dir = model_dir
         self.model, self.tokenizer = mlx_lm.load(str(model_dir), adapter_path=str(adapter_dir) if adapter_dir else None)
 
-    def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None) -> str:
-        return self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+    def chat_prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
+        prompt: str = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+        return prompt  # tokenize=False: the template's text
 
-    def generate(self, prompt: str, max_tokens: int, **kwargs) -> str:
-        return mlx_lm.generate(self.model, self.tokenizer, prompt, max_tokens=max_tokens, **kwargs)
+    def generate(self, prompt: str, max_tokens: int, **kwargs: Any) -> str:
+        text: str = mlx_lm.generate(self.model, self.tokenizer, prompt, max_tokens=max_tokens, **kwargs)
+        return text
 
-    def chat(self, messages: list[dict], max_tokens: int, tools: list[dict] | None = None, **kwargs) -> str:
+    def chat(self, messages: list[dict[str, Any]], max_tokens: int, tools: list[dict[str, Any]] | None = None,
+             **kwargs: Any) -> str:
         return self.generate(self.chat_prompt(messages, tools), max_tokens, **kwargs)
 
-    def sampled_chat(self, messages: list[dict], max_tokens: int, seed: int, temperature: float, top_p: float = 0.0,
+    def sampled_chat(self, messages: list[dict[str, Any]], max_tokens: int, seed: int, temperature: float, top_p: float = 0.0,
                      top_k: int = 0) -> str:
         """mlx-lm's seeded sampling: the global seed, then its sampler (as mlx_lm.generate users do)."""
         mx.random.seed(seed)
@@ -74,7 +79,8 @@ class Reference:
     def prompt_tokens(self, prompt: str) -> int:
         return len(self.tokenizer.encode(prompt, add_special_tokens=not prompt.startswith(self.tokenizer.bos_token or "\0")))
 
-    def steps(self, prompt: str, max_tokens: int, **kwargs) -> list:
+    def steps(self, prompt: str, max_tokens: int, **kwargs: Any) -> list[Any]:
+        """mlx-lm's GenerationResponse per token."""
         return list(mlx_lm.stream_generate(self.model, self.tokenizer, prompt, max_tokens=max_tokens, **kwargs))
 
 
@@ -84,11 +90,11 @@ def one_model_node(model_id: str, make: Callable[[Path], Path]) -> tuple[Any, An
     `model_dir, node = one_model_node(TINY_MODEL_ID, make_tiny_model)`."""
 
     @pytest.fixture(scope="module")
-    def model_dir(tmp_path_factory) -> Path:
+    def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         return make(tmp_path_factory.mktemp("model") / "model")
 
     @pytest.fixture(scope="module")
-    def node(tmp_path_factory, model_dir) -> Iterator[ExoProcess]:
+    def node(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[ExoProcess]:
         with exo_serving(tmp_path_factory.mktemp("node"), {model_id: model_dir}) as exo:
             yield exo
 

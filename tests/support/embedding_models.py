@@ -101,14 +101,16 @@ def _pooling_config(dim: int, pooling: str, pooling_format: str) -> dict[str, ob
 
 
 def _write_sentence_transformers(path: Path, dim: int, pooling: str, pooling_format: str, max_seq: int,
-                                 prompts: dict[str, str]) -> None:
-    """modules.json: Transformer (the repo root), then Pooling, then Normalize (an empty folder, as on the Hub)."""
-    kinds = [("", "Transformer"), ("1_Pooling", "Pooling"), ("2_Normalize", "Normalize")]
+                                 prompts: dict[str, str], normalize: bool = True) -> None:
+    """modules.json: Transformer (the repo root), then Pooling, then Normalize (an empty folder, as on the Hub)
+    unless `normalize` is False (models whose vectors keep their length)."""
+    kinds = [("", "Transformer"), ("1_Pooling", "Pooling"), *([("2_Normalize", "Normalize")] if normalize else [])]
     modules = [{"idx": i, "name": str(i), "path": p, "type": f"sentence_transformers.models.{t}"}
                for i, (p, t) in enumerate(kinds)]
     _write_json(path / "modules.json", modules)
     (path / "1_Pooling").mkdir(exist_ok=True)
-    (path / "2_Normalize").mkdir(exist_ok=True)
+    if normalize:
+        (path / "2_Normalize").mkdir(exist_ok=True)
     _write_json(path / "1_Pooling" / "config.json", _pooling_config(dim, pooling, pooling_format))
     _write_json(path / "sentence_bert_config.json", {"max_seq_length": max_seq, "do_lower_case": False})
     _write_json(path / "config_sentence_transformers.json",
@@ -163,21 +165,22 @@ def _bert_weights(vocab: int, hidden: int, inter: int, layers: int, positions: i
 
 
 def make_tiny_bert(path: Path, pooling: str = "mean", *, pooling_format: str = "legacy", seed: int = 0, hidden: int = 32,
-                   layers: int = 2, heads: int = 4, intermediate: int = 64, max_position: int = BERT_MAX_CONTEXT) -> Path:
+                   layers: int = 2, heads: int = 4, intermediate: int = 64, max_position: int = BERT_MAX_CONTEXT,
+                   normalize: bool = True) -> Path:
     """Write a tiny BERT sentence-transformers repo into `path` (created if needed) and return it.
 
     `pooling` is "mean", "cls" or "lasttoken"; `pooling_format` "legacy" (`pooling_mode_*_tokens`
-    booleans) or "v6" (`{"pooling_mode": ...}`). The weights depend on `seed` (and the sizes) only, so
-    models that differ in pooling share them. The sizes' defaults are the tiny model the tests use
-    (byte-identical whatever else changes here); bench/embeddings.py asks for MiniLM's (384, 6 layers,
-    12 heads, 1536), same tokenizer.
+    booleans) or "v6" (`{"pooling_mode": ...}`); `normalize` False leaves out the Normalize module. The
+    weights depend on `seed` (and the sizes) only, so models that differ in pooling share them. The sizes'
+    defaults are the tiny model the tests use (byte-identical whatever else changes here);
+    bench/embeddings.py asks for MiniLM's (384, 6 layers, 12 heads, 1536), same tokenizer.
     """
     if hidden % heads:
         raise ValueError(f"hidden ({hidden}) must be a multiple of heads ({heads})")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tok = _bert_tokenizer()
-    PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]  # transformers 5's TokenizersBackend.__init__ is unannotated
+    PreTrainedTokenizerFast(
         tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]", sep_token="[SEP]",
         mask_token="[MASK]", model_max_length=max_position,
     ).save_pretrained(str(path))
@@ -190,7 +193,7 @@ def make_tiny_bert(path: Path, pooling: str = "mean", *, pooling_format: str = "
         "max_position_embeddings": max_position, "type_vocab_size": 2, "layer_norm_eps": 1e-12, "pad_token_id": 0,
         "torch_dtype": "float32",
     })
-    _write_sentence_transformers(path, hidden, pooling, pooling_format, max_position, {})
+    _write_sentence_transformers(path, hidden, pooling, pooling_format, max_position, {}, normalize)
     return path
 
 
@@ -232,7 +235,7 @@ def make_tiny_qwen3_embedding(path: Path, *, seed: int = 0) -> Path:
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tok = _qwen3_tokenizer()
-    PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]  # transformers 5's TokenizersBackend.__init__ is unannotated
+    PreTrainedTokenizerFast(
         tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", padding_side="left",
         model_max_length=QWEN3_MAX_CONTEXT,
     ).save_pretrained(str(path))

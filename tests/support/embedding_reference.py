@@ -116,10 +116,12 @@ def _bert_hidden(path: Path, ids: npt.NDArray[np.int64]) -> F64:
     return x
 
 
-def numpy_bert_embeddings(path: Path, texts: Sequence[str], pooling: str = "mean") -> F32:
-    """(len(texts), hidden) float32 unit vectors: numpy BERT forward, `pooling` ("mean", "cls", "lasttoken"), L2."""
+def numpy_bert_embeddings(path: Path, texts: Sequence[str], pooling: str = "mean", normalize: bool = True) -> F32:
+    """(len(texts), hidden) float32 vectors: numpy BERT forward, `pooling` ("mean", "cls", "lasttoken"), then L2
+    unless `normalize` is False (a model without a Normalize module)."""
     limit = int(_config(path)["max_position_embeddings"])
-    return _normalized([_pool(_bert_hidden(path, _token_ids(path, t, limit)), pooling) for t in texts])
+    rows = [_pool(_bert_hidden(path, _token_ids(path, t, limit)), pooling) for t in texts]
+    return _normalized(rows) if normalize else np.stack(rows).astype(np.float32)
 
 
 def _rope(x: F64, theta: float) -> F64:

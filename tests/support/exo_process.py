@@ -65,7 +65,7 @@ class ExoProcess:
                      "--host", "127.0.0.1", "--api-port", str(self.port), *(extra_args or [])]
         self.env = {**os.environ, **env}
         self.log_path = data_dir.parent / f"{data_dir.name}-exo.log"
-        self.process: subprocess.Popen | None = None
+        self.process: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout: float = 90.0) -> ExoProcess:
         self.log = open(self.log_path, "wb")
@@ -81,7 +81,9 @@ class ExoProcess:
 
     def nats_url(self, user: str = EXO_USER) -> str:
         """The node's embedded NATS server (as printed), with the password of `user` from its data dir."""
-        address = re.search(r"NATS at (\S+)", self.output()).group(1)
+        printed = re.search(r"NATS at (\S+)", self.output())
+        assert printed is not None, "no 'NATS at' line in the node's log"
+        address = printed.group(1)
         credentials = load_credentials(self.data_dir / "nats")
         password = credentials.operator_password if user == OPERATOR_USER else credentials.exo_password
         return with_user(address, user, password)

@@ -8,6 +8,8 @@ import json
 import os
 import subprocess
 import uuid
+from collections.abc import Callable
+from typing import Any, ParamSpec, TypeVar
 
 import msgspec
 from nats.aio.client import Client
@@ -27,40 +29,47 @@ from exo.core.events import (
     TaskFinished,
     TaskStarted,
 )
+from exo.core.ids import CommandId, InstanceId, ModelId, NodeId, RunnerId, TaskId
 from exo.core.state import State
 from exo.core.types import Instance, ModelCard, ShardAssignment, Task
 from tests.support.exo_process import exo_command
 
 GARBAGE = b"this is not an event {"
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
-def run_tool(args: list[str], nats_url: str | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
+def run_tool(args: list[str], nats_url: str | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "EXO_NATS_URL": nats_url} if nats_url else dict(os.environ)
     return subprocess.run([*exo_command(), *args], capture_output=True, text=True, timeout=timeout, env=env)
 
 
-def json_lines(stdout: str) -> list[dict]:
+def json_lines(stdout: str) -> list[dict[str, Any]]:
     return [json.loads(line) for line in stdout.splitlines() if line.strip()]
 
 
-def builtins(state: State) -> dict:
-    return msgspec.to_builtins(state)
+def builtins(state: State) -> dict[str, Any]:
+    as_dict: dict[str, Any] = msgspec.to_builtins(state)  # a Struct's builtins: a dict keyed by field name
+    return as_dict
 
 
 # (what to append, its event id). None stands for garbage published by hand on exo.events.task.started.
 SCRIPT: list[AnyEvent | None] = [
-    LeaderElected(node_id="n1", lease_revision=1),  # 1: term 1, stamped on the master's events below
-    InstanceCreated(command_id="c-place", term=1, instance=Instance(                        # 2
-        instance_id="i1", model_id="org/m", shards=[ShardAssignment(runner_id="r1", node_id="n1", end_layer=4)])),
-    RunnerStatusChanged(runner_id="r1", instance_id="i1", node_id="n1", status="ready"),     # 3
-    TaskCreated(command_id="t1", term=1, task=Task(task_id="t1", instance_id="i1", model_id="org/m")),  # 4
-    TaskStarted(task_id="t1"),                                                               # 5
-    None,                                                                                    # 6 garbage
-    TaskFinished(task_id="t1", status="completed", finish_reason="length", completion_tokens=7),  # 7
-    TaskStarted(task_id="ghost"),                                                            # 8 impossible
-    CustomCardAdded(command_id="c-card", term=1, card=ModelCard(model_id="org/custom", n_layers=2)),  # 9
-    InstanceDeleted(command_id="c-delete", term=1, instance_id="i1"),                        # 10
-    CustomCardDeleted(command_id="c-uncard", term=1, model_id="org/custom"),                 # 11
+    LeaderElected(node_id=NodeId("n1"), lease_revision=1),  # 1: term 1, stamped on the master's events below
+    InstanceCreated(command_id=CommandId("c-place"), term=1, instance=Instance(  # 2
+        instance_id=InstanceId("i1"), model_id=ModelId("org/m"),
+        shards=[ShardAssignment(runner_id=RunnerId("r1"), node_id=NodeId("n1"), end_layer=4)])),
+    RunnerStatusChanged(runner_id=RunnerId("r1"), instance_id=InstanceId("i1"), node_id=NodeId("n1"),  # 3
+                        status="ready"),
+    TaskCreated(command_id=CommandId("t1"), term=1,  # 4
+                task=Task(task_id=TaskId("t1"), instance_id=InstanceId("i1"), model_id=ModelId("org/m"))),
+    TaskStarted(task_id=TaskId("t1")),  # 5
+    None,  # 6 garbage
+    TaskFinished(task_id=TaskId("t1"), status="completed", finish_reason="length", completion_tokens=7),  # 7
+    TaskStarted(task_id=TaskId("ghost")),  # 8 impossible
+    CustomCardAdded(command_id=CommandId("c-card"), term=1, card=ModelCard(model_id=ModelId("org/custom"), n_layers=2)),  # 9
+    InstanceDeleted(command_id=CommandId("c-delete"), term=1, instance_id=InstanceId("i1")),  # 10
+    CustomCardDeleted(command_id=CommandId("c-uncard"), term=1, model_id=ModelId("org/custom")),  # 11
 ]
 GARBAGE_SEQ, IMPOSSIBLE_SEQ = 6, 8
 
@@ -84,6 +93,6 @@ async def append_script(nc: Client) -> dict[int, State]:
     return states
 
 
-async def in_thread(function, *args, **kwargs):
+async def in_thread(function: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
     """Run a blocking call (a tool process) without stopping this test's event loop."""
     return await asyncio.to_thread(function, *args, **kwargs)

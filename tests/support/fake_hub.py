@@ -43,12 +43,16 @@ import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, BinaryIO
 from urllib.parse import parse_qs, unquote, urlsplit
 
 # Files the real Hub would store in LFS (by the default .gitattributes).
 _LFS_SUFFIXES = (".safetensors", ".bin", ".gguf", ".npz", ".pt", ".pth", ".h5", ".onnx", ".msgpack")
 _DATE = "2024-01-01T00:00:00.000Z"
 _FLIP = bytes(range(255, -1, -1))  # every byte inverted: same length, wrong content
+# A failure knob queued for a file: ("drop", bytes sent first), ("corrupt",) or ("429", Retry-After seconds).
+Fault = tuple[Any, ...]
+Stamp = tuple[tuple[str, int, int], ...]  # (path, size, mtime) of every file of a repo directory
 
 
 class _File:
@@ -68,14 +72,14 @@ class _File:
         # the client names cached blobs after it.
         self.etag = self.sha256 if self.lfs else self.git_oid
 
-    def tree_entry(self) -> dict:
-        entry = {"type": "file", "oid": self.git_oid, "size": self.size, "path": self.rel}
+    def tree_entry(self) -> dict[str, Any]:
+        entry: dict[str, Any] = {"type": "file", "oid": self.git_oid, "size": self.size, "path": self.rel}
         if self.lfs:
             entry["lfs"] = {"oid": self.sha256, "size": self.size, "pointerSize": self.pointer_size}
         return entry
 
-    def sibling(self, blobs: bool) -> dict:
-        entry: dict = {"rfilename": self.rel}
+    def sibling(self, blobs: bool) -> dict[str, Any]:
+        entry: dict[str, Any] = {"rfilename": self.rel}
         if blobs:
             entry |= {"size": self.size, "blobId": self.git_oid}
             if self.lfs:
@@ -99,7 +103,7 @@ class _Snapshot:
         self.commit = digest.hexdigest()
 
     def folders(self) -> list[str]:
-        out = set()
+        out: set[str] = set()
         for rel in self.files:
             parts = rel.split("/")[:-1]
             out.update("/".join(parts[: i + 1]) for i in range(len(parts)))
@@ -123,10 +127,10 @@ class FakeHub:
         # "<repo_id>/<filename>" -> the size the file listing shows (a huge model without its bytes)
         self.listed_sizes: dict[str, int] = {}
         self.throttle_bps: int | None = None
-        self._faults: dict[str, list[tuple]] = {}
+        self._faults: dict[str, list[Fault]] = {}
         self._connections: set[socket.socket] = set()  # open keep-alive connections, closed by stop()
         self._lock = threading.Lock()
-        self._snapshots: dict[pathlib.Path, tuple[tuple, _Snapshot]] = {}
+        self._snapshots: dict[pathlib.Path, tuple[Stamp, _Snapshot]] = {}
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
         self.endpoint: str | None = None
@@ -183,11 +187,11 @@ class FakeHub:
         """The next `times` GETs of `key` answer 429 with `Retry-After: retry_after`."""
         self._add_fault(key, ("429", retry_after), times)
 
-    def _add_fault(self, key: str, fault: tuple, times: int) -> None:
+    def _add_fault(self, key: str, fault: Fault, times: int) -> None:
         with self._lock:
             self._faults.setdefault(key, []).extend([fault] * times)
 
-    def _next_fault(self, key: str) -> tuple | None:
+    def _next_fault(self, key: str) -> Fault | None:
         with self._lock:
             queue = self._faults.get(key)
             return queue.pop(0) if queue else None
@@ -285,7 +289,7 @@ class _Handler(BaseHTTPRequestHandler):
         else:
             self._json({"error": "Not found"}, 404)
 
-    def _listed(self, repo_id: str, entry: dict) -> dict:
+    def _listed(self, repo_id: str, entry: dict[str, Any]) -> dict[str, Any]:
         size = self.fake_hub.listed_sizes.get(f"{repo_id}/{entry['path']}")
         if size is None:
             return entry
@@ -375,7 +379,7 @@ class _Handler(BaseHTTPRequestHandler):
             fh.seek(start)
             self._write_body(fh, f.size - start, fault)
 
-    def _write_body(self, fh, length: int, fault: tuple | None) -> None:
+    def _write_body(self, fh: BinaryIO, length: int, fault: Fault | None) -> None:
         limit = fault[1] if fault is not None and fault[0] == "drop" else length
         throttle = self.fake_hub.throttle_bps
         sent = 0

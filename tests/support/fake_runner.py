@@ -13,7 +13,7 @@ from nats.aio.client import Client
 
 from exo.bus.token_publisher import ChunkPublisher
 from exo.core.ids import RunnerId, TaskId
-from exo.core.types import TokenChunk
+from exo.core.types import FinishReason, TokenChunk
 from exo.runner import protocol as rp
 from exo.worker.runner_host import OnExit, OnReport
 
@@ -26,7 +26,7 @@ class FakeRunner:
         self._chunks = chunks
         self._publisher = ChunkPublisher(nc)
         self._cancelled: set[TaskId] = set()
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
         self._on_report: OnReport | None = None
 
     async def start(self, on_report: OnReport, on_exit: OnExit) -> None:
@@ -64,7 +64,7 @@ class FakeRunner:
             await self._publisher.publish(TokenChunk(command_id=task_id, index=index, text=f"t{index} ",
                                                      token_count=index + 1, prompt_tokens=8))
             sent += 1
-        reason = "cancelled" if task_id in self._cancelled else "length"
+        reason: FinishReason = "cancelled" if task_id in self._cancelled else "length"
         await self._publisher.publish(TokenChunk(command_id=task_id, index=sent, token_count=sent, prompt_tokens=8,
                                                  finish_reason=reason))
         await self._report(rp.Done(task_id=task_id, finish_reason=reason, prompt_tokens=8, completion_tokens=sent))

@@ -14,13 +14,17 @@ import subprocess
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, TypeVar
 
 import httpx
 
 from exo.bus.server.cluster_node import load_membership
+from exo.core.ids import InstanceId
 from exo.core.state import State, decode_state
+from tests.support import polling
 from tests.support.exo_process import ExoProcess, free_port_range
 
 MODEL = "local/tiny4"
@@ -28,6 +32,7 @@ SUSPECT_S = 3.0  # EXO_SUSPECT_S: pulses (every second) silent this long and a n
 RING_JOIN_S = "15"  # EXO_RING_JOIN_TIMEOUT_S: a ring group that has not formed by then is formed again
 # --node-timeout: silent this long and the node leaves State (a paused master: takeover + suspect fit under it)
 NODE_TIMEOUT_S = 20.0
+T = TypeVar("T")
 
 
 def ring_ports() -> str:
@@ -49,7 +54,7 @@ def pids_of(node: ExoProcess) -> set[int]:
     """Every process of the node: exo, its children (runners) and its nats-servers (their own
     sessions, found by the data dir on their command line)."""
     alive = node.process is not None and node.process.poll() is None  # else its pid may be someone else's
-    pids = {node.process.pid} if alive else set()
+    pids = {node.process.pid} if node.process is not None and alive else set()
     for pid in map(int, filter(str.isdigit, os.listdir("/proc"))):
         try:
             command = Path(f"/proc/{pid}/cmdline").read_bytes()
@@ -90,7 +95,7 @@ def start_together(nodes: list[ExoProcess], timeout: float = 150.0) -> None:
     deadline = time.monotonic() + timeout
     for node in nodes:
         while "node ready" not in node.output():
-            assert node.process.poll() is None, node.output()[-5000:]
+            assert node.process is not None and node.process.poll() is None, node.output()[-5000:]
             assert time.monotonic() < deadline, f"{node.data_dir.name} not ready:\n{node.output()[-5000:]}"
             time.sleep(0.1)
 
@@ -121,18 +126,9 @@ def stop_all(nodes: list[ExoProcess]) -> None:
             kill_9(node)
 
 
-def wait_until(predicate, timeout: float, interval: float = 0.1, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            value = predicate()
-        except (httpx.HTTPError, OSError):  # a node between leaders, or the one being killed
-            value = None
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not met within {timeout} s")
-        time.sleep(interval)
+def wait_until(predicate: Callable[[], T | None], timeout: float, interval: float = 0.1, what: str = "condition") -> T:
+    """polling.wait_until, where a failed request is "not yet": a node between leaders, or the one being killed."""
+    return polling.wait_until(predicate, timeout, interval, what, tolerate=(httpx.HTTPError, OSError))
 
 
 def state_of(node: ExoProcess) -> State:
@@ -150,7 +146,7 @@ class Chunk:
     at: float  # time.monotonic() it arrived
     text: str
     finish_reason: str | None
-    raw: dict
+    raw: dict[str, Any]  # the whole chunk as sent
 
 
 @dataclass
@@ -182,7 +178,7 @@ class Streamed:
         return max((b - a for a, b in zip(times, times[1:])), default=0.0)
 
 
-def stream_chat(api_url: str, body: dict, timeout: float = 240.0) -> Streamed:
+def stream_chat(api_url: str, body: dict[str, Any], timeout: float = 240.0) -> Streamed:
     """Start a streamed chat on `api_url` in a thread; returns at once."""
     result = Streamed()
 
@@ -214,7 +210,7 @@ def stream_chat(api_url: str, body: dict, timeout: float = 240.0) -> Streamed:
     return result
 
 
-def chat_body(messages: list[dict], max_tokens: int, **sampling) -> dict:
+def chat_body(messages: list[dict[str, Any]], max_tokens: int, **sampling: object) -> dict[str, Any]:
     return {"model": MODEL, "messages": messages, "max_tokens": max_tokens, "temperature": 0, **sampling}
 
 
@@ -251,17 +247,18 @@ class Cluster:
     def state(self, via: ExoProcess | None = None) -> State:
         return state_of(via or self.alive()[0])
 
-    def hosts(self, instance_id: str, via: ExoProcess | None = None) -> list[ExoProcess]:
+    def hosts(self, instance_id: InstanceId, via: ExoProcess | None = None) -> list[ExoProcess]:
         instance = self.state(via).instances[instance_id]
         return [self.by_id(s.node_id) for s in sorted(instance.shards, key=lambda s: s.rank)]
 
-    def place(self, via: ExoProcess, **extra) -> dict:
+    def place(self, via: ExoProcess, **extra: object) -> dict[str, Any]:
         body = {"model_id": MODEL, "wait": 120, **extra}
         placed = httpx.post(f"{via.url}/place_instance", json=body, timeout=150)
         assert placed.status_code == 200, placed.text
-        return placed.json()
+        answer: dict[str, Any] = placed.json()
+        return answer
 
-    def ready(self, instance_id: str, via: ExoProcess) -> bool:
+    def ready(self, instance_id: InstanceId, via: ExoProcess) -> bool:
         state = state_of(via)
         instance = state.instances.get(instance_id)
         return instance is not None and all(

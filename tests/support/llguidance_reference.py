@@ -35,12 +35,12 @@ def ll_tokenizer(tokenizer: Any) -> llguidance.LLTokenizer:
     return _tokenizers[id(tokenizer)][1]
 
 
-def json_grammar(schema: dict | None) -> str:
+def json_grammar(schema: dict[str, Any] | None) -> str:
     """Any JSON object (None), or a value valid for `schema`, written compactly."""
     return llguidance.grammar_from("json_schema", json.dumps((schema or {"type": "object"}) | COMPACT))
 
 
-def tool_call_grammar(tools: list[dict]) -> str:
+def tool_call_grammar(tools: list[dict[str, Any]]) -> str:
     """One or more `<tool_call>` JSON `</tool_call>` calls (the markers are the tokenizer's special
     tokens), each an object of exactly `name` (one tool's) and `arguments` (valid for its parameters),
     written compactly (no free whitespace, which a weak model can repeat until max_tokens)."""

@@ -16,18 +16,20 @@ import os
 import sys
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 from mlx_lm.generate import BatchGenerator
 
+from exo.core.ids import TaskId
 from exo.core.types import ChatMessage, GenerationParams, ResponseFormat, SamplingDefaults
 from exo.runner.batch import Batcher, batchable
-from exo.runner.decoding import Output
+from exo.runner.decoding import GenerationResult, Output
 from exo.runner.engine import Engine
 from exo.runner.follower import follow
 from exo.runner.protocol import RankSetup
 
 
-def params_of(request: dict) -> GenerationParams:
+def params_of(request: dict[str, Any]) -> GenerationParams:
     """A request: "text" (one user message) or "messages" ([role, content] pairs), and its settings."""
     settings = {k: v for k, v in request.items() if k not in ("text", "messages", "join_after", "cancel_after", "after_done")}
     turns = request.get("messages") or [["user", request["text"]]]
@@ -36,12 +38,13 @@ def params_of(request: dict) -> GenerationParams:
     return GenerationParams(messages=[ChatMessage(role=r, content=c) for r, c in turns], **{"temperature": 0, **settings})
 
 
-async def lead(engine: Engine, requests: list[dict]) -> list:
+async def lead(engine: Engine, requests: list[dict[str, Any]]) -> list[list[object]]:
+    """Per request: [text, finish reason, completion tokens]."""
     loop = asyncio.get_running_loop()
     model_thread = ThreadPoolExecutor(max_workers=1)
     batcher = Batcher(engine, 8, model_thread)
     outs: list[list[Output]] = [[] for _ in requests]
-    futures = []
+    futures: list[asyncio.Future[GenerationResult]] = []
     for i, request in enumerate(requests):
         after = request.get("join_after")  # start once request `after[0]` has sent `after[1]` outputs
         while after and len(outs[after[0]]) < after[1]:
@@ -53,10 +56,10 @@ async def lead(engine: Engine, requests: list[dict]) -> list:
             return limit is not None and len(outs[i]) >= limit
         params = params_of(request)
         if batchable(params, {}, multi_node=True):
-            futures.append(batcher.run(loop, params, SamplingDefaults(), outs[i].append, cancelled, f"task{i}"))
+            futures.append(batcher.run(loop, params, SamplingDefaults(), outs[i].append, cancelled, TaskId(f"task{i}")))
         else:
             futures.append(loop.run_in_executor(model_thread, engine.generate, params, SamplingDefaults(),
-                                                outs[i].append, cancelled, f"task{i}"))
+                                                outs[i].append, cancelled, TaskId(f"task{i}")))
     results = await asyncio.gather(*futures)
     await loop.run_in_executor(model_thread, engine.release_followers)
     print(json.dumps([r.cached_tokens for r in results]), flush=True)  # prompt tokens reused from the prompt cache
@@ -67,7 +70,7 @@ def record_batch_tokens() -> dict[int, list[int]]:
     tokens: dict[int, list[int]] = defaultdict(list)
     step = BatchGenerator.next
 
-    def next_recorded(self):
+    def next_recorded(self: Any) -> tuple[Any, Any]:  # mlx-lm's BatchGenerator: (prompts, responses)
         prompts, generated = step(self)
         for response in generated:
             tokens[response.uid].append(response.token)

@@ -14,7 +14,7 @@ import httpx
 from tests.support.exo_process import free_port
 
 
-def start_mlx_lm_server(model_dir: Path, log: Path) -> tuple[subprocess.Popen, str]:
+def start_mlx_lm_server(model_dir: Path, log: Path) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "mlx_lm", "server", "--model", str(model_dir), "--port", str(port)],

@@ -12,7 +12,7 @@ ONE_AT_A_TIME = "the cluster tests, one after another"
 CLUSTER_FILES = frozenset({
     "tests/test_soak.py", "tests/test_cluster_discovery.py", "tests/test_self_healing.py",
     "tests/test_compose_topology.py", "tests/test_cluster_netns.py", "tests/test_first_hour.py",
-    "tests/test_cluster_migration.py", "tests/test_failover.py", "tests/test_partition.py",
+    "tests/test_cluster_migration.py", "tests/test_failover.py", "tests/test_partition.py", "tests/test_orphan_runners.py",
 })
 
 

@@ -12,6 +12,7 @@ import json
 import re
 from pathlib import Path
 
+import numpy as np
 from safetensors.numpy import load_file, save_file
 
 from tests.support.tiny_model import Dims, make_tiny_model
@@ -29,12 +30,12 @@ def make_sharded_model(path: Path, dims: Dims | None = None) -> Path:
     tensors = load_file(str(path / "model.safetensors"))
     (path / "model.safetensors").unlink()
     count = dims.layers + 1
-    groups: dict[str, dict] = {}
+    groups: dict[str, dict[str, np.ndarray]] = {}
     for name, tensor in tensors.items():
         match = _LAYER.search(name)
         file = shard_file(1 if match is None else int(match.group(1)) + 2, count)
         groups.setdefault(file, {})[name] = tensor
-    weight_map = {}
+    weight_map: dict[str, str] = {}
     for file, group in sorted(groups.items()):
         save_file(group, str(path / file), metadata={"format": "mlx"})
         weight_map |= {name: file for name in group}

@@ -20,7 +20,10 @@ import logging
 import time
 import uuid
 from collections import defaultdict
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+
+from nats.aio.msg import Msg
 
 from exo.bus.catch_up import catch_up
 from exo.bus.cluster_view import ClusterView
@@ -92,7 +95,7 @@ class SimulatedNodes:
         self.delay_s = delay_s
         self.chunks = chunks
         self.workers: list[Worker] = []
-        self._tasks: list[asyncio.Task] = []
+        self._tasks: list[asyncio.Task[None]] = []
         self.nc: Connection | None = None
         self.shared: SharedView | None = None
 
@@ -112,7 +115,7 @@ class SimulatedNodes:
         await nc.subscribe(SEQ_PROBE, cb=self._answer_seq)
         await nc.flush()
 
-    async def _start_node(self, nc: Connection, node_id: NodeId, append) -> None:
+    async def _start_node(self, nc: Connection, node_id: NodeId, append: Callable[[Event], Awaitable[None]]) -> None:
         assert self.shared is not None
         data_dir = self.data_root / node_id
         scoped = NodeScopedView(self.shared, node_id)
@@ -132,7 +135,7 @@ class SimulatedNodes:
         self.workers.append(worker)
         self._tasks += [asyncio.create_task(worker.run()), asyncio.create_task(heartbeat.run())]
 
-    async def _answer_seq(self, msg) -> None:
+    async def _answer_seq(self, msg: Msg) -> None:
         assert self.shared is not None
         await msg.respond(str(self.shared.view.state.last_seq).encode())
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
+from typing import Any
 
 import numpy as np
 from safetensors.numpy import save_file
@@ -160,7 +161,7 @@ def _write_json(path: pathlib.Path, obj: object) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
-def _sliding(d: Dims) -> dict:
+def _sliding(d: Dims) -> dict[str, Any]:
     if not d.sliding_window:
         return {}
     kinds = ["sliding_attention" if n % 2 == 0 else "full_attention" for n in range(d.layers)]

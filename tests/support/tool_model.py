@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import json
 import pathlib
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 from safetensors.numpy import load_file, save_file
@@ -87,7 +89,13 @@ def add_chain(path: pathlib.Path, special: list[str], plain: list[str], chain: l
     _rewrite_json(path / "tokenizer_config.json", lambda c: c | {"chat_template": template})
     _rewrite_json(path / "config.json", lambda c: c | {"vocab_size": vocab})
     weights = load_file(str(path / "model.safetensors"))
-    _rig_weights(weights, [tok.token_to_id(t) for t in chain], [tok.token_to_id(t) for t in blocked], vocab)
+
+    def token_id(token: str) -> int:
+        found = tok.token_to_id(token)
+        assert found is not None, f"{token!r} is not in the vocabulary"
+        return found
+
+    _rig_weights(weights, [token_id(t) for t in chain], [token_id(t) for t in blocked], vocab)
     save_file(weights, str(path / "model.safetensors"), metadata={"format": "mlx"})
     return path
 
@@ -119,5 +127,5 @@ def _grow(matrix: np.ndarray, rows: int, rng: np.random.Generator) -> np.ndarray
     return grown
 
 
-def _rewrite_json(file: pathlib.Path, change) -> None:
+def _rewrite_json(file: pathlib.Path, change: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
     file.write_text(json.dumps(change(json.loads(file.read_text())), indent=2, sort_keys=True) + "\n", encoding="utf-8")

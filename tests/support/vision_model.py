@@ -16,6 +16,7 @@ import hashlib
 import io
 import json
 import pathlib
+from typing import Any, cast
 
 import numpy as np
 
@@ -140,7 +141,9 @@ class VisionReference:
     def __init__(self, model_dir: pathlib.Path, image_dir: pathlib.Path) -> None:
         import mlx_vlm
 
-        self.model, self.processor = mlx_vlm.load(str(model_dir))
+        # (model, processor): load's declared processor type is not the one generate's annotation asks for
+        loaded: tuple[Any, Any] = mlx_vlm.load(str(model_dir))
+        self.model, self.processor = loaded
         self._image_dir = image_dir
 
     def chat(self, text: str, images: list[bytes], max_tokens: int, seed: int | None = None,
@@ -157,7 +160,8 @@ class VisionReference:
             path = self._image_dir / f"{hashlib.sha256(image).hexdigest()}.png"
             path.write_bytes(image)
             paths.append(str(path))
-        prompt = apply_chat_template(self.processor, self.model.config, text, num_images=len(images))
+        # text in, text out (its declared type also covers messages in, messages out)
+        prompt = cast(str, apply_chat_template(self.processor, self.model.config, text, num_images=len(images)))
         if seed is not None:
             mx.random.seed(seed)
         result = mlx_vlm.generate(self.model, self.processor, prompt, image=paths or None, max_tokens=max_tokens,
