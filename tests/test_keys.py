@@ -10,8 +10,8 @@ import pytest
 from msgspec.structs import replace
 
 from exo.core.apply import apply
-from exo.core.commands import GenerateText
-from exo.core.events import CommandRejected, Event, KeyDeleted, KeySet, TaskCreated, TaskFinished
+from exo.core.commands import CancelTask, GenerateText
+from exo.core.events import CommandRejected, Event, KeyDeleted, KeySet, TaskCreated, TaskFinished, TaskStarted
 from exo.core.keys import ApiKey, KeyLimits
 from exo.core.state import State
 from exo.core.types import Instance, ModelCard, ShardAssignment, Task
@@ -75,6 +75,28 @@ def test_concurrent_requests_count_the_open_ones():
     assert "2 requests open" in refused(cluster.ask(T0)).reason
     cluster.finish(first, 5, 5)
     assert isinstance(cluster.ask(T0), TaskCreated)
+
+
+def test_a_cancelled_task_no_longer_counts_against_concurrent_requests():
+    cluster = Cluster(KeyLimits(concurrent_requests=1))
+    first = cluster.ask(T0)
+    assert isinstance(first, TaskCreated)
+    refused(cluster.ask(T0))
+    cluster.fold(TaskFinished(task_id=first.task.task_id, status="cancelled", finish_reason="cancelled"))
+    assert isinstance(cluster.ask(T0), TaskCreated)
+
+
+def test_a_running_task_asked_to_cancel_counts_until_it_ends():
+    cluster = Cluster(KeyLimits(concurrent_requests=1))
+    first = cluster.ask(T0)
+    assert isinstance(first, TaskCreated)
+    cluster.fold(TaskStarted(task_id=first.task.task_id))
+    [cancel] = decide(cluster.state, CancelTask(command_id="cancel", task_id=first.task.task_id), builtin_cards=CARDS,
+                      ids=iter([]))
+    cluster.fold(cancel)
+    asked_to_cancel = cluster.state.tasks[first.task.task_id]
+    assert (asked_to_cancel.status, asked_to_cancel.cancel_requested) == ("running", True)
+    assert "1 requests open" in refused(cluster.ask(T0)).reason
 
 
 def test_tokens_per_minute_count_finished_requests_in_the_minute_they_started():
