@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Awaitable
@@ -52,7 +53,7 @@ from exo.runner.protocol import (
 from exo.settings.services import RunnerSettings
 
 PULSE_S = 1.0  # how often the runner tells the worker it is alive (protocol.Alive)
-WORKER_GONE_GRACE_S = 5.0  # stdin closed: how long running generations get to end before the runner exits
+WORKER_GONE_GRACE_S = 5.0  # stdin closed: the runner has exited by then, whatever its model thread does
 
 # What the publisher sends: a chunk, or a generation's final chunk with the future set once it is out.
 Outgoing = TokenChunk | tuple[TokenChunk, asyncio.Future[None]]
@@ -75,8 +76,11 @@ class Runner:
         self._embed_batcher: EmbedBatcher | None = None  # set when an embedding model is loaded
         self._generating: dict[str, asyncio.Task[None]] = {}  # batched generations in flight, by task id
         self._in_flight: set[str] = set()  # generations the model thread has not finished yet
+        self._worker_gone = False  # stdin closed: the node's exo process is gone (_on_worker_gone)
 
     def report(self, message: Report) -> None:
+        if self._worker_gone:
+            return  # nobody reads the pipe any more
         self._reports.write(encode_line(message))
         self._reports.flush()
 
@@ -87,9 +91,7 @@ class Runner:
         pulse = asyncio.create_task(self._pulse())
         while True:
             request = await self._requests.get()
-            if request is None:  # the worker went away: nobody is left to want the batch's text
-                self._cancelled.update(self._generating)
-            if request is None or isinstance(request, Shutdown):
+            if request is None or isinstance(request, Shutdown) or self._worker_gone:
                 break
             if self._batched(request) or self._embeds(request):  # alongside the next requests: they may join it
                 self._start_batched(loop, request)
@@ -98,7 +100,7 @@ class Runner:
         if self._generating:
             # Cancelled generations end at their next step; with the worker gone, one blocked in a
             # collective whose peer went too never will: do not wait for it forever.
-            await asyncio.wait(list(self._generating.values()), timeout=None if request is not None else WORKER_GONE_GRACE_S)
+            await asyncio.wait(list(self._generating.values()), timeout=WORKER_GONE_GRACE_S if self._worker_gone else None)
         await self._leave_group(loop)
         await self._chunks.join()
         publisher.cancel()
@@ -276,6 +278,8 @@ class Runner:
     async def _finish(self, task_id: TaskId, index: int, reason: FinishReason, prompt: int, completion: int,
                       error: str = "", stop_sequence: str = "", cached: int = 0, error_code: str = "",
                       attempt: int = 0, draft: int = 0) -> None:
+        if self._worker_gone:
+            return  # the task moves on elsewhere: a last chunk from here would end the client's stream
         final = TokenChunk(
             command_id=task_id, index=index, token_count=completion, prompt_tokens=prompt, finish_reason=reason,
             error=error, stop_sequence=stop_sequence, cached_tokens=cached, error_code=error_code, attempt=attempt,
@@ -313,7 +317,19 @@ class Runner:
                 self._cancelled.add(request.task_id)  # the model thread sees it at its next decode step
             else:
                 self._requests.put_nowait(request)
-        self._requests.put_nowait(None)  # the worker went away
+        self._on_worker_gone()
+
+    def _on_worker_gone(self) -> None:
+        """The worker (the node's exo process) is gone, killed or crashed: its tasks move to other
+        instances (exo/master/heal.py). Every generation here stops at its next step without a last
+        chunk, and the runner exits within WORKER_GONE_GRACE_S even if its model thread never returns
+        (a collective whose peer went too): nobody is left to stop it and free its memory."""
+        self._worker_gone = True
+        self._cancelled.update(self._in_flight, self._generating)
+        self._requests.put_nowait(None)
+        exit_anyway = threading.Timer(WORKER_GONE_GRACE_S, os._exit, (0,))
+        exit_anyway.daemon = True
+        exit_anyway.start()
 
 
 class ChunkMaker:
