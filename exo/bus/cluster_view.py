@@ -27,6 +27,8 @@ from exo.core.state import State
 
 log = logging.getLogger(__name__)
 
+FOLLOW_RETRY_MAX_S = 30.0  # the longest wait between tries to follow a group's log
+
 
 class ClusterView:
     def __init__(self, nc: Client, shared: StateView, wants: Callable[[State], set[str]] | None = None) -> None:
@@ -129,11 +131,18 @@ class ClusterView:
         return [g for g in state.group_logs if wanted is None or g in wanted]
 
     async def _follow_logged(self, group: str) -> None:
-        try:
-            await self._follow(group)
-        except Exception:
-            self._following.discard(group)  # the next GroupsSet, or a restart, tries again
-            log.exception("could not follow master group %s's log", group)
+        """Tried again until it works: the map that named the group may be the last one the log
+        gets, and a node that does not follow a group never campaigns to lead it."""
+        delay = 1.0
+        while True:
+            try:
+                await self._follow(group)
+                return
+            except Exception:
+                self._following.discard(group)
+                log.exception("could not follow master group %s's log; trying again in %.0f s", group, delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, FOLLOW_RETRY_MAX_S)
 
     async def _tell(self, seq: int, event: AnyEvent, state: State) -> None:
         for listener in self._listeners:

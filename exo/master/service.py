@@ -59,6 +59,7 @@ from exo.settings.services import MasterSettings
 log = logging.getLogger(__name__)
 
 ONE_BY_ONE_S = 60.0  # after an atomic batch was refused: how long commands append their own events
+NAMING_RETRY_MAX_S = 30.0  # the longest wait between tries of a group map that could not be written
 
 _ID_NAMESPACE = uuid.UUID("6f1c4a52-3c1e-4e43-9d55-0b6f8f0f2a10")
 
@@ -117,8 +118,9 @@ class Master:
                         await asyncio.sleep(self._lease.ttl / 5)
                         continue
                     await self._lead()
-                except (TimeoutError, *BROKER_ERRORS) as error:  # type: ignore[misc]  # a tuple of exception types
-                    # The broker is changing leaders or we are reconnecting: campaign again.
+                except (TimeoutError, NotLeader, *BROKER_ERRORS) as error:  # type: ignore[misc]  # a tuple of exception types
+                    # The broker is changing leaders or we are reconnecting, or the lease ran out
+                    # while this term began (a pause): campaign again.
                     log.warning("master: %r; campaigning again", error)
                     await asyncio.sleep(1)
         finally:
@@ -142,18 +144,19 @@ class Master:
         self._memo = DecideMemo()  # what it saw of earlier terms' States is not carried into this one
         await self._log.check_atomic()
         self._copied_keys = dict(self._view.state.api_keys)
-        await self._name_groups(term)
+        named = await self._name_groups(term)
         log.info("master%s: leading with term %d", self._group_label, term)
-        renewing = asyncio.create_task(self._keep_lease())
-        snapshots = asyncio.create_task(self._snapshotter.run(self._lease.valid))
-        supervising = asyncio.create_task(self._supervise(term))
+        background = [asyncio.create_task(self._keep_lease()),
+                      asyncio.create_task(self._snapshotter.run(self._lease.valid)),
+                      asyncio.create_task(self._supervise(term))]
+        if not named:
+            background.append(asyncio.create_task(self._name_groups_until_written(term)))
         try:
             await consume_commands(self._nc, self.handle, lambda: self._still_leading(term), self.give_up, self.confirm,
                                    self._names)
         finally:
-            renewing.cancel()
-            snapshots.cancel()
-            supervising.cancel()
+            for task in background:
+                task.cancel()
             self.term = 0
             log.warning("master%s: no longer leading (term %d)", self._group_label, term)
 
@@ -161,16 +164,31 @@ class Master:
     def _group_label(self) -> str:
         return f" of group {self._names.group}" if self._names.group else ""
 
-    async def _name_groups(self, term: int) -> None:
-        """The shared master: the group map of its settings into the log, each group's streams first."""
+    async def _name_groups(self, term: int) -> bool:
+        """The shared master: the group map of its settings into the log, each group's streams first.
+        False while the streams cannot be made: the map stays as the log has it, for now."""
         events = groups_to_set(self._wanted_groups, self._view.state) if self._shared is None else []
         try:
             for group in self._wanted_groups if events else ():
                 await provision_group(self._nc, group_names(group))
-        except BusError as error:  # e.g. an operator's stream of that name: the map stays as the log has it
-            log.error("master: the group map of EXO_MASTER_GROUPS is not written: %s", error)
-            return
+        except BusError as error:  # JetStream too slow to answer, or an operator's stream of that name
+            log.error("master: the group map of EXO_MASTER_GROUPS is not written (yet): %s", error)
+            return False
         await self._append_all(events, term, f"groups:{term}")
+        return True
+
+    async def _name_groups_until_written(self, term: int) -> None:
+        """Try the map again while this term lasts: a lone master has no next term to write it in,
+        and without the map no group's master ever campaigns."""
+        delay = 1.0
+        while self._still_leading(term):
+            await asyncio.sleep(delay)
+            try:
+                if await self._name_groups(term):
+                    return
+            except (TimeoutError, NotLeader, *BROKER_ERRORS) as error:  # type: ignore[misc]  # as in run
+                log.warning("master: the group map is not appended: %r", error)
+            delay = min(delay * 2, NAMING_RETRY_MAX_S)
 
     def _still_leading(self, term: int) -> bool:
         """The lease is ours and the log's latest election is ours (else: campaign, and elect again)."""
