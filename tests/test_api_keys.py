@@ -89,6 +89,29 @@ def test_the_route_list_covers_every_surface():
             "/events", "/v1/cancel/x", "/health"} <= paths
 
 
+# What a key without admin may call (docs/deploy.md, "Scopes"), as the app spells its routes. A new
+# route is refused to such keys unless it is added here: a decision, not a default.
+INFERENCE = {("POST", "/v1/chat/completions"), ("GET", "/v1/chat/completions/x/stream"), ("POST", "/v1/completions"),
+             ("POST", "/v1/responses"), ("POST", "/v1/embeddings"), ("POST", "/v1/messages"), ("POST", "/v1/cancel/x"),
+             ("GET", "/v1/models"), ("GET", "/v1/models/x"), ("GET", "/models"), ("GET", "/usage"),
+             ("POST", "/api/chat"), ("POST", "/api/generate"), ("POST", "/api/embed"), ("POST", "/api/embeddings"),
+             ("POST", "/api/show"), ("GET", "/api/tags"), ("GET", "/api/ps"), ("GET", "/api/version")}
+PUBLIC = {("GET", "/health"), ("GET", "/"), ("GET", "/dashboard/x")}  # the dashboard's page and files hold no data
+
+
+def test_a_key_without_admin_gets_403_on_every_route_but_inference(http):
+    added = http.post("/keys", json={"name": "inference-only"}, headers={"Authorization": f"Bearer {KEYS[0]}"})
+    assert added.status_code == 200, added.text
+    headers = {"Authorization": f"Bearer {added.json()['secret']}"}
+    assert set(ROUTES) >= INFERENCE | PUBLIC  # the lists name routes that exist
+    answers = {(method, path): status_of(http, method, path, headers) for method, path in ROUTES}
+    refused = {route for route, (status, _) in answers.items() if status == 403}
+    assert refused == set(ROUTES) - INFERENCE - PUBLIC, answers
+    for route in refused:
+        assert "needs an admin key" in str(answers[route][1]), (route, answers[route])
+    assert not {route for route in INFERENCE | PUBLIC if answers[route][0] == 401}, answers
+
+
 def test_anthropic_clients_may_send_x_api_key_on_messages_only(http, node):
     claude = anthropic.Anthropic(base_url=node.url, api_key=KEYS[0], max_retries=0)
     with pytest.raises(anthropic.NotFoundError):  # past the key check, to the unknown model

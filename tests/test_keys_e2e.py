@@ -2,11 +2,13 @@
 `openai` and `anthropic` clients see the rate-limit headers and 429s with Retry-After; scopes
 refuse models and admin routes; a deleted key stops working on every API node within a second;
 two API nodes together admit a key's limit and not one request more; keys survive a restart;
-GET /usage equals the usage a replay of the log computes."""
+GET /usage equals the usage a replay of the log computes; a generation cancelled (POST /v1/cancel,
+or its client hanging up) frees its key's concurrent-request slot."""
 
 from __future__ import annotations
 
 import json
+import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -109,14 +111,44 @@ def test_anthropic_clients_see_their_headers_and_a_deleted_key_fails_within_a_se
     assert time.monotonic() - deleted < 1.0
 
 
+def usage_rows(client: httpx.Client, key_id: str) -> list[dict]:
+    return [r for r in client.get("/usage").json()["data"] if r["key_id"] == key_id]
+
+
+def test_a_key_reads_its_own_usage_only(node):
+    exo = node
+    with admin_client(exo.url) as admin:
+        key_id, secret = add_key(admin, name="reader")
+        other_id, other_secret = add_key(admin, name="bystander")
+        for asker in (secret, other_secret):
+            assert chat(exo.url, asker).status_code == 200
+        wait_until(lambda: all([r["completion_tokens"] for r in usage_rows(admin, k)] == [2] for k in (key_id, other_id)),
+                   10, what="both keys' tokens counted")
+        theirs = usage_rows(admin, other_id)
+    with httpx.Client(base_url=exo.url, headers={"Authorization": f"Bearer {secret}"}) as reader:
+        mine = reader.get("/usage").json()["data"]
+        assert [(r["key_id"], r["requests"], r["completion_tokens"]) for r in mine] == [(key_id, 1, 2)]
+        assert reader.get(f"/usage?key_id={key_id}").json()["data"] == mine
+        refused = reader.get(f"/usage?key_id={other_id}")
+    assert refused.status_code == 403, refused.text
+    error = refused.json()["error"]
+    assert (error["message"], error["param"], error["code"]) == ("a key may read its own usage only", "key_id",
+                                                                 "permission_denied")
+    with admin_client(exo.url) as admin:
+        assert admin.get(f"/usage?key_id={other_id}").json()["data"] == theirs != []
+
+
 def test_usage_equals_a_replay_of_the_log_and_keys_survive_a_restart(node):
     exo = node
     with admin_client(exo.url) as admin:
         key_id, secret = add_key(admin, name="survivor")
+        other_id, other_secret = add_key(admin, name="bystander")  # usage the survivor must not see
+        assert chat(exo.url, other_secret).status_code == 200
         for _ in range(2):
             assert chat(exo.url, secret).status_code == 200
-        wait_until(lambda: admin.get(f"/usage?key_id={key_id}").json()["data"][0]["completion_tokens"] == 4, 10,
-                   what="both requests' tokens counted")
+        wait_until(lambda: [r["completion_tokens"] for r in usage_rows(admin, key_id)] == [4]
+                   and [r["completion_tokens"] for r in usage_rows(admin, other_id)] == [2], 10,
+                   what="every request's tokens counted")
         rows = admin.get("/usage").json()["data"]
         mine = httpx.get(f"{exo.url}/usage", headers={"Authorization": f"Bearer {secret}"}).json()["data"]
         assert mine == [r for r in rows if r["key_id"] == key_id] and len(mine) == 1 and mine[0]["requests"] == 2
@@ -227,3 +259,176 @@ def test_a_stream_that_crosses_its_token_limit_finishes_and_the_next_request_wai
     with pytest.raises(openai.RateLimitError, match="tokens this minute, its limit of 30"):
         wait_until(lambda: client.chat.completions.create(model=TINY_MODEL_ID, messages=ASK, max_tokens=2) and False,
                    5, what="the next request refused")
+
+
+def _running_tasks_of(admin: httpx.Client, key_id: str) -> list[dict]:
+    return [t for t in admin.get("/state").json()["tasks"].values() if t["key_id"] == key_id and t["status"] == "running"]
+
+
+def test_a_non_streaming_client_that_hangs_up_cancels_its_generation_and_frees_its_slot(node):
+    exo = node
+    with admin_client(exo.url) as admin:
+        key_id, secret = add_key(admin, limits={"concurrent_requests": 1})
+        body = json.dumps({"model": TINY_MODEL_ID, "messages": ASK, "max_tokens": 30_000}).encode()  # half a minute
+        host, port = httpx.URL(exo.url).host, httpx.URL(exo.url).port
+        with socket.create_connection((host, port)) as client:  # a raw client, to hang up mid-request
+            client.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: exo\r\nContent-Type: application/json\r\n"
+                           b"Authorization: Bearer " + secret.encode() + b"\r\n"
+                           b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+            [task] = wait_until(lambda: _running_tasks_of(admin, key_id), 30, what="the generation running")
+            assert chat(exo.url, secret).status_code == 429  # the slot is taken while it runs
+        wait_until(lambda: admin.get("/state").json()["tasks"][task["task_id"]]["status"] == "cancelled", 5,
+                   what="the generation cancelled")  # it had about half a minute to go
+    assert chat(exo.url, secret).status_code == 200
+
+
+def test_a_cancelled_stream_frees_its_keys_concurrency_slot(node):
+    exo = node
+    with admin_client(exo.url) as admin:
+        _, secret = add_key(admin, limits={"concurrent_requests": 1})
+    auth = {"Authorization": f"Bearer {secret}"}
+    body = {"model": TINY_MODEL_ID, "messages": ASK, "max_tokens": 30_000, "stream": True}
+    with httpx.stream("POST", f"{exo.url}/v1/chat/completions", json=body, headers=auth, timeout=120) as stream:
+        assert stream.status_code == 200, stream.read()
+        first = next(line for line in stream.iter_lines() if line.startswith("data: {"))
+        command_id = json.loads(first.removeprefix("data: "))["id"]
+        assert chat(exo.url, secret).status_code == 429  # the slot is taken while it runs
+        cancelled = httpx.post(f"{exo.url}/v1/cancel/{command_id}", headers=auth, timeout=30)
+        assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled", cancelled.text
+    answer = chat(exo.url, secret)
+    assert answer.status_code == 200, answer.text
+
+
+def _bearer(secret: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {secret}"}
+
+
+def _stream_body(max_tokens: int) -> dict:
+    return {"model": TINY_MODEL_ID, "messages": ASK, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+
+
+def _text_and_ends(lines) -> tuple[str, list[str]]:
+    """A chat stream's text, and each finish_reason or error code it sent, in order."""
+    text, ends = "", []
+    for line in lines:
+        if not line.startswith("data: {"):
+            continue
+        event = json.loads(line.removeprefix("data: "))
+        if "error" in event:
+            ends.append(event["error"]["code"])
+            continue
+        text += event["choices"][0]["delta"].get("content") or ""
+        ends += [event["choices"][0]["finish_reason"]] if event["choices"][0]["finish_reason"] else []
+    return text, ends
+
+
+def _until_text(lines) -> list[str]:
+    """A chat stream's lines up to its first with text."""
+    read = []
+    for line in lines:
+        read.append(line)
+        if line.startswith("data: {") and _text_and_ends([line])[0]:
+            return read
+    raise AssertionError(f"no text in {read}")
+
+
+def _resumed(url: str, secret: str, command_id: str, how: str) -> httpx.Response:
+    """The rest of generation `command_id` from its start, asked `how`: 'get' (the resume route) or
+    'post' (a chat POST that reconnects with Last-Event-ID)."""
+    if how == "get":
+        return httpx.get(f"{url}/v1/chat/completions/chatcmpl-{command_id}/stream?after=-1", headers=_bearer(secret),
+                         timeout=60)
+    return httpx.post(f"{url}/v1/chat/completions", json=_stream_body(1000), timeout=60,
+                      headers=_bearer(secret) | {"Last-Event-ID": f"chatcmpl-{command_id}:-1"})
+
+
+def _another_keys_tries(url: str, secret: str, command_id: str) -> list[httpx.Response]:
+    return [_resumed(url, secret, command_id, "get"), _resumed(url, secret, command_id, "post"),
+            httpx.post(f"{url}/v1/cancel/chatcmpl-{command_id}", headers=_bearer(secret), timeout=30)]
+
+
+def test_another_keys_generation_is_unknown_to_a_key_while_its_own_key_and_an_admin_may_resume_it(node):
+    exo = node
+    with admin_client(exo.url) as admin:
+        owner_id, owner = add_key(admin, name="owner")
+        _, stranger = add_key(admin, name="stranger")
+    with httpx.stream("POST", f"{exo.url}/v1/chat/completions", json=_stream_body(1000), headers=_bearer(owner),
+                      timeout=120) as reference:
+        undisturbed = _text_and_ends(reference.iter_lines())
+    assert undisturbed[1] == ["length"] and undisturbed[0]
+    unknown_id = "0" * 32  # what an id nobody made gets, the answer another key's must not differ from
+    unknown = [(r.status_code, r.text.replace(unknown_id, "{id}"))
+               for r in _another_keys_tries(exo.url, stranger, unknown_id)]
+    assert [status for status, _ in unknown] == [404, 404, 404], unknown
+    with httpx.stream("POST", f"{exo.url}/v1/chat/completions", json=_stream_body(1000), headers=_bearer(owner),
+                      timeout=120) as stream:  # a second or more of tokens: it runs while the stranger tries
+        assert stream.status_code == 200, stream.read()
+        lines = stream.iter_lines()
+        read = _until_text(lines)  # the first text: the task runs (the role's chunk comes before it is queued)
+        command_id = json.loads(read[-1].removeprefix("data: "))["id"].removeprefix("chatcmpl-")
+        tried = [(r.status_code, r.text.replace(command_id, "{id}"))
+                 for r in _another_keys_tries(exo.url, stranger, command_id)]
+        with admin_client(exo.url) as admin:
+            task = admin.get("/state").json()["tasks"][command_id]
+        # The stranger's cancel came mid-stream and asked nothing of the master.
+        assert (task["key_id"], task["status"] in ("pending", "running"), task["cancel_requested"]) == (owner_id, True, False)
+        assert tried == unknown
+        assert _text_and_ends([*read, *lines]) == undisturbed
+    for secret, how in ((owner, "get"), (owner, "post"), (ADMIN, "get"), (ADMIN, "post")):
+        again = _resumed(exo.url, secret, command_id, how)
+        assert again.status_code == 200 and _text_and_ends(again.text.splitlines()) == undisturbed, (secret, how)
+    assert [r.status_code for r in _another_keys_tries(exo.url, stranger, command_id)[:2]] == [404, 404]
+
+
+def test_resuming_a_keys_own_generation_passes_its_model_scope(node):
+    exo = node
+    with admin_client(exo.url) as admin:
+        key_id, secret = add_key(admin, models=[TINY_MODEL_ID])
+        answer = chat(exo.url, secret)
+        assert answer.status_code == 200, answer.text
+        command_id = answer.json()["id"].removeprefix("chatcmpl-")
+        assert _resumed(exo.url, secret, command_id, "get").status_code == 200
+        assert admin.patch(f"/keys/{key_id}", json={"models": [OTHER]}).status_code == 200
+        wait_until(lambda: _resumed(exo.url, secret, command_id, "get").status_code == 404, 5,
+                   what="the generation of a model out of the key's scope refused")
+        refused = _resumed(exo.url, secret, command_id, "post")
+    assert refused.status_code == 404 and refused.json()["error"]["message"] == (
+        f"no generation '{command_id}' (unknown, or finished too long ago)"), refused.text
+
+
+def test_a_generation_is_cancelled_by_its_own_key_or_an_admin(node):
+    exo = node
+    with admin_client(exo.url) as admin:
+        _, owner = add_key(admin, name="owner")
+    for canceller in (owner, ADMIN):
+        with httpx.stream("POST", f"{exo.url}/v1/chat/completions", json=_stream_body(30_000), headers=_bearer(owner),
+                          timeout=120) as stream:
+            lines = stream.iter_lines()
+            first = next(line for line in lines if line.startswith("data: {"))
+            shown_id = json.loads(first.removeprefix("data: "))["id"]
+            cancelled = httpx.post(f"{exo.url}/v1/cancel/{shown_id}", headers=_bearer(canceller), timeout=30)
+            assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled", cancelled.text
+            assert _text_and_ends(lines)[1] == ["cancelled"]
+
+
+def test_a_scoped_key_cannot_read_another_models_card_or_where_it_runs(node):
+    exo = node
+    with admin_client(exo.url) as admin:
+        _, secret = add_key(admin, models=[TINY_MODEL_ID])
+        wait_until(lambda: sorted(m["name"] for m in admin.get("/api/ps").json()["models"]) == sorted([OTHER, TINY_MODEL_ID]),
+                   120, what="both models running")
+        assert {TINY_MODEL_ID, OTHER} <= {m["name"] for m in admin.get("/api/tags").json()["models"]}
+        assert admin.get(f"/v1/models/{OTHER}").status_code == 200
+        assert admin.post("/api/show", json={"model": OTHER}).status_code == 200
+    with httpx.Client(base_url=exo.url, headers=_bearer(secret), timeout=30) as scoped:
+        assert [m["name"] for m in scoped.get("/api/tags").json()["models"]] == [TINY_MODEL_ID]
+        assert [m["name"] for m in scoped.get("/api/ps").json()["models"]] == [TINY_MODEL_ID]
+        assert scoped.get(f"/v1/models/{TINY_MODEL_ID}").json()["id"] == TINY_MODEL_ID
+        assert scoped.post("/api/show", json={"model": TINY_MODEL_ID}).status_code == 200
+        card = scoped.get(f"/v1/models/{OTHER}")
+        unknown = scoped.get("/v1/models/local/nothing")
+        show = scoped.post("/api/show", json={"model": OTHER})
+    assert (card.status_code, card.json()) == (unknown.status_code, json.loads(unknown.text.replace("local/nothing", OTHER)))
+    assert card.json()["error"]["message"] == (f"The model '{OTHER}' does not exist (GET /v1/models lists the models; "
+                                               "POST /models/add adds one)")
+    assert (show.status_code, show.json()) == (404, {"error": f"model '{OTHER}' not found"})

@@ -6,7 +6,8 @@ in the surface's own error shape (see errors.py).
 EXO_API_KEYS are admin keys. Keys in State (exo/core/keys.py) are looked up by the sha256 of
 what is presented; an admin one may do everything, any other only inference (the routes in
 INFERENCE_ROUTES) on the models its patterns allow, within its limits (the master enforces
-those). The grant of the request is in `current_grant` for the handlers below."""
+those), and read or cancel its own generations only. The grant of the request is in
+`current_grant` for the handlers below."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from aiohttp.typedefs import Handler
 from exo.api.context import context_of
 from exo.api.errors import ApiError
 from exo.core.keys import ApiKey
+from exo.core.types import Task
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +48,15 @@ class Grant:
 
     def may_use(self, model_id: str) -> bool:
         return self.key is None or self.key.may_use(model_id)
+
+    def owns(self, task: Task) -> bool:
+        """Whether this caller may cancel the task: its key asked for it, or it is an admin. Another
+        key's generation is answered as unknown, so its ids and text stay that key's."""
+        return self.admin or (self.key is not None and task.key_id == self.key.key_id)
+
+    def may_read(self, task: Task) -> bool:
+        """Whether this caller may resume the task's stream: it owns it and may use its model."""
+        return self.owns(task) and self.may_use(task.model_id)
 
 
 OPEN = Grant(admin=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import difflib
 from collections import Counter
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -86,8 +86,9 @@ class ApiContext:
             raise self.unknown_model(model_id, param, f"unknown model {model_id!r}")
         return card
 
-    def unknown_model(self, model_id: str, param: str, message: str) -> ApiError:
-        near = closest_model_id(model_id, list(self.all_cards()))
+    def unknown_model(self, model_id: str, param: str, message: str, known: Sequence[str] | None = None) -> ApiError:
+        """`known`: the ids the hint may name (default: every card's)."""
+        near = closest_model_id(model_id, list(self.all_cards() if known is None else known))
         hint = f"; did you mean {near!r}?" if near else ""
         return ApiError(404, f"{message}{hint} (GET /v1/models lists the models; POST /models/add adds one)",
                         param=param, code="model_not_found")

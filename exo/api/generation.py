@@ -310,7 +310,7 @@ async def generating(ctx: ApiContext, model_id: ModelId, params: GenerationParam
 async def resume_generation(ctx: ApiContext, command_id: CommandId, after: int) -> Generation:
     """The rest of a generation after chunk `after`, replayed from JetStream, then live."""
     task = ctx.view.state.tasks.get(command_id)
-    if task is None:
+    if task is None or not current_grant.get().may_read(task):  # another key's: as if unknown
         raise ApiError(404, f"no generation {command_id!r} (unknown, or finished too long ago)", param="id")
     pending = ctx.pending_cancels.pop(command_id, None)
     if pending is not None:

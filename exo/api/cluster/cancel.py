@@ -6,6 +6,7 @@ import asyncio
 
 from aiohttp import web
 
+from exo.api.auth import current_grant
 from exo.api.context import context_of
 from exo.api.errors import ApiError
 from exo.api.generation import cancel_generation
@@ -16,14 +17,15 @@ _ID_PREFIXES = ("chatcmpl-", "cmpl-", "resp_", "msg_")
 
 
 async def cancel(request: web.Request) -> web.Response:
-    """POST /v1/cancel/{command_id}: stop a generation; answers with how its task ended."""
+    """POST /v1/cancel/{command_id}: stop a generation (a key's own, or any for an admin); answers
+    with how its task ended."""
     ctx = context_of(request)
     shown = request.match_info["command_id"]
     for prefix in _ID_PREFIXES:  # the ids the surfaces show, as well as the bare command id
         shown = shown.removeprefix(prefix)
     command_id = CommandId(shown)
     task = ctx.view.state.tasks.get(command_id)
-    if task is None:
+    if task is None or not current_grant.get().owns(task):  # another key's: as if unknown
         raise ApiError(404, f"no generation {command_id!r}", param="command_id")
     if task.status in ("pending", "running"):
         ended = ctx.outcomes.expect_task_end(command_id)

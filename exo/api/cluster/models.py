@@ -48,10 +48,15 @@ async def list_models(request: web.Request) -> web.Response:
 
 
 async def get_model(request: web.Request) -> web.Response:
-    """GET /v1/models/{model_id}: OpenAI's model object, with the card beside it."""
+    """GET /v1/models/{model_id}: OpenAI's model object, with the card beside it. A model a key may
+    not use is unknown to it, as in the list: its card and where it runs are not that key's to read."""
     ctx = context_of(request)
     model_id = ModelId(request.match_info["model_id"])
-    card = ctx.require_card(model_id)
+    grant = current_grant.get()
+    card = ctx.card(model_id)
+    if card is None or not grant.may_use(model_id):
+        in_scope = [known for known in ctx.all_cards() if grant.may_use(known)]  # nor may the hint name another
+        raise ctx.unknown_model(model_id, "model", f"The model {model_id!r} does not exist", in_scope)
     state = ctx.view.state
     where = availability(state).get(model_id, NOWHERE)
     return web.json_response({**openai_entry(card, state, where, model_id), "card": msgspec.to_builtins(card)})

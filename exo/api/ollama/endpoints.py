@@ -13,6 +13,7 @@ from typing import Any
 
 from aiohttp import web
 
+from exo.api.auth import current_grant
 from exo.api.availability import NOWHERE, availability
 from exo.api.context import context_of
 from exo.api.errors import ApiError
@@ -177,10 +178,12 @@ def _details(card: ModelCard) -> dict[str, Any]:
 
 
 async def tags(request: web.Request) -> web.Response:
-    """Every card (clients pick from this list), each with the nodes it is ready or downloaded on."""
+    """Every card the caller's key may use (clients pick from this list), each with the nodes it is
+    ready or downloaded on."""
     ctx = context_of(request)
     where = availability(ctx.view.state)
-    cards = sorted(ctx.all_cards().values(), key=lambda c: c.model_id)
+    grant = current_grant.get()
+    cards = sorted((c for c in ctx.all_cards().values() if grant.may_use(c.model_id)), key=lambda c: c.model_id)
     return web.json_response({"models": [_model_entry(c) | where.get(c.model_id, NOWHERE).fields() for c in cards]})
 
 
@@ -188,7 +191,7 @@ async def show(request: web.Request) -> web.Response:
     body = await decode_body(request, ModelRequest)
     model_id = body.model or ModelId(body.name)
     card = context_of(request).card(model_id)
-    if card is None:
+    if card is None or not current_grant.get().may_use(model_id):  # out of the key's scope: as if unknown
         raise ApiError(404, f"model '{model_id}' not found")
     info = {"general.architecture": "", "general.context_length": card.context_length,
             "general.block_count": card.n_layers, "general.embedding_length": card.hidden_size}
@@ -199,7 +202,8 @@ async def show(request: web.Request) -> web.Response:
 
 async def ps(request: web.Request) -> web.Response:
     ctx = context_of(request)
-    running = sorted({i.model_id for i in ctx.view.state.instances.values()})
+    grant = current_grant.get()
+    running = sorted({i.model_id for i in ctx.view.state.instances.values() if grant.may_use(i.model_id)})
     models = [_model_entry(card) | {"expires_at": "2999-01-01T00:00:00Z", "size_vram": 0,
                                     "context_length": card.context_length}
               for model_id in running if (card := ctx.card(model_id)) is not None]
