@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import re
 import threading
-import time
 from collections.abc import Iterator
 
 import httpx
@@ -71,10 +70,11 @@ def task_of(http: httpx.Client, task_id: str) -> dict:
 
 
 def wait_for_status(http: httpx.Client, task_id: str, *statuses: str, timeout: float = 30) -> dict:
-    deadline = time.monotonic() + timeout
-    while (task := task_of(http, task_id)).get("status") not in statuses and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return task
+    def task_in_status() -> dict | None:
+        task = task_of(http, task_id)
+        return task if task.get("status") in statuses else None
+
+    return wait_until(task_in_status, timeout, 0.05, what=f"task {task_id} {' or '.join(statuses)}")
 
 
 def open_stream(http: httpx.Client, take: int, **body) -> tuple[str, list[dict]]:

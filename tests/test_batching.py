@@ -20,6 +20,7 @@ from exo.runner.decoding import GenerationResult, Output
 from exo.runner.engine import Engine
 from exo.settings.declare import read
 from exo.settings.services import RunnerSettings
+from tests.conftest import eventually
 from tests.support.tiny_model import make_tiny_model
 from tests.support.tool_model import WEATHER_TOOL, make_tool_model
 
@@ -84,8 +85,8 @@ def together(engine: Engine, requests: list[GenerationParams], limit: int = 8, j
         futures = []
         for i, params in enumerate(requests):
             if join_every and i:
-                while len(outs[i - 1]) < join_every:
-                    await asyncio.sleep(0.001)
+                await eventually(lambda previous=outs[i - 1]: len(previous) >= join_every, 30, 0.001,
+                                 what=f"request {i - 1}'s first {join_every} outputs")
             def cancelled(i: int = i) -> bool:
                 return i in cancel_after and len(outs[i]) >= cancel_after[i]
             futures.append(batcher.run(loop, params, SamplingDefaults(), outs[i].append, cancelled, f"task{i}"))

@@ -108,10 +108,7 @@ async def test_master_answers_commands_with_events_and_a_redelivery_decides_the_
     try:
         await send_command(nc, PlaceInstance(command_id="mt-1", model_id="org/m"))
         await send_command(nc, PlaceInstance(command_id="mt-2", model_id="org/unknown"))
-        for _ in range(500):
-            if "mt-1" in answers and "mt-2" in answers:
-                break
-            await asyncio.sleep(0.02)
+        await eventually(lambda: "mt-1" in answers and "mt-2" in answers, 10, what="answers to mt-1 and mt-2")
         created, rejected = answers["mt-1"][0], answers["mt-2"][0]
         assert isinstance(created, InstanceCreated) and created.instance.model_id == "org/m"
         assert isinstance(rejected, CommandRejected) and rejected.code == "not_found"
@@ -295,10 +292,7 @@ async def test_a_command_whose_handling_keeps_failing_is_answered_once_not_loope
     try:
         await send_command(nc, PlaceInstance(command_id="poison", model_id="org/m"))
         await send_command(nc, PlaceInstance(command_id="after", model_id="org/m"))
-        for _ in range(500):
-            if "poison" in answers and "after" in answers:
-                break
-            await asyncio.sleep(0.02)
+        await eventually(lambda: "poison" in answers and "after" in answers, 10, what="answers to poison and after")
         (rejected,) = answers["poison"]
         assert isinstance(rejected, CommandRejected) and rejected.code == "unavailable"
         assert rejected.reason == "the master could not handle this command: RuntimeError: a bug in the master"

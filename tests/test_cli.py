@@ -15,6 +15,7 @@ import pytest
 
 from exo.bus.connection import redact
 from exo.tools import TOOLS
+from tests.support.cluster import wait_until
 from tests.support.exo_process import ExoProcess, exo_command
 
 pytestmark = pytest.mark.slow
@@ -90,9 +91,7 @@ def test_a_second_ctrl_c_exits_at_once(tmp_path: Path):
     exo = ExoProcess(tmp_path / "data", {}).start()
     exo.process.send_signal(2)
     # A second signal sent before the first is delivered merges with it (one pending SIGINT): wait for the first.
-    deadline = time.monotonic() + 10
-    while "exo: stopping" not in exo.output() and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_until(lambda: "exo: stopping" in exo.output(), 10, 0.01, what="the first SIGINT heard")
     exo.process.send_signal(2)
     started = time.monotonic()
     code = exo.process.wait(10)

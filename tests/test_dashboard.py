@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.support.cluster import wait_until
 from tests.support.dashboard import KEY, chromium_page, exo_node, open_with_key
 from tests.support.tiny_model import TINY_MODEL_ID, make_tiny_model
 from tests.support.vision_model import make_vision_model, png
@@ -192,7 +193,7 @@ def _rate_and_prompt_cache(page, http, node_id: str, instance_id: str) -> None:
         return (int(card.get_attribute("data-cache-hits")), int(card.get_attribute("data-cache-misses"))) == (
             stats["hits"], stats["misses"])
 
-    _wait_for(shown_as_held)
+    wait_until(shown_as_held, 30, 0.2, what="the page showing the prompt cache the node reports")
     hits = int(card.get_attribute("data-cache-hits"))
     asked = hits + int(card.get_attribute("data-cache-misses"))
     assert hits >= 1 and f"prompt cache {round(100 * hits / asked)}% hits ({hits}/{asked})" in card.inner_text()
@@ -254,10 +255,8 @@ def _stop_a_long_generation(page, http) -> str:
     page.wait_for_function("() => document.querySelector('.msg.assistant .text').textContent.length > 20")
     command_id = reply.get_attribute("data-command-id")
     # State hears a generation is running once it has run for a second (exo/worker/runners.py).
-    deadline = time.monotonic() + 10
-    while http.get("/state").json()["tasks"][command_id]["status"] != "running":
-        assert time.monotonic() < deadline, "the task was never reported running"
-        time.sleep(0.1)
+    wait_until(lambda: http.get("/state").json()["tasks"][command_id]["status"] == "running", 10,
+               what="the task reported running")
     card = page.locator(".card.instance")
     page.wait_for_function("() => document.querySelector('.card.instance').dataset.running === '1'", timeout=10_000)
     assert (card.get_attribute("data-running"), card.get_attribute("data-open")) == ("1", "1")
@@ -371,7 +370,8 @@ def test_the_chat_sends_images_to_a_vision_model(page, node, http, tmp_path):
             http.delete(f"/instance/{instance_id}")
         for model_id in (VISION_ID, TINY_MODEL_ID):
             http.delete(f"/models/custom/{model_id}")
-        _wait_for(lambda: not http.get("/state").json()["instances"])  # the other test starts from none
+        wait_until(lambda: not http.get("/state").json()["instances"], 30, 0.2,  # the other test starts from none
+                   what="no instance left")
 
 
 def _send_and_wait(page, prompt: str) -> dict:
@@ -396,10 +396,3 @@ def _created_tasks(http, since: int, task_ids: list[str]) -> list[dict]:
                 if len(found) == len(task_ids):
                     break
     return [found[task_id] for task_id in task_ids]
-
-
-def _wait_for(condition, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.2)

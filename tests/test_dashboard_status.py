@@ -7,7 +7,6 @@ nodes on one host (and the witness beside its node) have names that tell them ap
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import httpx
@@ -17,6 +16,7 @@ import pytest
 from exo.api.cluster.instances import report_of
 from exo.core.state import State
 from exo.core.types import DownloadProgress, Instance, NodeInfo, RunnerInfo, ShardAssignment
+from tests.support.cluster import wait_until
 from tests.support.dashboard import KEY, chromium_page, exo_node, open_with_key
 from tests.support.tiny_model import TINY_MODEL_ID, make_tiny_model
 
@@ -48,14 +48,6 @@ def page(tmp_path, node):
         assert page.errors == [], page.errors
 
 
-def wait_for(condition, timeout: float = 60):
-    deadline = time.monotonic() + timeout
-    while not (found := condition()):
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.3)
-    return found
-
-
 def color(page, selector: str, prop: str = "color") -> str:
     return page.eval_on_selector(selector, f"e => getComputedStyle(e)[{prop!r}]")
 
@@ -69,7 +61,8 @@ def test_a_failed_instance_shows_failed_and_its_failed_download_goes_with_it(pag
     placed = http.post("/place_instance", json={"model_id": GONE})
     assert placed.status_code == 200, placed.text
     instance_id = placed.json()["instance_id"]
-    wait_for(lambda: http.get(f"/instance/{instance_id}").json()["status"] == "failed")
+    wait_until(lambda: http.get(f"/instance/{instance_id}").json()["status"] == "failed", 60, 0.3,
+               what="the instance failed")
 
     shown = page.locator(f'.card.instance[data-instance-id="{instance_id}"]')
     page.wait_for_selector(f'.card.instance[data-instance-id="{instance_id}"][data-status="failed"]')

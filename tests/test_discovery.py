@@ -6,6 +6,7 @@ import asyncio
 
 from exo.bus.server.cluster_formation import Announcement, Join, Seed, Wait, choose_role
 from exo.bus.server.discovery import Discovery
+from tests.conftest import eventually
 
 
 def peer(node_id: str, state="ready", cluster="exo-a", namespace="default", port=6222) -> Announcement:
@@ -43,13 +44,6 @@ def test_one_node_at_a_time_seeds_or_joins_smallest_id_first():
     assert choose_role("b", "default", [*cluster, peer("z", "joining")]) == Wait(reason="node z is joining")
 
 
-async def _until(predicate, timeout: float = 10.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not predicate():
-        assert asyncio.get_running_loop().time() < deadline, "not heard in time"
-        await asyncio.sleep(0.05)
-
-
 async def test_nodes_on_one_namespace_hear_each_other_and_their_changes_and_other_namespaces_stay_apart():
     a, b, other = Discovery(["127.0.0.1"]), Discovery(["127.0.0.1"]), Discovery(["127.0.0.1"])
     me_a = Announcement(node_id="a1", namespace="test-ns", host="127.0.0.1", cluster_port=16222)
@@ -58,16 +52,16 @@ async def test_nodes_on_one_namespace_hear_each_other_and_their_changes_and_othe
     running = [a, b, other]
     try:
         await asyncio.gather(a.start(me_a), b.start(me_b), other.start(stranger))
-        await _until(lambda: a.peers() == [me_b] and b.peers() == [me_a])
+        await eventually(lambda: a.peers() == [me_b] and b.peers() == [me_a], 10, 0.05, what="a and b hearing each other")
         assert [p.node_id for p in other.peers()] == []  # heard, but not its namespace
         ready = Announcement(node_id="a1", namespace="test-ns", state="ready", cluster="exo-a1", host="127.0.0.1",
                              cluster_port=16222)
         await a.announce(ready)
-        await _until(lambda: b.peers() == [ready])
+        await eventually(lambda: b.peers() == [ready], 10, 0.05, what="b hearing a ready")
         assert choose_role("b1", "test-ns", b.peers()) == Join(cluster="exo-a1", routes=["nats-route://127.0.0.1:16222"])
         await a.stop()
         running.remove(a)
-        await _until(lambda: b.peers() == [])  # its goodbye
+        await eventually(lambda: b.peers() == [], 10, 0.05, what="b hearing a's goodbye")
     finally:
         for discovery in running:
             await discovery.stop()

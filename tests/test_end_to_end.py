@@ -16,6 +16,7 @@ import pytest
 from exo.bus.connection import connect
 from exo.bus.token_stream import TokenListener
 from exo.core.types import TokenChunk
+from tests.support.cluster import wait_until
 from tests.support.e2e import Reference
 from tests.support.exo_process import ExoProcess
 from tests.support.fake_hub import FakeHub
@@ -134,13 +135,12 @@ def test_a_client_that_disconnects_cancels_its_generation(http, node, instance_i
         lines = response.iter_lines()
         first = [line for line in (next(lines) for _ in range(12)) if line.startswith("data: ")]
     task_id = json.loads(first[0].removeprefix("data: "))["id"].removeprefix("chatcmpl-")
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
+
+    def cancelled_task() -> dict | None:
         task = http.get("/state").json()["tasks"].get(task_id, {})
-        if task.get("status") == "cancelled":
-            break
-        time.sleep(0.1)
-    assert task["status"] == "cancelled"
+        return task if task.get("status") == "cancelled" else None
+
+    task = wait_until(cancelled_task, 30, what=f"task {task_id} cancelled")
     assert 0 < task["completion_tokens"] < 30_000
 
 
@@ -251,13 +251,15 @@ def test_forged_elections_do_not_wedge_the_cluster(http, client, node, instance_
         await nc.close()
 
     asyncio.run(forge())
-    deadline = time.monotonic() + 15  # well within the lease's TTL of 10 s plus a campaign
-    while time.monotonic() < deadline:
+
+    def leading_again() -> bool:
         state = http.get("/state").json()
-        if state["leader_node"] == node_id and state["last_seq"] > before + 2:
-            break
-        time.sleep(0.2)
-    assert state["leader_node"] == node_id, state["leader_node"]
+        return state["leader_node"] == node_id and state["last_seq"] > before + 2
+
+    try:  # well within the lease's TTL of 10 s plus a campaign
+        wait_until(leading_again, 15, 0.2, what=f"{node_id} leading again after the forged elections")
+    except AssertionError as timed_out:
+        raise AssertionError(f"{timed_out}; the leader: {http.get('/state').json()['leader_node']}") from None
     reply = client.chat.completions.create(model=TINY_MODEL_ID, messages=MESSAGES, temperature=0, max_tokens=MAX_TOKENS)
     assert reply.choices[0].message.content == expected["text"]
     # No re-campaign storm: a handful of elections, not hundreds a second.
@@ -274,10 +276,7 @@ def test_zz_delete_instance_then_card_then_ctrl_c_stops_cleanly(http, client, no
     assert unavailable.value.status_code == 503
     assert http.delete(f"/models/custom/{TINY_MODEL_ID}").status_code == 200
     card_file = node.data_dir / "custom_cards" / "exo-test--tiny-llama.toml"
-    deadline = time.monotonic() + 10
-    while card_file.exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not card_file.exists()
+    wait_until(lambda: not card_file.exists(), 10, 0.05, what=f"{card_file} deleted")
     assert node.interrupt() == 0
     assert "exo: stopping" in node.output()
     assert "Server Exiting" in (node.data_dir / "nats" / "nats-server.log").read_text()

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import httpx
 import pytest
 
+from tests.support.cluster import wait_until
 from tests.support.e2e import Reference, exo_serving, place
 from tests.support.tiny_model import TINY_MODEL_ID, make_tiny_model
 from tests.test_hung_runner import runner_pids
@@ -126,13 +127,8 @@ def _tokens_in(data: dict) -> int:
 
 
 def next_runner(parent: int, seen: set[int], within: float) -> int:
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        fresh = [pid for pid in runner_pids(parent) if pid not in seen]
-        if fresh:
-            return fresh[0]
-        time.sleep(0.02)
-    raise AssertionError(f"no new runner within {within} s")
+    return wait_until(lambda: next((pid for pid in runner_pids(parent) if pid not in seen), None), within, 0.02,
+                      what="a new runner")
 
 
 def test_a_runner_killed_mid_stream_then_three_times_in_a_row(tmp_path):
@@ -160,10 +156,7 @@ def test_a_runner_killed_mid_stream_then_three_times_in_a_row(tmp_path):
             fresh = next_runner(node.process.pid, seen, 30)
             seen.add(fresh)
             os.kill(fresh, signal.SIGKILL)
-        deadline = time.monotonic() + 30
-        while http.get("/state").json()["instances"] and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert http.get("/state").json()["instances"] == {}
+        wait_until(lambda: http.get("/state").json()["instances"] == {}, 30, 0.2, what="the failed instance deleted")
         refused = http.post("/v1/chat/completions", json={**ASK, "max_tokens": 4})
         assert refused.status_code == 503, refused.text
         message = refused.json()["error"]["message"]
@@ -180,11 +173,11 @@ def test_a_non_streaming_request_whose_client_leaves_is_cancelled(tmp_path):
         assert chat_until_served(http, 4, 30).status_code == 200
         with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes its connection
             httpx.post(f"{node.url}/v1/chat/completions", json={**ASK, "max_tokens": 30_000}, timeout=2)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
+
+        def ended_task() -> dict | None:
             (task,) = [t for t in http.get("/state").json()["tasks"].values() if t["params"].get("max_tokens") == 30_000]
-            if task["status"] != "running":
-                break
-            time.sleep(0.2)
+            return task if task["status"] != "running" else None
+
+        task = wait_until(ended_task, 30, 0.2, what="the abandoned generation ended")
         assert task["status"] == "cancelled"
         assert 0 < task["completion_tokens"] < 30_000

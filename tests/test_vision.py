@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import base64
 import json
-import time
 
 import pytest
 
+from tests.support.cluster import wait_until
 from tests.support.e2e import one_model_node, place
 from tests.support.vision_model import VISION_MODEL_ID, VisionReference, make_vision_model, png
 
@@ -121,9 +121,11 @@ def test_a_stream_whose_client_leaves_is_cancelled_within_a_few_tokens(http, ans
         chunks = (json.loads(line[6:]) for line in reply.iter_lines() if line.startswith("data: {"))
         first = next(c for c in chunks if c["choices"] and c["choices"][0]["delta"].get("content"))  # generating
     command_id = first["id"].removeprefix("chatcmpl-")
-    deadline = time.monotonic() + 30
-    while (task := http.get("/state").json()["tasks"][command_id])["status"] in ("pending", "running") \
-            and time.monotonic() < deadline:
-        time.sleep(0.2)
+
+    def ended_task() -> dict | None:
+        task = http.get("/state").json()["tasks"][command_id]
+        return task if task["status"] not in ("pending", "running") else None
+
+    task = wait_until(ended_task, 30, 0.2, what=f"task {command_id} ended")
     assert task["status"] == "cancelled"
     assert 0 < task["completion_tokens"] < 20_000
