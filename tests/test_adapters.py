@@ -11,7 +11,9 @@ import json
 from pathlib import Path
 
 import httpx
+import mlx.core as mx
 import msgspec
+import numpy as np
 import openai
 import pytest
 
@@ -53,6 +55,27 @@ def foreign_adapter(tmp_path_factory):
     return make_adapter(other, tmp_path_factory.mktemp("foreign") / "a")
 
 
+@pytest.fixture(scope="module")
+def narrow_kv_adapter(tmp_path_factory):
+    """An adapter for a model of the tiny one's hidden size but one key/value head, not two: its
+    lora_a fit, its k_proj and v_proj lora_b are 16 wide where the tiny model's need 32."""
+    other = make_tiny_model(tmp_path_factory.mktemp("narrow") / "m", Dims(heads=4, kv_heads=1))
+    return make_adapter(other, tmp_path_factory.mktemp("narrow_kv") / "a")
+
+
+@pytest.fixture(scope="module")
+def poisoned_adapter(tmp_path_factory, adapter_dir):
+    """The pirate adapter with one NaN in one tensor."""
+    weights = mx.load(str(adapter_dir / "adapters.safetensors"))
+    name = "model.layers.1.self_attn.v_proj.lora_b"
+    weights[name] = mx.where(mx.arange(weights[name].size).reshape(weights[name].shape) == 5, mx.nan, weights[name])
+    out = tmp_path_factory.mktemp("poisoned") / "a"
+    out.mkdir()
+    mx.save_safetensors(str(out / "adapters.safetensors"), weights)
+    (out / "adapter_config.json").write_bytes((adapter_dir / "adapter_config.json").read_bytes())
+    return out
+
+
 def _adapter(adapter_dir: Path, name: str = "pirate") -> Adapter:
     config, weights = _files(adapter_dir)
     facts = read_adapter(config, weights)
@@ -91,6 +114,8 @@ GOOD = {"layers.0.q_proj.lora_a": {"dtype": "F32", "shape": [64, 4], "data_offse
      "needs 1280 bytes"),
     (CONFIG, _header({"layers.0.q_proj.weight": GOOD["layers.0.q_proj.lora_a"]}, bytes(1024)), "is not a LoRA parameter"),
     (CONFIG.replace(b'"rank": 4', b'"rank": 8'), _header(GOOD, bytes(1024)), "has rank 4, its config says 8"),
+    (CONFIG, _header({"layers.0.q_proj.lora_b": {**GOOD["layers.0.q_proj.lora_a"], "shape": [8, 32]}}, bytes(1024)),
+     "layers.0.q_proj.lora_b has rank 8, its config says 4"),
     (b"not json", _header(GOOD, bytes(1024)), "adapter_config.json is not JSON"),
     (json.dumps({"fine_tune_type": "full", "num_layers": 2}).encode(), _header(GOOD, bytes(1024)), "'full' is not served"),
     (CONFIG.replace(b'"rank": 4', b'"rank": true'), _header(GOOD, bytes(1024)), "rank must be between"),
@@ -99,6 +124,44 @@ GOOD = {"layers.0.q_proj.lora_a": {"dtype": "F32", "shape": [64, 4], "data_offse
 def test_files_that_are_not_an_mlx_lm_lora_adapter_are_refused_with_the_reason(config, weights, reason):
     found = read_adapter(config, weights)
     assert isinstance(found, str) and reason in found, found
+
+
+# One lora_a of 256 values, all 0.0 but the last: (dtype, numpy type, the last value's bits).
+NON_FINITE = [("F32", "<u4", 0x7FC00000), ("F32", "<u4", 0x7F800000), ("F32", "<u4", 0xFF800000),
+              ("F16", "<u2", 0x7E00), ("F16", "<u2", 0x7C00), ("F16", "<u2", 0xFC00),
+              ("BF16", "<u2", 0x7FC0), ("BF16", "<u2", 0x7F80), ("BF16", "<u2", 0xFF80)]
+LARGEST = [("F32", "<u4", 0x7F7FFFFF), ("F32", "<u4", 0xFF7FFFFF), ("F16", "<u2", 0x7BFF), ("BF16", "<u2", 0x7F7F),
+           ("BF16", "<u2", 0xFF7F)]
+
+
+def _one_tensor(dtype: str, kind: str, last_bits: int) -> bytes:
+    values = np.zeros(256, dtype=kind)
+    values[-1] = last_bits
+    spec = {"dtype": dtype, "shape": [64, 4], "data_offsets": [0, values.nbytes]}
+    return _header({"layers.0.q_proj.lora_a": spec}, values.tobytes())
+
+
+@pytest.mark.parametrize(("dtype", "kind", "bits"), NON_FINITE)
+def test_a_tensor_holding_nan_or_infinity_is_refused_naming_it(dtype, kind, bits):
+    assert read_adapter(CONFIG, _one_tensor(dtype, kind, bits)) == (
+        "adapters.safetensors: layers.0.q_proj.lora_a holds NaN or infinite values: every logit of the model would be NaN")
+
+
+@pytest.mark.parametrize(("dtype", "kind", "bits"), LARGEST)
+def test_the_largest_finite_values_are_not_taken_for_infinity(dtype, kind, bits):
+    assert not isinstance(read_adapter(CONFIG, _one_tensor(dtype, kind, bits)), str)
+
+
+def test_lora_b_widths_are_checked_against_the_base_models_card(adapter_dir, narrow_kv_adapter, poisoned_adapter):
+    card = msgspec.structs.replace(CARD, num_attention_heads=4, num_key_value_heads=2)
+    assert not isinstance(read_adapter(*_files(adapter_dir), card), str)
+    assert read_adapter(*_files(narrow_kv_adapter), card) == (
+        f"adapters.safetensors: model.layers.0.self_attn.k_proj.lora_b is [4, 16], but {TINY_MODEL_ID} needs [4, 32]: "
+        "it was trained for another model")
+    assert misfit(_adapter(narrow_kv_adapter), card) is None  # its lora_a fit: only lora_b tells
+    assert read_adapter(*_files(poisoned_adapter), card) == (
+        "adapters.safetensors: model.layers.1.self_attn.v_proj.lora_b holds NaN or infinite values: every logit of "
+        "the model would be NaN")
 
 
 def test_a_header_that_fits_reads_back_its_tensors():
@@ -213,10 +276,14 @@ def test_an_adapter_from_the_hub_is_the_same_object_as_its_upload(node, http, ad
 
 
 @pytest.mark.slow
-def test_what_does_not_fit_is_refused_with_the_reason_and_leaves_no_object(node, http, adapter_dir, foreign_adapter):
+def test_what_does_not_fit_is_refused_with_the_reason_and_leaves_no_object(node, http, adapter_dir, foreign_adapter,
+                                                                           narrow_kv_adapter, poisoned_adapter):
     before = _objects(node)
     cases = [
         (upload(http, "foreign", foreign_adapter), 400, "trained for another model"),
+        (upload(http, "narrow", narrow_kv_adapter), 400,
+         f"model.layers.0.self_attn.k_proj.lora_b is [4, 16], but {TINY_MODEL_ID} needs [4, 32]"),
+        (upload(http, "poisoned", poisoned_adapter), 400, "model.layers.1.self_attn.v_proj.lora_b holds NaN or infinite"),
         (upload(http, "x", adapter_dir, base="org/nothing"), 404, "unknown base model"),
         (upload(http, "a:b", adapter_dir), 400, "name must be"),
         (http.post("/adapters", data={"name": "x", "base_model": TINY_MODEL_ID},

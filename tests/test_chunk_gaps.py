@@ -9,6 +9,8 @@ import uuid
 from collections import Counter
 from types import SimpleNamespace
 
+import msgspec
+
 from exo.api.generation import Generation
 from exo.api.metrics import Metrics
 from exo.bus.publish import publish_durably
@@ -25,19 +27,18 @@ def chunks_of(command_id: str, texts: list[str]) -> list[TokenChunk]:
 
 
 async def stored(nc, chunks: list[TokenChunk]) -> None:
-    import msgspec
-
     for chunk in chunks:
         await publish_durably(nc, token_subject(chunk.command_id), msgspec.json.encode(chunk), TOKENS_STREAM,
                               f"{chunk.command_id}:{chunk.index}")
 
 
-async def received(nc, command_id: str, delivered: list[TokenChunk], ended: TaskFinished | None = None) -> list[TokenChunk]:
-    """What a Generation yields when its live listener got only `delivered`."""
+async def received(nc, command_id: str, delivered: list[TokenChunk], ended: TaskFinished | None = None,
+                   listener: TokenListener | None = None) -> list[TokenChunk]:
+    """What a Generation yields when its live listener got only `delivered` (or what `listener` gets)."""
     cancels: list[str] = []
     ctx = SimpleNamespace(nc=nc, metrics=Metrics(), readers=Counter(), view=SimpleNamespace(state=State()),
                           in_background=lambda coroutine: (coroutine.close(), cancels.append(command_id)))
-    listener = TokenListener()
+    listener = listener or TokenListener()
     for chunk in delivered:
         listener.queue.put_nowait(chunk)
     end = asyncio.get_running_loop().create_future()
@@ -45,7 +46,8 @@ async def received(nc, command_id: str, delivered: list[TokenChunk], ended: Task
         end.set_result(ended)
     generation = Generation(ctx, command_id, listener, end)
     out = [chunk async for chunk in generation.chunks()]
-    assert bool(cancels) == ("were lost" in out[-1].error)  # a generation missing text is cancelled, not left running
+    # A generation missing text, or sent text it cannot read, is cancelled, not left running.
+    assert bool(cancels) == ("were lost" in out[-1].error or "could not be decoded" in out[-1].error)
     return out
 
 
@@ -85,3 +87,21 @@ async def test_an_end_from_the_worker_after_the_runners_chunks_ends_at_once(nc):
     ended_by_worker = TokenChunk(command_id=command_id, index=0, finish_reason="error", error="the runner failed")
     out = await asyncio.wait_for(received(nc, command_id, [*chunks, ended_by_worker]), 10)  # not a duplicate to wait past
     assert [(c.index, c.finish_reason) for c in out] == [(0, None), (1, None), (0, "error")]
+
+
+async def test_a_chunk_that_arrives_but_does_not_decode_ends_the_generation_saying_so_not_as_lost(nc, caplog):
+    command_id = uuid.uuid4().hex
+    good = chunks_of(command_id, ["a", "b"])
+    # A logprob of null (what msgspec writes for -inf) where the chunk's type holds a float.
+    undecodable = msgspec.json.encode({"command_id": command_id, "index": 1, "text": "b", "token_count": 2,
+                                       "logprobs": [{"token": "b", "logprob": None}]})
+    listener = await TokenListener.live(nc, command_id)
+    subject = token_subject(command_id)
+    for index, data in enumerate([msgspec.json.encode(good[0]), undecodable, msgspec.json.encode(good[2])]):
+        await publish_durably(nc, subject, data, TOKENS_STREAM, f"{command_id}:{index}")  # stored and delivered live
+    out = await asyncio.wait_for(received(nc, command_id, [], listener=listener), 10)
+    await listener.close()
+    assert [(c.index, c.text, c.finish_reason) for c in out] == [(0, "a", None), (1, "", "error")]
+    assert out[-1].error.startswith("chunk 1 of this generation's text could not be decoded (Expected `float`, got "
+                                    "`null` - at `$.logprobs[0].logprob`)")
+    assert f"a token chunk on {subject} does not decode" in caplog.text

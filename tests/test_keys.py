@@ -10,11 +10,22 @@ import pytest
 from msgspec.structs import replace
 
 from exo.core.apply import apply
-from exo.core.commands import CancelTask, GenerateText
-from exo.core.events import CommandRejected, Event, KeyDeleted, KeySet, TaskCreated, TaskFinished, TaskStarted
+from exo.core.commands import CancelTask, DeleteKey, GenerateText
+from exo.core.events import (
+    CommandRejected,
+    Event,
+    KeyDeleted,
+    KeySet,
+    TaskCancelRequested,
+    TaskCreated,
+    TaskFinished,
+    TaskMigrated,
+    TaskStarted,
+)
 from exo.core.keys import ApiKey, KeyLimits
+from exo.core.reservations import reserved_tokens
 from exo.core.state import State
-from exo.core.types import Instance, ModelCard, ShardAssignment, Task
+from exo.core.types import ChatMessage, GenerationParams, Instance, ModelCard, ShardAssignment, Task
 from exo.core.usage import UsageCounts, day_of
 from exo.master.decide import decide
 from exo.worker.fairness import next_to_forward
@@ -23,6 +34,7 @@ MODEL = "org/model"
 CARDS = {MODEL: ModelCard(model_id=MODEL, n_layers=2), "org/other": ModelCard(model_id="org/other", n_layers=2)}
 KEY = ApiKey(key_id="key_0123456789abcdef", secret_sha256="a" * 64, models=["org/m*"])
 T0 = float(calendar.timegm((2026, 12, 31, 23, 58, 10)))  # near a minute, a day, a month and a year's end
+SHORT = GenerationParams(max_tokens=16)  # reserves 80 tokens (an empty chat's allowance, 64, + 16): fits a limit of 100
 
 
 class Cluster:
@@ -39,9 +51,10 @@ class Cluster:
     def fold(self, event: Event) -> None:
         self.state = apply(self.state, replace(event, term=1), self.state.last_seq + 1)  # type: ignore[arg-type]
 
-    def ask(self, at: float, model: str = MODEL, key_id: str = KEY.key_id) -> CommandRejected | TaskCreated:
+    def ask(self, at: float, model: str = MODEL, key_id: str = KEY.key_id,
+            params: GenerationParams = SHORT) -> CommandRejected | TaskCreated:
         self.count += 1
-        command = GenerateText(command_id=f"c{self.count}", model_id=model, at=at, key_id=key_id)
+        command = GenerateText(command_id=f"c{self.count}", model_id=model, at=at, key_id=key_id, params=params)
         [event] = decide(self.state, command, builtin_cards=CARDS, ids=iter([]))
         self.fold(event)
         assert isinstance(event, (CommandRejected, TaskCreated))
@@ -188,3 +201,98 @@ def test_a_keys_fields_are_bounded():
     assert "between 0 (no limit)" in (KeyLimits(tokens_per_day=-1).problem() or "")
     assert "at most 200 characters" in (replace(KEY, models=["x" * 201]).problem() or "")
     assert replace(KEY, key_id="key_x").problem() == "invalid key id 'key_x'"
+
+
+# --- token limits under concurrency: open requests reserve their most tokens ---
+
+HI = GenerationParams(prompt="hi", max_tokens=40)  # a raw prompt: reserves 2 bytes + 2 (BOS, EOS) + 40 = 44 tokens
+
+
+def test_reservations_bound_the_prompt_and_the_answer_within_the_context():
+    chat = GenerationParams(messages=[ChatMessage(role="user", content="héllo")], max_tokens=10)
+    assert reserved_tokens(chat, 0) == 64 + 8 + 6 + 10  # the template's allowance, a message's, its UTF-8 bytes
+    assert reserved_tokens(HI, 0) == 44
+    assert reserved_tokens(HI, 30) == 30  # never more than the context
+    assert reserved_tokens(replace(HI, max_tokens=None), 1000) == 1000  # no max_tokens: what the context leaves
+    assert reserved_tokens(replace(HI, max_tokens=None), 0) == 4 + 2048  # unknown context: the runner's default
+
+
+def test_concurrent_requests_reserve_their_most_tokens_against_a_daily_quota_and_release_what_they_did_not_use():
+    cluster = Cluster(KeyLimits(tokens_per_day=100))
+    first, second = cluster.ask(T0, params=HI), cluster.ask(T0, params=HI)
+    assert isinstance(first, TaskCreated) and isinstance(second, TaskCreated)
+    third = refused(cluster.ask(T0, params=HI))
+    assert third.reason == (f"key {KEY.key_id} has 12 tokens of its daily quota of 100 left today (UTC) besides the 88 "
+                            "its open requests reserve, and this request reserves 44 (its prompt and max_tokens): try "
+                            "again when they end, or send a smaller max_tokens")
+    assert third.retry_after_s == 1.0
+    cluster.finish(first, 2, 3)  # 5 tokens used: 39 of its 44 released
+    assert isinstance(cluster.ask(T0, params=HI), TaskCreated)  # 5 used + 44 + 44 reserved = 93
+    refused(cluster.ask(T0, params=HI))
+    too_big = refused(cluster.ask(T0, params=replace(HI, max_tokens=96)))  # 100 > the 95 left even once all end
+    assert too_big.reason == (f"key {KEY.key_id} has 95 tokens left today (UTC) of its daily quota of 100, and this "
+                              "request reserves 100 (its prompt and max_tokens): send a smaller max_tokens, or try "
+                              "again when its daily quota resets")
+    assert too_big.retry_after_s == pytest.approx(calendar.timegm((2027, 1, 1, 0, 0, 0)) - T0)
+    never = refused(cluster.ask(T0, params=replace(HI, max_tokens=97)))
+    assert never.reason == (f"key {KEY.key_id}: this request reserves 101 tokens (its prompt and max_tokens), more than "
+                            "its daily quota of 100: send a smaller max_tokens")
+
+
+def test_a_per_minute_limit_counts_the_reservations_of_requests_started_in_its_minute():
+    cluster = Cluster(KeyLimits(tokens_per_minute=100))
+    assert [type(cluster.ask(T0, params=HI)) for _ in range(3)] == [TaskCreated, TaskCreated, CommandRejected]
+    assert "of its limit of 100 left this minute besides the 88" in refused(cluster.ask(T0 + 49, params=HI)).reason
+    assert isinstance(cluster.ask(T0 + 50, params=HI), TaskCreated)  # 23:59:00: the open two started last minute
+
+
+# --- deleting a key ends its work, and its usage stays counted ---
+
+def test_deleting_a_key_cancels_its_open_tasks_in_the_same_decision_and_still_counts_their_tokens():
+    cluster = Cluster(KeyLimits())
+    other = replace(KEY, key_id="key_fedcba9876543210")
+    cluster.fold(KeySet(key=other))
+    running, pending, waiting = cluster.ask(T0), cluster.ask(T0), cluster.ask(T0)
+    bystander = cluster.ask(T0, key_id=other.key_id)
+    assert all(isinstance(e, TaskCreated) for e in (running, pending, waiting, bystander))
+    cluster.fold(TaskStarted(task_id="c1"))
+    cluster.fold(TaskMigrated(task_id="c3", to_instance="", reason="its instance is gone", at=T0))  # waits for one
+    events = decide(cluster.state, DeleteKey(command_id="delete", key_id=KEY.key_id), builtin_cards=CARDS, ids=iter([]))
+    assert events == [TaskCancelRequested(task_id="c1", reason="the API key was deleted"),
+                      TaskCancelRequested(task_id="c2", reason="the API key was deleted"),
+                      TaskFinished(task_id="c3", status="cancelled", finish_reason="cancelled",
+                                   error="the API key was deleted"),
+                      KeyDeleted(command_id="delete", key_id=KEY.key_id)]
+    for event in events:
+        cluster.fold(event)
+    tasks = cluster.state.tasks
+    assert [(tasks[t].status, tasks[t].cancel_requested, tasks[t].cancel_reason) for t in ("c1", "c2", "c4")] == [
+        ("running", True, "the API key was deleted"), ("pending", True, "the API key was deleted"), ("pending", False, "")]
+    cluster.fold(TaskFinished(task_id="c1", status="cancelled", finish_reason="cancelled", prompt_tokens=7,
+                              completion_tokens=9))  # its runner stopped, and says what it used
+    assert cluster.state.usage[KEY.key_id] == {day_of(T0): {MODEL: UsageCounts(requests=3, prompt_tokens=7,
+                                                                                 completion_tokens=9)}}
+    assert KEY.key_id not in cluster.state.api_keys and KEY.key_id not in cluster.state.key_windows
+
+
+def test_a_deleted_keys_task_its_runner_never_had_ends_with_the_reason():
+    from exo.worker.plan import EndTask, LocalRunner, WorkerView, plan
+
+    instance = Instance(instance_id="i", model_id=MODEL, shards=[ShardAssignment(runner_id="r", node_id="n")])
+    task = replace(_task(1, KEY.key_id), cancel_requested=True, cancel_reason="the API key was deleted")
+    view = WorkerView(node_id="n", state=State(instances={"i": instance}, tasks={task.task_id: task}),
+                      runners={"r": LocalRunner(runner_id="r", instance_id="i", phase="ready")})
+    assert [s for s in plan(view) if isinstance(s, EndTask)] == [
+        EndTask(task_id=task.task_id, status="cancelled", reason="the API key was deleted")]
+
+
+def test_a_groups_master_cancels_the_requests_of_a_key_the_shared_master_deleted():
+    from exo.master.group import SETTLE_S, heal_group
+    from exo.master.heal import HealLimits
+
+    instance = Instance(instance_id="i", model_id=MODEL, shards=[ShardAssignment(runner_id="r", node_id="n")])
+    tasks = {t.task_id: t for t in [_task(1, KEY.key_id), _task(2, "key_fedcba9876543210"), _task(3, "")]}
+    group = State(group="alpha", instances={"i": instance}, tasks=tasks, api_keys={"key_fedcba9876543210": KEY})
+    assert heal_group(group, now=T0 + 1 + SETTLE_S, limits=HealLimits()) == [
+        TaskCancelRequested(task_id="t1", reason="the API key was deleted")]
+    assert heal_group(group, now=T0 + 1, limits=HealLimits()) == []  # just admitted: the shared view may lag

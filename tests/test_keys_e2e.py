@@ -244,21 +244,24 @@ def test_a_request_may_ask_for_the_batch_tier_but_not_above_its_keys(node):
             assert task["priority"] == tier, (extra, task["priority"])
 
 
-def test_a_stream_that_crosses_its_token_limit_finishes_and_the_next_request_waits(node):
+def test_a_request_whose_reserved_tokens_no_longer_fit_the_minute_waits_for_the_next(node):
     exo = node
     with admin_client(exo.url) as admin:
-        _, secret = add_key(admin, limits={"tokens_per_minute": 30})
+        key_id, secret = add_key(admin, limits={"tokens_per_minute": 150})  # a chat of max_tokens 60 reserves 137
     if time.time() % 60 > 50:  # the stream and the next request in one clock minute, the window tokens count in
         time.sleep(60.5 - time.time() % 60)
     client = openai.OpenAI(base_url=f"{exo.url}/v1", api_key=secret, max_retries=0)
     stream = client.chat.completions.create(model=TINY_MODEL_ID, messages=ASK, max_tokens=60, temperature=0,
                                             stream=True, stream_options={"include_usage": True})
     chunks = list(stream)
-    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 60  # past 30, and let finish
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 60
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
-    with pytest.raises(openai.RateLimitError, match="tokens this minute, its limit of 30"):
-        wait_until(lambda: client.chat.completions.create(model=TINY_MODEL_ID, messages=ASK, max_tokens=2) and False,
-                   5, what="the next request refused")
+    used = chunks[-1].usage.total_tokens
+    with admin_client(exo.url) as admin:  # its reservation released, its tokens counted
+        wait_until(lambda: [r["completion_tokens"] for r in usage_rows(admin, key_id)] == [60], 5, what="tokens counted")
+    with pytest.raises(openai.RateLimitError, match=f"has {150 - used} tokens left this minute of its limit of 150, "
+                                                    "and this request reserves 137"):
+        client.chat.completions.create(model=TINY_MODEL_ID, messages=ASK, max_tokens=60)
 
 
 def _running_tasks_of(admin: httpx.Client, key_id: str) -> list[dict]:

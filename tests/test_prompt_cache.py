@@ -11,7 +11,6 @@ prompt and text, sent back) is mlx-lm's exact hit, which the cache trims back by
 from __future__ import annotations
 
 import asyncio
-import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -23,7 +22,8 @@ from exo.core.types import ChatMessage, GenerationParams, SamplingDefaults
 from exo.runner.batch import Batcher
 from exo.runner.decoding import GenerationResult, Output
 from exo.runner.engine import Engine
-from exo.runner.prompt_cache import _MODEL_KEY, OutOfStep, PromptCache, tokens_held
+from exo.runner.prompt_cache import OutOfStep, PromptCache, tokens_held
+from tests.support.cluster import wait_until
 from tests.support.e2e import exo_serving, place
 from tests.support.tiny_model import TINY_MODEL_ID, Dims, make_tiny_model
 
@@ -125,8 +125,8 @@ def test_a_prompt_equal_to_a_stored_key_is_trimmed_back_by_one_token_and_equals_
         prompt += text
         assert engine.encode(prompt) == key, path  # the completion's text re-encodes to its tokens
         assert cache.stats().entries == 1  # a longer entry replaced its prefix: the key is the only one
-        assert cache._lru.fetch_nearest_cache(_MODEL_KEY, key)[1] == [], path  # mlx-lm: an exact hit, no rest
-        reuse = cache.take(key)
+        assert cache._lru.fetch_nearest_cache("", key)[1] == [], path  # mlx-lm: an exact hit, no rest
+        reuse = cache.take(key, scope="")
         assert (reuse.rest, reuse.cached, tokens_held(reuse.cache)) == (key[-1:], len(key) - 1, len(key) - 1), path
         hits = cache.stats().hits
         got, done = run(completion(prompt))
@@ -207,9 +207,9 @@ def test_a_rank_whose_cache_would_reuse_another_prefix_is_out_of_step(model_dir)
     engine = loaded(model_dir)
     tokens = engine.encode(engine.prompt_for(chat(("user", "Hello"))))
     run_alone(engine, chat(("user", "Hello")))
-    assert engine.prompt_cache.take(tokens, expect=len(tokens) - 1).cached == len(tokens) - 1
+    assert engine.prompt_cache.take(tokens, scope="", expect=len(tokens) - 1).cached == len(tokens) - 1
     with pytest.raises(OutOfStep):
-        engine.prompt_cache.take(tokens, expect=0)
+        engine.prompt_cache.take(tokens, scope="", expect=0)
 
 
 def test_sliding_window_caches_that_cannot_be_trimmed_are_reused_only_where_correct(tmp_path):
@@ -359,11 +359,50 @@ def test_with_two_instances_each_conversation_stays_where_its_cache_is(http, nod
     # hits this test saw there (the split of the first turns is the router's to choose; earlier
     # tests' hits may add to one instance's count).
     seen_hits = Counter(instance for turns in served.values() for instance, cached in turns if cached > 0)
-    hits: dict[str, float] = {}
-    deadline = time.monotonic() + 15
-    while len(hits) < 2 and time.monotonic() < deadline:
-        time.sleep(0.5)
+
+    def all_seen_hits_reported() -> bool:
         hits = {line.split('instance_id="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
                 for line in http.get("/metrics").text.splitlines() if line.startswith("exo_prompt_cache_hits_total{")}
-        hits = {instance: n for instance, n in hits.items() if instance in seen_hits and n >= seen_hits[instance]}
-    assert sorted(hits) == sorted(seen_hits), (hits, seen_hits)
+        return all(hits.get(instance, 0) >= n for instance, n in seen_hits.items())
+
+    wait_until(all_seen_hits_reported, 15, 0.5, what=f"/metrics reporting at least the hits seen, {dict(seen_hits)}")
+
+
+# Cache scopes (docs/prompt-cache.md, "What one key can learn"): a request reuses only entries of
+# its own scope, so what another key sent never shows in its cached_tokens.
+
+SECRET = [("system", SYSTEM), ("user", "My salary is 123,456 a year. Keep it to yourself.")]
+
+
+@pytest.mark.parametrize("path", ["alone", "batched"])
+def test_a_scope_reuses_only_its_own_entries_and_another_keys_guesses_get_nothing(model_dir, path):
+    engine = loaded(model_dir)
+
+    def cached(scope: str, *turns: tuple[str, str]) -> tuple[int, int]:
+        params = chat(*turns, cache_scope=scope)
+        _, done = run_alone(engine, params) if path == "alone" else run_batched(engine, [params])[0]
+        return done.cached_tokens, done.prompt_tokens
+
+    assert cached("key:alice", *SECRET)[0] == 0
+    # Another key's exact repeat, a guess that shares all but the last words, and a keyless request
+    # each get what an unrelated prompt gets in a scope of its own: nothing.
+    unrelated = cached("key:dave", ("user", "Tell me a joke."))[0]
+    guesses = [cached("key:bob", *SECRET)[0], cached("key:carol", SECRET[0], ("user", "My salary is 123,456 a year."))[0],
+               cached("", *SECRET)[0]]
+    assert guesses == [unrelated] * 3 == [0] * 3
+    # Each scope keeps and reuses its own: Alice's repeat, and Bob's.
+    for scope in ("key:alice", "key:bob"):
+        reused, prompt = cached(scope, *SECRET)
+        assert reused == prompt - 1, scope
+
+
+def test_keys_of_one_cache_scope_share_their_entries_on_both_paths(model_dir):
+    engine = loaded(model_dir)
+    _, first = run_alone(engine, chat(*SECRET, cache_scope="scope:team"))
+    _, alone = run_alone(engine, chat(*SECRET, cache_scope="scope:team"))
+    [(_, batched)] = run_batched(engine, [chat(*SECRET, ("assistant", "Noted."), ("user", "Thanks"),
+                                               cache_scope="scope:team")])
+    assert (first.cached_tokens, alone.cached_tokens) == (0, alone.prompt_tokens - 1)
+    assert batched.cached_tokens >= alone.prompt_tokens  # the whole earlier prompt, and what the team generated
+    stats = engine.prompt_cache.stats()
+    assert (stats.hits, stats.misses) == (2, 1)

@@ -4,14 +4,18 @@ everything else goes to the least busy instance."""
 
 import random
 
+import msgspec
+
 from exo.core.apply import apply
 from exo.core.commands import GenerateText, PlaceInstance
 from exo.core.conversation import digest_conversation
-from exo.core.events import TaskFinished
+from exo.core.events import KeySet, TaskFinished
+from exo.core.keys import ApiKey
 from exo.core.state import State
 from exo.core.types import ChatMessage, GenerationParams
 from exo.master.routing import TaskIndex, choose_instance
 from exo.master.routing import shared_conversation as shared_digests
+from tests.support.as_master import stamped
 from tests.test_decide import run, with_node
 
 SYSTEM = ChatMessage(role="system", content="You are a coding agent. " * 20)
@@ -137,7 +141,7 @@ def test_the_masters_task_index_changes_no_routing_decision(monkeypatch):
     over a long random run (tasks evicted, the index rebuilt, one index across every State), every
     task that shares anything with the request is among those it compares, and the choice is the
     one a scan of every task makes."""
-    monkeypatch.setattr("exo.core.apply.MAX_FINISHED_TASKS", 30)  # evictions, and the index's rebuilds, early
+    monkeypatch.setattr("exo.core.apply_tasks.MAX_FINISHED_TASKS", 30)  # evictions, and the index's rebuilds, early
     rng = random.Random(7)
     state, _ = two_instances()
     state, _ = run(state, PlaceInstance(command_id="p3", model_id="org/builtin"))
@@ -156,3 +160,63 @@ def test_the_masters_task_index_changes_no_routing_decision(monkeypatch):
         state, _ = ask(state, f"r{n}", params, finish=rng.random() < 0.8)
     finished_kept = sum(t.status == "completed" for t in state.tasks.values())
     assert compared > 200 and finished_kept == 30 and rebuilt >= 1, (compared, finished_kept, rebuilt)
+
+
+# Cache scopes: a key's conversations attract only its own scope's later turns (exo/core/keys.py).
+ALICE, BOB, CAROL = (ApiKey(key_id=f"key_{n:016x}", secret_sha256=f"{n:064x}") for n in (1, 2, 3))
+
+
+def with_keys(state: State, *keys: ApiKey) -> State:
+    for key in keys:
+        state = apply(state, stamped(state, KeySet(key=key)), state.last_seq + 1)
+    return state
+
+
+def ask_as(state: State, command_id: str, key: ApiKey | None, params: GenerationParams,
+           finish: bool = True) -> tuple[State, str]:
+    command = GenerateText(command_id=command_id, model_id="org/builtin", params=params, key_id=key.key_id if key else "")
+    state, (created,) = run(state, command)
+    return (finished(state, command_id) if finish else state), created.task.instance_id
+
+
+def served_then_busy(state: State, owner: ApiKey | None) -> State:
+    """`owner`'s conversation served on the first instance, which then has one open task more than
+    the second: a later turn goes back there only if that conversation attracts it."""
+    state, _ = ask_as(state, "secret", owner, chat(("user", "My salary is 123,456 a year.")))
+    state, _ = ask_as(state, "busy", None, chat(("user", "unrelated"), system=False), finish=False)
+    return state
+
+
+def test_another_keys_conversation_does_not_attract_a_request_that_repeats_it():
+    state, (first, second) = two_instances()
+    state = served_then_busy(with_keys(state, ALICE, BOB), ALICE)
+    guess = chat(("user", "My salary is 123,456 a year."), ("assistant", "ok"), ("user", "More"))
+    _, where = ask_as(state, "bob", BOB, guess)
+    assert where == second  # the least busy: Alice's conversation is not Bob's to find
+    _, where = ask_as(state, "keyless", None, guess)
+    assert where == second  # nor a request without a key's
+    _, where = ask_as(state, "alice", ALICE, guess)
+    assert where == first  # while Alice's own next turn goes where her conversation is
+    assert (state.tasks["secret"].params.cache_scope, state.tasks["busy"].params.cache_scope) == (
+        f"key:{ALICE.key_id}", "")
+
+
+def test_keys_of_one_cache_scope_attract_each_others_conversations():
+    state, (first, _) = two_instances()
+    team = [msgspec.structs.replace(key, cache_scope="team-a") for key in (ALICE, BOB)]
+    state = served_then_busy(with_keys(state, *team, CAROL), team[0])
+    guess = chat(("user", "My salary is 123,456 a year."), ("assistant", "ok"), ("user", "More"))
+    state, where = ask_as(state, "bob", team[1], guess)
+    assert where == first
+    assert state.tasks["bob"].params.cache_scope == state.tasks["secret"].params.cache_scope == "scope:team-a"
+    _, where = ask_as(state, "carol", CAROL, guess)
+    assert where != first
+
+
+def test_a_command_cannot_choose_its_cache_scope():
+    state, (first, second) = two_instances()
+    state = served_then_busy(with_keys(state, ALICE, BOB), ALICE)
+    forged = msgspec.structs.replace(chat(("user", "My salary is 123,456 a year."), ("assistant", "ok")),
+                                     cache_scope=f"key:{ALICE.key_id}")
+    state, where = ask_as(state, "bob", BOB, forged)
+    assert (where, state.tasks["bob"].params.cache_scope) == (second, f"key:{BOB.key_id}")

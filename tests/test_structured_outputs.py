@@ -102,6 +102,21 @@ def test_random_schemas_validate_and_equal_mlx_lm_constrained_by_llguidance(http
     assert len(texts) > 15  # the schemas really differ, and so do their answers
 
 
+def test_logprobs_of_a_constrained_answer_are_finite_with_openais_floor_for_masked_tokens(http, ref):
+    # A token the grammar masks has logprob -inf, which JSON cannot carry: OpenAI sends -9999.0.
+    body = {"model": TINY_MODEL_ID, "messages": MESSAGES, "max_tokens": LIMIT, "temperature": 0,
+            "response_format": as_format(SCHEMAS[0]), "logprobs": True, "top_logprobs": 5}
+    reply = http.post("/v1/chat/completions", json=body)
+    assert reply.status_code == 200, reply.text
+    choice = reply.json()["choices"][0]
+    assert choice["message"]["content"] == chat(http, as_format(SCHEMAS[0]))["message"]["content"]
+    entries = choice["logprobs"]["content"]
+    assert "".join(e["token"] for e in entries) == choice["message"]["content"] + "<|im_end|>"  # its EOS too
+    assert all(-9999.0 < e["logprob"] <= 0.0 and len(e["top_logprobs"]) == 5 for e in entries)
+    alternatives = [t["logprob"] for e in entries for t in e["top_logprobs"]]
+    assert all(-9999.0 <= v <= 0.0 for v in alternatives) and -9999.0 in alternatives
+
+
 def test_a_schema_that_leaves_one_choice_gives_exactly_it(http, ref):
     schema = {"type": "object", "properties": {"answer": {"const": "yes"}, "n": {"enum": [3]}},
               "required": ["answer", "n"], "additionalProperties": False}

@@ -26,7 +26,7 @@ from exo.api.storage import storage_middleware
 def build_app(ctx: ApiContext) -> web.Application:
     # Outermost first: count every answer, then shape errors, then check the key.
     app = web.Application(middlewares=[metrics_middleware, error_middleware, auth_middleware, storage_middleware],
-                          client_max_size=ctx.settings.max_body_bytes)
+                          client_max_size=ctx.body_limit())  # JSON bodies check it again as they come (request_body.py)
     app[CONTEXT_KEY] = ctx
     app.on_response_prepare.append(add_rate_headers)  # streams too: headers go out before the first event
     _openai(app.router)

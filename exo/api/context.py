@@ -17,13 +17,15 @@ from exo.api.metrics import Metrics
 from exo.api.outcomes import CommandOutcomes
 from exo.api.state_metrics import ClusterCollector
 from exo.background import Background
-from exo.bus.connection import Connection
+from exo.bus.connection import Connection, max_payload
 from exo.bus.state_view import FoldedView
 from exo.core.catalogue import find_card
 from exo.core.ids import ModelId, NodeId
 from exo.core.types import ModelCard
 from exo.models.dirs import ModelDirs
 from exo.settings.services import ApiSettings, ModelSettings
+
+COMMAND_ROOM_BYTES = 64 * 1024  # a generation command's fields besides the request's text, with room to spare
 
 
 def closest_model_id(asked: str, known: list[str]) -> str | None:
@@ -98,6 +100,11 @@ class ApiContext:
 
     def all_cards(self) -> dict[ModelId, ModelCard]:
         return {**self.builtin_cards, **self.view.state.custom_model_cards}
+
+    def body_limit(self) -> int:
+        """The largest request body: EXO_MAX_BODY_BYTES, else what one NATS message of the connected
+        server carries less room for the command's own fields (a request's text goes in one command)."""
+        return self.settings.max_body_bytes or max(max_payload(self.nc) - COMMAND_ROOM_BYTES, COMMAND_ROOM_BYTES)
 
 
 CONTEXT_KEY = web.AppKey("exo_context", ApiContext)

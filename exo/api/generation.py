@@ -23,7 +23,7 @@ from exo.api.outcomes import COMMAND_TIMEOUT_S, new_command_id, raise_if_rejecte
 from exo.api.validate import check_limits
 from exo.bus.command_queue import send_command
 from exo.bus.readers import read_anywhere
-from exo.bus.token_stream import TokenListener, stored_chunks
+from exo.bus.token_stream import TokenListener, UndecodableChunk, stored_chunks
 from exo.core.commands import CancelTask, GenerateText
 from exo.core.events import TaskFinished
 from exo.core.ids import CommandId, ModelId, TaskId
@@ -64,12 +64,22 @@ class Generation:
             for chunk in await self._in_order(arrived):
                 if chunk.finish_reason is None and chunk.index <= self._after:
                     continue
-                chunk = self._runs.trimmed(chunk)
+                chunk = self._why_cancelled(self._runs.trimmed(chunk))
                 self.finished = chunk.finish_reason is not None
+                if isinstance(chunk, UndecodableChunk):  # the runner goes on, but what it sends cannot be read
+                    self._ctx.in_background(cancel_generation(self._ctx, self.command_id))
                 self._measure(chunk)
                 yield chunk
                 if self.finished:
                     break
+
+    def _why_cancelled(self, chunk: TokenChunk) -> TokenChunk:
+        """A runner's last chunk of a cancelled generation says nothing of why: State does when it
+        was not its client's asking (its key was deleted)."""
+        if chunk.finish_reason != "cancelled" or chunk.error:
+            return chunk
+        task = self._ctx.view.state.tasks.get(self.command_id)
+        return msgspec.structs.replace(chunk, error=task.cancel_reason) if task and task.cancel_reason else chunk
 
     def _of_current_run(self, chunk: TokenChunk) -> bool:
         """A chunk of the task's latest run (a migration starts a new one: exo/master/heal.py); an

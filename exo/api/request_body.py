@@ -8,12 +8,13 @@ from typing import TypeVar
 import msgspec
 from aiohttp import web
 
+from exo.api.context import context_of
 from exo.api.errors import ApiError
 
 T = TypeVar("T")
 
 async def decode_body(request: web.Request, kind: type[T]) -> T:
-    raw = await request.read()
+    raw = await read_body(request, context_of(request).body_limit())
     if not raw:
         raise ApiError(400, "the request body is empty; send a JSON object")
     try:
@@ -25,6 +26,25 @@ async def decode_body(request: web.Request, kind: type[T]) -> T:
         raise ApiError(400, f"the request body is not valid JSON: {error}") from None
     except RecursionError:
         raise ApiError(400, "the request body is nested too deeply") from None
+
+
+async def read_body(request: web.Request, limit: int) -> bytes:
+    """The whole body, or a 413 naming `limit` as soon as the body is known to be larger: by its
+    Content-Length before any of it is read, else (chunked) once more than that has come."""
+    if request.content_length is not None and request.content_length > limit:
+        raise body_too_large(limit)
+    body = bytearray()
+    async for chunk in request.content.iter_any():
+        body += chunk
+        if len(body) > limit:
+            raise body_too_large(limit)
+    return bytes(body)
+
+
+def body_too_large(limit: int) -> ApiError:
+    return ApiError(413, f"the request body is larger than this server's limit of {limit} bytes (EXO_MAX_BODY_BYTES; "
+                         "by default what one NATS message carries: the server's max_payload less 64 KiB)",
+                    code="request_too_large")
 
 
 def field_hint(message: str, kind: type) -> str:

@@ -8,6 +8,7 @@ import msgspec
 
 from exo.api.errors import ApiError
 from exo.core.kv_budget import KV_BITS, context_cap, least_context
+from exo.core.prompt_length import API_CHARS_PER_TOKEN, too_long
 from exo.core.types import GenerationParams, ModelCard
 
 # What one request may ask for. Everything in GenerationParams is stored in the log and in State,
@@ -49,6 +50,16 @@ def check_limits(params: GenerationParams, context_length: int, max_tokens_limit
         raise ApiError(400, f"tool definitions must be at most {MAX_TOOLS_BYTES} bytes of JSON", param="tools")
     if params.response_format and len(msgspec.json.encode(params.response_format)) > MAX_SCHEMA_BYTES:
         raise ApiError(400, f"response_format must be at most {MAX_SCHEMA_BYTES} bytes of JSON", param="response_format")
+    check_prompt_length(params, context_length)
+
+
+def check_prompt_length(params: GenerationParams, context_length: int) -> None:
+    """A prompt too long for the context by its length alone: refused here in microseconds, before
+    the runner would spend seconds tokenizing it (exo/core/prompt_length.py)."""
+    why = too_long(params, context_length, API_CHARS_PER_TOKEN)
+    if why is not None:
+        param = "input" if params.embed is not None else "prompt" if params.prompt is not None else "messages"
+        raise ApiError(400, why, param=param, code="context_length_exceeded")
 
 
 def check_max_context(max_context: int, card: ModelCard) -> int:

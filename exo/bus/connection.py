@@ -14,6 +14,7 @@ from nats.aio.client import Client
 
 from exo.bus import broker_trouble
 from exo.bus.errors import BusError
+from exo.bus.server.embedded import MAX_PAYLOAD_BYTES
 from exo.settings.services import NatsSecurity
 
 # What the rest of exo holds: a connection to NATS. Only exo/bus imports `nats` (tests/test_layering.py).
@@ -24,6 +25,12 @@ log = logging.getLogger(__name__)
 
 async def _quiet(error: Exception) -> None:
     pass
+
+
+def max_payload(nc: Connection | None) -> int:
+    """The largest message the connected server takes (its INFO's max_payload); without a
+    connection (an API built for a test), the embedded server's."""
+    return nc.max_payload if nc is not None else MAX_PAYLOAD_BYTES
 
 
 def split_urls(urls: str) -> list[str]:

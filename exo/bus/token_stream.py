@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 
 import msgspec
 from nats.aio.client import Client
@@ -22,8 +23,40 @@ from exo.bus.subjects import TOKENS_STREAM, token_subject
 from exo.core.ids import CommandId
 from exo.core.types import TokenChunk
 
+log = logging.getLogger(__name__)
+
 _encoder = msgspec.json.Encoder()
 _decoder = msgspec.json.Decoder(TokenChunk)
+
+
+class UndecodableChunk(TokenChunk, frozen=True, kw_only=True):
+    """Stands for a chunk that arrived but does not decode: it ends its generation with an error that
+    says so (a chunk that never arrived is another error: text lost in transit)."""
+
+
+class _ChunkPlace(msgspec.Struct):
+    """What an undecodable chunk still says of its place in the generation, if its JSON reads at all."""
+
+    index: int = -1
+    attempt: int = 0
+
+
+_place_decoder = msgspec.json.Decoder(_ChunkPlace)
+
+
+def decoded_chunk(msg: Msg, command_id: CommandId) -> TokenChunk:
+    try:
+        return _decoder.decode(msg.data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as error:
+        log.error("a token chunk on %s does not decode: %s", msg.subject, error)
+        try:
+            place = _place_decoder.decode(msg.data)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            place = _ChunkPlace()
+        where = f"chunk {place.index}" if place.index >= 0 else "a chunk"
+        return UndecodableChunk(command_id=command_id, index=place.index, attempt=place.attempt, finish_reason="error",
+                                error=f"{where} of this generation's text could not be decoded ({error}); "
+                                      "the runner sent what the API cannot read")
 
 
 async def publish_chunk(nc: Client, chunk: TokenChunk) -> None:
@@ -111,14 +144,15 @@ class TokenListener:
     JetStream for a listener that arrives late.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, command_id: CommandId = CommandId("")) -> None:
+        self.command_id = command_id
         self.queue: asyncio.Queue[TokenChunk] = asyncio.Queue()
         self._sequenced: asyncio.Queue[tuple[int, TokenChunk]] = asyncio.Queue()  # (stream sequence, chunk)
         self._subscription: Subscription | None = None
 
     @classmethod
     async def live(cls, nc: Client, command_id: CommandId) -> TokenListener:
-        listener = cls()
+        listener = cls(command_id)
         # A runner's publish, never a JetStream delivery: a push consumer aimed at this subject
         # could otherwise put stored chunks of another generation into this one.
         listener._subscription = await nc.subscribe(token_subject(command_id), cb=from_clients_only(listener._on_msg))
@@ -126,7 +160,7 @@ class TokenListener:
 
     @classmethod
     async def from_stream(cls, nc: Client, command_id: CommandId, with_sequence: bool = False) -> TokenListener:
-        listener = cls()
+        listener = cls(command_id)
         listener._subscription = await nc.jetstream().subscribe(
             token_subject(command_id),
             stream=TOKENS_STREAM,
@@ -143,7 +177,7 @@ class TokenListener:
             return None
 
     async def _on_stored(self, msg: Msg) -> None:
-        self._sequenced.put_nowait((msg.metadata.sequence.stream, _decoder.decode(msg.data)))
+        self._sequenced.put_nowait((msg.metadata.sequence.stream, decoded_chunk(msg, self.command_id)))
 
     async def next_within(self, seconds: float) -> TokenChunk | None:
         try:
@@ -152,7 +186,7 @@ class TokenListener:
             return None
 
     async def _on_msg(self, msg: Msg) -> None:
-        self.queue.put_nowait(_decoder.decode(msg.data))
+        self.queue.put_nowait(decoded_chunk(msg, self.command_id))
 
     async def close(self) -> None:
         if self._subscription is not None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 
@@ -85,16 +85,18 @@ class AdapterFacts(msgspec.Struct, frozen=True, kw_only=True):
     hidden_inputs: list[int]
 
 
-def read_adapter(config_bytes: bytes, weights: bytes) -> AdapterFacts | str:
-    """What the adapter's files say, or why they are not an mlx-lm LoRA adapter."""
+def read_adapter(config_bytes: bytes, weights: bytes, card: ModelCard | None = None) -> AdapterFacts | str:
+    """What the adapter's files say, or why they are not an mlx-lm LoRA adapter (or not one for
+    `card`'s model: its lora_b widths; lora_a's input widths are kept for `misfit`)."""
     config = _read_config(config_bytes)
     if isinstance(config, str):
         return config
-    tensors = safetensors_header(weights)
+    tensors = _tensors(weights)
     if isinstance(tensors, str):
         return f"adapters.safetensors: {tensors}"
     layers, hidden = 0, set()
-    for name, (_, shape) in tensors.items():
+    for name, tensor in tensors.items():
+        shape = tensor.shape
         if name.rsplit(".", 1)[-1] not in _LEAVES:
             return f"adapters.safetensors: {name!r} is not a LoRA parameter (lora_a, lora_b or m)"
         if (layer := _LAYER.search(name)) is not None:
@@ -102,12 +104,66 @@ def read_adapter(config_bytes: bytes, weights: bytes) -> AdapterFacts | str:
         module = name.rsplit(".", 2)[-2] if name.count(".") >= 1 else ""
         if name.endswith(".lora_a") and module in _HIDDEN_INPUTS and shape:
             hidden.add(shape[0])
-        if name.endswith(".lora_a") and len(shape) == 2 and shape[1] != config["rank"]:
-            return f"adapters.safetensors: {name} has rank {shape[1]}, its config says {config['rank']}"
+        if problem := _shape_problem(name, shape, config["rank"], card):
+            return f"adapters.safetensors: {problem}"
     if not tensors:
         return "adapters.safetensors holds no tensors"
+    if problem := _non_finite(weights, tensors):
+        return f"adapters.safetensors: {problem}"
     return AdapterFacts(fine_tune_type=config["fine_tune_type"], rank=config["rank"], layers=layers,
                         hidden_inputs=sorted(hidden))
+
+
+def _shape_problem(name: str, shape: list[int], rank: int, card: ModelCard | None) -> str | None:
+    """lora_a is (input width, rank) and lora_b (rank, output width), as mlx-lm's LoRALinear holds them."""
+    leaf = name.rsplit(".", 1)[-1]
+    if leaf not in ("lora_a", "lora_b") or len(shape) != 2:
+        return None
+    found = shape[1] if leaf == "lora_a" else shape[0]
+    if found != rank:
+        return f"{name} has rank {found}, its config says {rank}"
+    if leaf == "lora_a" or card is None:
+        return None
+    width = _output_width(name.rsplit(".", 2)[-2], card)
+    if width and shape[1] != width:
+        return f"{name} is {shape}, but {card.model_id} needs {[rank, width]}: it was trained for another model"
+    return None
+
+
+def _output_width(module: str, card: ModelCard) -> int:
+    """The output width of a projection of the card's model, 0 where the card does not say."""
+    head_dim = card.head_dim or (card.hidden_size // card.num_attention_heads if card.num_attention_heads else 0)
+    widths = {"q_proj": card.num_attention_heads * head_dim, "k_proj": card.num_key_value_heads * head_dim,
+              "v_proj": card.num_key_value_heads * head_dim, "o_proj": card.hidden_size, "down_proj": card.hidden_size}
+    return widths.get(module, 0)
+
+
+# Where each float format keeps its exponent (little-endian, as safetensors stores it): its width
+# in bytes, and the exponent's bits in the top byte and in the byte below it. All set: NaN or infinity.
+_EXPONENT_BITS = {"F16": (2, 0x7C, 0x00), "BF16": (2, 0x7F, 0x80), "F32": (4, 0x7F, 0x80), "F64": (8, 0x7F, 0xF0)}
+
+
+def _bytes_with_bits(mask: int) -> bytes:
+    """A translation table: 1 for each byte value that has every bit of `mask` set, else 0."""
+    return bytes(1 if value & mask == mask else 0 for value in range(256))
+
+
+_BITS_SET = {mask: _bytes_with_bits(mask) for _, top, below in _EXPONENT_BITS.values() for mask in (top, below)}
+
+
+def _non_finite(weights: bytes, tensors: dict[str, _Tensor]) -> str | None:
+    """The first tensor holding NaN or infinity: such an adapter makes every logit NaN. Byte slices,
+    translations and one big-integer AND keep it at C speed without numpy (this is the pure core)."""
+    for name, tensor in tensors.items():
+        if tensor.dtype not in _EXPONENT_BITS:
+            continue
+        width, top, below = _EXPONENT_BITS[tensor.dtype]
+        raw = weights[tensor.start:tensor.end]
+        top_set = raw[width - 1::width].translate(_BITS_SET[top])
+        below_set = raw[width - 2::width].translate(_BITS_SET[below])  # mask 0: every byte qualifies
+        if int.from_bytes(top_set, "little") & int.from_bytes(below_set, "little"):
+            return f"{name} holds NaN or infinite values: every logit of the model would be NaN"
+    return None
 
 
 def _read_config(data: bytes) -> dict[str, Any] | str:
@@ -140,8 +196,20 @@ def _read_config(data: bytes) -> dict[str, Any] | str:
     return {"fine_tune_type": kind, "rank": rank, "num_layers": layers}
 
 
+class _Tensor(NamedTuple):
+    dtype: str
+    shape: list[int]
+    start: int  # where its bytes are in the file
+    end: int
+
+
 def safetensors_header(data: bytes) -> dict[str, tuple[str, list[int]]] | str:
     """Each tensor's (dtype, shape), checked against the bytes that follow the header."""
+    tensors = _tensors(data)
+    return tensors if isinstance(tensors, str) else {name: (t.dtype, t.shape) for name, t in tensors.items()}
+
+
+def _tensors(data: bytes) -> dict[str, _Tensor] | str:
     if len(data) < 8:
         return "too short for a safetensors file"
     length = int.from_bytes(data[:8], "little")  # the header's size, a little-endian u64
@@ -160,7 +228,8 @@ def safetensors_header(data: bytes) -> dict[str, tuple[str, list[int]]] | str:
         problem = _tensor_problem(spec, body)
         if problem:
             return f"tensor {name!r}: {problem}"
-        tensors[name] = (spec["dtype"], list(spec["shape"]))
+        start, end = (8 + length + offset for offset in spec["data_offsets"])
+        tensors[name] = _Tensor(spec["dtype"], list(spec["shape"]), start, end)
     return tensors
 
 

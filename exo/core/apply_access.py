@@ -61,12 +61,13 @@ def count_request(draft: Draft, task: Task) -> None:
 
 
 def count_tokens(draft: Draft, task: Task, event: TaskFinished) -> None:
-    if not task.key_id or task.key_id not in draft.api_keys:
+    if not task.key_id:
         return
     tokens = UsageCounts(prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens,
                          cached_tokens=event.cached_tokens)
-    windows = draft.own("key_windows")
-    windows[task.key_id] = window_with_tokens(windows.get(task.key_id, KeyWindow()), task.created_at, tokens.tokens)
+    if task.key_id in draft.api_keys:  # a deleted key's window went with it; its usage is counted all the same
+        windows = draft.own("key_windows")
+        windows[task.key_id] = window_with_tokens(windows.get(task.key_id, KeyWindow()), task.created_at, tokens.tokens)
     _count(draft, task, tokens)
 
 

@@ -35,7 +35,8 @@ def _open_task(draft: Draft, task_id: TaskId) -> Task:
 
 def on_task_cancel_requested(draft: Draft, event: TaskCancelRequested, seq: int) -> None:
     task = _open_task(draft, event.task_id)
-    draft.own("tasks")[event.task_id] = replace(task, cancel_requested=True)
+    draft.own("tasks")[event.task_id] = replace(task, cancel_requested=True,
+                                                cancel_reason=event.reason or task.cancel_reason)
 
 
 def on_task_started(draft: Draft, event: TaskStarted, seq: int) -> None:

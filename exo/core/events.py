@@ -117,6 +117,7 @@ class TaskCreated(Event, frozen=True, tag="task.created", kw_only=True):
 class TaskCancelRequested(Event, frozen=True, tag="task.cancel_requested", kw_only=True):
     command_id: CommandId = CommandId("")
     task_id: TaskId
+    reason: str = ""  # why, when its client did not ask (its key was deleted): its stream's last error says it
 
 
 class TaskStarted(Event, frozen=True, tag="task.started", kw_only=True):

@@ -9,10 +9,13 @@ master counts on where the old one stopped, and `exo replay` recomputes them.
 - requests per minute: a sliding window of the key's admitted requests' times (at most its
   limit's worth kept);
 - tokens per minute: prompt + completion tokens of the requests the key started in the current
-  clock minute, counted when each finishes (a request that crosses the limit mid-stream is let
-  finish; the next one waits for the next minute);
+  clock minute, counted when each finishes;
 - concurrent requests: its open (pending or running) tasks;
 - tokens per day / per month: its usage (exo/core/usage.py) in the current UTC day / month.
+
+Token limits count what open requests may still use too: each reserves its most tokens
+(exo/core/reservations.py) until it ends, and a request whose reservation does not fit beside the
+used and reserved tokens is refused, so concurrent requests cannot pass a limit together.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ WINDOW_S = 60.0
 MAX_REQUESTS_PER_MINUTE = 10_000
 _KEY_ID = re.compile(r"key_[0-9a-f]{16}")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+_CACHE_SCOPE = re.compile(r"[A-Za-z0-9._-]{0,64}")
 
 
 class KeyLimits(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -61,6 +65,8 @@ class ApiKey(msgspec.Struct, frozen=True, kw_only=True):
     limits: KeyLimits = KeyLimits()
     priority: Tier = "interactive"
     created_at: float = 0.0
+    # Keys with the same cache_scope share prompt-cache hits (a team's long system prompt); "": its own.
+    cache_scope: str = ""
 
     def problem(self) -> str | None:
         if not _KEY_ID.fullmatch(self.key_id):
@@ -69,10 +75,21 @@ class ApiKey(msgspec.Struct, frozen=True, kw_only=True):
             return "secret_sha256 must be 64 lowercase hex digits"
         if len(self.name) > 200 or len(self.models) > 100 or any(len(p) > 200 for p in self.models):
             return "a key's name and model patterns are at most 200 characters, and at most 100 patterns"
+        if not _CACHE_SCOPE.fullmatch(self.cache_scope):
+            return "cache_scope must be at most 64 letters, digits, '.', '_' or '-' (\"\": the key's own scope)"
         return self.limits.problem()
 
     def may_use(self, model_id: str) -> bool:
         return not self.models or any(fnmatch.fnmatchcase(model_id, pattern) for pattern in self.models)
+
+
+def cache_scope_of(key: ApiKey | None) -> str:
+    """Whose prompt-cache entries a request may reuse (docs/prompt-cache.md): its key's own, or the
+    cache_scope several keys share; "" for requests without a key (no keys, or EXO_API_KEYS).
+    Prefixed, so a shared scope's name can never equal a key's own scope."""
+    if key is None:
+        return ""
+    return f"scope:{key.cache_scope}" if key.cache_scope else f"key:{key.key_id}"
 
 
 class KeyWindow(msgspec.Struct, frozen=True, kw_only=True):
@@ -88,8 +105,21 @@ class Refusal(msgspec.Struct, frozen=True, kw_only=True):
     retry_after_s: float
 
 
+class Reserved(msgspec.Struct, frozen=True, kw_only=True):
+    """Tokens the key's open requests hold (exo/core/reservations.py) in each period its token limits
+    count in (a request counts in the minute, day and month it started), and what one more asks."""
+
+    asked: int = 0
+    minute: int = 0
+    day: int = 0
+    month: int = 0
+
+
+NOTHING_RESERVED = Reserved()
+
+
 def admission(key: ApiKey, window: KeyWindow, open_tasks: int, used_day: int, used_month: int,
-              at: float) -> Refusal | None:
+              at: float, reserved: Reserved = NOTHING_RESERVED) -> Refusal | None:
     """Whether the key may start one more request at `at` (wall clock), and if not, why and when."""
     limits = key.limits
     if limits.concurrent_requests and open_tasks >= limits.concurrent_requests:
@@ -99,16 +129,34 @@ def admission(key: ApiKey, window: KeyWindow, open_tasks: int, used_day: int, us
     if limits.requests_per_minute and len(recent) >= limits.requests_per_minute:
         return Refusal(reason=f"key {key.key_id} made {len(recent)} requests in the last minute, its limit",
                        retry_after_s=max(recent[-limits.requests_per_minute] + WINDOW_S - at, 0.001))
-    if limits.tokens_per_minute and minute_tokens(window, at) >= limits.tokens_per_minute:
-        return Refusal(reason=f"key {key.key_id} used {minute_tokens(window, at)} tokens this minute, its limit of "
-                              f"{limits.tokens_per_minute}", retry_after_s=next_minute(at) - at)
-    if limits.tokens_per_day and used_day >= limits.tokens_per_day:
-        return Refusal(reason=f"key {key.key_id} used {used_day} tokens today (UTC), its daily quota of "
-                              f"{limits.tokens_per_day}", retry_after_s=_next_day(at) - at)
-    if limits.tokens_per_month and used_month >= limits.tokens_per_month:
-        return Refusal(reason=f"key {key.key_id} used {used_month} tokens this month (UTC), its monthly quota of "
-                              f"{limits.tokens_per_month}", retry_after_s=_next_month(at) - at)
+    periods = ((limits.tokens_per_minute, minute_tokens(window, at), reserved.minute, "this minute", "limit",
+                next_minute(at)),
+               (limits.tokens_per_day, used_day, reserved.day, "today (UTC)", "daily quota", _next_day(at)),
+               (limits.tokens_per_month, used_month, reserved.month, "this month (UTC)", "monthly quota",
+                _next_month(at)))
+    for limit, used, held, when, name, period_end in periods:
+        if limit and (used >= limit or used + held + reserved.asked > limit):
+            return _tokens_refusal(key.key_id, limit, used, held, reserved.asked, (when, name), period_end - at)
     return None
+
+
+def _tokens_refusal(key_id: str, limit: int, used: int, held: int, asked: int, words: tuple[str, str],
+                    until_period_end: float) -> Refusal:
+    when, name = words
+    if used >= limit:
+        return Refusal(reason=f"key {key_id} used {used} tokens {when}, its {name} of {limit}",
+                       retry_after_s=until_period_end)
+    left = max(limit - used - held, 0)
+    if asked > limit:
+        return Refusal(reason=f"key {key_id}: this request reserves {asked} tokens (its prompt and max_tokens), more "
+                              f"than its {name} of {limit}: send a smaller max_tokens", retry_after_s=until_period_end)
+    if used + asked > limit:  # it would not fit even once the open requests end
+        return Refusal(reason=f"key {key_id} has {limit - used} tokens left {when} of its {name} of {limit}, and this "
+                              f"request reserves {asked} (its prompt and max_tokens): send a smaller max_tokens, or "
+                              f"try again when its {name} resets", retry_after_s=until_period_end)
+    return Refusal(reason=f"key {key_id} has {left} tokens of its {name} of {limit} left {when} besides the {held} its "
+                          f"open requests reserve, and this request reserves {asked} (its prompt and max_tokens): "
+                          "try again when they end, or send a smaller max_tokens", retry_after_s=1.0)
 
 
 def requests_in_window(window: KeyWindow, at: float) -> list[float]:

@@ -287,6 +287,8 @@ class GenerationParams(msgspec.Struct, frozen=True, kw_only=True):
     enable_thinking: bool | None = None  # the chat template's switch; None: the model's default
     response_format: ResponseFormat | None = None  # constrains the answer (exo/runner/constraint.py)
     embed: EmbedInputs | None = None  # set: embed these inputs instead of generating (an embedding model)
+    # Whose prompt-cache entries it may reuse and add to (keys.cache_scope_of): set by the master from its key.
+    cache_scope: str = ""
 
 
 class ConversationDigest(msgspec.Struct, frozen=True, kw_only=True):
@@ -307,6 +309,7 @@ class Task(msgspec.Struct, frozen=True, kw_only=True):
     params: GenerationParams = GenerationParams()
     status: TaskStatus = "pending"
     cancel_requested: bool = False
+    cancel_reason: str = ""  # why it was asked to cancel, when not by its client ("": by its client)
     created_at: float = 0.0
     finish_reason: str = ""
     error: str = ""

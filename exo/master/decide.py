@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 
 from msgspec.structs import replace
 
@@ -41,11 +41,12 @@ from exo.core.events import (
     TaskFinished,
 )
 from exo.core.ids import ModelId, TaskId
-from exo.core.keys import KeyWindow, admission
+from exo.core.keys import KeyWindow, Reserved, admission, cache_scope_of
 from exo.core.placement import Unplaceable, node_label
+from exo.core.reservations import reserved_tokens
 from exo.core.state import State
-from exo.core.types import Desire, Instance, ModelCard, RejectionCode, Task
-from exo.core.usage import tokens_in_day, tokens_in_month
+from exo.core.types import Desire, GenerationParams, Instance, ModelCard, RejectionCode, Task
+from exo.core.usage import day_of, tokens_in_day, tokens_in_month
 from exo.master.heal import place_for
 from exo.master.memo import DecideMemo
 from exo.master.routing import choose_instance
@@ -181,7 +182,7 @@ def _generate(state: State, command: GenerateText, builtin: Mapping[ModelId, Mod
               cache_routing: bool, memo: DecideMemo) -> list[Event]:
     if find_card(state, builtin, command.model_id) is None:
         return _reject(command, "not_found", f"unknown model {command.model_id!r}")
-    if command.key_id and (refused := _over_limits(state, command)):
+    if command.key_id and (refused := _over_limits(state, command, builtin)):
         return refused
     instances, failures = memo.serving.of(state, command.model_id)
     if not instances:
@@ -212,13 +213,15 @@ def _generate(state: State, command: GenerateText, builtin: Mapping[ModelId, Mod
     if not with_room:
         return _reject(command, "overloaded",
                        f"every instance of {command.model_id!r} has a full queue; try again shortly")
-    chosen = choose_instance(state, with_room, command.params, open_tasks, by_conversation=cache_routing,
+    # Cache and routing partitioned by the key's scope, from State: a command cannot choose another's.
+    params = replace(command.params, cache_scope=cache_scope_of(state.api_keys.get(command.key_id)))
+    chosen = choose_instance(state, with_room, params, open_tasks, by_conversation=cache_routing,
                              index=memo.tasks)
     task = Task(
         task_id=TaskId(command.command_id),  # a task is named after the command that asked for it
         instance_id=chosen.instance_id,
         model_id=command.model_id,
-        params=command.params,
+        params=params,
         created_at=command.at,
         key_id=command.key_id,
         priority=command.priority,
@@ -284,7 +287,7 @@ def _delete_adapter(state: State, command: DeleteAdapter) -> list[Event]:
     return [AdapterDeleted(command_id=command.command_id, name=command.name)]
 
 
-def _over_limits(state: State, command: GenerateText) -> list[Event]:
+def _over_limits(state: State, command: GenerateText, builtin: Mapping[ModelId, ModelCard]) -> list[Event]:
     """Admission within the key's limits (exo/core/keys.py): here, where every request is decided
     in order, so API nodes together never let a key past its limit."""
     key = state.api_keys.get(command.key_id)
@@ -292,10 +295,41 @@ def _over_limits(state: State, command: GenerateText) -> list[Event]:
         return _reject(command, "unauthorized", f"API key {command.key_id} was deleted")
     if not key.may_use(command.model_id):
         return _reject(command, "unauthorized", f"API key {key.key_id} may not use {command.model_id!r}")
+    limits = key.limits
+    counts_tokens = limits.tokens_per_minute or limits.tokens_per_day or limits.tokens_per_month
     refusal = admission(key, state.key_windows.get(key.key_id, KeyWindow()), state.open_tasks_of_key(key.key_id),
                         tokens_in_day(state.usage, key.key_id, command.at),
-                        tokens_in_month(state.usage, key.key_id, command.at), command.at)
+                        tokens_in_month(state.usage, key.key_id, command.at), command.at,
+                        _reserved(state, command, builtin) if counts_tokens else Reserved())
     return [] if refusal is None else _reject(command, "rate_limited", refusal.reason, refusal.retry_after_s)
+
+
+def _reserved(state: State, command: GenerateText, builtin: Mapping[ModelId, ModelCard]) -> Reserved:
+    """The tokens the key's open requests reserve in the minute, day and month of `command.at`,
+    and the request's own (exo/core/reservations.py)."""
+    contexts: dict[ModelId, int] = {}
+
+    def reserve(params: GenerationParams, model_id: ModelId) -> int:
+        if model_id not in contexts:
+            contexts[model_id] = _context_of(state, builtin, model_id)
+        return reserved_tokens(params, contexts[model_id])
+
+    minute, day = int(command.at // 60), day_of(command.at)
+    held = [0, 0, 0]
+    for task in state.tasks.values():
+        if task.key_id == command.key_id and task.status in ("pending", "running"):
+            tokens, task_day = reserve(task.params, task.model_id), day_of(task.created_at)
+            held[0] += tokens if int(task.created_at // 60) == minute else 0
+            held[1] += tokens if task_day == day else 0
+            held[2] += tokens if task_day[:7] == day[:7] else 0
+    return Reserved(asked=reserve(command.params, command.model_id), minute=held[0], day=held[1], month=held[2])
+
+
+def _context_of(state: State, builtin: Mapping[ModelId, ModelCard], model_id: ModelId) -> int:
+    """The most context (prompt + answer) an instance of the model has room for; 0: unknown."""
+    card = find_card(state, builtin, model_id)
+    whole = card.context_length if card is not None else 0
+    return max((i.max_context or whole for i in state.instances.values() if i.model_id == model_id), default=whole)
 
 
 def _set_key(state: State, command: SetKey) -> list[Event]:
@@ -314,4 +348,24 @@ def _set_key(state: State, command: SetKey) -> list[Event]:
 def _delete_key(state: State, command: DeleteKey) -> list[Event]:
     if command.key_id not in state.api_keys:
         return _reject(command, "not_found", f"unknown API key {command.key_id!r}")
-    return [KeyDeleted(command_id=command.command_id, key_id=command.key_id)]
+    ended = deleted_keys_tasks_ended(t for t in state.tasks.values() if t.key_id == command.key_id)
+    return [*ended, KeyDeleted(command_id=command.command_id, key_id=command.key_id)]
+
+
+KEY_DELETED = "the API key was deleted"
+
+
+def deleted_keys_tasks_ended(tasks: Iterable[Task]) -> list[Event]:
+    """The open ones of a deleted key's tasks end: one its runner has, or may have, is asked to
+    cancel (its runner stops and reports the tokens it used, which are counted); one waiting for an
+    instance ends now."""
+    events: list[Event] = []
+    for task in tasks:
+        if task.status not in ("pending", "running") or task.cancel_requested:
+            continue
+        if task.instance_id:
+            events.append(TaskCancelRequested(task_id=task.task_id, reason=KEY_DELETED))
+        else:
+            events.append(TaskFinished(task_id=task.task_id, status="cancelled", finish_reason="cancelled",
+                                       error=KEY_DELETED))
+    return events

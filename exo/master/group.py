@@ -10,10 +10,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from exo.core.commands import AnyCommand, CancelTask, GenerateText, command_tag
-from exo.core.events import CommandRejected, Event, GroupsSet, KeySet, TaskFinished, TaskMigrated
+from exo.core.events import CommandRejected, Event, GroupsSet, KeySet, TaskCancelRequested, TaskFinished, TaskMigrated
 from exo.core.ids import InstanceId, NodeId
 from exo.core.keys import ApiKey
 from exo.core.state import State
+from exo.master.decide import deleted_keys_tasks_ended
 from exo.master.heal import HealLimits, usable_instance, waiting_tasks
 
 # A request newer than this is left alone even if its instance is not in the shared State: a master
@@ -51,9 +52,14 @@ def groups_to_set(wanted: Mapping[str, list[str]], state: State) -> list[Event]:
 
 def heal_group(state: State, now: float, limits: HealLimits, lost: frozenset[NodeId] = frozenset()) -> list[Event]:
     """The group's requests whose instance is gone from the shared State move to another instance
-    of their model, or wait for one (its desire re-places it), or end; waiting ones are placed."""
-    events: list[Event] = []
+    of their model, or wait for one (its desire re-places it), or end; waiting ones are placed. The
+    requests of a key the shared master deleted end as its own would (it cannot see the group's)."""
+    events = deleted_keys_tasks_ended(t for t in state.tasks.values() if t.key_id and t.key_id not in state.api_keys
+                                      and now - t.created_at >= SETTLE_S)
+    ending = {e.task_id for e in events if isinstance(e, (TaskCancelRequested, TaskFinished))}
     for task in state.tasks.values():
+        if task.task_id in ending:
+            continue
         if task.status not in ("pending", "running") or not task.instance_id or task.instance_id in state.instances:
             continue
         if now - task.created_at < SETTLE_S:

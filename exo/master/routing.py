@@ -8,6 +8,10 @@ summary of the caches from the runners: the request that continues a conversatio
 leading messages with that conversation's earlier turns, and goes where they went. A new master
 folds the same State and routes the same way.
 
+Only a conversation of the request's own cache scope counts (its key's, or the scope keys share:
+exo/core/keys.py): the runner's cache holds nothing of another scope for it, and a detour towards
+another key's conversation would tell that key's secrets by its timing.
+
 Only a shared conversation counts, not a shared system prompt alone: every conversation of an
 agent shares its system prompt, and routing on it would send them all to the first instance
 that saw it. A system prompt is processed once per instance and cached there after that.
@@ -34,7 +38,7 @@ def choose_instance(state: State, candidates: list[Instance], params: Generation
     if by_conversation and len(candidates) > 1:
         later = digest_conversation(params)
         for task in index.alike(state, later) if index is not None else _all_alike(state, later, params):
-            if task.instance_id in shared:
+            if task.instance_id in shared and task.params.cache_scope == params.cache_scope:
                 here = shared_conversation(task.conversation, later, params.prompt)
                 shared[task.instance_id] = max(shared[task.instance_id], here)
     return min(candidates, key=lambda i: (-shared[i.instance_id], open_tasks[i.instance_id]))

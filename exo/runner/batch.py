@@ -24,7 +24,7 @@ import functools
 import logging
 import threading
 from collections.abc import Callable
-from concurrent.futures import Executor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import Any
 
 from mlx_lm.generate import BatchGenerator
@@ -78,14 +78,19 @@ def insert(generator: BatchGenerator, join: BatchJoin, sampler: Sampler, reuse: 
     return uid
 
 
-def keep_caches(cache: PromptCache, generator: BatchGenerator, finished: list[Any], leaving: list[int]) -> None:
+def keep_caches(cache: PromptCache, generator: BatchGenerator, finished: list[Any], leaving: list[int],
+                scopes: dict[int, str]) -> None:
     """Store the KV caches of requests that just ended (mlx-lm's finished ones, then those we remove)
-    and take the leaving ones out of the batch. Every rank does this in the same order."""
+    in their cache scopes (`scopes`: uid -> scope, emptied of them here) and take the leaving ones
+    out of the batch. Every rank does this in the same order."""
     for response in finished:
-        cache.keep(response.all_tokens, response.prompt_cache)
+        if (scope := scopes.pop(response.uid, None)) is not None:  # none: not kept, rather than in another scope
+            cache.keep(response.all_tokens, response.prompt_cache, scope=scope)
     if leaving:
-        for kv, tokens in generator.remove(leaving, return_prompt_caches=cache.enabled).values():
-            cache.keep(tokens, kv)
+        scoped = {uid: scopes.pop(uid, None) for uid in leaving}
+        for uid, (kv, tokens) in generator.remove(leaving, return_prompt_caches=cache.enabled).items():
+            if (scope := scoped[uid]) is not None:
+                cache.keep(tokens, kv, scope=scope)
 
 
 class BatchFailed(RuntimeError):
@@ -102,10 +107,20 @@ class Job:
         self.decoding: Decoding | None = None
         self.detokenizer: Any = None
         self.prompt_tokens = self.generated = 0
+        self.tokens: list[int] = []  # the prompt's (prepare)
+        self.max_tokens = 0  # what the context leaves it (prepare)
+
+    def prepare(self, engine: ModelEngine) -> None:
+        """The prompt's tokens and token budget, off the model thread (tokenizing megabytes takes
+        seconds); PromptTooLong, found by its length or its tokens, before it ever reaches the batch."""
+        self.tokens = engine.encode(engine.prompt_for(self.params))
+        if not self.tokens:  # mlx-lm's own check, made before a sampler is taken (see AgreedSamplers)
+            raise ValueError("the prompt is empty")
+        self.max_tokens = engine.max_tokens_for(self.params, len(self.tokens))
 
     def start(self, engine: ModelEngine) -> list[int]:
-        """The prompt's tokens; from here on the job can take steps."""
-        tokens = engine.encode(engine.prompt_for(self.params))
+        """The prompt's tokens (prepared); from here on the job can take steps."""
+        tokens = self.tokens
         self.decoding = Decoding(engine, self.params, self.on_output, self.task_id, tokens)
         self.decoding.prompt_tokens = self.prompt_tokens = len(tokens)
         self.detokenizer = engine.tokenizer.detokenizer
@@ -136,11 +151,16 @@ class Batcher:
         self._engine = engine
         self._limit = limit
         self._model_thread = model_thread
+        # Prompts are tokenized here, never on the model thread, so one long prompt does not stall
+        # the batch (mlx_lm.server tokenizes on its generation thread, and stalls). One thread: jobs join in order.
+        self._tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+        self.preparing = 0  # jobs being tokenized: not yet the model thread's (Runner._pulse)
         self._lock = threading.Lock()
         self._inbox: list[Job] = []
         self._driving = False  # a drive loop is queued or running on the model thread
         self._generator: BatchGenerator | None = None
         self._jobs: dict[int, Job] = {}  # BatchGenerator uid -> job
+        self._scopes: dict[int, str] = {}  # BatchGenerator uid -> its cache scope, until its cache is kept
         # Multi-node: what the other ranks have not been told yet (see BatchStep).
         self._agreed: AgreedSamplers | None = None
         self._new_batch = False
@@ -151,9 +171,27 @@ class Batcher:
             on_output: OnOutput, is_cancelled: Callable[[], bool], task_id: TaskId) -> asyncio.Future[GenerationResult]:
         """Generates in the batch; the future resolves after every output of the job was scheduled on `loop`."""
         future: asyncio.Future[GenerationResult] = loop.create_future()
-        self.submit(Job(params, defaults, on_output, is_cancelled, task_id,
-                        lambda outcome: None if loop.call_soon_threadsafe(_settle, future, outcome) else None))
+        with self._lock:
+            self.preparing += 1
+        self._tokenizing.submit(self._prepare, Job(
+            params, defaults, on_output, is_cancelled, task_id,
+            lambda outcome: None if loop.call_soon_threadsafe(_settle, future, outcome) else None))
         return future
+
+    def _prepare(self, job: Job) -> None:
+        """On the tokenizing thread: the job joins the batch once its prompt is tokens that fit."""
+        try:
+            if job.is_cancelled():
+                job.on_done(job.cancelled())
+                return
+            job.prepare(self._engine)
+        except Exception as error:
+            job.on_done(error)
+            return
+        finally:
+            with self._lock:
+                self.preparing -= 1
+        self.submit(job)
 
     def submit(self, job: Job) -> None:
         with self._lock:
@@ -188,14 +226,11 @@ class Batcher:
 
     def _insert(self, job: Job) -> None:
         try:
-            params, tokens = job.params, job.start(self._engine)
-            if not tokens:  # mlx-lm's own check, made before a sampler is taken (see AgreedSamplers)
-                raise ValueError("the prompt is empty")
-            max_tokens = self._engine.max_tokens_for(params, len(tokens))
-            reuse = self._engine.prompt_cache.take(tokens)
+            params, tokens, max_tokens = job.params, job.start(self._engine), job.max_tokens
+            reuse = self._engine.prompt_cache.take(tokens, scope=params.cache_scope)
             assert job.decoding is not None
             job.decoding.cached = reuse.cached
-            join = BatchJoin(tokens=tokens, max_tokens=max_tokens, cached=reuse.cached,
+            join = BatchJoin(tokens=tokens, max_tokens=max_tokens, cached=reuse.cached, cache_scope=params.cache_scope,
                              sampling=sampling_of(params, job.defaults), presence_penalty=params.presence_penalty,
                              frequency_penalty=params.frequency_penalty)
             generator = self._batch()
@@ -205,7 +240,7 @@ class Batcher:
         except Exception as error:
             job.on_done(error)
             return
-        self._jobs[uid] = job
+        self._jobs[uid], self._scopes[uid] = job, join.cache_scope
         if self._lockstep() is not None:
             self._joins.append(join)
 
@@ -224,7 +259,7 @@ class Batcher:
         if self._generator is None or self._generator.model is not self._engine.model:
             self._generator = new_generator(self._engine.model, self._engine.tokenizer, self._limit)
             # The other ranks start a new batch too; what they were told of the old one is moot.
-            self._new_batch, self._leaves = True, []
+            self._new_batch, self._leaves, self._scopes = True, [], {}
             if self._agreed is not None:
                 self._agreed.clear()
         return self._generator
@@ -245,7 +280,7 @@ class Batcher:
         finished, cache = [r for r in responses if r.finish_reason], self._engine.prompt_cache
         if finished or leaving:
             generator = self._batch()
-            keep_caches(cache, generator, finished, leaving)
+            keep_caches(cache, generator, finished, leaving, self._scopes)
             cache.trim(generator.prompt_cache_nbytes if cache.enabled else 0)  # running requests count too
         self._leaves += leaving if self._lockstep() is not None else []
 
@@ -282,7 +317,7 @@ class Batcher:
         return cancelled
 
     def _fail_all(self, error: BaseException) -> None:
-        jobs, self._jobs, self._generator, self._joins = list(self._jobs.values()), {}, None, []
+        jobs, self._jobs, self._generator, self._joins, self._scopes = list(self._jobs.values()), {}, None, [], {}
         failed = BatchFailed(f"{type(error).__name__}: {error}")
         for job in jobs:
             job.on_done(failed)

@@ -4,6 +4,7 @@ and logprobs become Outputs for the runner; the result says why the request ende
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -60,6 +61,30 @@ class PromptTooLong(RequestRefused):
     code = "context_length_exceeded"
 
 
+class NonFiniteLogits(RuntimeError):
+    """The model's output turned NaN or infinite: any token sampled from it is noise, so the request fails."""
+
+
+# The exponent bits of the two 16-bit float formats (memoryview's format names): all set is NaN or infinity.
+_EXPONENT_BITS = {"e": 0x7C00, "bfloat16": 0x7F80}
+
+
+def finite_at(values: Any, index: int) -> bool:
+    """Whether the evaluated array `values` holds a finite number at flat `index`. Read from the array's
+    own memory (under a microsecond): an mlx op instead would wait for the step the engine queued next."""
+    try:
+        view = memoryview(values)
+        raw, fmt = view.cast("B"), view.format
+    except (TypeError, ValueError):  # not one contiguous buffer: unchecked rather than copied
+        return True
+    if fmt in _EXPONENT_BITS:
+        bits = _EXPONENT_BITS[fmt]
+        return raw.cast("H")[index] & bits != bits
+    if fmt == "f":
+        return math.isfinite(raw.cast("f")[index])
+    return True
+
+
 class Decoding:
     """One request's output, one mlx-lm step at a time: tool calls, stop strings, logprobs.
 
@@ -93,6 +118,9 @@ class Decoding:
         self.finish_reason = finish_reason or self.finish_reason
         if token is not None:
             self._tokens.append(token)
+            if logprobs is not None and not finite_at(logprobs, token):
+                raise NonFiniteLogits(f"the model's logits are not finite (NaN or infinite) at generated token "
+                                      f"{completion_tokens}: its weights (or its adapter's) overflowed or hold NaN")
         wanted = self._top_logprobs >= 0 and token is not None
         entries = [self._engine.logprob(token, logprobs, self._top_logprobs)] if wanted and token is not None else []
         split = self._splitter.feed(text)

@@ -137,6 +137,7 @@ class BatchJoin(msgspec.Struct, frozen=True, kw_only=True):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     cached: int = 0  # prompt tokens reused from rank 0's prompt cache (see StepAnnouncement)
+    cache_scope: str = ""  # the request's GenerationParams.cache_scope: every rank stores and looks up there
 
 
 class BatchStep(msgspec.Struct, frozen=True, kw_only=True, tag="step"):

@@ -14,6 +14,8 @@ from mlx_lm.sample_utils import apply_top_k, apply_top_p, make_logits_processors
 from exo.core.grammar import grammar_of, tool_call_grammar
 from exo.core.ids import TaskId
 from exo.core.kv_budget import kv_group_size
+from exo.core.prompt_length import too_long
+from exo.core.reservations import DEFAULT_MAX_TOKENS
 from exo.core.types import GenerationParams, SamplingDefaults, TokenLogprob, TopLogprob
 from exo.memory import memory
 from exo.runner.constraint import GrammarConstraint
@@ -24,7 +26,7 @@ from exo.runner.protocol import RankSetup, Resume
 from exo.runner.splitter import starts_in_reasoning
 from exo.settings.services import RunnerSettings
 
-DEFAULT_MAX_TOKENS = 2048
+LOGPROB_FLOOR = -9999.0  # what OpenAI sends for a token with no chance at all
 PENALTY_CONTEXT = 256  # more than mlx-lm's penalties look back at (20 tokens by default)
 
 # mlx-lm's logits processor: (the tokens so far, the next token's logits) -> the logits to sample from.
@@ -40,6 +42,7 @@ class Engine:
         self.prompt_cache = PromptCache(None, max_bytes=0)
         self.pulse = time.monotonic()  # when the model thread last made progress (see Runner._pulse)
         self.context_length = 0  # the model's (max_position_embeddings), 0 if it does not say
+        self.token_chars = 0  # the most characters of text one token covers (prompt_for's bound); 0: unknown
         self.kv_bits = 0  # > 0: the KV cache is quantized to this many bits from the first token
         self.batches = True
         self.draft_model: Any = None  # speculative decoding's draft (load_draft); mlx-lm's batches take none
@@ -63,6 +66,7 @@ class Engine:
             raise ValueError("this model's KV cache cannot be quantized: its head dim is not a multiple of 32")
         if max_context:  # what placement reserved KV cache for: no request may outgrow it
             self.context_length = min(self.context_length or max_context, max_context)
+        self.token_chars = token_chars(self.tokenizer)
         budget = budget_bytes(self.settings.prompt_cache_bytes, memory()[1]) if shard is None or shard.rank == 0 \
             else FOLLOWER_BUDGET
         self.prompt_cache = PromptCache(self.model, budget, self.settings.prompt_cache_entries)
@@ -78,6 +82,9 @@ class Engine:
             pass
 
     def prompt_for(self, params: GenerationParams, text: str | None = None) -> str:
+        """The prompt's text; PromptTooLong, before any templating, for text too long to fit whatever it tokenizes to."""
+        if text is None and (why := too_long(params, self.context_length, self.token_chars)) is not None:
+            raise PromptTooLong(why)
         if params.prompt is not None and text is None:
             return params.prompt  # completions: the caller's text is the whole prompt
         messages = template_messages(params) if text is None else [{"role": "user", "content": text}]
@@ -112,7 +119,7 @@ class Engine:
         # The draft proposes tokens only where mlx-lm's speculative step gives the plain path's tokens:
         # no logits processors (it shows them the generated tokens only), no resumed run, one node.
         drafting = self.draft_model is not None and not processors and not prior and self.lockstep is None
-        reuse = Reuse(cache=None, rest=tokens, cached=0) if drafting else self._reuse(tokens + prior, told)
+        reuse = Reuse(cache=None, rest=tokens, cached=0) if drafting else self._reuse(tokens + prior, params.cache_scope, told)
         decoding.cached = min(reuse.cached, len(tokens))
         if self.lockstep is not None:  # every rank takes rank 0's tokens and stops when rank 0 does
             sampler, is_cancelled = self._in_lockstep(sampler, is_cancelled, StepAnnouncement(
@@ -137,7 +144,7 @@ class Engine:
                 break
         # Every token stream_generate reported went through the model: the cache holds them all.
         if reuse.cache is not None:  # none with a draft: both models' caches would have to be kept in step
-            self.prompt_cache.keep(tokens + prior + generated, reuse.cache)
+            self.prompt_cache.keep(tokens + prior + generated, reuse.cache, scope=params.cache_scope)
             self._trim_cache()
         return result or decoding.finish()
 
@@ -221,11 +228,11 @@ class Engine:
         """The model thread made progress (a token, a prefill chunk, a batch step)."""
         self.pulse = time.monotonic()
 
-    def _reuse(self, tokens: list[int], told: StepAnnouncement | None) -> Reuse:
+    def _reuse(self, tokens: list[int], scope: str, told: StepAnnouncement | None) -> Reuse:
         if told is None:
-            return self.prompt_cache.take(tokens)
+            return self.prompt_cache.take(tokens, scope=scope)
         self.prompt_cache.trim(entries=told.cache_entries)  # drop what rank 0 dropped before it took this
-        return self.prompt_cache.take(tokens, expect=told.cached)
+        return self.prompt_cache.take(tokens, scope=scope, expect=told.cached)
 
     def _trim_cache(self, active_bytes: int = 0) -> None:
         """Keep the cache in its budget; rank 0 only (the others drop what rank 0 tells them to)."""
@@ -239,18 +246,34 @@ class Engine:
         return ids
 
     def logprob(self, token: int, logprobs: Any, top: int) -> TokenLogprob:
+        """The sampled token's logprob and the `top` likeliest, each at least LOGPROB_FLOOR: a token a
+        constraint masked has -inf, which JSON cannot carry (the sampled one is finite: Decoding checks)."""
         logprobs = logprobs.reshape(-1)
         alternatives: list[TopLogprob] = []
         top = min(top, logprobs.size - 1)
         if top > 0:
             ids = mx.argpartition(-logprobs, kth=top - 1)[:top]
             ranked: list[Any] = sorted(zip(ids.tolist(), logprobs[ids].tolist(), strict=True), key=lambda pair: -pair[1])  # type: ignore[arg-type]
-            alternatives = [TopLogprob(token=self._token_text(i), logprob=v) for i, v in ranked]
-        return TokenLogprob(token=self._token_text(token), logprob=logprobs[token].item(), top_logprobs=alternatives)
+            alternatives = [TopLogprob(token=self._token_text(i), logprob=floored(v)) for i, v in ranked]
+        return TokenLogprob(token=self._token_text(token), logprob=floored(logprobs[token].item()),
+                            top_logprobs=alternatives)
 
     def _token_text(self, token: int) -> str:
         text: str = self.tokenizer.decode([token])
         return text
+
+
+def floored(logprob: float) -> float:
+    """OpenAI's floor for a logprob: -inf (and NaN, which only a masked alternative can be here) as -9999."""
+    return logprob if logprob > LOGPROB_FLOOR else LOGPROB_FLOOR
+
+
+def token_chars(tokenizer: Any) -> int:
+    """The most characters of text one token can cover: its longest vocabulary entry (a byte-level
+    entry is one character a byte, so it covers no more characters than it has), times four, as
+    a normalizer may compose up to four characters into one (Unicode NFC and NFKC)."""
+    vocabulary: dict[str, int] = tokenizer.get_vocab()
+    return 4 * max(map(len, vocabulary), default=0)
 
 
 def max_tokens_of(params: GenerationParams) -> int:

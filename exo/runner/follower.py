@@ -40,21 +40,23 @@ class BatchFollower:
         self._model, self._tokenizer, self._cache = engine.model, engine.tokenizer, engine.prompt_cache
         self._samplers = AgreedSamplers(lockstep)
         self._generator: BatchGenerator | None = None
+        self._scopes: dict[int, str] = {}  # uid -> cache scope, as rank 0's Batcher keeps them
 
     def step(self, step: BatchStep) -> None:
         if step.new_batch:
             self._generator = new_generator(self._model, self._tokenizer, step.new_batch)
             self._samplers.clear()
+            self._scopes = {}
         if self._generator is None:
             raise RuntimeError("out of step with rank 0: told to step a batch this rank does not have")
-        keep_caches(self._cache, self._generator, [], step.leaves)
+        keep_caches(self._cache, self._generator, [], step.leaves, self._scopes)
         self._cache.trim(entries=step.cache_entries)
         for join in step.joins:
-            reuse = self._cache.take(join.tokens, expect=join.cached)
-            insert(self._generator, join, self._samplers.get(join.sampling), reuse)
+            reuse = self._cache.take(join.tokens, scope=join.cache_scope, expect=join.cached)
+            self._scopes[insert(self._generator, join, self._samplers.get(join.sampling), reuse)] = join.cache_scope
         try:
             _, responses = self._generator.next()
-            keep_caches(self._cache, self._generator, [r for r in responses if r.finish_reason], [])
+            keep_caches(self._cache, self._generator, [r for r in responses if r.finish_reason], [], self._scopes)
         except Exception:
             # Rank 0 ran the same step; if it failed there too, its next step starts a new batch.
             log.exception("a batch step failed")

@@ -109,11 +109,12 @@ class Runner:
 
     async def _pulse(self) -> None:
         """Alive every PULSE_S while idle or while the model thread has moved since the last one:
-        a model thread stuck in a step (or a stopped process) goes quiet, and the worker acts."""
+        a model thread stuck in a step (or a stopped process) goes quiet, and the worker acts. A prompt
+        being tokenized (batch.py) is not the model thread's yet: that may take seconds without a step."""
         last = self._engine.pulse
         while True:
             await asyncio.sleep(PULSE_S)
-            if not self._in_flight or self._engine.pulse != last:
+            if not self._in_flight or self._engine.pulse != last or (self._batcher and self._batcher.preparing):
                 self.report(Alive())
             last = self._engine.pulse
 

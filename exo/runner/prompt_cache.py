@@ -4,8 +4,10 @@ A chat resends the whole conversation every turn; with the cache a turn only pro
 new since the last one. The store is mlx-lm's own `LRUPromptCache` (what `mlx_lm.server` runs),
 so which entry serves a prompt, and how a longer entry is trimmed down to the shared prefix, are
 mlx-lm's decisions. This module adds what a runner needs around it: a byte budget, counters, at
-least one token left to process (a model call must produce the first token's logits), and, on a
-multi-node instance, the same entries on every rank (see `take(expect=...)` and `trim`).
+least one token left to process (a model call must produce the first token's logits), entries
+partitioned by cache scope (a request reuses only entries of its own scope: its API key's, or the
+scope keys share; docs/prompt-cache.md), and, on a multi-node instance, the same entries on every
+rank (see `take(expect=...)` and `trim`).
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ from exo.settings.services import RunnerSettings
 DEFAULT_ENTRIES = RunnerSettings().prompt_cache_entries  # mlx_lm.server's --prompt-cache-size
 DEFAULT_SHARE_OF_FREE_MEMORY = 0.25
 FOLLOWER_BUDGET = 1 << 62  # ranks other than 0 keep what rank 0 keeps, whatever their own setting
-_MODEL_KEY = "model"  # one model per runner: the key only has to be the same every time
 
 
 class OutOfStep(RuntimeError):
@@ -62,10 +63,10 @@ class PromptCache:
     def enabled(self) -> bool:
         return self.max_bytes > 0
 
-    def take(self, tokens: list[int], expect: int | None = None) -> Reuse:
-        """A cache for `tokens`: a copy of the best entry (trimmed to the shared prefix) or a new one.
+    def take(self, tokens: list[int], *, scope: str, expect: int | None = None) -> Reuse:
+        """A cache for `tokens`: a copy of the best entry of `scope` (trimmed to the shared prefix) or a new one.
         `expect`: rank 0's `cached` for this request; another answer here means the ranks diverged."""
-        reuse = self._lookup(tokens)
+        reuse = self._lookup(tokens, scope)
         if expect is not None and reuse.cached != expect:
             raise OutOfStep(f"prompt cache out of step with rank 0: {reuse.cached} cached tokens here, {expect} there")
         if reuse.cached:
@@ -74,10 +75,11 @@ class PromptCache:
             self._misses += 1
         return reuse
 
-    def _lookup(self, tokens: list[int]) -> Reuse:
+    def _lookup(self, tokens: list[int], scope: str) -> Reuse:
         if not self.enabled or not tokens:
             return self._fresh(tokens)
-        cache, rest = self._lru.fetch_nearest_cache(_MODEL_KEY, tokens)
+        # mlx-lm's first key (a model's, in its server) keeps a trie of its own: scopes share no entry.
+        cache, rest = self._lru.fetch_nearest_cache(scope, tokens)
         if cache is None:
             return self._fresh(tokens)
         if not rest:  # the whole prompt is cached: process its last token again for the first logits
@@ -90,8 +92,8 @@ class PromptCache:
     def _fresh(self, tokens: list[int]) -> Reuse:
         return Reuse(cache=make_prompt_cache(self._model), rest=list(tokens), cached=0)
 
-    def keep(self, tokens: list[int], cache: list[Any]) -> None:
-        """Remember `cache`, which holds exactly `tokens` (prompt and generated so far)."""
+    def keep(self, tokens: list[int], cache: list[Any], *, scope: str) -> None:
+        """Remember `cache`, which holds exactly `tokens` (prompt and generated so far), for `scope`'s requests."""
         held = tokens_held(cache)
         if not self.enabled or not tokens or held is None or held < len(tokens):
             return
@@ -100,7 +102,7 @@ class PromptCache:
                 return
             trim_prompt_cache(cache, held - len(tokens))
         mx.eval([layer.state for layer in cache])  # nothing lazy left to compute when another request reuses it
-        self._lru.insert_cache(_MODEL_KEY, list(tokens), cache)
+        self._lru.insert_cache(scope, list(tokens), cache)
 
     def trim(self, active_bytes: int = 0, entries: int | None = None) -> None:
         """Evict the least recently stored entries until the cache fits.

@@ -202,8 +202,10 @@ class ApiSettings(Frozen, frozen=True):
     resume_grace_s: Annotated[float, NonNegative, Env("EXO_RESUME_GRACE_S", "seconds a dropped stream may be "
                                                       "resumed before its generation is cancelled (0: at "
                                                       "once)")] = 5.0
-    max_body_bytes: Annotated[int, Positive, Env("EXO_MAX_BODY_BYTES", "largest request body (images ride in "
-                                                 "bodies, base64)")] = 128 * 1024 * 1024
+    max_body_bytes: Annotated[Annotated[int, Positive] | None, Env("EXO_MAX_BODY_BYTES", "largest request body "
+                                                                   "(none: what one NATS message carries, the "
+                                                                   "server's max_payload less 64 KiB; images ride "
+                                                                   "in bodies, base64)")] = None
     max_tokens_limit: Annotated[int, Positive, Env("EXO_MAX_TOKENS_LIMIT", "most tokens a request may ask "
                                                    "for")] = 32768
     max_image_bytes: Annotated[int, Positive, Env("EXO_MAX_IMAGE_BYTES", "largest image")] = 20 * 1024 * 1024

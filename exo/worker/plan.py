@@ -240,7 +240,8 @@ def _task_steps(view: WorkerView, instance: Instance, local: LocalRunner, tasks:
                       f"the runner serving it failed: {local.error}" if local.error else "the runner serving it failed")
             steps.append(EndTask(task_id=task.task_id, status="failed", reason=reason))
         elif task.cancel_requested and not forwarded:
-            steps.append(EndTask(task_id=task.task_id, status="cancelled", reason="cancelled before it started"))
+            steps.append(EndTask(task_id=task.task_id, status="cancelled",
+                                 reason=task.cancel_reason or "cancelled before it started"))
         elif task.cancel_requested and task.task_id not in local.cancels_sent:
             steps.append(CancelForwardedTask(runner_id=local.runner_id, task_id=task.task_id))
         elif local.phase == "ready" and not forwarded and not missing_images(view, task):

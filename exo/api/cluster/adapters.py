@@ -63,7 +63,7 @@ async def add_adapter(request: web.Request) -> web.Response:
         name, base, source = asked.name, asked.base_model, f"{asked.hub_id}@{asked.revision}"
         _check_names(ctx, name, base)
         config, weights = await _from_hub(asked, ctx.settings.max_adapter_bytes)
-    facts = read_adapter(config, weights)
+    facts = read_adapter(config, weights, ctx.card(base))
     if isinstance(facts, str):
         raise ApiError(400, f"not an mlx-lm LoRA adapter: {facts}", param="config" if "config" in facts else "weights")
     adapter = Adapter(name=name, base_model=base, digest=digest_of(weights), size=len(weights),

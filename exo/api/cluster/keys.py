@@ -31,6 +31,7 @@ class KeyRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     models: list[str] | msgspec.UnsetType = msgspec.UNSET
     limits: KeyLimits | msgspec.UnsetType = msgspec.UNSET
     priority: Tier | msgspec.UnsetType = msgspec.UNSET
+    cache_scope: str | msgspec.UnsetType = msgspec.UNSET  # keys that share one reuse each other's prompt cache
 
 
 def key_entry(key: ApiKey) -> dict[str, Any]:
