@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from exo.core.reservations import CHAT_TOKENS, MESSAGE_TOKENS
+from tests.support.api_keys import ADMIN, add_key, admin_client
 from tests.support.cluster import wait_until
 from tests.support.e2e import start_exo
 from tests.support.fake_hub import FakeHub
@@ -20,7 +21,6 @@ from tests.support.tiny_model import TINY_MODEL_ID, make_tiny_model
 
 pytestmark = pytest.mark.slow
 
-ADMIN = "admin-secret-for-tests"
 ASK = [{"role": "user", "content": "Hello"}]
 LONG = 1500  # tokens: seconds of generation for the tiny model, so a burst's requests are all open together
 RESERVED = CHAT_TOKENS + MESSAGE_TOKENS + len("Hello") + LONG  # what each chat of the burst reserves
@@ -32,22 +32,12 @@ def node(tmp_path_factory):
     model_dir = make_tiny_model(root / "tiny")
     with FakeHub({TINY_MODEL_ID: model_dir}) as hub:
         exo = start_exo(root, hub, {"EXO_API_KEYS": ADMIN})
-        with _admin(exo.url) as admin:
+        with admin_client(exo.url) as admin:
             assert admin.post("/models/add", json={"model_id": TINY_MODEL_ID}).status_code == 200
             placed = admin.post("/place_instance", json={"model_id": TINY_MODEL_ID, "wait": 120, "max_queue": 200})
             assert placed.status_code == 200, placed.text
         yield exo
         exo.interrupt()
-
-
-def _admin(url: str) -> httpx.Client:
-    return httpx.Client(base_url=url, timeout=120, headers={"Authorization": f"Bearer {ADMIN}"})
-
-
-def _add_key(admin: httpx.Client, **fields) -> tuple[str, str]:
-    answer = admin.post("/keys", json=fields)
-    assert answer.status_code == 200, answer.text
-    return answer.json()["key"]["key_id"], answer.json()["secret"]
 
 
 def _usage(admin: httpx.Client, key_id: str) -> list[dict]:
@@ -56,8 +46,8 @@ def _usage(admin: httpx.Client, key_id: str) -> list[dict]:
 
 def test_a_burst_of_concurrent_chats_is_admitted_as_far_as_their_reservations_fit_the_daily_quota(node):
     quota = 3 * RESERVED + 500  # room for three chats' reservations, not four
-    with _admin(node.url) as admin:
-        key_id, secret = _add_key(admin, limits={"tokens_per_day": quota})
+    with admin_client(node.url) as admin:
+        key_id, secret = add_key(admin, limits={"tokens_per_day": quota})
 
     def chat(_: int) -> httpx.Response:
         return httpx.post(f"{node.url}/v1/chat/completions", headers={"Authorization": f"Bearer {secret}"}, timeout=300,
@@ -73,14 +63,14 @@ def test_a_burst_of_concurrent_chats_is_admitted_as_far_as_their_reservations_fi
     for answered in (a for a in answers if a.status_code == 200):
         used = answered.json()["usage"]
         assert used["completion_tokens"] == LONG and used["prompt_tokens"] <= RESERVED - LONG, used  # within its bound
-    with _admin(node.url) as admin:
+    with admin_client(node.url) as admin:
         [row] = _usage(admin, key_id)
     assert row["requests"] == 3 and row["prompt_tokens"] + row["completion_tokens"] <= quota, row
 
 
 def test_deleting_a_key_ends_its_stream_with_the_reason_and_its_tokens_stay_counted(node):
-    with _admin(node.url) as admin:
-        key_id, secret = _add_key(admin)
+    with admin_client(node.url) as admin:
+        key_id, secret = add_key(admin)
         body = {"model": TINY_MODEL_ID, "messages": ASK, "max_tokens": 30_000, "temperature": 0, "stream": True}
         with httpx.stream("POST", f"{node.url}/v1/chat/completions", json=body, timeout=120,
                           headers={"Authorization": f"Bearer {secret}"}) as stream:

@@ -17,6 +17,7 @@ import httpx
 import openai
 import pytest
 
+from tests.support.api_keys import ADMIN, add_key, admin_client
 from tests.support.cluster import NatsServer, replay, start_node, wait_until
 from tests.support.e2e import start_exo
 from tests.support.fake_hub import FakeHub
@@ -24,19 +25,8 @@ from tests.support.tiny_model import TINY_MODEL_ID, make_tiny_model
 
 pytestmark = pytest.mark.slow
 
-ADMIN = "admin-secret-for-tests"
 ASK = [{"role": "user", "content": "Hello"}]
 OTHER = "local/other"
-
-
-def admin_client(url: str) -> httpx.Client:
-    return httpx.Client(base_url=url, timeout=120, headers={"Authorization": f"Bearer {ADMIN}"})
-
-
-def add_key(admin: httpx.Client, **fields) -> tuple[str, str]:
-    answer = admin.post("/keys", json=fields)
-    assert answer.status_code == 200, answer.text
-    return answer.json()["key"]["key_id"], answer.json()["secret"]
 
 
 def chat(url: str, secret: str, model: str = TINY_MODEL_ID) -> httpx.Response:
