@@ -74,3 +74,64 @@ def test_a_killed_child_is_reaped_and_its_pipes_close() -> None:
     done = subprocess.run([sys.executable, "-c", KILLED_CHILD], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("refused"), done.stdout
+
+
+SPAWNS_BESIDE_THREADS_OPENING_FILES = textwrap.dedent("""
+    import asyncio, os, sys, threading
+    import uvloop
+    from exo.worker.child_process import spawn
+
+    errors, done = [], threading.Event()
+
+    def open_and_close():  # another thread's files, as a node's to_thread work has them
+        while not done.is_set():
+            read, write = os.pipe()
+            try:
+                os.write(write, b"x")
+                assert os.read(read, 1) == b"x"
+            except (OSError, AssertionError) as error:
+                errors.append(repr(error))
+            for fd in (read, write):
+                try:
+                    os.close(fd)
+                except OSError as error:  # closed already: by another's second close of the number
+                    errors.append(repr(error))
+
+    async def echo_once():
+        try:
+            child = await spawn(["cat"], dict(os.environ), sys.stderr.buffer)
+            child.stdin.write(b"hello\\n")
+            await child.stdin.drain()
+            if await child.stdout.readline() != b"hello\\n":
+                errors.append("a child's line was lost")
+            child.kill()
+            await child.wait()
+        except OSError as error:
+            errors.append(repr(error))
+
+    async def main():
+        await echo_once()  # the loop's own fds (uvloop keeps one on /dev/null) opened before counting
+        fds = len(os.listdir("/proc/self/fd"))
+        threads = [threading.Thread(target=open_and_close) for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        for _ in range(100):
+            await asyncio.gather(*(echo_once() for _ in range(4)))
+        done.set()
+        for thread in threads:
+            thread.join()
+        await asyncio.sleep(0.5)  # the last children's sockets close once their ends are read
+        print(len(errors), len(os.listdir("/proc/self/fd")) - fds, errors[:3])
+
+    uvloop.run(main())
+""")
+
+
+def test_children_s_fds_are_closed_once_so_no_other_thread_loses_a_file() -> None:
+    # uvloop closes a pipe transport's fd twice (libuv, then the file object): a number another
+    # thread got in between was closed under it (a spawn failed with EBADF: test_partition, once).
+    done = subprocess.run([sys.executable, "-c", SPAWNS_BESIDE_THREADS_OPENING_FILES],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    errors, leaked, first = done.stdout.split(" ", 2)
+    assert (errors, leaked) == ("0", "0"), first  # with pipes: about 5% of the spawns failed or closed another's fd

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import subprocess
 import threading
 from typing import IO
@@ -44,22 +45,44 @@ class ChildProcess:
 
 
 async def spawn(argv: list[str], env: dict[str, str], stderr: IO[bytes]) -> ChildProcess:
-    """Start `argv` in a new session (Ctrl-C reaches the node, which stops its children itself)."""
+    """Start `argv` in a new session (Ctrl-C reaches the node, which stops its children itself).
+
+    Its stdin and stdout are socket pairs, not pipes: uvloop closes a pipe's fd twice (libuv's
+    close, then the file object's), and when another thread opened a file in between and got the
+    same number, the second close took that one: a spawn failed with EBADF, or another thread's
+    file vanished. A socket object uvloop detaches instead, so each fd is closed once."""
     loop = asyncio.get_running_loop()
-    popen = await asyncio.to_thread(
-        subprocess.Popen, argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,
-        env=env, start_new_session=True, close_fds=True,
-    )
-    assert popen.stdin is not None and popen.stdout is not None
+    ours_in, theirs_in = socket.socketpair()
+    ours_out, theirs_out = socket.socketpair()
+    try:
+        popen = await asyncio.to_thread(
+            subprocess.Popen, argv, stdin=theirs_in.fileno(), stdout=theirs_out.fileno(), stderr=stderr,
+            env=env, start_new_session=True, close_fds=True,
+        )
+    except BaseException:
+        ours_in.close()
+        ours_out.close()
+        raise
+    finally:
+        theirs_in.close()  # the child has its own copies
+        theirs_out.close()
     stdout = asyncio.StreamReader(loop=loop)  # asyncio's line limit, as create_subprocess_exec had
-    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(stdout, loop=loop), popen.stdout)
-    transport, protocol = await loop.connect_write_pipe(
-        lambda: asyncio.StreamReaderProtocol(asyncio.StreamReader(loop=loop), loop=loop), popen.stdin)
+    await loop.create_unix_connection(lambda: _ReadToEnd(stdout, loop=loop), sock=ours_out)
+    transport, protocol = await loop.create_unix_connection(
+        lambda: asyncio.StreamReaderProtocol(asyncio.StreamReader(loop=loop), loop=loop), sock=ours_in)
     stdin = asyncio.StreamWriter(transport, protocol, None, loop)
     exited: asyncio.Future[int] = loop.create_future()
     exited.add_done_callback(lambda _: stdin.close())  # its pipe's fd is not kept past the child
     threading.Thread(target=_reap, args=(popen, loop, exited), name=f"reap-{popen.pid}", daemon=True).start()
     return ChildProcess(popen, stdin, stdout, exited)
+
+
+class _ReadToEnd(asyncio.StreamReaderProtocol):
+    """The child's stdout: at its end the transport closes the socket, as a pipe's would."""
+
+    def eof_received(self) -> bool:
+        super().eof_received()
+        return False
 
 
 def _reap(popen: subprocess.Popen[bytes], loop: asyncio.AbstractEventLoop, exited: asyncio.Future[int]) -> None:
