@@ -13,6 +13,7 @@ from exo.api.context import CONTEXT_KEY, ApiContext
 from exo.api.errors import error_middleware
 from exo.api.ollama import embed as ollama_embed
 from exo.api.ollama import endpoints as ollama
+from exo.api.ollama import models as ollama_models
 from exo.api.openai import chat as openai_chat
 from exo.api.openai import chat_stream as openai_chat_stream
 from exo.api.openai import completions as openai_completions
@@ -55,6 +56,8 @@ def _anthropic_and_ollama(router: web.UrlDispatcher) -> None:
     router.add_get("/api/tags", ollama.tags)
     router.add_post("/api/show", ollama.show)
     router.add_get("/api/ps", ollama.ps)
+    router.add_post("/api/pull", ollama_models.pull)
+    router.add_delete("/api/delete", ollama_models.delete)
     router.add_get("/api/version", ollama.version)
     router.add_post("/api/embed", ollama_embed.embed)
     router.add_post("/api/embeddings", ollama_embed.legacy_embeddings)

@@ -66,8 +66,8 @@ def place_instance(
     card: ModelCard, sharding: Sharding, min_nodes: int, state: State, ids: Iterator[str], max_context: int = 0,
     kv_bits: int = 0, force: bool = False, exclude: frozenset[str] = frozenset(),
 ) -> Instance | Unplaceable:
-    """Place one instance on the fewest nodes (at least min_nodes) that can hold it, none of them
-    in `exclude` (suspect nodes, or those its replicas use).
+    """Place one instance on the fewest nodes (at least min_nodes) that can hold it, the least
+    loaded of those that do, none of them in `exclude` (suspect nodes, or those its replicas use).
 
     Takes runner ids from `ids` first (one per rank, in rank order), then the instance id;
     takes nothing when the request cannot be placed.
@@ -79,6 +79,7 @@ def place_instance(
     if min_nodes > 1 and (one_node := _one_node_only(card)) is not None:
         return one_node
     nodes = [n for n in _nodes_by_free_memory(state) if n.node_id not in exclude]
+    preferred = _least_loaded_first(state, nodes)
     if not nodes:
         return Unplaceable("unavailable", "no worker node has joined the cluster yet" if not state.nodes
                            else f"no node is free for it ({len(state.nodes)} in the cluster, none usable now)")
@@ -87,7 +88,7 @@ def place_instance(
         return Unplaceable("conflict", f"min_nodes={min_nodes} but the cluster has {usable}")
     first_failure: Unplaceable | None = None
     for k in range(min_nodes, _most_nodes(card, nodes) + 1):
-        planned = _plan(card, sharding, nodes[:k], state, max_context, kv_bits, force)
+        planned = _plan_on(k, card, sharding, nodes, preferred, state, max_context, kv_bits, force)
         if not isinstance(planned, Unplaceable):
             return _instance(card, sharding, planned, ids)
         first_failure = first_failure or planned
@@ -141,6 +142,7 @@ def placement_previews(card: ModelCard, state: State, max_context: int = 0, kv_b
     placement (with real ids), since the fewest nodes that work win.
     """
     nodes = _nodes_by_free_memory(state)
+    preferred = _least_loaded_first(state, nodes)
     previews = []
     if (invalid := _invalid_request(card, max_context, kv_bits, force)) is not None:
         return [PlacementPreview(sharding=sharding, node_count=1, rejection=invalid) for sharding in SHARDINGS]
@@ -150,8 +152,8 @@ def placement_previews(card: ModelCard, state: State, max_context: int = 0, kv_b
                 "unavailable", "no worker node has joined the cluster yet")))
             continue
         for k in range(1, len(nodes) + 1):
-            planned = _plan(card, sharding, nodes[:k], state, max_context, kv_bits, force) if k <= _most_nodes(card, nodes) \
-                else (_one_node_only(card) or _ONE_NODE_ONLY)
+            planned = _plan_on(k, card, sharding, nodes, preferred, state, max_context, kv_bits, force) \
+                if k <= _most_nodes(card, nodes) else (_one_node_only(card) or _ONE_NODE_ONLY)
             if isinstance(planned, Unplaceable):
                 previews.append(PlacementPreview(sharding=sharding, node_count=k, rejection=planned))
             else:
@@ -189,6 +191,23 @@ def split_layers(n_layers: int, weights: list[int]) -> list[int]:
         for r in empty:  # at least one free rank has layers, since left >= len(free)
             layers[r] = 1
             fixed.add(r)
+
+
+def _plan_on(k: int, card: ModelCard, sharding: Sharding, by_memory: list[NodeInfo], preferred: list[NodeInfo],
+             state: State, max_context: int, kv_bits: int, force: bool) -> _Plan | Unplaceable:
+    """The plan on k nodes: the least loaded ones that hold it with the context wanted, else the
+    first that holds it at all; else why the k with the most free memory (its best chance) cannot."""
+    tries = [[n] for n in preferred] if k == 1 else [sorted(preferred[:k], key=_most_free_first)]
+    tries.append(by_memory[:k])
+    want = max_context or default_context(card)
+    planned: _Plan | Unplaceable = Unplaceable("unavailable", "")
+    fallback: _Plan | None = None
+    for nodes in tries:
+        planned = _plan(card, sharding, nodes, state, max_context, kv_bits, force)
+        if isinstance(planned, _Plan) and planned.max_context >= want:
+            return planned
+        fallback = fallback or (planned if isinstance(planned, _Plan) else None)
+    return fallback or planned
 
 
 def _plan(card: ModelCard, sharding: Sharding, nodes: list[NodeInfo], state: State, max_context: int,
@@ -349,7 +368,26 @@ def _nodes_by_free_memory(state: State) -> list[NodeInfo]:
     """Live nodes, most free memory first, less what their instances not yet loaded will take."""
     coming = _memory_still_to_load(state)
     nodes = [_less_free(node, coming.get(node.node_id, 0)) for node in state.nodes.values()]
-    return sorted(nodes, key=lambda n: (-n.memory_available, n.node_id))
+    return sorted(nodes, key=_most_free_first)
+
+
+def _most_free_first(node: NodeInfo) -> tuple[int, str]:
+    return -node.memory_available, node.node_id
+
+
+def _least_loaded_first(state: State, nodes: list[NodeInfo]) -> list[NodeInfo]:
+    """Which nodes an instance goes to: fewest shards placed there, then fewest open tasks on them,
+    then most free memory. Memory alone piles every instance on one node: nodes on one machine
+    report the same free memory, and a loaded instance is already in its node's own report, so
+    the tie went to the lowest node id each time. Rank order stays most free memory first."""
+    shards: dict[str, int] = {}
+    tasks: dict[str, int] = {}
+    open_tasks = state.open_tasks_by_instance()
+    for instance in state.instances.values():
+        for shard in instance.shards:
+            shards[shard.node_id] = shards.get(shard.node_id, 0) + 1
+            tasks[shard.node_id] = tasks.get(shard.node_id, 0) + len(open_tasks.get(instance.instance_id, []))
+    return sorted(nodes, key=lambda n: (shards.get(n.node_id, 0), tasks.get(n.node_id, 0), *_most_free_first(n)))
 
 
 def _memory_still_to_load(state: State) -> dict[str, int]:

@@ -19,7 +19,7 @@ from typing import Any
 import msgspec
 from aiohttp import BodyPartReader, web
 
-from exo.api.cluster.card_source import HUB_STATUS
+from exo.api.card_source import HUB_STATUS
 from exo.api.context import ApiContext, context_of
 from exo.api.errors import ApiError
 from exo.api.outcomes import new_command_id

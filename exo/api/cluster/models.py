@@ -14,7 +14,7 @@ from aiohttp import web
 
 from exo.api.auth import current_grant
 from exo.api.availability import NOWHERE, Availability, availability
-from exo.api.cluster.card_source import complete_card
+from exo.api.card_source import complete_card
 from exo.api.context import context_of
 from exo.api.errors import ApiError
 from exo.api.outcomes import new_command_id

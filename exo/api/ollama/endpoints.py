@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from collections import Counter
 from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
@@ -26,6 +27,7 @@ from exo.api.thinking import from_ollama
 from exo.api.tool_conversation import Conversation, arguments_object, arguments_text, offered_tools
 from exo.api.validate import at_least_one, in_range, stop_list
 from exo.core.ids import ModelId
+from exo.core.state import State
 from exo.core.types import ChatMessage, GenerationParams, ModelCard, TokenChunk, ToolCall
 
 OLLAMA_VERSION = "0.9.0"  # the Ollama API level these routes follow
@@ -204,10 +206,20 @@ async def ps(request: web.Request) -> web.Response:
     ctx = context_of(request)
     grant = current_grant.get()
     running = sorted({i.model_id for i in ctx.view.state.instances.values() if grant.may_use(i.model_id)})
-    models = [_model_entry(card) | {"expires_at": "2999-01-01T00:00:00Z", "size_vram": 0,
-                                    "context_length": card.context_length}
+    held = _memory_held(ctx.view.state)
+    models = [_model_entry(card) | {"expires_at": "2999-01-01T00:00:00Z", "size": held[model_id],
+                                    "size_vram": held[model_id], "context_length": card.context_length}
               for model_id in running if (card := ctx.card(model_id)) is not None]
     return web.json_response({"models": models})
+
+
+def _memory_held(state: State) -> Counter[ModelId]:
+    """Per model, what its instances take on their nodes: each shard's weights and KV cache
+    reservation, summed over every instance (Ollama's `size`, all of it in unified or GPU memory)."""
+    held: Counter[ModelId] = Counter()
+    for instance in state.instances.values():
+        held[instance.model_id] += sum(s.memory_bytes + s.kv_bytes for s in instance.shards)
+    return held
 
 
 async def version(request: web.Request) -> web.Response:

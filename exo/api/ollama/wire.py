@@ -68,3 +68,10 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
 class ModelRequest(msgspec.Struct, kw_only=True):
     model: ModelId = ModelId("")
     name: str = ""  # older clients send "name"
+
+
+class PullRequest(msgspec.Struct, kw_only=True):
+    model: ModelId = ModelId("")
+    name: str = ""  # older clients send "name"
+    insecure: bool = False  # Ollama's registry over plain HTTP: nothing here to apply it to
+    stream: bool = True
