@@ -288,7 +288,8 @@ def test_images_for_a_model_with_no_instance_are_refused_before_anything_is_stor
     from exo.bus.subjects import IMAGES_BUCKET
     from tests.support.e2e import nats_url_of
 
-    card = {"model_id": "local/vision-idle", "path": str(models[TINY_MODEL_ID]), "supports_images": True}
+    card = {"model_id": "local/vision-idle", "path": str(models[TINY_MODEL_ID]), "supports_images": True,
+            "on_demand": False}  # never placed, not even by these requests
     assert http.post("/models/add", json=card).status_code == 200
     images = [os.urandom(200_000) for _ in range(3)]
     for image in images:

@@ -85,7 +85,10 @@ def test_generate_routes_to_the_least_busy_instance_and_is_idempotent():
 
 def test_generate_rejections():
     assert rejection(run(with_node(), GenerateText(command_id="g", model_id="no/such"))[1])[0] == "not_found"
-    assert rejection(run(with_node(), GenerateText(command_id="g", model_id="org/builtin"))[1])[0] == "unavailable"
+    # With no instance, a request places one on demand (tests/test_on_demand.py) unless EXO_ON_DEMAND is off.
+    off = decide(with_node(), GenerateText(command_id="g", model_id="org/builtin"), builtin_cards=BUILTIN,
+                 ids=ids_for("g"), on_demand=False)
+    assert rejection(off)[0] == "unavailable"
 
 
 def test_cancel_and_delete_instance_end_open_tasks():

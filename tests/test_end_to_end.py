@@ -54,7 +54,9 @@ def expected(tiny_model: Path) -> dict:
 @pytest.fixture(scope="module")
 def node(tmp_path_factory, hub: FakeHub):
     root = tmp_path_factory.mktemp("node")
-    env = {"HF_ENDPOINT": hub.endpoint, "HF_HOME": str(root / "hf"), "HF_HUB_DISABLE_TELEMETRY": "1"}
+    # On-demand placement off: this module's 503s for a model with no instance (tests/test_on_demand.py has it on).
+    env = {"HF_ENDPOINT": hub.endpoint, "HF_HOME": str(root / "hf"), "HF_HUB_DISABLE_TELEMETRY": "1",
+           "EXO_ON_DEMAND": "0"}
     exo = ExoProcess(root / "data", env).start()
     yield exo
     if exo.process.poll() is None:

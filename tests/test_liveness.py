@@ -84,7 +84,8 @@ def test_silent_nodes_are_timed_out_with_their_instances_and_open_tasks():
     ]
     after = state_with(*CLUSTER, TaskCreated(task=task), *time_out_node(state, "b", 30))
     assert after.instances == {} and list(after.nodes) == ["a"] and after.tasks["t1"].status == "failed"
-    answer = decide(after, GenerateText(command_id="c1", model_id="m/a"), builtin_cards={"m/a": _card()}, ids=iter([]))
+    answer = decide(after, GenerateText(command_id="c1", model_id="m/a"), builtin_cards={"m/a": _card()}, ids=iter([]),
+                    on_demand=False)
     assert answer[0].code == "unavailable"
     assert answer[0].reason == f"no instance of 'm/a' is running (its last instance was deleted: {reason}); place one first"
 

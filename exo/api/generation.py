@@ -10,7 +10,7 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, nullcontext
 from dataclasses import dataclass, field
 
@@ -27,6 +27,7 @@ from exo.bus.token_stream import TokenListener, UndecodableChunk, stored_chunks
 from exo.core.commands import CancelTask, GenerateText
 from exo.core.events import TaskFinished
 from exo.core.ids import CommandId, ModelId, TaskId
+from exo.core.placement import node_label
 from exo.core.types import FinishReason, GenerationParams, TokenChunk, TokenLogprob, ToolCall
 
 log = logging.getLogger(__name__)
@@ -52,6 +53,7 @@ class Generation:
         self._tokens_seen = 0
         self._next_index = 0  # the index of the next chunk this generation should see
         self._runs = RunTracker()
+        self._loading_note: Callable[[str], Awaitable[None]] | None = None
         self.finished = False
         self._reading = True
         ctx.readers[command_id] += 1
@@ -155,11 +157,45 @@ class Generation:
         if chunk.finish_reason is None:
             self._last_at, self._tokens_seen = now, chunk.token_count
 
+    def tell_loading(self, send: Callable[[str], Awaitable[None]]) -> None:
+        """Until its first chunk, every EXO_LOADING_NOTE_S the stream is told (`send`) what the
+        generation waits for, while its model loads or waits for room: a client is never left in silence."""
+        self._loading_note = send
+
+    def loading(self) -> str:
+        """What the task waits for before it can run ("": nothing, or it queues on a ready instance)."""
+        state = self._ctx.view.state
+        task = state.tasks.get(self.command_id)
+        if task is None or task.status != "pending":
+            return ""
+        instance = state.instances.get(task.instance_id)
+        if instance is None:
+            desire = next((d for d in state.desires.values() if d.model_id == task.model_id), None)
+            return f"waiting for an instance of {task.model_id}: {desire.waiting if desire and desire.waiting else 'placing one'}"
+        if state.is_ready(instance):
+            return ""
+        nodes = ", ".join(node_label(n) if (n := state.nodes.get(s.node_id)) else s.node_id for s in instance.shards)
+        return f"loading {task.model_id} on {nodes}"
+
+    async def _wait_telling_loading(self, waiting: set[asyncio.Future[object]]) -> None:
+        while True:
+            quiet = self._loading_note is not None and self._last_at is None
+            done, _ = await asyncio.wait(waiting, timeout=self._ctx.settings.loading_note_s if quiet else None,
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if done:
+                return
+            if self._loading_note is not None and (note := self.loading()):
+                await self._loading_note(note)
+
     async def _next_chunk(self) -> TokenChunk:
         queue = self._listener.queue
         if not queue.empty() or not self._ended.done():
             getter = asyncio.ensure_future(queue.get())
-            await asyncio.wait({getter, self._ended}, return_when=asyncio.FIRST_COMPLETED)  # type: ignore[type-var]
+            try:
+                await self._wait_telling_loading({getter, self._ended})  # type: ignore[arg-type]
+            except BaseException:  # the client left while told of the loading: stop reading for it
+                getter.cancel()
+                raise
             if getter.done():
                 return getter.result()
             getter.cancel()

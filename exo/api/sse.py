@@ -32,6 +32,10 @@ class SseStream:
         body = data.encode() if isinstance(data, str) else _encoder.encode(data)
         await self.response.write(head + b"data: " + body + b"\n\n")
 
+    async def comment(self, text: str) -> None:
+        """A comment line: clients ignore it, but it shows (and keeps open) a stream with nothing to say yet."""
+        await self.response.write(b": " + " ".join(text.split()).encode() + b"\n\n")
+
     async def close(self) -> web.StreamResponse:
         await self.response.write_eof()
         return self.response

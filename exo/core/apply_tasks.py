@@ -22,6 +22,18 @@ def on_task_created(draft: Draft, event: TaskCreated, seq: int) -> None:
     task = event.task
     draft.own("tasks")[task.task_id] = replace(task, conversation=digest_conversation(task.params))
     count_request(draft, task)
+    _stamp_use(draft, task, task.created_at)
+
+
+def _stamp_use(draft: Draft, task: Task, at: float) -> None:
+    """The desire serving the task (its instance's, or its model's while it waits) was used at `at`:
+    idleness, and so a keep_alive, counts from its latest task's creation or end."""
+    instance = draft.instances.get(task.instance_id)
+    desire_id = instance.desire_id if instance is not None else next(
+        (d.desire_id for d in draft.desires.values() if d.model_id == task.model_id), "")
+    desire = draft.desires.get(desire_id)
+    if desire is not None and at > desire.last_used_at:
+        draft.own("desires")[desire_id] = replace(desire, last_used_at=at)
 
 
 def _open_task(draft: Draft, task_id: TaskId) -> Task:
@@ -83,6 +95,7 @@ def on_task_finished(draft: Draft, event: TaskFinished, seq: int) -> None:
         cached_tokens=event.cached_tokens,
     )
     count_tokens(draft, task, event)
+    _stamp_use(draft, task, event.at)
     order = draft.own("finished_task_ids")
     order.append(event.task_id)
     if len(order) > MAX_FINISHED_TASKS:

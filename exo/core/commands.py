@@ -26,6 +26,8 @@ class PlaceInstance(Command, frozen=True, tag="place_instance", kw_only=True):
     replicas: int = 1  # instances of it kept running, on distinct nodes where memory allows
     draft_model: ModelId = ModelId("")  # speculative decoding: a smaller model of the same vocabulary
     num_draft_tokens: int = 0  # tokens it proposes per step (0: DEFAULT_DRAFT_TOKENS)
+    keep_alive_s: float = -1.0  # unloaded after this many seconds without requests; negative: kept until deleted
+    at: float = 0.0  # the API's wall clock when asked: the idle time of a keep_alive counts from here
 
 
 class DeleteDesire(Command, frozen=True, tag="delete_desire", kw_only=True):
@@ -42,6 +44,7 @@ class GenerateText(Command, frozen=True, tag="generate_text", kw_only=True):
     at: float = 0.0
     key_id: str = ""  # the API key it came with: the master admits it within the key's limits
     priority: str = "interactive"
+    keep_alive_s: float | None = None  # how long the model stays loaded after this request (None: as it is)
 
 
 class CancelTask(Command, frozen=True, tag="cancel_task", kw_only=True):

@@ -86,6 +86,7 @@ class ModelCard(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     sampling: SamplingDefaults = SamplingDefaults()
     sampling_no_thinking: SamplingDefaults | None = None  # for requests that turn a thinking model's thinking off
     embedding: EmbeddingSpec | None = None  # set: the model embeds (POST /v1/embeddings), it does not chat
+    on_demand: bool = True  # a request for it with no instance places one (False: only POST /place_instance does)
 
     @property
     def source_repo(self) -> str:
@@ -173,6 +174,10 @@ class Desire(msgspec.Struct, frozen=True, kw_only=True):
     retry_at: float = 0.0  # wall clock: no replacement before this (back-off after failures)
     draft_model: ModelId = ModelId("")  # speculative decoding's draft, as Instance's
     num_draft_tokens: int = 0
+    on_demand: bool = False  # placed by a request for a model with no instance, not by POST /place_instance
+    # Seconds without requests after which the master unloads it (negative: never, as Ollama's keep_alive).
+    keep_alive_s: float = -1.0
+    last_used_at: float = 0.0  # wall clock: its latest task's creation or end (the reducer's); 0: never stamped
 
 
 class Migration(msgspec.Struct, frozen=True, kw_only=True):

@@ -37,10 +37,9 @@ from exo.core.events import (
     KeyDeleted,
     KeySet,
     TaskCancelRequested,
-    TaskCreated,
     TaskFinished,
 )
-from exo.core.ids import ModelId, TaskId
+from exo.core.ids import ModelId
 from exo.core.keys import KeyWindow, Reserved, admission, cache_scope_of
 from exo.core.placement import Unplaceable, node_label
 from exo.core.reservations import reserved_tokens
@@ -49,6 +48,7 @@ from exo.core.types import Desire, GenerationParams, Instance, ModelCard, Reject
 from exo.core.usage import day_of, tokens_in_day, tokens_in_month
 from exo.master.heal import place_for
 from exo.master.memo import DecideMemo
+from exo.master.on_demand import kept_alive, task_created, without_instance
 from exo.master.routing import choose_instance
 from exo.settings.services import MasterSettings
 
@@ -58,6 +58,9 @@ MAX_DRAFT_TOKENS = 16
 
 # Open (pending or running) tasks an instance admits, unless placed with its own max_queue.
 DEFAULT_MAX_QUEUE = MasterSettings().max_queue  # EXO_MAX_QUEUE's default
+# A request for a model with no instance places one (EXO_ON_DEMAND's default).
+DEFAULT_ON_DEMAND = MasterSettings().on_demand
+DEFAULT_KEEP_ALIVE_S = MasterSettings().keep_alive_s  # how long a model placed on demand stays loaded, idle
 
 
 def decide(
@@ -69,6 +72,8 @@ def decide(
     default_max_queue: int = DEFAULT_MAX_QUEUE,
     cache_routing: bool = True,
     memo: DecideMemo | None = None,
+    on_demand: bool = DEFAULT_ON_DEMAND,
+    keep_alive_s: float = DEFAULT_KEEP_ALIVE_S,
 ) -> list[Event]:
     if command.command_id in state.answered_commands:
         return []  # redelivered after its first master appended the answer: decided already
@@ -80,7 +85,9 @@ def decide(
         case DeleteDesire():
             return _delete_desire(state, command)
         case GenerateText():
-            return _generate(state, command, builtin_cards, default_max_queue, cache_routing, memo or DecideMemo())
+            events = _generate(state, command, builtin_cards, ids, default_max_queue, cache_routing, memo or DecideMemo(),
+                               on_demand, keep_alive_s)
+            return kept_alive(state, command, events)
         case CancelTask():
             return _cancel(state, command)
         case AddCustomCard():
@@ -118,7 +125,8 @@ def _place(state: State, command: PlaceInstance, builtin: Mapping[ModelId, Model
                     min_nodes=command.min_nodes, max_queue=command.max_queue, max_context=command.max_context,
                     kv_bits=command.kv_bits, force=command.force, replicas=command.replicas,
                     draft_model=command.draft_model,
-                    num_draft_tokens=command.num_draft_tokens or (DEFAULT_DRAFT_TOKENS if command.draft_model else 0))
+                    num_draft_tokens=command.num_draft_tokens or (DEFAULT_DRAFT_TOKENS if command.draft_model else 0),
+                    keep_alive_s=command.keep_alive_s, last_used_at=command.at)
     placed = place_for(state, desire, builtin, ids, frozenset())
     if isinstance(placed, Unplaceable):
         return _reject(command, placed.code, placed.reason)
@@ -178,22 +186,18 @@ def _delete_desire(state: State, command: DeleteDesire) -> list[Event]:
     return [*events, DesireEnded(command_id=command.command_id, desire_id=command.desire_id, reason="deleted on request")]
 
 
-def _generate(state: State, command: GenerateText, builtin: Mapping[ModelId, ModelCard], default_max_queue: int,
-              cache_routing: bool, memo: DecideMemo) -> list[Event]:
+def _generate(state: State, command: GenerateText, builtin: Mapping[ModelId, ModelCard], ids: Iterator[str],
+              default_max_queue: int, cache_routing: bool, memo: DecideMemo, on_demand: bool,
+              keep_alive_s: float) -> list[Event]:
     if find_card(state, builtin, command.model_id) is None:
         return _reject(command, "not_found", f"unknown model {command.model_id!r}")
     if command.key_id and (refused := _over_limits(state, command, builtin)):
         return refused
     instances, failures = memo.serving.of(state, command.model_id)
+    # Cache and routing partitioned by the key's scope, from State: a command cannot choose another's.
+    params = replace(command.params, cache_scope=cache_scope_of(state.api_keys.get(command.key_id)))
     if not instances:
-        ended = state.instance_end_reasons.get(command.model_id)
-        why = f" (its last instance was deleted: {ended})" if ended else ""
-        desire = next((d for d in state.desires.values() if d.model_id == command.model_id), None)
-        if desire is not None:  # exo/master/heal.py is placing one
-            return _reject(command, "unavailable", f"no instance of {command.model_id!r} is running{why}; its "
-                                                   f"placement {desire.desire_id} is waiting for one: "
-                                                   f"{desire.waiting or 'a replacement is being placed'}")
-        return _reject(command, "unavailable", f"no instance of {command.model_id!r} is running{why}; place one first")
+        return without_instance(state, command, builtin, ids, params, on_demand, keep_alive_s)
     # A failed instance serves nothing until its runner restarts (the worker retries with back-off):
     # say so now, as a 503 with the reason, rather than queue the request for a failure.
     if len(failures) == len(instances):
@@ -213,20 +217,9 @@ def _generate(state: State, command: GenerateText, builtin: Mapping[ModelId, Mod
     if not with_room:
         return _reject(command, "overloaded",
                        f"every instance of {command.model_id!r} has a full queue; try again shortly")
-    # Cache and routing partitioned by the key's scope, from State: a command cannot choose another's.
-    params = replace(command.params, cache_scope=cache_scope_of(state.api_keys.get(command.key_id)))
     chosen = choose_instance(state, with_room, params, open_tasks, by_conversation=cache_routing,
                              index=memo.tasks)
-    task = Task(
-        task_id=TaskId(command.command_id),  # a task is named after the command that asked for it
-        instance_id=chosen.instance_id,
-        model_id=command.model_id,
-        params=params,
-        created_at=command.at,
-        key_id=command.key_id,
-        priority=command.priority,
-    )
-    return [TaskCreated(command_id=command.command_id, task=task)]
+    return [task_created(command, params, chosen.instance_id)]
 
 
 def _cancel(state: State, command: CancelTask) -> list[Event]:

@@ -30,6 +30,7 @@ class HealLimits(msgspec.Struct, frozen=True, kw_only=True):
     deadline_s: float = 120.0  # a migrated task waits this long for an instance of its model
     max_migrations: int = 2  # moves per task; past them it ends with the reason
     backoff_max_s: float = 60.0  # the longest wait before replacing an instance that kept failing
+    load_timeout_s: float = 300.0  # a request waits this long for an instance of its model placed on demand
 
 
 def backoff_s(failures: int, limits: HealLimits) -> float:
@@ -88,13 +89,19 @@ def waiting_tasks(state: State, now: float, limits: HealLimits, lost: frozenset[
         elif target is not None:
             events.append(TaskMigrated(task_id=task.task_id, to_instance=target.instance_id,
                                        reason="an instance of its model is ready", at=now))
-        elif desire is None or now - since >= limits.deadline_s:
-            why = f"waited {now - since:.0f} s" if desire is not None else "no placement of its model is kept"
-            waiting = f": {desire.waiting}" if desire is not None and desire.waiting else ""
+        elif desire is None or now - since >= (limits.deadline_s if task.migrations else limits.load_timeout_s):
             events.append(TaskFinished(task_id=task.task_id, status="failed", finish_reason="error",
-                                       error=f"its instance died and no instance of {task.model_id!r} took it over "
-                                             f"({why}{waiting})"))
+                                       error=_why_waited_out(task, desire, now - since, limits)))
     return events
+
+
+def _why_waited_out(task: Task, desire: Desire | None, waited: float, limits: HealLimits) -> str:
+    why = f"waited {waited:.0f} s" if desire is not None else "no placement of its model is kept"
+    waiting = f": {desire.waiting}" if desire is not None and desire.waiting else ""
+    if task.migrations:
+        return f"its instance died and no instance of {task.model_id!r} took it over ({why}{waiting})"
+    bound = ", the most EXO_LOAD_TIMEOUT_S allows" if desire is not None else ""
+    return f"no instance of {task.model_id!r} was ready for it ({why}{bound}{waiting})"
 
 
 def replace_missing(state: State, builtin: Mapping[ModelId, ModelCard], ids: Iterator[str], now: float,

@@ -52,6 +52,7 @@ from exo.core.types import ModelCard
 from exo.master.decide import decide
 from exo.master.group import groups_to_set, heal_group, key_copy, not_for_group
 from exo.master.heal import HealLimits
+from exo.master.lifecycle_log import log_placed_on_demand, log_unloaded
 from exo.master.memo import DecideMemo
 from exo.master.supervise import supervise
 from exo.settings.services import MasterSettings
@@ -90,7 +91,7 @@ class Master:
         self._copied_keys: dict[str, ApiKey] = {}  # a group's: the keys its log has copies of
         self._node_timeout = settings.node_timeout_s
         self._heal = HealLimits(suspect_s=settings.suspect_s, deadline_s=settings.migration_deadline_s,
-                                max_migrations=settings.max_migrations)
+                                max_migrations=settings.max_migrations, load_timeout_s=settings.load_timeout_s)
         self._heard_at: dict[NodeId, float] = {}  # node id -> time.monotonic() of its latest heartbeat seen
         view.add_listener(self._on_event)
         self.term = 0
@@ -223,11 +224,12 @@ class Master:
                 await self._append_all(events, term, f"supervise:{term}:{state.last_seq}")
             except (TimeoutError, *BROKER_ERRORS, NotLeader) as error:  # type: ignore[misc]  # as above
                 log.warning("master: supervision events not appended: %r", error)
+            unloaded = log_unloaded(state, events)
             for event in events:
                 if isinstance(event, NodeTimedOut):
                     log.warning("master: %s", event.reason)
                     self._heard_at.pop(event.node_id, None)
-                elif isinstance(event, (InstanceDeleted, TaskMigrated)):
+                elif isinstance(event, (InstanceDeleted, TaskMigrated)) and event not in unloaded:
                     log.warning("master: %s %s", event_tag(event), event.reason)
 
     async def _append_all(self, events: list[Event], term: int, id_prefix: str) -> None:
@@ -266,8 +268,9 @@ class Master:
         events = self._refused_here(state, command) or [*self._group_events(state, command), *decide(
             state, command, builtin_cards=self._builtin_cards, ids=ids_for(command.command_id),
             cache_routing=self._settings.cache_routing, default_max_queue=self._settings.max_queue,
-            memo=self._memo,
+            memo=self._memo, on_demand=self._settings.on_demand, keep_alive_s=self._settings.keep_alive_s,
         )]
+        log_placed_on_demand(state, events)
         if not self._log.atomic or time.monotonic() < self._one_by_one_until:
             self._ahead = await self._append_folding(state, events, term, f"{command.command_id}:{term}")
             return

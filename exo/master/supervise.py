@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator, Mapping
 
-from exo.core.events import Event, NodeTimedOut
+from exo.core.events import DesireEnded, Event, InstanceDeleted, NodeTimedOut
 from exo.core.ids import InstanceId, ModelId, NodeId
 from exo.core.state import State
 from exo.core.types import Instance, ModelCard
@@ -74,7 +74,26 @@ def supervise(
     if events:
         return events
     return [*waiting_tasks(state, wall, limits, suspect),
-            *replace_missing(state, builtin or {}, ids or _no_ids(), wall, avoid=suspect)]
+            *replace_missing(state, builtin or {}, ids or _no_ids(), wall, avoid=suspect),
+            *idle_desires(state, wall)]
+
+
+def idle_desires(state: State, now: float) -> list[Event]:
+    """Desires idle for their keep_alive end, with their instances (unloaded on every rank). A task
+    open on one of its instances, or waiting for its model, keeps it; negative: kept until deleted."""
+    by_instance = state.open_tasks_by_instance()
+    waited_for = {t.model_id for t in by_instance.get(InstanceId(""), [])}
+    events: list[Event] = []
+    for desire in sorted(state.desires.values(), key=lambda d: d.desire_id):
+        instances = state.instances_of_desire(desire.desire_id)
+        idle_s = now - desire.last_used_at
+        if (desire.keep_alive_s < 0 or not desire.last_used_at or idle_s < desire.keep_alive_s
+                or desire.model_id in waited_for or any(by_instance.get(i.instance_id) for i in instances)):
+            continue
+        reason = f"idle for {idle_s:.0f} s (keep_alive {desire.keep_alive_s:g} s)"
+        events += [InstanceDeleted(instance_id=i.instance_id, reason=reason) for i in instances]
+        events.append(DesireEnded(desire_id=desire.desire_id, reason=reason))
+    return events
 
 
 def _lost_node(state: State, instance: Instance, timed_out: list[NodeId], suspect: frozenset[NodeId],

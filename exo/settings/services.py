@@ -138,6 +138,12 @@ class MasterSettings(Frozen, frozen=True):
                                                          "waits for an instance of its model")] = 120.0
     max_migrations: Annotated[int, NonNegative, Env("EXO_MAX_MIGRATIONS", "moves per request; past them it ends "
                                                     "with the reason")] = 2
+    on_demand: Annotated[bool, Env("EXO_ON_DEMAND", "a request for a model with no instance places one and "
+                                   "waits for it (off: it is refused until someone places the model)")] = True
+    load_timeout_s: Annotated[float, Positive, Env("EXO_LOAD_TIMEOUT_S", "seconds a request waits for an instance "
+                                                   "of its model placed on demand")] = 300.0
+    keep_alive_s: Annotated[float, Env("EXO_KEEP_ALIVE", "seconds a model placed on demand stays loaded without "
+                                       "requests (negative: until deleted; a request's keep_alive overrides it)")] = 300.0
     cache_routing: Annotated[bool, Env("EXO_CACHE_ROUTING", "send a request to the instance that caches most of "
                                        "its prompt (off: the least busy one)")] = True
     groups: Annotated[str, Env("EXO_MASTER_GROUPS", "master groups, each deciding its models' requests with a log, "
@@ -202,6 +208,8 @@ class ApiSettings(Frozen, frozen=True):
     resume_grace_s: Annotated[float, NonNegative, Env("EXO_RESUME_GRACE_S", "seconds a dropped stream may be "
                                                       "resumed before its generation is cancelled (0: at "
                                                       "once)")] = 5.0
+    loading_note_s: Annotated[float, Positive, Env("EXO_LOADING_NOTE_S", "seconds between the SSE comments that "
+                                                   "tell a streaming client its model is still loading")] = 5.0
     max_body_bytes: Annotated[Annotated[int, Positive] | None, Env("EXO_MAX_BODY_BYTES", "largest request body "
                                                                    "(none: what one NATS message carries, the "
                                                                    "server's max_payload less 64 KiB; images ride "

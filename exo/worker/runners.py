@@ -224,7 +224,7 @@ class Runners:
             task_id=report.task_id, status=statuses.get(report.finish_reason, "completed"),
             finish_reason=report.finish_reason, error=report.error, prompt_tokens=report.prompt_tokens,
             completion_tokens=report.completion_tokens, cached_tokens=report.cached_tokens, attempt=run,
-            generation_s=round(time.monotonic() - started_at, 4) if started_at else 0.0,
+            generation_s=round(time.monotonic() - started_at, 4) if started_at else 0.0, at=time.time(),
         ))
 
     async def _on_exit(self, runner_id: RunnerId, code: int, log_tail: str) -> None:

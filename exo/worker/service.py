@@ -303,4 +303,4 @@ class Worker:
         await publish_chunk(self._nc, TokenChunk(command_id=task_id, index=0, finish_reason=finish, error=reason,
                                                  attempt=attempt))
         await self._publish(TaskFinished(task_id=task_id, status=status, finish_reason=finish, error=reason,
-                                         attempt=attempt))
+                                         attempt=attempt, at=time.time()))

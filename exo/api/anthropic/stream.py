@@ -96,9 +96,22 @@ class _Blocks:
 
 async def stream_message(request: web.Request, generation: Generation, model: str) -> web.StreamResponse:
     chunks = generation.chunks()
+    opened: list[SseStream] = []  # early, by the first note that the model is loading
+
+    async def note(text: str) -> None:
+        if not opened:
+            opened.append(await SseStream.open(request))
+        await opened[0].comment(text)
+
+    generation.tell_loading(note)
     first = await anext(chunks)  # message_start reports the prompt's size, known with the first chunk
-    raise_if_failed(first)  # nothing sent yet: a plain error response with its status
-    sse = await SseStream.open(request)
+    if not opened:
+        raise_if_failed(first)  # nothing sent yet: a plain error response with its status
+    elif first.finish_reason in ("error", "cancelled"):
+        await opened[0].send(error_body(500, first.error or "generation was cancelled", path="/v1/messages"),
+                             event="error")
+        return await opened[0].close()
+    sse = opened[0] if opened else await SseStream.open(request)
     blocks = _Blocks(sse)
     await blocks.send("message_start", {"message": {
         "id": f"msg_{generation.command_id}", "type": "message", "role": "assistant", "model": model, "content": [],

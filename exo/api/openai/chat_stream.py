@@ -57,6 +57,7 @@ async def complete_chat(generation: Generation, model: str, with_logprobs: bool)
 async def stream_chat(request: web.Request, generation: Generation, model: str, include_usage: bool,
                       with_logprobs: bool, resumed: bool = False) -> web.StreamResponse:
     sse = await SseStream.open(request)
+    generation.tell_loading(sse.comment)
     base = envelope(generation.command_id, model, "chat.completion.chunk")
 
     def choice(delta: dict[str, Any], finish_reason: str | None = None, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -85,6 +85,7 @@ async def _complete(generation: Generation, body: CompletionRequest) -> web.Resp
 
 async def _stream(request: web.Request, generation: Generation, body: CompletionRequest) -> web.StreamResponse:
     sse = await SseStream.open(request)
+    generation.tell_loading(sse.comment)
     base = _envelope(generation, body.model)
     offset = 0
     async for chunk in generation.chunks():

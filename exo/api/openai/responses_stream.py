@@ -142,6 +142,7 @@ def _part(text: str) -> dict[str, Any]:
 
 async def stream_response(request: web.Request, generation: Generation, echo: dict[str, Any]) -> web.StreamResponse:
     sse = await SseStream.open(request)
+    generation.tell_loading(sse.comment)
     sequence = 0
 
     async def send(kind: str, data: dict[str, Any]) -> None:
