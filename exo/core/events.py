@@ -67,9 +67,18 @@ class NodeTimedOut(Event, frozen=True, tag="node.timed_out", kw_only=True):
     reason: str = ""
 
 
+class Eviction(msgspec.Struct, frozen=True, kw_only=True):
+    """A desire unloaded to make room for an instance (exo/master/eviction.py): its model and instances."""
+
+    desire_id: str
+    model_id: ModelId
+    instance_ids: list[InstanceId]
+
+
 class InstanceCreated(Event, frozen=True, tag="instance.created", kw_only=True):
     command_id: CommandId = CommandId("")
     instance: Instance
+    evicted: list[Eviction] = []  # unloaded to make room for it, in the same decision (ended just before it)
 
 
 class InstanceDeleted(Event, frozen=True, tag="instance.deleted", kw_only=True):

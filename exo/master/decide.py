@@ -46,6 +46,7 @@ from exo.core.reservations import reserved_tokens
 from exo.core.state import State
 from exo.core.types import Desire, GenerationParams, Instance, ModelCard, RejectionCode, Task
 from exo.core.usage import day_of, tokens_in_day, tokens_in_month
+from exo.master.eviction import place_making_room
 from exo.master.heal import place_for
 from exo.master.memo import DecideMemo
 from exo.master.on_demand import kept_alive, task_created, without_instance
@@ -127,11 +128,13 @@ def _place(state: State, command: PlaceInstance, builtin: Mapping[ModelId, Model
                     draft_model=command.draft_model,
                     num_draft_tokens=command.num_draft_tokens or (DEFAULT_DRAFT_TOKENS if command.draft_model else 0),
                     keep_alive_s=command.keep_alive_s, last_used_at=command.at)
-    placed = place_for(state, desire, builtin, ids, frozenset())
-    if isinstance(placed, Unplaceable):
-        return _reject(command, placed.code, placed.reason)
-    # The instance first: its caller's answer is the first event naming the command.
-    events: list[Event] = [InstanceCreated(command_id=command.command_id, instance=placed),
+    room = place_making_room(state, desire, builtin, ids)
+    if isinstance(room, Unplaceable):
+        return _reject(command, room.code, room.reason)
+    placed, state = room.instance, room.state
+    # The evictions name no command: its caller's answer is the first event naming it, the instance.
+    events: list[Event] = [*room.events, InstanceCreated(command_id=command.command_id, instance=placed,
+                                                         evicted=room.evictions),
                            DesireSet(command_id=command.command_id, desire=desire)]
     used = {s.node_id for s in placed.shards}
     for _ in range(command.replicas - 1):  # the rest, each counting the memory the ones before it take

@@ -1,4 +1,4 @@
-"""The master's INFO lines for a model's lifecycle: placed on demand by a request, unloaded when idle."""
+"""The master's INFO lines for a model's lifecycle: placed on demand by a request, unloaded when idle or evicted."""
 
 from __future__ import annotations
 
@@ -20,6 +20,17 @@ def log_placed_on_demand(state: State, events: list[Event]) -> None:
                               for s in event.instance.shards)
             log.info("master: placed %s on demand on %s (instance %s)", event.instance.model_id, nodes,
                      event.instance.instance_id)
+
+
+def log_evicted(state: State, events: list[Event]) -> None:
+    """One INFO line per desire a placement unloaded to make room (its model, nodes and what for)."""
+    for placed in (e for e in events if isinstance(e, InstanceCreated)):
+        for eviction in placed.evicted:
+            nodes = sorted({node_label(state.nodes[s.node_id]) if s.node_id in state.nodes else s.node_id
+                            for i in eviction.instance_ids if i in state.instances
+                            for s in state.instances[i].shards})
+            log.info("master: unloaded %s from %s: evicted to make room for %s (instance %s)", eviction.model_id,
+                     ", ".join(nodes) or "no node", placed.instance.model_id, ", ".join(eviction.instance_ids))
 
 
 def log_unloaded(state: State, events: list[Event]) -> list[Event]:

@@ -14,7 +14,7 @@ from exo.core.ids import CommandId, InstanceId, ModelId, TaskId
 from exo.core.placement import Unplaceable
 from exo.core.state import State
 from exo.core.types import Desire, GenerationParams, ModelCard, RejectionCode, Task
-from exo.master.heal import place_for
+from exo.master.eviction import place_making_room
 
 
 def _refuse(command: GenerateText, code: RejectionCode, reason: str) -> list[Event]:
@@ -79,10 +79,10 @@ def _place_on_demand(state: State, command: GenerateText, builtin: Mapping[Model
     keep_alive = keep_alive_s if command.keep_alive_s is None else command.keep_alive_s
     desire = Desire(desire_id=next(ids), model_id=command.model_id, on_demand=True, keep_alive_s=keep_alive,
                     last_used_at=command.at)
-    placed = place_for(state, desire, builtin, ids, frozenset())
-    if isinstance(placed, Unplaceable):
-        return _refuse(command, placed.code, f"no instance of {command.model_id!r} is running and none can be placed "
-                                             f"on demand: {placed.reason}")
+    room = place_making_room(state, desire, builtin, ids)
+    if isinstance(room, Unplaceable):
+        return _refuse(command, room.code, f"no instance of {command.model_id!r} is running and none can be placed "
+                                           f"on demand: {room.reason}")
     placed_by = CommandId(desire.desire_id)
-    return [InstanceCreated(command_id=placed_by, instance=placed), DesireSet(command_id=placed_by, desire=desire),
-            task_created(command, params, placed.instance_id)]
+    return [*room.events, InstanceCreated(command_id=placed_by, instance=room.instance, evicted=room.evictions),
+            DesireSet(command_id=placed_by, desire=desire), task_created(command, params, room.instance.instance_id)]

@@ -52,7 +52,7 @@ from exo.core.types import ModelCard
 from exo.master.decide import decide
 from exo.master.group import groups_to_set, heal_group, key_copy, not_for_group
 from exo.master.heal import HealLimits
-from exo.master.lifecycle_log import log_placed_on_demand, log_unloaded
+from exo.master.lifecycle_log import log_evicted, log_placed_on_demand, log_unloaded
 from exo.master.memo import DecideMemo
 from exo.master.supervise import supervise
 from exo.settings.services import MasterSettings
@@ -271,6 +271,7 @@ class Master:
             memo=self._memo, on_demand=self._settings.on_demand, keep_alive_s=self._settings.keep_alive_s,
         )]
         log_placed_on_demand(state, events)
+        log_evicted(state, events)
         if not self._log.atomic or time.monotonic() < self._one_by_one_until:
             self._ahead = await self._append_folding(state, events, term, f"{command.command_id}:{term}")
             return
