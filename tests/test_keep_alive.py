@@ -6,8 +6,16 @@ from __future__ import annotations
 
 import itertools
 
-from exo.core.commands import GenerateText
-from exo.core.events import DesireEnded, DesireSet, InstanceDeleted, NodeRegistered, TaskCreated, TaskFinished
+from exo.core.commands import GenerateText, PlaceInstance
+from exo.core.events import (
+    DesireEnded,
+    DesireSet,
+    InstanceDeleted,
+    NodeRegistered,
+    RunnerStatusChanged,
+    TaskCreated,
+    TaskFinished,
+)
 from exo.core.state import State
 from exo.core.types import Desire, ModelCard, NodeInfo, Task
 from exo.master.decide import decide
@@ -25,9 +33,16 @@ def ask(state: State, command_id: str, at: float, keep_alive_s: float | None = N
     return fold(events, state)
 
 
+def ready(state: State, at: float, runner_id: str = "g1-1", instance_id: str = "g1-2") -> State:
+    return fold([RunnerStatusChanged(runner_id=runner_id, instance_id=instance_id, node_id="n1", status="ready", at=at)],
+                state)
+
+
 def placed_on_demand(keep_alive_s: float | None = None) -> State:
-    """A request at t=100 placed the model on demand (its desire g1-0, instance g1-2); its task is open."""
-    return ask(fold([NodeRegistered(node=NodeInfo(node_id="n1", memory_available=10_000))]), "g1", 100.0, keep_alive_s)
+    """A request at t=100 placed the model on demand (its desire g1-0, runner g1-1, instance g1-2),
+    loaded at once; its task is open."""
+    state = ask(fold([NodeRegistered(node=NodeInfo(node_id="n1", memory_available=10_000))]), "g1", 100.0, keep_alive_s)
+    return ready(state, at=100.0)
 
 
 def unloaded(reason: str) -> list:
@@ -64,3 +79,19 @@ def test_a_desire_placed_explicitly_without_keep_alive_or_never_stamped_stays():
     state = fold([TaskFinished(task_id="g1", status="completed", at=130.0)], placed_on_demand())
     never_stamped = fold([DesireSet(desire=Desire(desire_id="g1-0", model_id=MODEL, keep_alive_s=5.0))], state)
     assert idle_desires(never_stamped, now=1e9) == []
+
+
+def test_a_model_that_takes_long_to_load_is_not_idle_before_it_is_ready():
+    # An explicit placement with a 2 s keep_alive, asked at t=100, whose model loads for 50 s: it
+    # is not unloaded while loading, and its keep_alive counts from its readiness (the worker's clock).
+    nodes = fold([NodeRegistered(node=NodeInfo(node_id="n1", memory_available=10_000))])
+    place = PlaceInstance(command_id="p1", model_id=MODEL, keep_alive_s=2.0, at=100.0)
+    state = fold(decide(nodes, place, builtin_cards=CARDS, ids=(f"p1-{n}" for n in itertools.count())), nodes)
+    (instance,) = state.instances.values()
+    assert idle_desires(state, now=140.0) == []  # loading: 40 s past its keep_alive, kept
+    state = ready(state, at=150.0, runner_id=instance.shards[0].runner_id, instance_id=instance.instance_id)
+    assert state.desires["p1"].last_used_at == 150.0
+    assert idle_desires(state, now=151.0) == []
+    reason = "idle for 3 s (keep_alive 2 s)"
+    assert idle_desires(state, now=153.0) == [InstanceDeleted(instance_id=instance.instance_id, reason=reason),
+                                              DesireEnded(desire_id="p1", reason=reason)]

@@ -69,11 +69,11 @@ def check_embeds(ctx: ApiContext, model_id: ModelId, dimensions: int | None) -> 
 
 
 async def run_embeddings(ctx: ApiContext, model_id: ModelId, inputs: EmbedInputs,
-                         missing: ApiError | None = None) -> Embeddings:
+                         missing: ApiError | None = None, keep_alive_s: float | None = None) -> Embeddings:
     check_embeds(ctx, model_id, inputs.dimensions)
     vectors: dict[int, np.ndarray] = {}
     prompt_tokens = 0
-    async with generating(ctx, model_id, GenerationParams(embed=inputs), missing) as generation:
+    async with generating(ctx, model_id, GenerationParams(embed=inputs), missing, keep_alive_s=keep_alive_s) as generation:
         async for chunk in generation.chunks():
             raise_if_failed(chunk)
             if chunk.embedding:

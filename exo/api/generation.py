@@ -288,9 +288,10 @@ async def cancel_generation(ctx: ApiContext, command_id: CommandId) -> None:
 
 
 async def start_generation(ctx: ApiContext, model_id: ModelId, params: GenerationParams,
-                           tier: str = "interactive") -> Generation:
-    """`tier`: the request's own ("batch" lowers it; it cannot raise its key's)."""
-    """Queue the request and return once the master accepted it (or raise why it did not)."""
+                           tier: str = "interactive", keep_alive_s: float | None = None) -> Generation:
+    """Queue the request and return once the master accepted it (or raise why it did not).
+    `tier`: the request's own ("batch" lowers it; it cannot raise its key's); `keep_alive_s`: how
+    long its model stays loaded after it (exo/api/keep_alive.py; None: as its desire says)."""
     card = ctx.card(model_id)
     grant = current_grant.get()
     # The context placed instances have room for, else the model's own (none placed: a 503 follows).
@@ -305,7 +306,7 @@ async def start_generation(ctx: ApiContext, model_id: ModelId, params: Generatio
         await send_command(ctx.nc, GenerateText(command_id=command_id, model_id=model_id, params=params, at=time.time(),
                                                 key_id=key.key_id if key else "",
                                                 priority="batch" if "batch" in (tier, key.priority if key else "")
-                                                else "interactive"),
+                                                else "interactive", keep_alive_s=keep_alive_s),
                            ctx.view.names_for_model(model_id))
         raise_if_rejected(await asyncio.wait_for(answer, COMMAND_TIMEOUT_S))
     except TimeoutError:
@@ -330,7 +331,7 @@ def requested_tier(service_tier: str | None, priority: int | None) -> str:
 @asynccontextmanager
 async def generating(ctx: ApiContext, model_id: ModelId, params: GenerationParams, missing: ApiError | None = None,
                      resume_grace_s: float = 0.0, storing: AbstractAsyncContextManager[None] | None = None,
-                     tier: str = "interactive") -> AsyncIterator[Generation]:
+                     tier: str = "interactive", keep_alive_s: float | None = None) -> AsyncIterator[Generation]:
     """The one way a surface runs a generation: the model must have a card (else `missing`, the
     surface's own 404, or OpenAI's), the request is queued (inside `storing`: what must be stored
     for it, e.g. its images), and however the handler ends the generation is closed: cancelled if
@@ -346,7 +347,7 @@ async def generating(ctx: ApiContext, model_id: ModelId, params: GenerationParam
         raise ApiError(400, f"the model {model_id!r} is an embedding model and does not generate text: use "
                             "POST /v1/embeddings (or Ollama's /api/embed)", param="model")
     async with storing or nullcontext():
-        generation = await start_generation(ctx, model_id, params, tier)
+        generation = await start_generation(ctx, model_id, params, tier, keep_alive_s)
     try:
         yield generation
     finally:

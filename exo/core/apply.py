@@ -21,7 +21,14 @@ from typing import Any, get_args
 from msgspec.structs import replace
 
 from exo.core.apply_access import on_adapter_added, on_adapter_deleted, on_card_added, on_card_deleted, on_key_deleted, on_key_set
-from exo.core.apply_tasks import on_task_cancel_requested, on_task_created, on_task_finished, on_task_migrated, on_task_started
+from exo.core.apply_tasks import (
+    on_task_cancel_requested,
+    on_task_created,
+    on_task_finished,
+    on_task_migrated,
+    on_task_started,
+    stamp_desire_use,
+)
 from exo.core.draft import Draft
 from exo.core.events import (
     AdapterAdded,
@@ -179,6 +186,8 @@ def _on_runner_status(draft: Draft, event: RunnerStatusChanged, seq: int) -> Non
                     f"not on {event.node_id} for {event.instance_id}")
     updated = replace(runner, status=event.status, error=event.error, failures=event.failures)
     draft.own("runners")[event.runner_id] = updated
+    if event.status == "ready" and (instance := draft.instances.get(runner.instance_id)) is not None:
+        stamp_desire_use(draft, instance.desire_id, event.at)  # a model that took long to load is not idle yet
 
 
 def _on_desire_set(draft: Draft, event: DesireSet, seq: int) -> None:

@@ -31,6 +31,11 @@ def _stamp_use(draft: Draft, task: Task, at: float) -> None:
     instance = draft.instances.get(task.instance_id)
     desire_id = instance.desire_id if instance is not None else next(
         (d.desire_id for d in draft.desires.values() if d.model_id == task.model_id), "")
+    stamp_desire_use(draft, desire_id, at)
+
+
+def stamp_desire_use(draft: Draft, desire_id: str, at: float) -> None:
+    """Idleness counts from `at` at the earliest (a task's creation or end, an instance's readiness)."""
     desire = draft.desires.get(desire_id)
     if desire is not None and at > desire.last_used_at:
         draft.own("desires")[desire_id] = replace(desire, last_used_at=at)

@@ -116,6 +116,7 @@ class RunnerStatusChanged(Event, frozen=True, tag="runner.status", kw_only=True)
     status: RunnerStatus
     error: str = ""
     failures: int = 0  # consecutive failures of this runner (restarts since it was last ready)
+    at: float = 0.0  # the worker's clock (wall) when it changed: a keep_alive counts from readiness
 
 
 class TaskCreated(Event, frozen=True, tag="task.created", kw_only=True):

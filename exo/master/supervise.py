@@ -88,12 +88,19 @@ def idle_desires(state: State, now: float) -> list[Event]:
         instances = state.instances_of_desire(desire.desire_id)
         idle_s = now - desire.last_used_at
         if (desire.keep_alive_s < 0 or not desire.last_used_at or idle_s < desire.keep_alive_s
-                or desire.model_id in waited_for or any(by_instance.get(i.instance_id) for i in instances)):
+                or desire.model_id in waited_for or any(by_instance.get(i.instance_id) for i in instances)
+                or any(_loading(state, i) for i in instances)):
             continue
         reason = f"idle for {idle_s:.0f} s (keep_alive {desire.keep_alive_s:g} s)"
         events += [InstanceDeleted(instance_id=i.instance_id, reason=reason) for i in instances]
         events.append(DesireEnded(desire_id=desire.desire_id, reason=reason))
     return events
+
+
+def _loading(state: State, instance: Instance) -> bool:
+    """Still loading: idleness counts from its readiness (the reducer stamps it then), not before."""
+    return any((r := state.runners.get(s.runner_id)) is None or r.status not in ("ready", "failed", "stopped")
+               for s in instance.shards)
 
 
 def _lost_node(state: State, instance: Instance, timed_out: list[NodeId], suspect: frozenset[NodeId],

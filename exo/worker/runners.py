@@ -318,7 +318,7 @@ class Runners:
             return  # it failed since this step began: State must keep saying so (the master counts failures there)
         await self._publish(RunnerStatusChanged(
             runner_id=runner_id, instance_id=runner.instance_id, node_id=self._node_id, status=status, error=error,
-            failures=runner.failures,
+            failures=runner.failures, at=time.time(),
         ))
 
 

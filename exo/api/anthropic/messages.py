@@ -15,6 +15,7 @@ from exo.api.context import context_of
 from exo.api.errors import ApiError
 from exo.api.generation import Generation, collect, generating
 from exo.api.images import NO_FETCHING, USER_ONLY, ImageUploads
+from exo.api.keep_alive import keep_alive_seconds
 from exo.api.request_body import decode_body
 from exo.api.tool_conversation import FUNCTION_NAME, Conversation, arguments_text, function_tool, offered_tools, required_call
 from exo.api.tool_wire import NamedFunction, ToolChoice
@@ -136,7 +137,8 @@ async def messages(request: web.Request) -> web.StreamResponse:
     params = to_params(body, uploads)
     ctx = context_of(request)
     missing = ApiError(404, f"model: {body.model!r} does not exist", param="model")
-    async with generating(ctx, body.model, params, missing, storing=uploads.stored(ctx, body.model)) as generation:
+    async with generating(ctx, body.model, params, missing, storing=uploads.stored(ctx, body.model),
+                          keep_alive_s=keep_alive_seconds(body.keep_alive)) as generation:
         if body.stream:
             return await stream_message(request, generation, body.model)
         return await _complete(generation, body.model)

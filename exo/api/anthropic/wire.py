@@ -68,3 +68,4 @@ class MessagesRequest(msgspec.Struct, kw_only=True):
     tools: list[Tool] | None = None
     tool_choice: AnthropicToolChoice | None = None
     thinking: ThinkingConfig | None = None
+    keep_alive: str | int | float | None = None  # an extension, as Ollama's (exo/api/keep_alive.py)

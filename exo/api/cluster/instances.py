@@ -4,6 +4,7 @@ Idempotency-Key for retries), report how far it is, delete it; list and end desi
 from __future__ import annotations
 
 import math
+import time
 from typing import Any
 
 import msgspec
@@ -13,6 +14,7 @@ from exo.api.cluster.wire import DownloadReport, InstanceReport, PlaceInstanceRe
 from exo.api.context import context_of
 from exo.api.errors import ApiError, error_body
 from exo.api.idempotency import command_id_for, earlier_placement
+from exo.api.keep_alive import NEVER, keep_alive_seconds
 from exo.api.outcomes import new_command_id
 from exo.api.request_body import decode_body
 from exo.api.validate import check_kv_bits, check_max_context
@@ -89,6 +91,16 @@ def _wait_seconds(request: web.Request, body: PlaceInstanceRequest) -> float:
     return wait
 
 
+def _placed_keep_alive(value: str | int | float | None) -> float:
+    """An explicit placement stays until deleted (negative) unless given a keep_alive; 0 is refused:
+    it would unload the instance before anyone could use it."""
+    seconds = keep_alive_seconds(value)
+    if seconds == 0:
+        raise ApiError(400, "keep_alive 0 would unload the instance as soon as it is placed: give a duration, or "
+                            "leave it out to keep it until deleted", param="keep_alive")
+    return NEVER if seconds is None else seconds
+
+
 async def place_instance(request: web.Request) -> web.Response:
     body = await decode_body(request, PlaceInstanceRequest)
     ctx = context_of(request)
@@ -100,21 +112,24 @@ async def place_instance(request: web.Request) -> web.Response:
     if not 1 <= body.replicas <= MAX_REPLICAS:
         raise ApiError(400, f"replicas must be between 1 and {MAX_REPLICAS}, not {body.replicas}", param="replicas")
     wait_s = _wait_seconds(request, body)
+    keep_alive_s = _placed_keep_alive(body.keep_alive)
     command_id = command_id_for(request)
     instance = None if command_id is None else earlier_placement(ctx.view.state, command_id, body.model_id)
+    evicted: list[Any] = []  # unloaded to make room for it (a retry's earlier placement says none)
     if instance is None:
         command = PlaceInstance(command_id=command_id or new_command_id(), model_id=body.model_id,
                                 sharding=body.sharding, min_nodes=body.min_nodes, max_queue=body.max_queue,
                                 max_context=body.max_context, kv_bits=body.kv_bits, force=body.force,
                                 replicas=body.replicas, draft_model=body.draft_model,
-                                num_draft_tokens=body.num_draft_tokens)
+                                num_draft_tokens=body.num_draft_tokens, keep_alive_s=keep_alive_s, at=time.time())
         event = await ctx.outcomes.call(command)
         assert isinstance(event, InstanceCreated)
-        instance = event.instance
+        instance, evicted = event.instance, msgspec.to_builtins(event.evicted)
         if command_id is not None:  # a request with the same key may have been decided first
             instance = earlier_placement(ctx.view.state, command_id, body.model_id) or instance
     instance_id = instance.instance_id
-    placed = {"command_id": instance.command_id, "instance_id": instance_id, "instance": msgspec.to_builtins(instance)}
+    placed = {"command_id": instance.command_id, "instance_id": instance_id, "instance": msgspec.to_builtins(instance),
+              "evicted": evicted}
     if wait_s <= 0:
         return web.json_response({"message": "instance placed", **placed})
 

@@ -23,6 +23,7 @@ class PlaceInstanceRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=T
     replicas: int = 1  # instances kept running (a desire: replaced when one dies), on distinct nodes where memory allows
     draft_model: ModelId = ModelId("")  # speculative decoding: a smaller model of the same vocabulary (one node)
     num_draft_tokens: int = 0  # tokens the draft proposes per step; 0: 3 (mlx_lm.server's default)
+    keep_alive: str | int | float | None = None  # unloaded after this long without requests; absent: until deleted
 
 
 class DownloadReport(msgspec.Struct, frozen=True, kw_only=True):

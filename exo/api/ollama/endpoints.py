@@ -20,15 +20,16 @@ from exo.api.context import context_of
 from exo.api.errors import ApiError
 from exo.api.generation import Generation, collect, generating
 from exo.api.images import USER_ONLY, ImageUploads
+from exo.api.keep_alive import keep_alive_seconds
 from exo.api.ollama.wire import ChatRequest, GenerateRequest, ModelRequest, OllamaMessage, Options
 from exo.api.request_body import decode_body
 from exo.api.structured import ollama_format
 from exo.api.thinking import from_ollama
 from exo.api.tool_conversation import Conversation, arguments_object, arguments_text, offered_tools
 from exo.api.validate import at_least_one, in_range, stop_list
-from exo.core.ids import ModelId
+from exo.core.ids import InstanceId, ModelId
 from exo.core.state import State
-from exo.core.types import ChatMessage, GenerationParams, ModelCard, TokenChunk, ToolCall
+from exo.core.types import ChatMessage, EmbedInputs, GenerationParams, ModelCard, TokenChunk, ToolCall
 
 OLLAMA_VERSION = "0.9.0"  # the Ollama API level these routes follow
 
@@ -62,7 +63,7 @@ async def chat(request: web.Request) -> web.StreamResponse:
     params = _params(body.options, messages=conversation.messages, tool_turns=conversation.tool_turns,
                      tools=offered_tools(body.tools, None), enable_thinking=from_ollama(body.think),
                      response_format=ollama_format(body.format))
-    return await _run(request, body.model, params, body.stream, _chat_piece, uploads)
+    return await _run(request, body.model, params, body.stream, _chat_piece, uploads, keep_alive_seconds(body.keep_alive))
 
 
 def _conversation(messages: list[OllamaMessage], uploads: ImageUploads) -> Conversation:
@@ -95,6 +96,9 @@ def _images(images: list[str] | None, param: str, uploads: ImageUploads) -> list
 
 async def generate(request: web.Request) -> web.StreamResponse:
     body = await decode_body(request, GenerateRequest)
+    keep_alive_s = keep_alive_seconds(body.keep_alive)
+    if not body.prompt and not body.images:  # Ollama's way to load a model, or with keep_alive 0 to unload it
+        return await _load_or_unload(request, body.model, keep_alive_s)
     _unsupported(suffix=body.suffix)
     uploads = ImageUploads(context_of(request).settings)
     if body.raw:
@@ -106,7 +110,26 @@ async def generate(request: web.Request) -> web.StreamResponse:
         user = ChatMessage(role="user", content=body.prompt, images=_images(body.images, "images", uploads))
         params = _params(body.options, messages=[*system, user],
                          enable_thinking=from_ollama(body.think), response_format=ollama_format(body.format))
-    return await _run(request, body.model, params, body.stream, _generate_piece, uploads)
+    return await _run(request, body.model, params, body.stream, _generate_piece, uploads, keep_alive_s)
+
+
+async def _load_or_unload(request: web.Request, model: ModelId, keep_alive_s: float | None) -> web.Response:
+    """A request with nothing to generate loads its model and answers once it is loaded; with
+    keep_alive 0 it unloads it (once no request uses it). Both go the way a request does, as one
+    token the answer drops: the master places a model on demand, and takes a keep_alive, only for
+    a request; a model not loaded is not placed only to be unloaded."""
+    ctx = context_of(request)
+    unload = keep_alive_s == 0
+    state = ctx.view.state
+    card = ctx.card(model)
+    if unload and card is not None and not any(d.model_id == model for d in state.desires.values()):
+        return web.json_response(_head(model) | {"response": "", "done": True, "done_reason": "unload"})
+    params = GenerationParams(embed=EmbedInputs(texts=["load"])) if card is not None and card.embedding is not None \
+        else GenerationParams(messages=[ChatMessage(role="user", content="")], max_tokens=1)
+    async with generating(ctx, model, params, ApiError(404, f"model '{model}' not found"),
+                          keep_alive_s=keep_alive_s) as generation:
+        await collect(generation)
+    return web.json_response(_head(model) | {"response": "", "done": True, "done_reason": "unload" if unload else "load"})
 
 
 # A surface's message for a piece of the answer: /api/generate's and /api/chat's differ.
@@ -127,11 +150,11 @@ def _chat_piece(text: str, reasoning: str = "", calls: list[ToolCall] | None = N
 
 
 async def _run(request: web.Request, model: ModelId, params: GenerationParams, stream: bool, piece: Piece,
-               uploads: ImageUploads) -> web.StreamResponse:
+               uploads: ImageUploads, keep_alive_s: float | None) -> web.StreamResponse:
     started = time.perf_counter_ns()
     ctx = context_of(request)
     async with generating(ctx, model, params, ApiError(404, f"model '{model}' not found"),
-                          storing=uploads.stored(ctx, model, "images")) as generation:
+                          storing=uploads.stored(ctx, model, "images"), keep_alive_s=keep_alive_s) as generation:
         if stream:
             return await _stream(request, generation, model, piece, started)
         done = await collect(generation)
@@ -207,10 +230,30 @@ async def ps(request: web.Request) -> web.Response:
     grant = current_grant.get()
     running = sorted({i.model_id for i in ctx.view.state.instances.values() if grant.may_use(i.model_id)})
     held = _memory_held(ctx.view.state)
-    models = [_model_entry(card) | {"expires_at": "2999-01-01T00:00:00Z", "size": held[model_id],
+    now = time.time()
+    models = [_model_entry(card) | {"expires_at": _expires_at(ctx.view.state, model_id, now), "size": held[model_id],
                                     "size_vram": held[model_id], "context_length": card.context_length}
               for model_id in running if (card := ctx.card(model_id)) is not None]
     return web.json_response({"models": models})
+
+
+NEVER_EXPIRES = "2999-01-01T00:00:00Z"  # a model kept until deleted (Ollama shows a far-future time too)
+
+
+def _expires_at(state: State, model_id: ModelId, now: float) -> str:
+    """When the master unloads the model if no request comes (exo/master/supervise.py idle_desires):
+    its desire's last use plus its keep_alive, counted from now while a request uses or waits for
+    it; with several desires, the last of them."""
+    open_tasks = state.open_tasks_by_instance()
+    waited_for = any(t.model_id == model_id for t in open_tasks.get(InstanceId(""), []))
+    latest = 0.0
+    for instance in state.instances_of(model_id):
+        desire = state.desires.get(instance.desire_id)
+        if desire is None or desire.keep_alive_s < 0 or not desire.last_used_at:
+            return NEVER_EXPIRES
+        busy = waited_for or any(open_tasks.get(i.instance_id) for i in state.instances_of_desire(desire.desire_id))
+        latest = max(latest, (now if busy else desire.last_used_at) + desire.keep_alive_s)
+    return datetime.fromtimestamp(latest, UTC).isoformat().replace("+00:00", "Z")
 
 
 def _memory_held(state: State) -> Counter[ModelId]:

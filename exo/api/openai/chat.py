@@ -12,6 +12,7 @@ from exo.api.context import context_of
 from exo.api.errors import ApiError
 from exo.api.generation import generating, requested_tier
 from exo.api.images import USER_ONLY, ImageUploads
+from exo.api.keep_alive import keep_alive_seconds
 from exo.api.openai.chat_stream import complete_chat, parse_event_id, resume_chat, stream_chat
 from exo.api.openai.chat_wire import ChatRequest, ChatRequestMessage
 from exo.api.request_body import decode_body
@@ -97,7 +98,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     ctx = context_of(request)
     grace = ctx.settings.resume_grace_s if body.stream else 0.0
     async with generating(ctx, body.model, params, resume_grace_s=grace, tier=requested_tier(body.service_tier, body.priority),
-                          storing=uploads.stored(ctx, body.model)) as generation:
+                          storing=uploads.stored(ctx, body.model),
+                          keep_alive_s=keep_alive_seconds(body.keep_alive)) as generation:
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return await stream_chat(request, generation, body.model, include_usage, body.logprobs)

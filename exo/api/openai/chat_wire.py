@@ -63,6 +63,7 @@ class ChatRequest(msgspec.Struct, kw_only=True):
     chat_template_kwargs: dict[str, Any] | None = None
     enable_thinking: bool | None = None
     response_format: dict[str, Any] | None = None
+    keep_alive: str | int | float | None = None  # an extension, as Ollama's (exo/api/keep_alive.py)
 
 
 class CompletionRequest(msgspec.Struct, kw_only=True):
@@ -85,3 +86,4 @@ class CompletionRequest(msgspec.Struct, kw_only=True):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     user: str | None = None
+    keep_alive: str | int | float | None = None  # an extension, as Ollama's (exo/api/keep_alive.py)

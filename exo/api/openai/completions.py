@@ -10,6 +10,7 @@ from aiohttp import web
 from exo.api.context import context_of
 from exo.api.errors import ApiError
 from exo.api.generation import Generation, collect, generating, requested_tier
+from exo.api.keep_alive import keep_alive_seconds
 from exo.api.openai.chat_stream import usage
 from exo.api.openai.chat_wire import CompletionRequest
 from exo.api.request_body import decode_body
@@ -54,7 +55,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     body = await decode_body(request, CompletionRequest)
     params = to_params(body)
     tier = requested_tier(body.service_tier, body.priority)
-    async with generating(context_of(request), body.model, params, tier=tier) as generation:
+    async with generating(context_of(request), body.model, params, tier=tier,
+                          keep_alive_s=keep_alive_seconds(body.keep_alive)) as generation:
         if body.stream:
             return await _stream(request, generation, body)
         return await _complete(generation, body)

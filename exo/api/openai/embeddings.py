@@ -9,6 +9,7 @@ from aiohttp import web
 
 from exo.api.context import context_of
 from exo.api.embedding import embed_inputs, run_embeddings, vector_base64
+from exo.api.keep_alive import keep_alive_seconds
 from exo.api.request_body import decode_body
 from exo.core.ids import ModelId
 
@@ -19,12 +20,13 @@ class EmbeddingRequest(msgspec.Struct, kw_only=True):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
     user: str | None = None  # accepted, as OpenAI's; not used
+    keep_alive: str | int | float | None = None  # an extension, as Ollama's (exo/api/keep_alive.py)
 
 
 async def embeddings(request: web.Request) -> web.Response:
     body = await decode_body(request, EmbeddingRequest)
     inputs = embed_inputs(body.input, "input", body.dimensions)
-    done = await run_embeddings(context_of(request), body.model, inputs)
+    done = await run_embeddings(context_of(request), body.model, inputs, keep_alive_s=keep_alive_seconds(body.keep_alive))
     data = [{"object": "embedding", "index": n,
              "embedding": vector_base64(vector) if body.encoding_format == "base64" else vector.tolist()}
             for n, vector in enumerate(done.vectors)]

@@ -13,6 +13,7 @@ from exo.api.context import context_of
 from exo.api.errors import ApiError
 from exo.api.generation import collect, generating, requested_tier
 from exo.api.images import USER_ONLY, ImageUploads
+from exo.api.keep_alive import keep_alive_seconds
 from exo.api.openai.responses_stream import Answer, response_body, stream_response
 from exo.api.openai.responses_wire import ContentPart, InputItem, NamedTool, ResponsesRequest
 from exo.api.request_body import decode_body
@@ -118,7 +119,8 @@ async def responses(request: web.Request) -> web.StreamResponse:
     echo = _echo(body)
     ctx = context_of(request)
     async with generating(ctx, body.model, params, storing=uploads.stored(ctx, body.model, "input"),
-                          tier=requested_tier(body.service_tier, None)) as generation:
+                          tier=requested_tier(body.service_tier, None),
+                          keep_alive_s=keep_alive_seconds(body.keep_alive)) as generation:
         if body.stream:
             return await stream_response(request, generation, echo)
         done = await collect(generation)

@@ -70,3 +70,4 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     reasoning: Reasoning | None = None
     text: TextOptions | None = None
     metadata: dict[str, Any] | None = None
+    keep_alive: str | int | float | None = None  # an extension, as Ollama's (exo/api/keep_alive.py)
