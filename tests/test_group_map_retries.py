@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import time
 
+from nats import errors as nats_errors
+
 from exo.bus.cluster_view import ClusterView
 from exo.bus.connection import connect
 from exo.bus.event_log import EventLog
@@ -102,4 +104,41 @@ async def test_a_group_log_that_could_not_be_followed_is_followed_once_it_can_be
         assert cluster.groups["alpha"].names.events_stream == "EXO_EVENTS_alpha"
     finally:
         await cluster.stop()
+        await nc.close()
+
+
+class SwallowingLease(Lease):
+    """A lease whose broker call swallows the task's cancellation and fails as a broker error, as
+    nats-py does in places (its flush passes on CancelledError; its async publish turns one into
+    TooManyStalledMsgsError)."""
+
+    entered = asyncio.Event()
+
+    async def try_acquire(self) -> int | None:
+        self.entered.set()
+        try:
+            await asyncio.sleep(0.05)
+        except asyncio.CancelledError:
+            pass
+        raise nats_errors.TimeoutError
+
+
+async def test_a_master_campaigning_again_after_broker_errors_still_stops_when_cancelled(fresh_nats):
+    # The master's loop catches broker errors and campaigns again; a cancellation a broker call
+    # swallowed must still end it (one kept a test session from ending: its teardown waited 300 s).
+    nc = await connect([fresh_nats], name="cancelled-master")
+    await provision(nc)
+    view = StateView(nc)
+    await view.start()
+    master = Master(nc, view, {}, node_id="m1", settings=SETTINGS)
+    master._lease = lease = SwallowingLease(nc, master._node_id)
+    running = asyncio.create_task(master.run())
+    try:
+        await asyncio.wait_for(lease.entered.wait(), 5)  # campaigning: inside the broker call now
+        running.cancel()
+        done, _ = await asyncio.wait({running}, timeout=5)
+        assert done and running.cancelled()
+    finally:
+        running.cancel()
+        await view.stop()
         await nc.close()

@@ -17,6 +17,7 @@ from msgspec.structs import replace
 from nats.aio.client import Client
 
 from exo.bus.catch_up import catch_up
+from exo.bus.errors import raise_if_cancelled
 from exo.bus.provision import provision_group
 from exo.bus.state_view import Listener, StateView
 from exo.bus.subjects import SHARED, LogNames, group_names
@@ -139,6 +140,7 @@ class ClusterView:
                 await self._follow(group)
                 return
             except Exception:
+                raise_if_cancelled()
                 self._following.discard(group)
                 log.exception("could not follow master group %s's log; trying again in %.0f s", group, delay)
             await asyncio.sleep(delay)

@@ -22,7 +22,7 @@ from exo.bus import broker_trouble
 from exo.bus.atomic_append import AtomicAppendFailed
 from exo.bus.command_queue import NotLeader, RetryBatch, consume_commands
 from exo.bus.connection import Connection
-from exo.bus.errors import BROKER_ERRORS, BusError
+from exo.bus.errors import BROKER_ERRORS, BusError, raise_if_cancelled
 from exo.bus.event_log import EventLog
 from exo.bus.leadership import Lease
 from exo.bus.liveness import Pulse, listen_for_pulses
@@ -122,6 +122,7 @@ class Master:
                 except (TimeoutError, NotLeader, *BROKER_ERRORS) as error:  # type: ignore[misc]  # a tuple of exception types
                     # The broker is changing leaders or we are reconnecting, or the lease ran out
                     # while this term began (a pause): campaign again.
+                    raise_if_cancelled()
                     log.warning("master: %r; campaigning again", error)
                     await asyncio.sleep(1)
         finally:
