@@ -14,6 +14,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
 
+from exo.bus.errors import raise_if_cancelled
 from exo.core.events import AnyEvent, Event, NodeHeartbeat, NodeRegistered
 from exo.core.ids import InstanceId, NodeId
 from exo.core.state import State
@@ -67,6 +68,7 @@ class Heartbeat:
                 else:
                     await self._pulse(self.incarnation)
             except Exception as error:  # the broker may be away; the next beat tries again
+                raise_if_cancelled()
                 log.warning("heartbeat not sent: %r", error)
             await asyncio.sleep(min(self._interval, self._pulse_s))
 

@@ -18,6 +18,7 @@ from typing import Any
 
 from exo.background import Background
 from exo.bus.connection import Connection
+from exo.bus.errors import raise_if_cancelled
 from exo.bus.event_log import EventLog
 from exo.bus.state_view import FoldedView
 from exo.bus.subjects import SHARED, LogNames
@@ -153,6 +154,7 @@ class Worker:
                 try:
                     await self._execute(step)
                 except Exception:  # one failed step must not stop the worker; the next plan retries
+                    raise_if_cancelled()
                     log.exception("step %s failed", step)
                     wake_after(self._wake, 1.0)  # soon, whether or not an event about this node comes
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import msgspec
 
 from exo.bus.connection import Connection, connect
-from exo.bus.errors import BusError
+from exo.bus.errors import BusError, raise_if_cancelled
 from exo.bus.server.cluster_formation import Announcement, Join, NodeState, Seed, Wait, choose_role
 from exo.bus.server.discovery import Discovery
 from exo.bus.server.embedded import EmbeddedNats
@@ -302,6 +302,7 @@ class ClusterNode:
                         await self._watch_servers(layout)
                         break
             except Exception as error:  # a cluster in motion: try again at the next turn
+                raise_if_cancelled()
                 log.info("cluster upkeep: %r; trying again", error)
             await asyncio.sleep(KEEP_EVERY_S)
 
