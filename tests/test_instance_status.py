@@ -147,7 +147,8 @@ def test_a_missing_repository_is_reported_on_the_instance_and_by_place_with_wait
     placed = http.post("/place_instance", json={"model_id": gone})
     assert placed.status_code == 200, placed.text
     body = placed.json()
-    assert sorted(body) == ["command_id", "instance", "instance_id", "message"] and body["message"] == "instance placed"
+    assert sorted(body) == ["command_id", "evicted", "instance", "instance_id", "message"]
+    assert body["message"] == "instance placed" and body["evicted"] == []  # nothing had to make room
     instance_id = body["instance_id"]
     (shard,) = body["instance"]["shards"]
 
@@ -198,7 +199,7 @@ def test_place_with_wait_answers_202_while_on_its_way_and_200_once_ready(http, h
         "message": "instance placed; not ready after 0.001 s", "command_id": body["command_id"],
         "instance_id": instance_id, "instance": body["instance"], "status": body["status"], "error": "",
         "error_code": "", "runners": [{"runner_id": shard["runner_id"], "node_id": node_id, "rank": 0, "error": "",
-                                       "failures": 0}],
+                                       "failures": 0}], "evicted": [],
     }
 
     ready = wait_until(lambda: (r := http.get(f"/instance/{instance_id}").json())["status"] == "ready" and r, 120,
