@@ -26,6 +26,15 @@ GROUPS = {"alpha": ["m/*"]}
 SETTINGS = MasterSettings(groups="alpha=m/*")
 
 
+async def stopped(master: asyncio.Task[None]) -> None:
+    """Cancel a master and wait for it: none is left running (or failing unseen) after its test."""
+    master.cancel()
+    await asyncio.wait({master}, timeout=10)
+    assert master.done()
+    if not master.cancelled():
+        master.exception()  # retrieved: a failure is the test's business, not the collector's log
+
+
 async def in_the_way(nc) -> None:
     """An operator's stream with the name of group alpha's events stream: exo cannot make alpha's."""
     await nc.jetstream().add_stream(name="EXO_EVENTS_alpha", subjects=["operator.alpha"])
@@ -48,7 +57,7 @@ async def test_a_group_map_not_written_as_the_term_began_is_written_later_in_tha
         assert view.state.leader_term == term and not running.done()  # written by this term, not a new one
         assert (await nc.jetstream().stream_info("EXO_EVENTS_alpha")).config.subjects != ["operator.alpha"]
     finally:
-        running.cancel()
+        await stopped(running)
         await view.stop()
         await nc.close()
 
@@ -80,7 +89,7 @@ async def test_a_lease_that_ran_out_as_the_term_began_is_campaigned_for_again(fr
         assert not running.done(), running.exception()
         assert master.paused_s > 0 and view.state.leader_node == "m1" and view.state.leader_term > 1
     finally:
-        running.cancel()
+        await stopped(running)
         await view.stop()
         await nc.close()
 
@@ -139,6 +148,6 @@ async def test_a_master_campaigning_again_after_broker_errors_still_stops_when_c
         done, _ = await asyncio.wait({running}, timeout=5)
         assert done and running.cancelled()
     finally:
-        running.cancel()
+        await stopped(running)
         await view.stop()
         await nc.close()

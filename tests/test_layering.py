@@ -9,13 +9,14 @@ from pathlib import Path
 import pytest
 
 from tests.support.layering import ALLOWED_ARROWS, BEGIN, arrows_markdown, with_arrows_table
+from tests.support.source import parse_python
 
 EXO = Path(__file__).resolve().parents[1] / "exo"
 
 
 def imported_modules(path: Path) -> set[str]:
     names: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in ast.walk(parse_python(path)):
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:

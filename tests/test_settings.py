@@ -20,6 +20,7 @@ from exo.settings.declare import SettingError, read, settings_of
 from exo.settings.docs import with_table
 from exo.settings.services import SERVICE_SETTINGS, ApiSettings, MasterSettings, RunnerSettings
 from exo.worker.runner_host import RunnerHost
+from tests.support.source import parse_python
 from tests.support.tiny_model import make_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -88,7 +89,7 @@ ENVIRONMENT_READERS = {
 
 def _environment_uses(path: Path) -> list[str]:
     uses = []
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(parse_python(path)):
         if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "os" \
                 and node.attr in ("environ", "getenv", "putenv", "unsetenv"):
             uses.append(f"{path.relative_to(ROOT)}:{node.lineno} os.{node.attr}")
@@ -107,7 +108,7 @@ def test_every_exo_variable_the_code_names_is_a_declared_setting():
     streams = {json.loads(p.read_text())["name"] for p in (ROOT / "streams").glob("*.json")}
     internal = {"EXO_RUNNER_START"}  # the worker's hand-off to its runner processes (runner/protocol.py)
     named = {m for path in EXO.rglob("*.py") if "settings" not in path.parts
-             for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Constant)
+             for node in ast.walk(parse_python(path)) if isinstance(node, ast.Constant)
              and isinstance(node.value, str) for m in re.findall(r"\bEXO_[A-Z0-9_]+\b", node.value)}
     prefixes = {n for n in named if n.endswith("_")}  # of names made at run time: EXO_PROBE_<n> (stream_fit.py)
     assert named - streams - internal - prefixes - set(DECLARED) == set()
