@@ -199,7 +199,9 @@ def _first_token_at(url: str, secret: str, max_tokens: int) -> float:
 
 def test_one_keys_flood_does_not_starve_another_keys_request(tmp_path, model_dir):
     """Batch of 2: key A's 10 long requests queue behind 2 running; key B's one, asked after them,
-    starts when the first slot frees, before A's third (first in, first out would make it 11th)."""
+    starts when the first slots free, before A's fourth (first in, first out would make it 11th).
+    A's first two end at the same step, so B's and A's third start together: which first token
+    the client sees first is a matter of microseconds, not of the queue."""
     with FakeHub({TINY_MODEL_ID: model_dir}) as hub:
         exo = start_exo(tmp_path, hub, {"EXO_API_KEYS": ADMIN, "EXO_MAX_BATCH": "2"})
         try:
@@ -215,7 +217,7 @@ def test_one_keys_flood_does_not_starve_another_keys_request(tmp_path, model_dir
                 lone = pool.submit(_first_token_at, exo.url, lone_key, 5)
                 firsts = sorted(f.result() for f in flood)
                 lone_first = lone.result()
-            assert lone_first < firsts[2], (lone_first, firsts)
+            assert lone_first < firsts[3], (lone_first, firsts)
         finally:
             exo.interrupt()
 
