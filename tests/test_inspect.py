@@ -105,3 +105,22 @@ async def test_inspect_reads_the_monitoring_endpoint_when_given(tmp_path: Path):
     finally:
         server.terminate()
         server.wait(10)
+
+
+async def test_inspect_lists_the_keys_a_bucket_holds_and_not_the_deleted(fresh_server: EmbeddedNats):
+    """Keys come from the bucket's stream (a key per subject), each read directly: a deleted or
+    purged key, whose last revision is a marker, is not listed."""
+    nc = await connect([fresh_server.url], name="test-inspect-keys")
+    await provision(nc)
+    assert await write_snapshot(nc, State(last_seq=7))
+    state_kv = await nc.jetstream().key_value("exo-state")
+    for name in ("deleted", "purged", "kept"):
+        await state_kv.put(name, b"x")
+    await state_kv.delete("deleted")
+    await state_kv.purge("purged")
+    await nc.close()
+    done = await in_thread(run_tool, ["inspect", "--json"], fresh_server.operator_url)
+    assert done.returncode == 0, done.stderr
+    (state_bucket,) = [b for b in json.loads(done.stdout)["buckets"] if b["bucket"] == "exo-state"]
+    assert [(k["key"], k["note"]) for k in state_bucket["keys"]] == [("kept", ""), ("snapshot", "State at sequence 7")]
+    assert state_bucket["keys_left_out"] == 0

@@ -33,8 +33,11 @@ class SseStream:
         await self.response.write(head + b"data: " + body + b"\n\n")
 
     async def comment(self, text: str) -> None:
-        """A comment line: clients ignore it, but it shows (and keeps open) a stream with nothing to say yet."""
-        await self.response.write(b": " + " ".join(text.split()).encode() + b"\n\n")
+        """A comment line: clients ignore it, but it shows (and keeps open) a stream with nothing to say yet.
+        One line, no blank line after it: a blank line ends an event, and openai-python and anthropic's
+        decoders then yield an event with empty data once any event carried an `id:` (they keep the last
+        id, as the spec says, and count it as something to dispatch), which their `json.loads` fails on."""
+        await self.response.write(b": " + " ".join(text.split()).encode() + b"\n")
 
     async def close(self) -> web.StreamResponse:
         await self.response.write_eof()

@@ -52,7 +52,7 @@ async def events(request: web.Request) -> web.StreamResponse:
             try:
                 seq, tag, data = await asyncio.wait_for(queue.get(), KEEP_ALIVE_S)
             except TimeoutError:
-                await sse.response.write(b": keep-alive\n\n")
+                await sse.comment("keep-alive")
                 continue
             await sse.send(data, event=tag, event_id=str(seq))
     except ConnectionError:  # the client went away: how a live feed ends, not an error

@@ -15,7 +15,7 @@ from typing import Any
 import aiohttp
 import msgspec
 from nats.aio.client import Client
-from nats.js.errors import NoKeysError, NotFoundError
+from nats.js.errors import KeyDeletedError, KeyNotFoundError, NotFoundError
 
 from exo.bus.errors import BusError
 from exo.bus.snapshots import covered_seq
@@ -175,13 +175,19 @@ async def _bucket_view(nc: Client, bucket: str, max_keys: int) -> BucketView:
     info = await js.stream_info(_KV_STREAM_PREFIX + bucket, subjects_filter=">")
     key_subject_prefix = f"$KV.{bucket}."  # NATS's KV layout: one subject per key
     kept = {subject.removeprefix(key_subject_prefix): n for subject, n in (info.state.subjects or {}).items()}
-    try:
-        names = sorted(await kv.keys())
-    except NoKeysError:
-        names = []
-    keys = []
-    for name in names[:max_keys]:
-        entry = await kv.get(name)
+    # The keys are the stream's subjects, not kv.keys(): its watcher can signal "no more" before the
+    # first key arrives when the server delivers while it asks for the consumer's info (nats-py 2.16),
+    # and a loaded CI run listed an empty bucket so.
+    keys: list[KeyView] = []
+    left_out = 0
+    for name in sorted(kept):
+        try:
+            entry = await kv.get(name)
+        except (KeyDeletedError, KeyNotFoundError):  # its last revision is a delete or purge marker
+            continue
+        if len(keys) == max_keys:
+            left_out += 1
+            continue
         value = entry.value or b""
         note = ""
         if bucket == STATE_BUCKET and name == SNAPSHOT_KEY and value:
@@ -192,7 +198,7 @@ async def _bucket_view(nc: Client, bucket: str, max_keys: int) -> BucketView:
         keys.append(KeyView(key=name, revision=entry.revision or 0, bytes=len(value),
                             revisions_kept=kept.get(name, 0), note=note))
     return BucketView(bucket=bucket, values=info.state.messages, bytes=info.state.bytes, keys=keys,
-                      keys_left_out=max(0, len(names) - max_keys))
+                      keys_left_out=left_out)
 
 
 async def _store_view(nc: Client, bucket: str, max_objects: int) -> ObjectStoreView:
