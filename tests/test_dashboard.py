@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from tests.support.cluster import wait_until
-from tests.support.dashboard import KEY, chromium_page, exo_node, open_with_key
+from tests.support.dashboard import KEY, answer_the_key_prompt, chromium_page, exo_node, open_with_key, shown
 from tests.support.tiny_model import TINY_MODEL_ID, make_tiny_model
 from tests.support.vision_model import make_vision_model, png
 
@@ -64,7 +64,7 @@ def test_the_dashboard_places_chats_stops_and_deletes(page, node, http, tmp_path
     page.on("request", lambda r: state_fetches.append(time.monotonic()) if r.url.endswith("/state") else None)
 
     page.goto(node.url)
-    _enter_the_key_once(page)
+    _enter_the_key_once(page, node)
     node_card = page.locator(f'.card.node[data-node-id="{node_id}"]')
     assert "this node" in node_card.inner_text() and "backend cpu" in node_card.inner_text()
 
@@ -95,16 +95,11 @@ def test_the_dashboard_places_chats_stops_and_deletes(page, node, http, tmp_path
     assert http.get("/state").json()["tasks"][command_id]["status"] == "cancelled"
 
 
-def _enter_the_key_once(page) -> None:
-    dialog = page.locator("#key-dialog")
-    dialog.wait_for(state="visible")
-    page.fill("#key-input", KEY)
-    page.press("#key-input", "Enter")
-    dialog.wait_for(state="hidden")
-    page.wait_for_selector('#conn[data-state="live"]')
+def _enter_the_key_once(page, node) -> None:
+    answer_the_key_prompt(page, node)
     assert page.evaluate("localStorage.getItem('exo.apiKey')") == KEY
     page.reload()  # kept: the page does not ask again
-    page.wait_for_selector('#conn[data-state="live"]')
+    shown(page, node, '#conn[data-state="live"]')
     assert not page.locator("#key-dialog").is_visible()
 
 
@@ -332,7 +327,7 @@ def test_the_chat_sends_images_to_a_vision_model(page, node, http, tmp_path):
             placed = http.post("/place_instance", json={"model_id": model_id, "wait": True})
             assert placed.status_code == 200, placed.text
             instances.append(placed.json()["instance_id"])
-        open_with_key(page, node.url)
+        open_with_key(page, node)
         page.select_option("#chat-model", TINY_MODEL_ID)
         assert not page.is_visible("#chat-attach") and page.is_disabled("#chat-files")  # a text model takes none
 

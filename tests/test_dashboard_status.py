@@ -43,7 +43,7 @@ def http(node):
 @pytest.fixture
 def page(tmp_path, node):
     with chromium_page(tmp_path / "chromium-profile") as page:
-        open_with_key(page, node.url)
+        open_with_key(page, node)
         yield page
         assert page.errors == [], page.errors
 
