@@ -65,7 +65,7 @@ def status_of(http: httpx.Client, method: str, path: str, headers: dict[str, str
 @pytest.mark.parametrize(("method", "path"), ROUTES)
 def test_every_route_but_health_needs_a_key(http, method, path):
     status, body = status_of(http, method, path, {})
-    if path == "/health":
+    if path in ("/health", "/livez"):
         assert status == 200
         return
     if is_open_path(path):  # the dashboard's page and static files hold no data
@@ -86,7 +86,7 @@ def test_every_route_but_health_needs_a_key(http, method, path):
 def test_the_route_list_covers_every_surface():
     paths = {p for _, p in ROUTES}
     assert {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages", "/api/chat", "/metrics",
-            "/events", "/v1/cancel/x", "/health"} <= paths
+            "/events", "/v1/cancel/x", "/health", "/livez"} <= paths
 
 
 # What a key without admin may call (docs/deploy.md, "Scopes"), as the app spells its routes. A new
@@ -96,7 +96,8 @@ INFERENCE = {("POST", "/v1/chat/completions"), ("GET", "/v1/chat/completions/x/s
              ("GET", "/v1/models"), ("GET", "/v1/models/x"), ("GET", "/models"), ("GET", "/usage"),
              ("POST", "/api/chat"), ("POST", "/api/generate"), ("POST", "/api/embed"), ("POST", "/api/embeddings"),
              ("POST", "/api/show"), ("GET", "/api/tags"), ("GET", "/api/ps"), ("GET", "/api/version")}
-PUBLIC = {("GET", "/health"), ("GET", "/"), ("GET", "/dashboard/x")}  # the dashboard's page and files hold no data
+# The probes, and the dashboard's page and files: they hold no data.
+PUBLIC = {("GET", "/health"), ("GET", "/livez"), ("GET", "/"), ("GET", "/dashboard/x")}
 
 
 def test_a_key_without_admin_gets_403_on_every_route_but_inference(http):

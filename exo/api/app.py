@@ -8,6 +8,7 @@ from aiohttp import web
 from exo.api import dashboard
 from exo.api.anthropic import messages as anthropic_messages
 from exo.api.auth import auth_middleware
+from exo.api.bus_outage import bus_middleware
 from exo.api.cluster import adapters, cancel, downloads, events, instances, keys, models, node_status, prometheus
 from exo.api.context import CONTEXT_KEY, ApiContext
 from exo.api.errors import error_middleware
@@ -25,10 +26,12 @@ from exo.api.storage import storage_middleware
 
 
 def build_app(ctx: ApiContext) -> web.Application:
-    # Outermost first: count every answer, then shape errors, then check the key.
-    app = web.Application(middlewares=[metrics_middleware, error_middleware, auth_middleware, storage_middleware],
+    # Outermost first: count every answer, then shape errors, then check the key; the bus's trouble innermost.
+    app = web.Application(middlewares=[metrics_middleware, error_middleware, auth_middleware, storage_middleware,
+                                       bus_middleware()],
                           client_max_size=ctx.body_limit())  # JSON bodies check it again as they come (request_body.py)
     app[CONTEXT_KEY] = ctx
+    app[node_status.READINESS_KEY] = node_status.Readiness(ctx.nc)
     app.on_response_prepare.append(add_rate_headers)  # streams too: headers go out before the first event
     _openai(app.router)
     _anthropic_and_ollama(app.router)
@@ -86,6 +89,7 @@ def _cluster(router: web.UrlDispatcher) -> None:
     router.add_get("/events", events.events)
     router.add_get("/node_id", node_status.get_node_id)
     router.add_get("/health", node_status.health)
+    router.add_get("/livez", node_status.livez)
     router.add_get("/metrics", prometheus.metrics)
     router.add_post("/download/start", downloads.start)
     router.add_post("/download/cancel", downloads.cancel)

@@ -1,5 +1,5 @@
 """API keys: with keys set (EXO_API_KEYS on this node, or keys added with POST /keys), every route
-but /health and the dashboard's page and static files needs `Authorization: Bearer <key>`
+but /health, /livez and the dashboard's page and static files needs `Authorization: Bearer <key>`
 (Anthropic clients send `x-api-key`, accepted on /v1/messages). A wrong or missing key gets 401
 in the surface's own error shape (see errors.py).
 
@@ -28,7 +28,7 @@ from exo.core.types import Task
 
 log = logging.getLogger(__name__)
 
-OPEN_PATHS = frozenset({"/health", "/"})
+OPEN_PATHS = frozenset({"/health", "/livez", "/"})
 # The dashboard's static files hold no cluster data; a browser cannot send a Bearer header when
 # it loads a page, so the page is public and asks for the key itself for its data requests.
 OPEN_PREFIXES = ("/dashboard/",)

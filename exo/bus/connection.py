@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import re
 import ssl
+import time
 import weakref
 from typing import Any
 
@@ -58,6 +59,18 @@ def redact(url: str) -> str:
 _SECURITY: weakref.WeakKeyDictionary[Client, NatsSecurity] = weakref.WeakKeyDictionary()
 
 
+# When each client lost its server (time.monotonic()), until it has one again: /health's "since N s".
+_DISCONNECTED_AT: weakref.WeakKeyDictionary[Client, float] = weakref.WeakKeyDictionary()
+
+
+def disconnected_for(nc: Client) -> float | None:
+    """Seconds `nc` has been without a server; None while connected (0 for a client not made by connect())."""
+    if nc.is_connected:
+        return None
+    since = _DISCONNECTED_AT.get(nc)
+    return 0.0 if since is None else time.monotonic() - since
+
+
 async def connect_like(nc: Client, url: str, name: str) -> Client:
     """Another connection to `url`, with the credentials `nc` connected with."""
     return await connect([url], name, _SECURITY.get(nc, NatsSecurity()))
@@ -86,9 +99,11 @@ async def connect(urls: list[str], name: str, security: NatsSecurity = NatsSecur
     async def on_disconnected() -> None:
         if not (client.is_closed or client.is_draining):  # closing on purpose is no news
             broker_trouble.note()
+            _DISCONNECTED_AT.setdefault(client, time.monotonic())  # the first loss counts until a reconnect
             log.warning("nats (%s): disconnected, reconnecting", name)
 
     async def on_reconnected() -> None:
+        _DISCONNECTED_AT.pop(client, None)
         broker_trouble.note()  # the silence of others ends a full window after this, not before
 
     try:

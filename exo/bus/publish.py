@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from contextvars import ContextVar
 
 import nats.errors
 import nats.js.errors
@@ -31,11 +32,15 @@ _TRANSIENT = (
 )
 
 RETRY_FOR_S = 30.0
+# How long publishes in this task keep retrying when no retry_for is given: RETRY_FOR_S for the
+# services; less under an API request, whose client waits (exo/api/bus_outage.py sets it per request).
+publish_patience: ContextVar[float] = ContextVar("publish_patience", default=RETRY_FOR_S)
 
 
 async def publish_durably(
-    nc: Client, subject: str, payload: bytes, stream: str, msg_id: str, retry_for: float = RETRY_FOR_S
+    nc: Client, subject: str, payload: bytes, stream: str, msg_id: str, retry_for: float | None = None
 ) -> PubAck:
+    retry_for = publish_patience.get() if retry_for is None else retry_for
     js = nc.jetstream()
     loop = asyncio.get_running_loop()
     deadline = loop.time() + retry_for
