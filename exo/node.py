@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO
 
+import msgspec
 from aiohttp import web
 
 from exo.api.app import build_app
@@ -187,7 +188,8 @@ class Node:
             await self._start_worker(nc, cluster_view, node_id, builtin)
         if config.run_api:
             ctx = ApiContext(nc, cluster_view, CommandOutcomes(nc, cluster_view), builtin, node_id, config.data_dir,
-                             settings=config.api, models=config.models)
+                             settings=msgspec.structs.replace(config.api, load_timeout_s=config.master.load_timeout_s),
+                             models=config.models)
             if (watch := self._disk_watch) is not None:
                 ctx.storage_problem = lambda: watch.problem
             await self._start_api(ctx)

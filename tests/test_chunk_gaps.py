@@ -19,6 +19,7 @@ from exo.bus.token_stream import TokenListener
 from exo.core.events import TaskFinished
 from exo.core.state import State
 from exo.core.types import TokenChunk
+from exo.settings.services import ApiSettings
 
 
 def chunks_of(command_id: str, texts: list[str]) -> list[TokenChunk]:
@@ -36,7 +37,7 @@ async def received(nc, command_id: str, delivered: list[TokenChunk], ended: Task
                    listener: TokenListener | None = None) -> list[TokenChunk]:
     """What a Generation yields when its live listener got only `delivered` (or what `listener` gets)."""
     cancels: list[str] = []
-    ctx = SimpleNamespace(nc=nc, metrics=Metrics(), readers=Counter(), view=SimpleNamespace(state=State()),
+    ctx = SimpleNamespace(nc=nc, metrics=Metrics(), readers=Counter(), view=SimpleNamespace(state=State()), settings=ApiSettings(),
                           in_background=lambda coroutine: (coroutine.close(), cancels.append(command_id)))
     listener = listener or TokenListener()
     for chunk in delivered:

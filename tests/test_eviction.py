@@ -87,7 +87,7 @@ def test_b_asked_while_idle_a1_and_a2_fill_memory_unloads_only_a1_the_least_rece
         InstanceCreated(command_id="g-0", instance=placed.instance,
                         evicted=[Eviction(desire_id="a1", model_id=A1, instance_ids=[InstanceId("a1-1")])]),
         DesireSet(command_id="g-0", desire=Desire(desire_id="g-0", model_id=B, on_demand=True, keep_alive_s=300.0,
-                                                  last_used_at=100.0)),
+                                                  last_used_at=100.0, min_replicas=0, max_replicas=1)),
         TaskCreated(command_id="g", task=Task(task_id=TaskId("g"), instance_id=placed.instance.instance_id,
                                               model_id=B, created_at=100.0)),
     ]

@@ -43,7 +43,8 @@ def ask(state: State, command_id: str, *, on_demand: bool = True, cards: dict = 
 def test_a_request_with_no_instance_places_one_on_demand_and_queues_on_it():
     placed, desire, created = ask(one_node(), "g1")
     assert desire == DesireSet(command_id="g1-0", desire=Desire(desire_id="g1-0", model_id=MODEL, on_demand=True,
-                                                                keep_alive_s=300.0, last_used_at=7.0))
+                                                                keep_alive_s=300.0, last_used_at=7.0,
+                                                                min_replicas=0, max_replicas=1))
     assert isinstance(placed, InstanceCreated) and placed.command_id == "g1-0"
     assert placed.instance.desire_id == "g1-0" and placed.instance.model_id == MODEL
     assert placed.instance.shards == [ShardAssignment(runner_id="g1-1", node_id="n1", start_layer=0, end_layer=4,

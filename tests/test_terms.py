@@ -60,6 +60,7 @@ def test_a_masters_event_kind_without_a_term_is_skipped_whoever_wrote_it():
         CustomCardAdded,
         CustomCardDeleted,
         DesireEnded,
+        DesireScaled,
         DesireSet,
         GroupsSet,
         KeyDeleted,
@@ -87,6 +88,7 @@ def test_a_masters_event_kind_without_a_term_is_skipped_whoever_wrote_it():
               CustomCardAdded(card=ModelCard(model_id="org/builtin", path="/tmp/attacker", n_layers=2)),
               CustomCardDeleted(model_id="org/real"), CommandRejected(command_id="c1"),
               DesireSet(desire=Desire(desire_id="d1", model_id="m/a")), DesireEnded(desire_id="d0"),
+              DesireScaled(desire_id="d0", from_replicas=1, to_replicas=2),
               TaskMigrated(task_id="t1"), AdapterAdded(adapter=replace(adapter, name="x")),
               AdapterDeleted(name="real"), KeySet(key=replace(key, admin=True)), KeyDeleted(key_id=key.key_id),
               GroupsSet(groups={"g": ["m/*"]})]

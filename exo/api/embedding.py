@@ -75,7 +75,7 @@ async def run_embeddings(ctx: ApiContext, model_id: ModelId, inputs: EmbedInputs
     prompt_tokens = 0
     async with generating(ctx, model_id, GenerationParams(embed=inputs), missing, keep_alive_s=keep_alive_s) as generation:
         async for chunk in generation.chunks():
-            raise_if_failed(chunk)
+            raise_if_failed(chunk, generation.failure)
             if chunk.embedding:
                 vectors[chunk.index] = decoded_vector(chunk.embedding)
             if chunk.finish_reason:

@@ -19,6 +19,7 @@ import msgspec
 from exo.api.auth import current_grant
 from exo.api.context import ApiContext
 from exo.api.errors import ApiError
+from exo.api.loading import LoadingWait
 from exo.api.outcomes import COMMAND_TIMEOUT_S, new_command_id, raise_if_rejected
 from exo.api.validate import check_limits
 from exo.bus.command_queue import send_command
@@ -27,7 +28,6 @@ from exo.bus.token_stream import TokenListener, UndecodableChunk, stored_chunks
 from exo.core.commands import CancelTask, GenerateText
 from exo.core.events import TaskFinished
 from exo.core.ids import CommandId, ModelId, TaskId
-from exo.core.placement import node_label
 from exo.core.types import FinishReason, GenerationParams, TokenChunk, TokenLogprob, ToolCall
 
 log = logging.getLogger(__name__)
@@ -53,7 +53,8 @@ class Generation:
         self._tokens_seen = 0
         self._next_index = 0  # the index of the next chunk this generation should see
         self._runs = RunTracker()
-        self._loading_note: Callable[[str], Awaitable[None]] | None = None
+        self._loading = LoadingWait(ctx, command_id)
+        self.failure: ApiError | None = None  # why it ended before its first chunk, when not a plain error (collect)
         self.finished = False
         self._reading = True
         ctx.readers[command_id] += 1
@@ -67,6 +68,8 @@ class Generation:
                 if chunk.finish_reason is None and chunk.index <= self._after:
                     continue
                 chunk = self._why_cancelled(self._runs.trimmed(chunk))
+                if chunk.finish_reason == "error" and self.failure is None and self._last_at is None and self._after < 0:
+                    chunk = await self._why_placement_failed(chunk)
                 self.finished = chunk.finish_reason is not None
                 if isinstance(chunk, UndecodableChunk):  # the runner goes on, but what it sends cannot be read
                     self._ctx.in_background(cancel_generation(self._ctx, self.command_id))
@@ -82,6 +85,18 @@ class Generation:
             return chunk
         task = self._ctx.view.state.tasks.get(self.command_id)
         return msgspec.structs.replace(chunk, error=task.cancel_reason) if task and task.cancel_reason else chunk
+
+    async def _why_placement_failed(self, chunk: TokenChunk) -> TokenChunk:
+        """An error before the first chunk because its instance's runner failed (a download that
+        failed): the failed placement's reason, and its 424 for the surfaces that answer whole."""
+        self.failure = await self._loading.failed_placement(self._ended, TASK_END_GRACE_S)
+        return chunk if self.failure is None else msgspec.structs.replace(chunk, error=self.failure.message)
+
+    def _waited_out(self, why: str) -> TokenChunk:
+        """Its instance was not ready within EXO_LOAD_TIMEOUT_S: it ends here, with why (a 504)."""
+        self.failure = ApiError(504, why)
+        self._ctx.in_background(cancel_generation(self._ctx, self.command_id))
+        return TokenChunk(command_id=self.command_id, index=-1, finish_reason="error", error=why)
 
     def _of_current_run(self, chunk: TokenChunk) -> bool:
         """A chunk of the task's latest run (a migration starts a new one: exo/master/heal.py); an
@@ -103,7 +118,9 @@ class Generation:
         """`chunk`, after the chunks before it that never reached this listener (a dropped
         connection loses plain NATS messages): those come from JetStream, and if JetStream does
         not have them either, the generation ends with an error rather than with text missing."""
-        if chunk.index < 0:  # the task ended and its last chunk did not come: look in the stream first
+        # The task ended and its last chunk did not come: look in the stream first (unless the wait
+        # for its model ended it here: nothing was generated, and the cancel's chunk may be there).
+        if chunk.index < 0 and self.failure is None:
             found = await self._stored(self._next_index, None)
             stored = [found[i] for i in sorted(found)]
             if stored and stored[-1].finish_reason is not None and len(stored) == stored[-1].index + 1 - self._next_index:
@@ -160,45 +177,22 @@ class Generation:
     def tell_loading(self, send: Callable[[str], Awaitable[None]]) -> None:
         """Until its first chunk, every EXO_LOADING_NOTE_S the stream is told (`send`) what the
         generation waits for, while its model loads or waits for room: a client is never left in silence."""
-        self._loading_note = send
-
-    def loading(self) -> str:
-        """What the task waits for before it can run ("": nothing, or it queues on a ready instance)."""
-        state = self._ctx.view.state
-        task = state.tasks.get(self.command_id)
-        if task is None or task.status != "pending":
-            return ""
-        instance = state.instances.get(task.instance_id)
-        if instance is None:
-            desire = next((d for d in state.desires.values() if d.model_id == task.model_id), None)
-            return f"waiting for an instance of {task.model_id}: {desire.waiting if desire and desire.waiting else 'placing one'}"
-        if state.is_ready(instance):
-            return ""
-        nodes = ", ".join(node_label(n) if (n := state.nodes.get(s.node_id)) else s.node_id for s in instance.shards)
-        return f"loading {task.model_id} on {nodes}"
-
-    async def _wait_telling_loading(self, waiting: set[asyncio.Future[object]]) -> None:
-        while True:
-            quiet = self._loading_note is not None and self._last_at is None
-            done, _ = await asyncio.wait(waiting, timeout=self._ctx.settings.loading_note_s if quiet else None,
-                                         return_when=asyncio.FIRST_COMPLETED)
-            if done:
-                return
-            if self._loading_note is not None and (note := self.loading()):
-                await self._loading_note(note)
+        self._loading.note = send
 
     async def _next_chunk(self) -> TokenChunk:
         queue = self._listener.queue
         if not queue.empty() or not self._ended.done():
             getter = asyncio.ensure_future(queue.get())
             try:
-                await self._wait_telling_loading({getter, self._ended})  # type: ignore[arg-type]
+                why = await self._loading.wait({getter, self._ended}, first=self._last_at is None)  # type: ignore[arg-type]
             except BaseException:  # the client left while told of the loading: stop reading for it
                 getter.cancel()
                 raise
             if getter.done():
                 return getter.result()
             getter.cancel()
+            if why:
+                return self._waited_out(why)
         try:
             return await asyncio.wait_for(queue.get(), TASK_END_GRACE_S)
         except TimeoutError:
@@ -397,7 +391,7 @@ async def collect(generation: Generation) -> Collected:
         reasoning.append(chunk.reasoning)
         collected.tool_calls.extend(chunk.tool_calls)
         collected.logprobs.extend(chunk.logprobs)
-        raise_if_failed(chunk)
+        raise_if_failed(chunk, generation.failure)
         if chunk.finish_reason:
             collected.final = chunk
     if collected.final is None:
@@ -407,7 +401,10 @@ async def collect(generation: Generation) -> Collected:
     return collected
 
 
-def raise_if_failed(chunk: TokenChunk) -> None:
+def raise_if_failed(chunk: TokenChunk, failure: ApiError | None = None) -> None:
+    """`failure`: the generation's, when its wait for its model went wrong (Generation.failure)."""
+    if chunk.finish_reason == "error" and failure is not None:
+        raise failure
     if chunk.finish_reason == "error" and chunk.error_code:  # refused by the runner before any work
         param = "messages" if chunk.error_code == "context_length_exceeded" else None
         raise ApiError(400, chunk.error, param=param, code=chunk.error_code)

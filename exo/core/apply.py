@@ -39,6 +39,7 @@ from exo.core.events import (
     CustomCardAdded,
     CustomCardDeleted,
     DesireEnded,
+    DesireScaled,
     DesireSet,
     DownloadDeleted,
     DownloadFailed,
@@ -72,7 +73,7 @@ from exo.core.types import DownloadProgress, RunnerInfo
 MASTER_KINDS: frozenset[type] = frozenset({
     NodeTimedOut, InstanceCreated, InstanceDeleted, TaskCreated, TaskCancelRequested,
     CustomCardAdded, CustomCardDeleted, AdapterAdded, AdapterDeleted, KeySet, KeyDeleted, CommandRejected, DesireSet,
-    DesireEnded, TaskMigrated, GroupsSet,
+    DesireEnded, DesireScaled, TaskMigrated, GroupsSet,
 })
 
 
@@ -191,9 +192,26 @@ def _on_runner_status(draft: Draft, event: RunnerStatusChanged, seq: int) -> Non
 
 
 def _on_desire_set(draft: Draft, event: DesireSet, seq: int) -> None:
-    if event.desire.replicas < 1:
-        raise Skip(f"desire {event.desire.desire_id}: replicas must be at least 1")
+    _check_replicas(event.desire.desire_id, event.desire.replicas, event.desire.min_replicas)
     draft.own("desires")[event.desire.desire_id] = event.desire
+
+
+def _check_replicas(desire_id: str, replicas: int, min_replicas: int | None) -> None:
+    """No replicas only for a desire allowed to scale to none (min_replicas 0): it keeps its bounds."""
+    if replicas < (0 if min_replicas == 0 else 1):
+        raise Skip(f"desire {desire_id}: replicas must be at least {0 if min_replicas == 0 else 1}, not {replicas}")
+
+
+def _on_desire_scaled(draft: Draft, event: DesireScaled, seq: int) -> None:
+    desire = draft.desires.get(event.desire_id)
+    if desire is None:
+        raise Skip(f"unknown desire {event.desire_id}")
+    if desire.replicas != event.from_replicas:
+        raise Skip(f"desire {event.desire_id} has {desire.replicas} replicas, not {event.from_replicas}")
+    _check_replicas(event.desire_id, event.to_replicas, desire.min_replicas)
+    # A step starts a new window: the pressure that led to it is spent.
+    draft.own("desires")[event.desire_id] = replace(desire, replicas=event.to_replicas, last_scaled_at=event.at,
+                                                    pressure_since=0.0)
 
 
 def _on_desire_ended(draft: Draft, event: DesireEnded, seq: int) -> None:
@@ -263,6 +281,7 @@ _HANDLERS: dict[type, Callable[[Draft, Any, int], None]] = {
     ClusterLayoutChanged: _on_cluster_layout,
     DesireSet: _on_desire_set,
     DesireEnded: _on_desire_ended,
+    DesireScaled: _on_desire_scaled,
     TaskMigrated: on_task_migrated,
     GroupsSet: on_groups_set,
 }

@@ -24,10 +24,30 @@ class PlaceInstance(Command, frozen=True, tag="place_instance", kw_only=True):
     kv_bits: int = 0  # quantize the KV cache to this many bits (exo/core/kv_budget.py KV_BITS); 0: not quantized
     force: bool = False  # place without checking that it fits in memory (a card of unknown size, too)
     replicas: int = 1  # instances of it kept running, on distinct nodes where memory allows
+    min_replicas: int | None = None  # the load scales replicas between these (exo/master/autoscale.py); None: replicas
+    max_replicas: int | None = None
     draft_model: ModelId = ModelId("")  # speculative decoding: a smaller model of the same vocabulary
     num_draft_tokens: int = 0  # tokens it proposes per step (0: DEFAULT_DRAFT_TOKENS)
     keep_alive_s: float = -1.0  # unloaded after this many seconds without requests; negative: kept until deleted
     at: float = 0.0  # the API's wall clock when asked: the idle time of a keep_alive counts from here
+
+    def replica_bounds(self) -> tuple[int | None, int | None]:
+        """(min, max) as the desire keeps them: one given, the other is `replicas`; neither: fixed (None)."""
+        if self.min_replicas is None and self.max_replicas is None:
+            return None, None
+        return (self.replicas if self.min_replicas is None else self.min_replicas,
+                self.replicas if self.max_replicas is None else self.max_replicas)
+
+
+def replica_bounds_problem(min_replicas: int | None, replicas: int, max_replicas: int | None,
+                           most: int) -> tuple[str, str] | None:
+    """(the parameter, why) unless 0 <= min_replicas <= replicas <= max_replicas <= most (None: replicas)."""
+    low, high = replicas if min_replicas is None else min_replicas, replicas if max_replicas is None else max_replicas
+    if not 0 <= low <= replicas:
+        return "min_replicas", f"min_replicas must be between 0 and replicas ({replicas}), not {low}"
+    if not replicas <= high <= most:
+        return "max_replicas", f"max_replicas must be between replicas ({replicas}) and {most}, not {high}"
+    return None
 
 
 class DeleteDesire(Command, frozen=True, tag="delete_desire", kw_only=True):

@@ -100,6 +100,17 @@ class DesireEnded(Event, frozen=True, tag="desire.ended", kw_only=True):
     reason: str = ""
 
 
+class DesireScaled(Event, frozen=True, tag="desire.scaled", kw_only=True):
+    """The master changed a desire's replicas to follow its load (exo/master/autoscale.py), with why.
+    A step down names no instance: the InstanceDeleted after it does."""
+
+    desire_id: str
+    from_replicas: int
+    to_replicas: int
+    reason: str = ""
+    at: float = 0.0  # wall clock: the next step waits a window from here
+
+
 class TaskMigrated(Event, frozen=True, tag="task.migrated", kw_only=True):
     """The task's instance died: it continues on `to_instance` ("": once one of its model is ready)."""
 
@@ -242,6 +253,7 @@ AnyEvent = (
     | ClusterLayoutChanged
     | DesireSet
     | DesireEnded
+    | DesireScaled
     | TaskMigrated
     | GroupsSet
 )

@@ -178,6 +178,11 @@ class Desire(msgspec.Struct, frozen=True, kw_only=True):
     # Seconds without requests after which the master unloads it (negative: never, as Ollama's keep_alive).
     keep_alive_s: float = -1.0
     last_used_at: float = 0.0  # wall clock: its latest task's creation or end (the reducer's); 0: never stamped
+    # Bounds the master scales `replicas` within, following the load (exo/master/autoscale.py); None: replicas.
+    min_replicas: int | None = None
+    max_replicas: int | None = None
+    pressure_since: float = 0.0  # wall clock: its queue went above the target (0: it is not)
+    last_scaled_at: float = 0.0  # wall clock of its latest scaling step: the next waits a window
 
 
 class Migration(msgspec.Struct, frozen=True, kw_only=True):

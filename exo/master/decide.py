@@ -22,6 +22,7 @@ from exo.core.commands import (
     PlaceInstance,
     SetKey,
     command_tag,
+    replica_bounds_problem,
 )
 from exo.core.events import (
     AdapterAdded,
@@ -114,6 +115,8 @@ def _place(state: State, command: PlaceInstance, builtin: Mapping[ModelId, Model
     """A desire (kept placed by exo/master/heal.py) and its first instances, on distinct nodes where memory allows."""
     if not 1 <= command.replicas <= MAX_REPLICAS:
         return _reject(command, "invalid", f"replicas must be between 1 and {MAX_REPLICAS}, not {command.replicas}")
+    if problem := replica_bounds_problem(command.min_replicas, command.replicas, command.max_replicas, MAX_REPLICAS):
+        return _reject(command, "invalid", problem[1])
     card = find_card(state, builtin, command.model_id)
     if card is None:
         return _reject(command, "not_found", f"unknown model {command.model_id!r}")
@@ -127,7 +130,8 @@ def _place(state: State, command: PlaceInstance, builtin: Mapping[ModelId, Model
                     kv_bits=command.kv_bits, force=command.force, replicas=command.replicas,
                     draft_model=command.draft_model,
                     num_draft_tokens=command.num_draft_tokens or (DEFAULT_DRAFT_TOKENS if command.draft_model else 0),
-                    keep_alive_s=command.keep_alive_s, last_used_at=command.at)
+                    keep_alive_s=command.keep_alive_s, last_used_at=command.at,
+                    min_replicas=command.replica_bounds()[0], max_replicas=command.replica_bounds()[1])
     room = place_making_room(state, desire, builtin, ids)
     if isinstance(room, Unplaceable):
         return _reject(command, room.code, room.reason)
@@ -174,7 +178,9 @@ def _fewer_replicas(state: State, instance: Instance, command: DeleteInstance) -
         return []
     if desire.replicas <= 1 or len(state.instances_of_desire(desire.desire_id)) <= 1:
         return [DesireEnded(command_id=command.command_id, desire_id=desire.desire_id, reason="its last instance was deleted")]
-    return [DesireSet(command_id=command.command_id, desire=replace(desire, replicas=desire.replicas - 1))]
+    fewer = desire.replicas - 1  # a person asked for fewer: the autoscaler's floor follows
+    floor = None if desire.min_replicas is None else min(desire.min_replicas, fewer)
+    return [DesireSet(command_id=command.command_id, desire=replace(desire, replicas=fewer, min_replicas=floor))]
 
 
 def _delete_desire(state: State, command: DeleteDesire) -> list[Event]:

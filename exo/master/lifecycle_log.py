@@ -1,10 +1,11 @@
-"""The master's INFO lines for a model's lifecycle: placed on demand by a request, unloaded when idle or evicted."""
+"""The master's INFO lines for a model's lifecycle: placed on demand by a request, unloaded when idle or
+evicted, scaled with its load."""
 
 from __future__ import annotations
 
 import logging
 
-from exo.core.events import DesireEnded, DesireSet, Event, InstanceCreated, InstanceDeleted
+from exo.core.events import DesireEnded, DesireScaled, DesireSet, Event, InstanceCreated, InstanceDeleted
 from exo.core.placement import node_label
 from exo.core.state import State
 
@@ -45,4 +46,17 @@ def log_unloaded(state: State, events: list[Event]) -> list[Event]:
         log.info("master: unloaded %s from %s: %s", state.desires[ended.desire_id].model_id,
                  ", ".join(nodes) or "no node", ended.reason)
         told += deleted
+    return told + _log_scaled(state, events)
+
+
+def _log_scaled(state: State, events: list[Event]) -> list[Event]:
+    """One INFO line per scaling step (exo/master/autoscale.py); returns the instance a step down unloads."""
+    told: list[Event] = []
+    for scaled in (e for e in events if isinstance(e, DesireScaled) and e.desire_id in state.desires):
+        unloaded = [e for e in events if isinstance(e, InstanceDeleted) and e.instance_id in state.instances
+                    and state.instances[e.instance_id].desire_id == scaled.desire_id]
+        log.info("master: scaled %s from %d to %d replica(s): %s%s", state.desires[scaled.desire_id].model_id,
+                 scaled.from_replicas, scaled.to_replicas, scaled.reason,
+                 "".join(f" (unloading instance {e.instance_id})" for e in unloaded))
+        told += unloaded
     return told

@@ -59,7 +59,9 @@ def without_instance(state: State, command: GenerateText, builtin: Mapping[Model
     desire = next((d for d in state.desires.values() if d.model_id == command.model_id), None)
     if allowed and desire is None:
         return _place_on_demand(state, command, builtin, ids, params, keep_alive_s)
-    if allowed and desire is not None and desire.on_demand:
+    # A placement scaled to no replica waits too: the autoscaler brings one back for the request.
+    scaled_to_none = desire is not None and desire.replicas == 0 and not state.group
+    if (allowed and desire is not None and desire.on_demand) or scaled_to_none:
         return [task_created(command, params, InstanceId(""))]
     ended = state.instance_end_reasons.get(command.model_id)
     why = f" (its last instance was deleted: {ended})" if ended else ""
@@ -77,8 +79,9 @@ def _place_on_demand(state: State, command: GenerateText, builtin: Mapping[Model
     """A desire placed on demand, its instance (by the usual rules) and the task queued on it; it
     stays loaded for the request's keep_alive, else EXO_KEEP_ALIVE, without requests."""
     keep_alive = keep_alive_s if command.keep_alive_s is None else command.keep_alive_s
+    # min 0: its keep_alive unloads it whole; max 1: more replicas are for a placement that asks for them.
     desire = Desire(desire_id=next(ids), model_id=command.model_id, on_demand=True, keep_alive_s=keep_alive,
-                    last_used_at=command.at)
+                    last_used_at=command.at, min_replicas=0, max_replicas=1)
     room = place_making_room(state, desire, builtin, ids)
     if isinstance(room, Unplaceable):
         return _refuse(command, room.code, f"no instance of {command.model_id!r} is running and none can be placed "

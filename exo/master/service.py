@@ -49,6 +49,7 @@ from exo.core.ids import CommandId, ModelId, NodeId
 from exo.core.keys import ApiKey
 from exo.core.state import State
 from exo.core.types import ModelCard
+from exo.master.autoscale import ScalePolicy
 from exo.master.decide import decide
 from exo.master.group import groups_to_set, heal_group, key_copy, not_for_group
 from exo.master.heal import HealLimits
@@ -92,6 +93,8 @@ class Master:
         self._node_timeout = settings.node_timeout_s
         self._heal = HealLimits(suspect_s=settings.suspect_s, deadline_s=settings.migration_deadline_s,
                                 max_migrations=settings.max_migrations, load_timeout_s=settings.load_timeout_s)
+        self._scale = ScalePolicy(queue=settings.scale_queue, window_s=settings.scale_window_s,
+                                  idle_s=settings.scale_idle_s)
         self._heard_at: dict[NodeId, float] = {}  # node id -> time.monotonic() of its latest heartbeat seen
         view.add_listener(self._on_event)
         self.term = 0
@@ -219,7 +222,7 @@ class Master:
                 self._heard_at.setdefault(node_id, now)  # first seen by this master: it gets a full timeout
             events = supervise(state, self._heard_at, now, node_timeout=self._node_timeout, wall_now=time.time(),
                                limits=replace(self._heal, suspect_s=float("inf")) if stalled or troubled else self._heal,
-                               builtin=self._builtin_cards,
+                               builtin=self._builtin_cards, scale=self._scale,
                                ids=ids_for(CommandId(f"heal:{term}:{state.last_seq}")))
             try:
                 await self._append_all(events, term, f"supervise:{term}:{state.last_seq}")

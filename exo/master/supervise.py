@@ -1,5 +1,6 @@
 """What the master does unasked: time out silent nodes, end instances that lost a node or keep
-failing (moving their generations: exo/master/heal.py), and keep each desire placed.
+failing (moving their generations: exo/master/heal.py), keep each desire placed, unload idle ones
+and scale replicas with the load (exo/master/autoscale.py).
 
 Pure: when each node was last heard from, the time now and the limits come in as arguments.
 """
@@ -13,10 +14,12 @@ from exo.core.events import DesireEnded, Event, InstanceDeleted, NodeTimedOut
 from exo.core.ids import InstanceId, ModelId, NodeId
 from exo.core.state import State
 from exo.core.types import Instance, ModelCard
+from exo.master.autoscale import ScalePolicy, desires_touched, scale_desires
 from exo.master.heal import HealLimits, after_failure, end_instance, replace_missing, waiting_tasks
 
 DEFAULT_NODE_TIMEOUT_S = 30.0
 DEFAULT_MAX_RUNNER_FAILURES = 3
+DEFAULT_SCALE = ScalePolicy()  # EXO_SCALE_*'s defaults
 
 
 def silent_nodes(state: State, heard_at: Mapping[NodeId, float], now: float, timeout: float) -> list[NodeId]:
@@ -54,9 +57,11 @@ def supervise(
     node_timeout: float = DEFAULT_NODE_TIMEOUT_S, max_runner_failures: int = DEFAULT_MAX_RUNNER_FAILURES,
     wall_now: float | None = None, limits: HealLimits = HealLimits(),
     builtin: Mapping[ModelId, ModelCard] | None = None, ids: Iterator[str] | None = None,
+    scale: ScalePolicy = DEFAULT_SCALE,
 ) -> list[Event]:
     """Instances that lost a node or keep failing end first (their tasks move); once State has
-    that, waiting tasks find instances and desires short of replicas get new ones."""
+    that, waiting tasks find instances, desires short of replicas get new ones, idle ones unload
+    and replicas follow the load."""
     wall = now if wall_now is None else wall_now
     timed_out = silent_nodes(state, heard_at, now, node_timeout)
     suspect = frozenset(silent_nodes(state, heard_at, now, min(limits.suspect_s, node_timeout)))
@@ -73,9 +78,12 @@ def supervise(
                for n in timed_out]
     if events:
         return events
-    return [*waiting_tasks(state, wall, limits, suspect),
+    kept = [*waiting_tasks(state, wall, limits, suspect),
             *replace_missing(state, builtin or {}, ids or _no_ids(), wall, avoid=suspect),
             *idle_desires(state, wall)]
+    # A desire healed or unloaded this round scales in the next: two whole-record DesireSets of one
+    # desire in one round would lose the first's change.
+    return [*kept, *scale_desires(state, wall, scale, skip=desires_touched(state, kept))]
 
 
 def idle_desires(state: State, now: float) -> list[Event]:

@@ -144,6 +144,13 @@ class MasterSettings(Frozen, frozen=True):
                                                    "of its model placed on demand")] = 300.0
     keep_alive_s: Annotated[float, Env("EXO_KEEP_ALIVE", "seconds a model placed on demand stays loaded without "
                                        "requests (negative: until deleted; a request's keep_alive overrides it)")] = 300.0
+    scale_queue: Annotated[int, NonNegative, Env("EXO_SCALE_QUEUE", "pending requests per ready replica above which "
+                                                 "a placement with max_replicas gets another one (0: no autoscaling)")] = 4
+    scale_window_s: Annotated[float, NonNegative, Env("EXO_SCALE_WINDOW_S", "seconds the queue must stay above "
+                                                      "EXO_SCALE_QUEUE before a replica is added, and between "
+                                                      "scaling steps")] = 30.0
+    scale_idle_s: Annotated[float, Positive, Env("EXO_SCALE_IDLE_S", "seconds without requests after which a "
+                                                 "placement above its min_replicas loses a replica")] = 300.0
     cache_routing: Annotated[bool, Env("EXO_CACHE_ROUTING", "send a request to the instance that caches most of "
                                        "its prompt (off: the least busy one)")] = True
     groups: Annotated[str, Env("EXO_MASTER_GROUPS", "master groups, each deciding its models' requests with a log, "
@@ -210,6 +217,9 @@ class ApiSettings(Frozen, frozen=True):
                                                       "once)")] = 5.0
     loading_note_s: Annotated[float, Positive, Env("EXO_LOADING_NOTE_S", "seconds between the SSE comments that "
                                                    "tell a streaming client its model is still loading")] = 5.0
+    # The master's EXO_LOAD_TIMEOUT_S, handed on by exo/node.py: a request waits this long for its
+    # model's instance to be ready, however it waits (for a placement, or for a loading instance).
+    load_timeout_s: float = 300.0
     max_body_bytes: Annotated[Annotated[int, Positive] | None, Env("EXO_MAX_BODY_BYTES", "largest request body "
                                                                    "(none: what one NATS message carries, the "
                                                                    "server's max_payload less 64 KiB; images ride "

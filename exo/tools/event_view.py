@@ -99,11 +99,12 @@ def matches(event_filter: EventFilter, kind: str, event: AnyEvent | None, state:
 
 
 def key_fields(event: AnyEvent) -> list[tuple[str, str]]:
-    """The fields worth a glance: top-level values that are set (not 0 / empty), and the ids
-    and statuses of nested ones."""
+    """The fields worth a glance: top-level values that are set (not 0 / empty) or required (a
+    desire.scaled's `to_replicas=0`), and the ids and statuses of nested ones."""
+    required = {f.encode_name for f in msgspec.structs.fields(event) if f.required}
     fields: list[tuple[str, str]] = []
     for name, value in msgspec.to_builtins(event).items():
-        if name == "kind" or not value:
+        if name == "kind" or not (value or name in required and isinstance(value, int)):
             continue
         if isinstance(value, (dict, list)):
             fields.extend(_nested_ids(value))

@@ -106,7 +106,7 @@ async def stream_message(request: web.Request, generation: Generation, model: st
     generation.tell_loading(note)
     first = await anext(chunks)  # message_start reports the prompt's size, known with the first chunk
     if not opened:
-        raise_if_failed(first)  # nothing sent yet: a plain error response with its status
+        raise_if_failed(first, generation.failure)  # nothing sent yet: a plain error response with its status
     elif first.finish_reason in ("error", "cancelled"):
         await opened[0].send(error_body(500, first.error or "generation was cancelled", path="/v1/messages"),
                              event="error")

@@ -19,7 +19,7 @@ from exo.api.outcomes import new_command_id
 from exo.api.request_body import decode_body
 from exo.api.validate import check_kv_bits, check_max_context
 from exo.core.adapters import split_adapter_id
-from exo.core.commands import DeleteDesire, DeleteInstance, PlaceInstance
+from exo.core.commands import DeleteDesire, DeleteInstance, PlaceInstance, replica_bounds_problem
 from exo.core.events import InstanceCreated
 from exo.core.ids import InstanceId, ModelId, NodeId, RunnerId
 from exo.core.placement import human_bytes, node_label, placement_previews
@@ -111,6 +111,8 @@ async def place_instance(request: web.Request) -> web.Response:
     check_kv_bits(body.kv_bits)
     if not 1 <= body.replicas <= MAX_REPLICAS:
         raise ApiError(400, f"replicas must be between 1 and {MAX_REPLICAS}, not {body.replicas}", param="replicas")
+    if problem := replica_bounds_problem(body.min_replicas, body.replicas, body.max_replicas, MAX_REPLICAS):
+        raise ApiError(400, problem[1], param=problem[0])
     wait_s = _wait_seconds(request, body)
     keep_alive_s = _placed_keep_alive(body.keep_alive)
     command_id = command_id_for(request)
@@ -120,7 +122,8 @@ async def place_instance(request: web.Request) -> web.Response:
         command = PlaceInstance(command_id=command_id or new_command_id(), model_id=body.model_id,
                                 sharding=body.sharding, min_nodes=body.min_nodes, max_queue=body.max_queue,
                                 max_context=body.max_context, kv_bits=body.kv_bits, force=body.force,
-                                replicas=body.replicas, draft_model=body.draft_model,
+                                replicas=body.replicas, min_replicas=body.min_replicas,
+                                max_replicas=body.max_replicas, draft_model=body.draft_model,
                                 num_draft_tokens=body.num_draft_tokens, keep_alive_s=keep_alive_s, at=time.time())
         event = await ctx.outcomes.call(command)
         assert isinstance(event, InstanceCreated)

@@ -21,6 +21,9 @@ class PlaceInstanceRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=T
     wait: bool | float | None = None  # answer once the instance is ready or failed (seconds, or true)
     force: bool = False  # place without checking that it fits in memory (a card of unknown size, too)
     replicas: int = 1  # instances kept running (a desire: replaced when one dies), on distinct nodes where memory allows
+    # The load scales replicas between these (0: it may unload entirely); absent: replicas (fixed).
+    min_replicas: int | None = None
+    max_replicas: int | None = None
     draft_model: ModelId = ModelId("")  # speculative decoding: a smaller model of the same vocabulary (one node)
     num_draft_tokens: int = 0  # tokens the draft proposes per step; 0: 3 (mlx_lm.server's default)
     keep_alive: str | int | float | None = None  # unloaded after this long without requests; absent: until deleted

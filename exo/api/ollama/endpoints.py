@@ -180,6 +180,11 @@ async def _stream(request: web.Request, generation: Generation, model: str, piec
     async def send(obj: dict[str, Any]) -> None:
         await response.write(json.dumps(obj, ensure_ascii=False).encode() + b"\n")
 
+    async def still_loading(note: str) -> None:
+        # Ollama's NDJSON has no comments: a line with no text keeps the client from timing out.
+        await send(_head(model) | piece("", "", None) | {"done": False})
+
+    generation.tell_loading(still_loading)
     async for chunk in generation.chunks():
         if chunk.text or chunk.reasoning or chunk.tool_calls:
             await send(_head(model) | piece(chunk.text, chunk.reasoning, chunk.tool_calls) | {"done": False})
