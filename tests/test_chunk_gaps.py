@@ -37,7 +37,8 @@ async def received(nc, command_id: str, delivered: list[TokenChunk], ended: Task
                    listener: TokenListener | None = None) -> list[TokenChunk]:
     """What a Generation yields when its live listener got only `delivered` (or what `listener` gets)."""
     cancels: list[str] = []
-    ctx = SimpleNamespace(nc=nc, metrics=Metrics(), readers=Counter(), view=SimpleNamespace(state=State()), settings=ApiSettings(),
+    ctx = SimpleNamespace(nc=nc, metrics=Metrics(), readers=Counter(), view=SimpleNamespace(state=State()),
+                          settings=ApiSettings(),
                           in_background=lambda coroutine: (coroutine.close(), cancels.append(command_id)))
     listener = listener or TokenListener()
     for chunk in delivered:
