@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, cast
 from exo import event_loop
 from exo.bus.connection import split_urls
 from exo.core.groups import parse_groups
+from exo.log_format import configure_logging
 from exo.settings.declare import SettingError, is_given, read
 from exo.settings.flags import add_setting_flags, environment_only, given_flags
 from exo.settings.services import (
@@ -103,7 +104,8 @@ def parse_args(argv: list[str] | None = None, environ: Mapping[str, str] = os.en
     except ValueError as error:
         parser.error(f"EXO_MASTER_GROUPS (--master-groups): {error}")
     node = cast(NodeSettings, settings[NodeSettings])
-    logging.basicConfig(level=node.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from exo.node import default_name  # here, as in node_config: --help and the tools do not pay for it
+    configure_logging(node.log_level, node.log_format, node.name or default_name(node.api_port))
     for chatty in ("httpx", "httpx2", "huggingface_hub"):  # one line per HTTP request is noise here
         logging.getLogger(chatty).setLevel(logging.WARNING)
 

@@ -17,6 +17,7 @@ from typing import IO
 import msgspec
 from aiohttp import web
 
+from exo.api.access_log import app_runner
 from exo.api.app import build_app
 from exo.api.context import ApiContext
 from exo.api.outcomes import CommandOutcomes
@@ -299,8 +300,8 @@ class Node:
         self.api_keys_required = bool(ctx.settings.api_keys)
         self._reader_presence = ReaderPresence(ctx.nc, lambda command_id: ctx.readers[command_id] > 0)
         await self._reader_presence.start()
-        self._site_runner = web.AppRunner(build_app(ctx), handler_cancellation=True, access_log=None,
-                                          shutdown_timeout=API_SHUTDOWN_S)
+        self._site_runner = app_runner(build_app(ctx), ctx.settings.access_log, handler_cancellation=True,
+                                       shutdown_timeout=API_SHUTDOWN_S)
         await self._site_runner.setup()
         site = web.TCPSite(self._site_runner, self.config.api_host, self.config.api_port)
         try:

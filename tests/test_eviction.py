@@ -25,7 +25,7 @@ from exo.core.state import State
 from exo.core.types import Desire, Instance, ModelCard, NodeInfo, RunnerInfo, Task
 from exo.master.decide import decide
 from exo.master.heal import place_for
-from exo.master.lifecycle_log import log_evicted
+from exo.master.lifecycle_log import LifecycleLog
 from tests.support.as_master import fold, with_leader
 
 GB = 1_000_000_000
@@ -158,9 +158,13 @@ def test_an_explicit_placement_evicts_too_and_its_answer_names_what_went(caplog:
     assert isinstance(answer, InstanceCreated)
     assert answer.evicted == [Eviction(desire_id="a1", model_id=A1, instance_ids=[InstanceId("a1-1")])]
     assert [type(e) for e in events] == [InstanceDeleted, DesireEnded, InstanceCreated, DesireSet]
+    told = LifecycleLog(state, lambda: True)
     with caplog.at_level(logging.INFO, logger="exo.master.service"):
-        log_evicted(state, events)
-    assert caplog.messages == [f"master: unloaded {A1} from n1: evicted to make room for {B} (instance a1-1)"]
+        for event in events:  # as the master's view folds them
+            state = fold([event], state)
+            told.on_event(state.last_seq, event, state)  # type: ignore[arg-type]  # every Event is an AnyEvent
+    assert caplog.messages == [f"master: unloaded {A1} from n1: evicted to make room for {B} (instance a1-1)",
+                               f"master: placed {B} on n1: by request (instance {answer.instance.instance_id})"]
 
 
 def test_a_runner_still_loading_frees_nothing_more_than_its_instance_reserved():

@@ -1,62 +1,185 @@
-"""The master's INFO lines for a model's lifecycle: placed on demand by a request, unloaded when idle or
-evicted, scaled with its load."""
+"""The master's INFO lines for a model's and a node's lifecycle, each read off one event with the
+State before it: nodes joined, suspect, back or gone; instances placed (and why), loading, ready,
+failed, moved from and unloaded; desires scaled. Nodes are named by their label, as the dashboard
+names them; each line's ids ride along as fields (`extra=`) for EXO_LOG_FORMAT=json."""
 
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
 
-from exo.core.events import DesireEnded, DesireScaled, DesireSet, Event, InstanceCreated, InstanceDeleted
+from exo.core.events import (
+    AnyEvent,
+    DesireEnded,
+    DesireScaled,
+    DesireSet,
+    InstanceCreated,
+    InstanceDeleted,
+    NodeHeartbeat,
+    NodeRegistered,
+    NodeTimedOut,
+    RunnerStatusChanged,
+    TaskMigrated,
+)
+from exo.core.ids import InstanceId, NodeId
 from exo.core.placement import node_label
 from exo.core.state import State
+from exo.core.types import Desire, Instance
 
 log = logging.getLogger("exo.master.service")
 
 
-def log_placed_on_demand(state: State, events: list[Event]) -> None:
-    """One INFO line for each instance a request placed on demand: its model and nodes."""
-    on_demand = {e.desire.desire_id for e in events if isinstance(e, DesireSet) and e.desire.on_demand}
-    for event in events:
-        if isinstance(event, InstanceCreated) and event.instance.desire_id in on_demand:
-            nodes = ", ".join(node_label(state.nodes[s.node_id]) if s.node_id in state.nodes else s.node_id
-                              for s in event.instance.shards)
-            log.info("master: placed %s on demand on %s (instance %s)", event.instance.model_id, nodes,
-                     event.instance.instance_id)
+@dataclass(frozen=True)
+class Line:
+    message: str
+    fields: dict[str, str]  # the ids the line names: fields of their own in JSON log lines
+    level: int = logging.INFO
 
 
-def log_evicted(state: State, events: list[Event]) -> None:
-    """One INFO line per desire a placement unloaded to make room (its model, nodes and what for)."""
-    for placed in (e for e in events if isinstance(e, InstanceCreated)):
-        for eviction in placed.evicted:
-            nodes = sorted({node_label(state.nodes[s.node_id]) if s.node_id in state.nodes else s.node_id
-                            for i in eviction.instance_ids if i in state.instances
-                            for s in state.instances[i].shards})
-            log.info("master: unloaded %s from %s: evicted to make room for %s (instance %s)", eviction.model_id,
-                     ", ".join(nodes) or "no node", placed.instance.model_id, ", ".join(eviction.instance_ids))
+@dataclass
+class Recall:
+    """What a line needs from earlier events."""
+
+    placed_why: dict[str, str] = field(default_factory=dict)  # desire id -> why its next instance is placed
+    placed_at: dict[InstanceId, float] = field(default_factory=dict)  # instance id -> when (the caller's clock)
 
 
-def log_unloaded(state: State, events: list[Event]) -> list[Event]:
-    """One INFO line per desire the master ended for idleness (its model, nodes and why); returns
-    the instance deletions that line tells of."""
-    told: list[Event] = []
-    for ended in (e for e in events if isinstance(e, DesireEnded) and e.desire_id in state.desires):
-        deleted = [e for e in events if isinstance(e, InstanceDeleted) and e.reason == ended.reason
-                   and (i := state.instances.get(e.instance_id)) is not None and i.desire_id == ended.desire_id]
-        nodes = sorted({node_label(state.nodes[s.node_id]) if s.node_id in state.nodes else s.node_id
-                        for e in deleted for s in state.instances[e.instance_id].shards})
-        log.info("master: unloaded %s from %s: %s", state.desires[ended.desire_id].model_id,
-                 ", ".join(nodes) or "no node", ended.reason)
-        told += deleted
-    return told + _log_scaled(state, events)
+def lifecycle_lines(before: State, event: AnyEvent, after: State, recall: Recall, now: float) -> list[Line]:
+    """The lines one event tells, given State before and after it; `recall` is updated as it goes."""
+    match event:
+        case NodeRegistered() | NodeHeartbeat() if event.node.node_id not in before.nodes:
+            return [Line(f"master: node {node_label(event.node)} joined", {"node_id": event.node.node_id})]
+        case NodeTimedOut():
+            why = event.reason.removeprefix(f"node {event.node_id} ")  # the reason names it by id
+            return [Line(f"master: node {_label(before, event.node_id)} gone: {why}", {"node_id": event.node_id},
+                         logging.WARNING)]
+        case InstanceCreated():
+            recall.placed_at[event.instance.instance_id] = now
+            if event.instance.desire_id not in before.desires:
+                return []  # a new placement: its DesireSet, next, says whether on demand
+            why = recall.placed_why.pop(event.instance.desire_id, "by request")
+            return [_placed(before, event.instance, why)]
+        case DesireSet() if event.desire.desire_id not in before.desires:
+            why = "on demand" if event.desire.on_demand else "by request"
+            return [_placed(after, i, why) for i in after.instances_of_desire(event.desire.desire_id)]
+        case DesireScaled():
+            return _scaled(before, event, recall)
+        case DesireEnded():
+            recall.placed_why.pop(event.desire_id, None)
+        case RunnerStatusChanged():
+            return _runner_changed(before, event, after, recall, now)
+        case InstanceDeleted() if (instance := before.instances.get(event.instance_id)) is not None:
+            return _unloaded(instance, event, before, after, recall)
+        case TaskMigrated() if (task := before.tasks.get(event.task_id)) is not None:
+            source = _where(before, task.instance_id) if task.instance_id else "its queue"
+            target = _where(before, event.to_instance) if event.to_instance else "the queue (no instance yet)"
+            return [Line(f"master: moved task {task.task_id} of {task.model_id} from {source} to {target}: "
+                         f"{_named(before, event.reason)}", {"task_id": task.task_id, "model": task.model_id})]
+    return []
 
 
-def _log_scaled(state: State, events: list[Event]) -> list[Event]:
-    """One INFO line per scaling step (exo/master/autoscale.py); returns the instance a step down unloads."""
-    told: list[Event] = []
-    for scaled in (e for e in events if isinstance(e, DesireScaled) and e.desire_id in state.desires):
-        unloaded = [e for e in events if isinstance(e, InstanceDeleted) and e.instance_id in state.instances
-                    and state.instances[e.instance_id].desire_id == scaled.desire_id]
-        log.info("master: scaled %s from %d to %d replica(s): %s%s", state.desires[scaled.desire_id].model_id,
-                 scaled.from_replicas, scaled.to_replicas, scaled.reason,
-                 "".join(f" (unloading instance {e.instance_id})" for e in unloaded))
-        told += unloaded
-    return told
+def suspect_lines(state: State, was: Collection[NodeId], suspect: Collection[NodeId], after_s: float) -> list[Line]:
+    """Nodes newly silent for `after_s` seconds (suspect), and those heard again (back)."""
+    return [*(Line(f"master: node {_label(state, n)} suspect: no heartbeat for {after_s:g} s", {"node_id": n},
+                   logging.WARNING) for n in sorted(set(suspect) - set(was))),
+            *(Line(f"master: node {_label(state, n)} back", {"node_id": n})
+              for n in sorted(set(was) - set(suspect)) if n in state.nodes)]
+
+
+def _placed(state: State, instance: Instance, why: str) -> Line:
+    return Line(f"master: placed {instance.model_id} on {_nodes(state, instance)}: {why} (instance "
+                f"{instance.instance_id})", _ids(instance))
+
+
+def _scaled(before: State, event: DesireScaled, recall: Recall) -> list[Line]:
+    desire = before.desires.get(event.desire_id)
+    if desire is None:
+        return []
+    if event.to_replicas > event.from_replicas:
+        recall.placed_why[desire.desire_id] = f"scaled from {event.from_replicas} to {event.to_replicas} replicas"
+    return [Line(f"master: scaled {desire.model_id} from {event.from_replicas} to {event.to_replicas} replica(s): "
+                 f"{event.reason}", {"model": desire.model_id})]
+
+
+def _runner_changed(before: State, event: RunnerStatusChanged, after: State, recall: Recall, now: float) -> list[Line]:
+    instance = after.instances.get(event.instance_id)
+    runner = before.runners.get(event.runner_id)
+    if instance is None or runner is None:
+        return []
+    on = {**_ids(instance), "node_id": event.node_id}
+    if event.status == "loading" and runner.status != "loading":
+        return [Line(f"master: {instance.model_id} loading on {_label(after, event.node_id)} (instance "
+                     f"{instance.instance_id})", on)]
+    if event.status == "failed":
+        return [Line(f"master: {instance.model_id} failed on {_label(after, event.node_id)}: {event.error} (instance "
+                     f"{instance.instance_id}, failure {event.failures})", on, logging.WARNING)]
+    if event.status == "ready" and after.is_ready(instance) and not before.is_ready(instance):
+        placed_at = recall.placed_at.get(instance.instance_id)
+        took = f" in {now - placed_at:.1f} s from placement" if placed_at is not None else ""
+        return [Line(f"master: {instance.model_id} ready on {_nodes(after, instance)}{took} (instance "
+                     f"{instance.instance_id})", _ids(instance))]
+    return []
+
+
+def _unloaded(instance: Instance, event: InstanceDeleted, before: State, after: State, recall: Recall) -> list[Line]:
+    recall.placed_at.pop(instance.instance_id, None)
+    reason = _named(before, event.reason)
+    desire: Desire | None = after.desires.get(instance.desire_id)
+    if desire is not None and len(after.instances_of_desire(desire.desire_id)) < desire.replicas:
+        recall.placed_why[desire.desire_id] = f"replacing instance {instance.instance_id} ({reason})"
+    return [Line(f"master: unloaded {instance.model_id} from {_nodes(before, instance)}: {reason} (instance "
+                 f"{instance.instance_id})", _ids(instance))]
+
+
+def _ids(instance: Instance) -> dict[str, str]:
+    return {"model": instance.model_id, "instance_id": instance.instance_id}
+
+
+def _label(state: State, node_id: NodeId) -> str:
+    return node_label(state.nodes[node_id]) if node_id in state.nodes else node_id
+
+
+def _named(state: State, reason: str) -> str:
+    """The deciders' reasons name nodes by id: here, by label."""
+    for node_id, node in state.nodes.items():
+        reason = reason.replace(node_id, node_label(node)) if node_id in reason else reason
+    return reason
+
+
+def _nodes(state: State, instance: Instance) -> str:
+    return ", ".join(dict.fromkeys(_label(state, s.node_id) for s in instance.shards)) or "no node"
+
+
+def _where(state: State, instance_id: InstanceId) -> str:
+    instance = state.instances.get(instance_id)
+    return f"{_nodes(state, instance)} (instance {instance_id})" if instance is not None else f"instance {instance_id}"
+
+
+class LifecycleLog:
+    """A State listener that logs `lifecycle_lines` while `leading()` (one node tells the cluster's
+    story); it keeps the State before each event, and recalls what later lines need all along."""
+
+    def __init__(self, state: State, leading: Callable[[], bool], clock: Callable[[], float] = time.monotonic) -> None:
+        self._before = state
+        self._leading = leading
+        self._clock = clock
+        self._recall = Recall()
+        self._suspect: frozenset[NodeId] = frozenset()
+
+    def on_event(self, seq: int, event: AnyEvent, state: State) -> None:
+        before, self._before = self._before, state
+        lines = lifecycle_lines(before, event, state, self._recall, self._clock())
+        if self._leading():
+            _emit(lines)
+
+    def note_suspects(self, state: State, suspect: Collection[NodeId], after_s: float) -> None:
+        """The supervisor's view of silent nodes, each round: lines for those that changed."""
+        _emit(suspect_lines(state, self._suspect, suspect, after_s))
+        self._suspect = frozenset(suspect)
+
+
+def _emit(lines: list[Line]) -> None:
+    for line in lines:
+        log.log(line.level, "%s", line.message, extra=line.fields)

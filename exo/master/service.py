@@ -36,12 +36,10 @@ from exo.core.events import (
     AnyEvent,
     CommandRejected,
     Event,
-    InstanceDeleted,
     LeaderElected,
     NodeHeartbeat,
     NodeRegistered,
     NodeTimedOut,
-    TaskMigrated,
     event_tag,
 )
 from exo.core.groups import for_group, parse_groups
@@ -53,9 +51,9 @@ from exo.master.autoscale import ScalePolicy
 from exo.master.decide import decide
 from exo.master.group import groups_to_set, heal_group, key_copy, not_for_group
 from exo.master.heal import HealLimits
-from exo.master.lifecycle_log import log_evicted, log_placed_on_demand, log_unloaded
+from exo.master.lifecycle_log import LifecycleLog
 from exo.master.memo import DecideMemo
-from exo.master.supervise import supervise
+from exo.master.supervise import silent_nodes, supervise
 from exo.settings.services import MasterSettings
 
 log = logging.getLogger(__name__)
@@ -97,6 +95,8 @@ class Master:
                                   idle_s=settings.scale_idle_s)
         self._heard_at: dict[NodeId, float] = {}  # node id -> time.monotonic() of its latest heartbeat seen
         view.add_listener(self._on_event)
+        self._lifecycle = LifecycleLog(view.state, self._lease.valid)
+        view.add_listener(self._lifecycle.on_event)
         self.term = 0
         self._ahead: State | None = None  # State plus this batch's own events, until the view has them
         self._memo = DecideMemo()  # kept across decisions: saves scans of every task and instance per request
@@ -228,13 +228,12 @@ class Master:
                 await self._append_all(events, term, f"supervise:{term}:{state.last_seq}")
             except (TimeoutError, *BROKER_ERRORS, NotLeader) as error:  # type: ignore[misc]  # as above
                 log.warning("master: supervision events not appended: %r", error)
-            unloaded = log_unloaded(state, events)
+            # These events are logged as they fold in (exo/master/lifecycle_log.py); silences only here.
+            self._lifecycle.note_suspects(state, silent_nodes(state, self._heard_at, now, self._heal.suspect_s),
+                                          self._heal.suspect_s)
             for event in events:
                 if isinstance(event, NodeTimedOut):
-                    log.warning("master: %s", event.reason)
                     self._heard_at.pop(event.node_id, None)
-                elif isinstance(event, (InstanceDeleted, TaskMigrated)) and event not in unloaded:
-                    log.warning("master: %s %s", event_tag(event), event.reason)
 
     async def _append_all(self, events: list[Event], term: int, id_prefix: str) -> None:
         appended = await self._append(events, term, id_prefix)
@@ -274,8 +273,6 @@ class Master:
             cache_routing=self._settings.cache_routing, default_max_queue=self._settings.max_queue,
             memo=self._memo, on_demand=self._settings.on_demand, keep_alive_s=self._settings.keep_alive_s,
         )]
-        log_placed_on_demand(state, events)
-        log_evicted(state, events)
         if not self._log.atomic or time.monotonic() < self._one_by_one_until:
             self._ahead = await self._append_folding(state, events, term, f"{command.command_id}:{term}")
             return

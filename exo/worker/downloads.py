@@ -145,11 +145,13 @@ class DownloadCoordinator:
         return job
 
     async def _run(self, job: _Job) -> Path:
-        model_id = job.fetch.card.model_id
+        model_id, started = job.fetch.card.model_id, self._clock()
+        log.info("download: %s started", model_id, extra={"model": model_id})
         try:
             path = await job.fetch.run()
             await self._publish_progress(job, "completed")
-            log.info("download: %s complete in %s (from %s)", model_id, path, job.fetch.source)
+            log.info("download: %s complete in %s: %.2f GB in %.0f s (from %s)", model_id, path, job.last_done / 1e9,
+                     self._clock() - started, job.fetch.source, extra={"model": model_id})
             return path
         except DownloadCancelled:
             await self._publish_progress(job, "cancelled")

@@ -56,7 +56,7 @@ async def events(request: web.Request) -> web.StreamResponse:
                 continue
             await sse.send(data, event=tag, event_id=str(seq))
     except ConnectionError:  # the client went away: how a live feed ends, not an error
-        log.info("events: client %s disconnected", request.remote)
+        log.debug("events: client %s disconnected", request.remote)
         return sse.response if sse is not None else web.Response(status=400)
     finally:
         await follower.stop()
