@@ -32,7 +32,8 @@ def test_help_lists_every_subcommand_and_the_defaults():
     shown = {"replay": "rebuild State from the event log with the reducer every node uses",
              "events": "the event log as an operator reads it",
              "inspect": "what NATS holds for exo, for machines without the `nats` CLI",
-             "nats-context": "a `nats` CLI context for this machine's node, as its read-only operator"}
+             "nats-context": "a `nats` CLI context for this machine's node, as its read-only operator",
+             "keys": "create, list and delete API keys and read their usage, through a node's API"}
     assert set(shown) == set(TOOLS)  # a new tool gets its line here too
     for name, summary in shown.items():
         assert f"{name} {summary}" in listed, (name, summary)

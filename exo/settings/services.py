@@ -42,6 +42,9 @@ class NodeSettings(Frozen, frozen=True):
                              "that is not the default)", flag="--name")] = ""
     log_level: Annotated[str, Meta(pattern="(?i)^(debug|info|warning|error)$"),
                          Env("EXO_LOG_LEVEL", "DEBUG, INFO, WARNING or ERROR")] = "INFO"
+    log_format: Annotated[str, Meta(pattern="^(text|json)$"),
+                          Env("EXO_LOG_FORMAT", "text, or json: one JSON object per line (time, level, logger, "
+                              "node, message and the line's ids) for Loki, Elasticsearch or jq")] = "text"
     run_master: Annotated[bool, Env("EXO_RUN_MASTER", "run a master on this node (--no-master: not)",
                                     flag="--master")] = True
     run_worker: Annotated[bool, Env("EXO_RUN_WORKER", "run models on this node (--no-worker: not)",
@@ -236,6 +239,8 @@ class ApiSettings(Frozen, frozen=True):
                                                           "request")] = 64 * 1024 * 1024
     max_image_pixels: Annotated[int, Positive, Env("EXO_MAX_IMAGE_PIXELS", "most pixels of one "
                                                    "image")] = 4096 * 4096
+    access_log: Annotated[bool, Env("EXO_ACCESS_LOG", "one INFO line per HTTP request (off: those lines are "
+                                    "DEBUG)")] = False
 
 
 class ResourceSettings(Frozen, frozen=True):
@@ -251,6 +256,7 @@ class ToolSettings(Frozen, frozen=True):
 
     nats_monitor_url: Annotated[str, Env("EXO_NATS_MONITOR_URL", "the NATS server's HTTP monitoring URL for `exo "
                                          "inspect`, e.g. http://127.0.0.1:8222", flag="")] = ""
+    api_key: Annotated[str, Env("EXO_API_KEY", "the admin API key `exo keys` sends (its --key)", flag="")] = ""
 
 
 # In the order --help and docs/operations.md show them.

@@ -6,4 +6,5 @@ TOOLS: dict[str, str] = {
     "events": "exo.tools.events",
     "inspect": "exo.tools.inspect",
     "nats-context": "exo.tools.nats_context",
+    "keys": "exo.tools.keys",
 }

@@ -1,25 +1,21 @@
-"""What every `exo <tool>` shares: the --nats option, connecting, output, exit codes."""
+"""What every `exo <tool>` shares: --nats and --data-dir, connecting, output, exit codes."""
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from collections.abc import Coroutine
-from pathlib import Path
 from typing import Any
 
 from exo import event_loop
-from exo.bus.connection import Connection, connect, split_urls
+from exo.bus.connection import Connection, connect, redact, split_urls
 from exo.bus.errors import BusError
-from exo.bus.server.embedded import CREDENTIALS_FILE, load_credentials, with_user
-from exo.bus.server.permissions import OPERATOR_USER
 from exo.settings.declare import read, value_of
 from exo.settings.services import NatsSecurity, NodeSettings
 from exo.tools.export_format import ExportFormatError
+from exo.tools.nats_target import DEFAULT_NATS_URL, NatsTarget, nats_target
 
-DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 EXIT_OK = 0
 EXIT_FAILED = 1  # the tool ran and found a problem (e.g. a snapshot disagrees with the replay)
 EXIT_ERROR = 2  # the tool could not do its job (bad arguments, no NATS, unreadable file)
@@ -30,39 +26,30 @@ class ToolError(Exception):
 
 
 def add_nats_option(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--nats", default=value_of(NodeSettings, "nats_url"),
-                        help=f"NATS URL(s), comma-separated (env EXO_NATS_URL; default {DEFAULT_NATS_URL}, as the "
-                             "read-only operator of this machine's embedded server: EXO_HOME or ~/.exo)")
+    """--nats and --data-dir, found as the node finds them."""
+    parser.add_argument("--nats", default=None,
+                        help=f"NATS URL(s), comma-separated (env EXO_NATS_URL; default: the embedded server of "
+                             f"--data-dir's node, as its read-only operator, else {DEFAULT_NATS_URL})")
+    parser.add_argument("--data-dir", default=value_of(NodeSettings, "data_dir"),
+                        help="the node's data directory, where its embedded server's URL and credentials are "
+                             "(env EXO_HOME; default ~/.exo)")
 
 
-def local_operator_url() -> str:
-    """The local node's embedded server (EXO_HOME or ~/.exo), where its ports file says it listens,
-    with its read-only operator's password if there is one."""
-    store = Path(value_of(NodeSettings, "data_dir")).expanduser() / "nats"
-    url = running_server_url(store) or DEFAULT_NATS_URL
-    if not (store / CREDENTIALS_FILE).exists():
-        return url
-    return with_user(url, OPERATOR_USER, load_credentials(store).operator_password)
+def target_of(args: argparse.Namespace) -> NatsTarget:
+    return nats_target(args.nats, value_of(NodeSettings, "nats_url"), args.data_dir)
 
 
-def running_server_url(store: Path) -> str | None:
-    """The client URL a live embedded server of this store wrote to its ports file (a node started
-    with `--nats-port 0` or another port is not on 4222), preferring loopback; None if none runs."""
-    for ports_file in sorted((store / "ports").glob("*.ports")):
-        try:
-            pid = int(ports_file.stem.rsplit("_", 1)[1])
-            os.kill(pid, 0)  # a file a killed server left behind names a port nobody listens on
-            urls = json.loads(ports_file.read_text())["nats"]
-        except (ValueError, IndexError, KeyError, TypeError, OSError):
-            continue
-        loopback = [u for u in urls if isinstance(u, str) and "://127.0.0.1:" in u]
-        if loopback or urls:
-            return str((loopback or urls)[0])
-    return None
-
-
-async def open_nats(urls: str, tool: str) -> Connection:
-    return await connect(split_urls(urls or local_operator_url()), name=f"exo-{tool}", security=read(NatsSecurity))
+async def open_nats(args: argparse.Namespace, tool: str) -> Connection:
+    """Connected where `args` say; else a ToolError naming the URL, where it came from and why."""
+    target = target_of(args)
+    urls = split_urls(target.urls)
+    try:
+        return await connect(urls, name=f"exo-{tool}", security=read(NatsSecurity))
+    except BusError as error:
+        reason = error.__cause__ or error
+        shown = ", ".join(redact(url) for url in urls)
+        raise ToolError(f"cannot connect to NATS at {shown} (from {target.source}): "
+                        f"{reason or type(reason).__name__}") from error
 
 
 def run_tool(tool: str, main: Coroutine[Any, Any, int]) -> int:
@@ -99,3 +86,12 @@ class Output:
 
     def flush(self) -> None:
         self._out.flush()
+
+
+def table(header: list[str], rows: list[list[str]]) -> list[str]:
+    """Columns padded to their widest cell, indented two spaces; `  (empty)` for no rows."""
+    if not rows:
+        return ["  (empty)"]
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    return ["  " + "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=False)).rstrip()
+            for row in [header, *rows]]

@@ -61,7 +61,7 @@ def main(argv: list[str]) -> int:
 
 
 async def _export(args: argparse.Namespace) -> int:
-    nc = await open_nats(args.nats, "events-export")
+    nc = await open_nats(args, "events-export")
     try:
         bounds = await log_bounds(nc)
         first = max(args.from_seq, bounds.first_seq, 1)
@@ -131,7 +131,7 @@ class _Tail:
 
 
 async def _tail(args: argparse.Namespace) -> int:
-    nc = await open_nats(args.nats, "events-tail")
+    nc = await open_nats(args, "events-tail")
     tail = _Tail(Output(), args.event_filter, args.json, args.count)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -1,6 +1,6 @@
 """`exo inspect`: what NATS holds for exo, for machines without the `nats` CLI.
 
-    exo inspect [--nats URL] [--monitor http://127.0.0.1:8222] [--max-items 50] [--json]
+    exo inspect [--nats URL | --data-dir DIR] [--monitor http://127.0.0.1:8222] [--max-items 50] [--json]
 
 Streams (messages, bytes, first / last sequence, time of the last message), every consumer
 with its lag (messages not yet delivered to it), KV buckets with their keys (the State snapshot
@@ -17,7 +17,7 @@ import msgspec
 from exo.bus.tooling.inspection import Inspection, inspect_nats
 from exo.settings.declare import value_of
 from exo.settings.services import ToolSettings
-from exo.tools.cli import EXIT_OK, Output, add_nats_option, open_nats, run_tool
+from exo.tools.cli import EXIT_OK, Output, add_nats_option, open_nats, run_tool, table
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -36,7 +36,7 @@ def main(argv: list[str]) -> int:
 
 
 async def _inspect(args: argparse.Namespace) -> int:
-    nc = await open_nats(args.nats, "inspect")
+    nc = await open_nats(args, "inspect")
     try:
         inspection = await inspect_nats(nc, args.monitor, args.max_items)
     finally:
@@ -61,16 +61,16 @@ def inspection_text(inspection: Inspection) -> list[str]:
     if clustered:
         servers = sorted({name.split(" ")[0] for s in clustered for name in [s.leader, *s.followers] if name})
         lines += ["", f"JetStream cluster {clustered[0].cluster}: {len(servers)} server(s) hold streams: {', '.join(servers)}",
-                  *_table(["stream", "replicas", "leader", "followers"],
+                  *table(["stream", "replicas", "leader", "followers"],
                           [[s.name, str(s.replicas), s.leader or "-", ", ".join(s.followers) or "-"] for s in clustered])]
-    lines += ["", "Streams", *_table(
+    lines += ["", "Streams", *table(
         ["stream", "messages", "bytes", "first seq", "last seq", "last message", "consumers"],
         [[s.name, f"{s.messages:,}", _size(s.bytes), str(s.first_seq), str(s.last_seq), s.last_time or "-",
           str(len(s.consumers))] for s in inspection.streams])]
     consumers = [(s.name, c) for s in inspection.streams for c in s.consumers]
     lines += ["", "Consumers" if consumers else "Consumers: none"]
     if consumers:
-        lines += _table(
+        lines += table(
             ["stream", "consumer", "kind", "lag", "ack pending", "redelivered", "waiting pulls", "delivered seq",
              "ack floor"],
             [[stream, c.name, ("durable " if c.durable else "ephemeral ") + ("pull" if c.pull else "push"),
@@ -78,26 +78,18 @@ def inspection_text(inspection: Inspection) -> list[str]:
               str(c.ack_floor_seq)] for stream, c in consumers])
     for bucket in inspection.buckets:
         lines += ["", f"KV bucket {bucket.bucket}: {bucket.values} value(s) kept, {_size(bucket.bytes)}"]
-        lines += _table(["key", "revision", "bytes", "revisions kept", "note"],
+        lines += table(["key", "revision", "bytes", "revisions kept", "note"],
                         [[k.key, str(k.revision), _size(k.bytes), str(k.revisions_kept), k.note] for k in bucket.keys])
         if bucket.keys_left_out:
             lines.append(f"... and {bucket.keys_left_out} more key(s)")
     for store in inspection.object_stores:
         lines += ["", f"Object store {store.bucket}: {len(store.objects) + store.objects_left_out} object(s), "
                       f"{_size(store.bytes)}"]
-        lines += _table(["name", "size", "chunks", "modified", "digest"],
+        lines += table(["name", "size", "chunks", "modified", "digest"],
                         [[o.name, _size(o.size), str(o.chunks), _time(o.modified), o.digest] for o in store.objects])
         if store.objects_left_out:
             lines.append(f"... and {store.objects_left_out} more object(s)")
     return lines
-
-
-def _table(header: list[str], rows: list[list[str]]) -> list[str]:
-    if not rows:
-        return ["  (empty)"]
-    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
-    return ["  " + "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=False)).rstrip()
-            for row in [header, *rows]]
 
 
 def _size(count: int) -> str:

@@ -24,7 +24,8 @@ from exo.bus.server.embedded import CREDENTIALS_FILE, load_credentials
 from exo.bus.server.permissions import OPERATOR_USER
 from exo.settings.declare import value_of
 from exo.settings.services import NodeSettings
-from exo.tools.cli import EXIT_ERROR, EXIT_OK, ToolError, running_server_url
+from exo.tools.cli import EXIT_ERROR, EXIT_OK, ToolError
+from exo.tools.nats_target import running_server_url
 
 # Every field `nats context save` writes (natscli v0.5.0), so the file reads like one it made.
 _EMPTY_CONTEXT: dict[str, object] = {

@@ -164,7 +164,7 @@ def _fold_file(path: str, replayer: BatchReplayer, until: int | None) -> None:
 
 
 async def _fold_stream(args: argparse.Namespace, out: Output) -> tuple[Replayer, list[str]]:
-    nc = await open_nats(args.nats, "replay")
+    nc = await open_nats(args, "replay")
     names = group_names(args.group)
     try:
         snapshots = await stored_snapshots(nc, names) if (args.verify or args.from_snapshot) else []
@@ -184,7 +184,7 @@ async def _fold_stream(args: argparse.Namespace, out: Output) -> tuple[Replayer,
 
 async def _fold_groups(args: argparse.Namespace, out: Output, shared: Replayer) -> None:
     """Every group log the shared State names, each folded on its own, laid over the shared State."""
-    nc = await open_nats(args.nats, "replay")
+    nc = await open_nats(args, "replay")
     groups: list[State] = []
     try:
         for group in shared.state.group_logs:
