@@ -155,7 +155,9 @@ def test_the_extension_field_and_place_instance_take_a_keep_alive(node, http, re
     placed = http.post("/place_instance", json={"model_id": TINY_MODEL_ID, "keep_alive": "2s"})
     assert placed.status_code == 200, placed.text
     assert state_of(node).desires[placed.json()["command_id"]].keep_alive_s == 2.0
-    wait_until(lambda: _gone(node), 5, what="an explicit placement with a keep_alive unloaded when idle")
+    # Idle counts from readiness: loading took over 3 s in two full runs beside other work, so the
+    # bound is loose; that it unloads 2 s after, not at once, is below and in the 2 s test above.
+    wait_until(lambda: _gone(node), 30, what="an explicit placement with a keep_alive unloaded when idle")
     assert time.monotonic() - asked >= 2.0  # idle from its placement, never used: not unloaded at once
 
 
