@@ -155,7 +155,9 @@ def _where_the_model_is(page, http, node_id: str, instance_id: str) -> None:
     tags = {m["name"]: m for m in http.get("/api/tags").json()["models"]}
     assert set(listed) == set(tags) and {TINY_MODEL_ID, builtin} <= set(listed)  # every card stays listed
     for entries in (listed, tags):
-        assert (entries[TINY_MODEL_ID]["ready_on"], entries[TINY_MODEL_ID]["downloaded_on"]) == ([node_id], [node_id])
+        assert (entries[TINY_MODEL_ID]["ready_on_ids"], entries[TINY_MODEL_ID]["downloaded_on_ids"]) == ([node_id], [node_id])
+        name = info["name"] or info["hostname"]
+        assert (entries[TINY_MODEL_ID]["ready_on"], entries[TINY_MODEL_ID]["downloaded_on"]) == ([name], [name])
         assert (entries[builtin]["ready_on"], entries[builtin]["downloaded_on"]) == ([], [])
 
     card = page.locator(f'.card.instance[data-instance-id="{instance_id}"]')

@@ -52,7 +52,7 @@ def state_with(*events) -> State:
 
 
 def node(node_id: str) -> NodeInfo:
-    return NodeInfo(node_id=node_id, memory_available=1 << 30)
+    return NodeInfo(node_id=node_id, name=f"mac-{node_id}", memory_available=1 << 30)
 
 
 def status(runner_id: str, value: str, failures: int = 0, error: str = "") -> RunnerStatusChanged:
@@ -76,7 +76,7 @@ def test_silent_nodes_are_timed_out_with_their_instances_and_open_tasks():
     state = state_with(*CLUSTER, TaskCreated(task=task))
     assert silent_nodes(state, {"a": 100.0, "b": 71.0}, now=100.0, timeout=30) == []
     assert silent_nodes(state, {"a": 100.0, "b": 70.0}, now=100.0, timeout=30) == ["b"]
-    reason = "node b timed out: no heartbeat for 30 s"
+    reason = "node mac-b timed out: no heartbeat for 30 s"  # State and the 503 name it
     assert time_out_node(state, "b", 30) == [
         TaskFinished(task_id="t1", status="failed", finish_reason="error", error=f"instance deleted: {reason}"),
         InstanceDeleted(instance_id="i1", reason=reason),
@@ -100,7 +100,7 @@ def test_an_instance_whose_runner_keeps_failing_is_deleted_with_the_reason():
     assert failing_instances(state, max_failures=3) == []
     state = state_with(*CLUSTER, status("r1", "failed", failures=3, error="boom"))
     assert failing_instances(state, max_failures=3) == [
-        InstanceDeleted(instance_id="i1", reason="runner r1 on node b failed 3 times: boom")]
+        InstanceDeleted(instance_id="i1", reason="runner r1 on node mac-b failed 3 times: boom")]
     # A node that timed out is handled once: its instance is not deleted a second time.
     events = supervise(state, {"a": 0.0, "b": 0.0}, now=100.0, node_timeout=30)
     assert [type(e).__name__ for e in events] == ["InstanceDeleted", "NodeTimedOut", "NodeTimedOut"]

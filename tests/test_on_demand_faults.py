@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from exo.core.placement import node_label
+from exo.core.node_names import node_label
 from tests.support.cluster import state_of
 from tests.support.e2e import Reference, start_exo
 from tests.support.exo_process import ExoProcess

@@ -16,7 +16,7 @@ from exo.api.errors import ApiError, error_body, surface_of
 from exo.core.adapters import split_adapter_id
 from exo.core.events import TaskFinished
 from exo.core.ids import CommandId, InstanceId, NodeId
-from exo.core.placement import node_label
+from exo.core.node_names import node_display
 from exo.core.state import State
 from exo.core.types import Task
 
@@ -76,7 +76,7 @@ class LoadingWait:
             return f"waiting for an instance of {task.model_id}: {desire.waiting if desire and desire.waiting else 'placing one'}"
         if state.is_ready(instance):
             return ""
-        nodes = ", ".join(node_label(n) if (n := state.nodes.get(s.node_id)) else s.node_id for s in instance.shards)
+        nodes = ", ".join(node_display(state, s.node_id) for s in instance.shards)
         return f"loading {task.model_id} on {nodes}"
 
     async def wait(self, waiting: set[asyncio.Future[object]], first: bool) -> str:

@@ -24,6 +24,7 @@ from exo.core.kv_budget import (
     rank_kv_bytes,
     tokens_that_fit,
 )
+from exo.core.node_names import node_display
 from exo.core.state import State
 from exo.core.types import Instance, ModelCard, NodeInfo, RejectionCode, ShardAssignment, Sharding
 
@@ -221,9 +222,9 @@ def _plan(card: ModelCard, sharding: Sharding, nodes: list[NodeInfo], state: Sta
     if card.storage_bytes > 0 and not force:
         for rank, (node, need) in enumerate(zip(nodes, needs, strict=True)):
             if node.memory_available and need > node.memory_available:
-                return Unplaceable("conflict", _memory_reason(card, sharding, nodes, rank, need, blocks[rank]))
+                return Unplaceable("conflict", _memory_reason(state, card, sharding, nodes, rank, need, blocks[rank]))
     context = (max_context or default_context(card)) if force else \
-        _context(card, sharding, nodes, blocks, needs, max_context, kv_bits)
+        _context(state, card, sharding, nodes, blocks, needs, max_context, kv_bits)
     if isinstance(context, Unplaceable):
         return context
     kv = [rank_kv_bytes(card, sharding, k, block, context, kv_bits) for block in blocks]
@@ -232,10 +233,10 @@ def _plan(card: ModelCard, sharding: Sharding, nodes: list[NodeInfo], state: Sta
                                   memory_bytes=needs[0], kv_bytes=kv[0])], max_context=context, kv_bits=kv_bits)
     for node in nodes:
         if not node.addresses:
-            return Unplaceable("conflict", f"node {node_label(node)} reports no address peers can reach it on, "
+            return Unplaceable("conflict", f"node {node_display(state, node.node_id)} reports no address peers can reach it on, "
                                            f"so it cannot take part in an instance across {k} nodes")
         if node.ring_port_count <= 0:
-            return Unplaceable("conflict", f"node {node_label(node)} allows no ring ports, "
+            return Unplaceable("conflict", f"node {node_display(state, node.node_id)} allows no ring ports, "
                                            f"so it cannot take part in an instance across {k} nodes")
     used = _used_ring_ports(state)
     ranks = []
@@ -248,7 +249,7 @@ def _plan(card: ModelCard, sharding: Sharding, nodes: list[NodeInfo], state: Sta
         turn = state.last_seq % len(ports)
         port = next((p for p in [*ports[turn:], *ports[:turn]] if (ip, p) not in used), None)
         if port is None:
-            return Unplaceable("conflict", f"no free ring port on node {node_label(node)}: ports {ports.start}-"
+            return Unplaceable("conflict", f"no free ring port on node {node_display(state, node.node_id)}: ports {ports.start}-"
                                            f"{ports.stop - 1} on {ip} are all in use by other instances")
         used.add((ip, port))
         ranks.append(_Rank(node_id=node.node_id, start_layer=start, end_layer=end, ring_address=f"{ip}:{port}",
@@ -284,7 +285,7 @@ def _split(card: ModelCard, sharding: Sharding, nodes: list[NodeInfo]) -> tuple[
     return blocks, [-(-card.storage_bytes * (end - begin) // card.n_layers) for begin, end in blocks]
 
 
-def _context(card: ModelCard, sharding: Sharding, nodes: list[NodeInfo], blocks: list[tuple[int, int]],
+def _context(state: State, card: ModelCard, sharding: Sharding, nodes: list[NodeInfo], blocks: list[tuple[int, int]],
              needs: list[int], asked: int, kv_bits: int) -> int | Unplaceable:
     """The instance's max_context: `asked` if its KV cache fits beside the weights on every rank,
     else (not asked) the most that fits, up to the default."""
@@ -297,7 +298,8 @@ def _context(card: ModelCard, sharding: Sharding, nodes: list[NodeInfo], blocks:
     if not asked and most >= MIN_AUTO_CONTEXT:
         return most
     node, block = nodes[rank], blocks[rank]
-    where = f"on {node_label(node)}" if len(nodes) == 1 else f"on rank {rank} ({node_label(node)})"
+    name = node_display(state, node.node_id)
+    where = f"on {name}" if len(nodes) == 1 else f"on rank {rank} ({name})"
     kv = rank_kv_bytes(card, sharding, len(nodes), block, want, kv_bits)
     return Unplaceable("conflict", f"{card.model_id} with a context of {want} tokens needs {human_bytes(kv)} of KV cache "
                                    f"{where} besides {human_bytes(needs[rank])} for the weights, but it has "
@@ -306,16 +308,16 @@ def _context(card: ModelCard, sharding: Sharding, nodes: list[NodeInfo], blocks:
                                    + "; ask for a smaller max_context, a quantized KV cache (kv_bits) or more nodes")
 
 
-def _memory_reason(card: ModelCard, sharding: Sharding, nodes: list[NodeInfo], rank: int, need: int,
+def _memory_reason(state: State, card: ModelCard, sharding: Sharding, nodes: list[NodeInfo], rank: int, need: int,
                    block: tuple[int, int]) -> str:
     node, k = nodes[rank], len(nodes)
     needed, free = needed_and_free(need, node.memory_available)
     if k == 1:
         return (f"{card.model_id} needs {needed}; the node with the most free memory "
-                f"({node_label(node)}, {free} free) cannot hold it")
+                f"({node_display(state, node.node_id)}, {free} free) cannot hold it")
     share = f"{needed} on each node" if sharding == "tensor" else f"{needed} for layers {block[0]}-{block[1] - 1} on rank {rank}"
     return (f"{card.model_id} needs {human_bytes(card.storage_bytes)}; with {sharding} sharding over {k} nodes that "
-            f"is {share}, but {node_label(node)} has {free} free (the {k} nodes with "
+            f"is {share}, but {node_display(state, node.node_id)} has {free} free (the {k} nodes with "
             f"the most free memory have {human_bytes(sum(n.memory_available for n in nodes))} in all, the most on "
             f"one node is {human_bytes(nodes[0].memory_available)})")
 
@@ -336,11 +338,6 @@ def needed_and_free(need: int, free: int) -> tuple[str, str]:
         if shown[0] != shown[1]:
             return shown
     return f"{need} bytes", f"{free} bytes"
-
-
-def node_label(node: NodeInfo) -> str:
-    """A node as people know it: its name, else its hostname, else its id."""
-    return node.name or node.hostname or node.node_id
 
 
 def _used_ring_ports(state: State) -> set[tuple[str, int]]:

@@ -42,7 +42,8 @@ from exo.core.events import (
 )
 from exo.core.ids import ModelId
 from exo.core.keys import KeyWindow, Reserved, admission, cache_scope_of
-from exo.core.placement import Unplaceable, node_label
+from exo.core.node_names import node_display
+from exo.core.placement import Unplaceable
 from exo.core.reservations import reserved_tokens
 from exo.core.state import State
 from exo.core.types import Desire, GenerationParams, Instance, ModelCard, RejectionCode, Task
@@ -211,10 +212,9 @@ def _generate(state: State, command: GenerateText, builtin: Mapping[ModelId, Mod
     # say so now, as a 503 with the reason, rather than queue the request for a failure.
     if len(failures) == len(instances):
         runner = failures[instances[0].instance_id]
-        node = state.nodes.get(runner.node_id)
-        where = node_label(node) if node is not None else runner.node_id
         return _reject(command, "unavailable", f"instance {runner.instance_id} of {command.model_id!r} failed on "
-                                               f"{where}: {runner.error or 'the runner failed'}; it may be restarted "
+                                               f"{node_display(state, runner.node_id)}: "
+                                               f"{runner.error or 'the runner failed'}; it may be restarted "
                                                f"with back-off (GET /instance/{runner.instance_id} shows how it is "
                                                "doing), or delete it and place it again")
     instances = [i for i in instances if i.instance_id not in failures]

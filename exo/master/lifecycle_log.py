@@ -24,7 +24,7 @@ from exo.core.events import (
     TaskMigrated,
 )
 from exo.core.ids import InstanceId, NodeId
-from exo.core.placement import node_label
+from exo.core.node_names import node_display
 from exo.core.state import State
 from exo.core.types import Desire, Instance
 
@@ -50,9 +50,9 @@ def lifecycle_lines(before: State, event: AnyEvent, after: State, recall: Recall
     """The lines one event tells, given State before and after it; `recall` is updated as it goes."""
     match event:
         case NodeRegistered() | NodeHeartbeat() if event.node.node_id not in before.nodes:
-            return [Line(f"master: node {node_label(event.node)} joined", {"node_id": event.node.node_id})]
+            return [Line(f"master: node {_label(after, event.node.node_id)} joined", {"node_id": event.node.node_id})]
         case NodeTimedOut():
-            why = event.reason.removeprefix(f"node {event.node_id} ")  # the reason names it by id
+            why = event.reason.removeprefix(f"node {_label(before, event.node_id)} ")  # the reason names it
             return [Line(f"master: node {_label(before, event.node_id)} gone: {why}", {"node_id": event.node_id},
                          logging.WARNING)]
         case InstanceCreated():
@@ -138,13 +138,13 @@ def _ids(instance: Instance) -> dict[str, str]:
 
 
 def _label(state: State, node_id: NodeId) -> str:
-    return node_label(state.nodes[node_id]) if node_id in state.nodes else node_id
+    return node_display(state, node_id)
 
 
 def _named(state: State, reason: str) -> str:
-    """The deciders' reasons name nodes by id: here, by label."""
-    for node_id, node in state.nodes.items():
-        reason = reason.replace(node_id, node_label(node)) if node_id in reason else reason
+    """Reasons written before the deciders named nodes name them by id: here, by name."""
+    for node_id in state.nodes:
+        reason = reason.replace(node_id, node_display(state, node_id)) if node_id in reason else reason
     return reason
 
 

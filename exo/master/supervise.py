@@ -12,6 +12,7 @@ from collections.abc import Iterator, Mapping
 
 from exo.core.events import DesireEnded, Event, InstanceDeleted, NodeTimedOut
 from exo.core.ids import InstanceId, ModelId, NodeId
+from exo.core.node_names import node_display
 from exo.core.state import State
 from exo.core.types import Instance, ModelCard
 from exo.master.autoscale import ScalePolicy, desires_touched, scale_desires
@@ -30,7 +31,7 @@ def silent_nodes(state: State, heard_at: Mapping[NodeId, float], now: float, tim
 def time_out_node(state: State, node_id: NodeId, timeout: float, now: float = 0.0,
                   limits: HealLimits = HealLimits()) -> list[Event]:
     """The node leaves State; instances using it go first (their generations move elsewhere)."""
-    reason = f"node {node_id} timed out: no heartbeat for {timeout:g} s"
+    reason = f"node {node_display(state, node_id)} timed out: no heartbeat for {timeout:g} s"
     ending = {i.instance_id: reason for i in _sorted(state) if any(s.node_id == node_id for s in i.shards)}
     return [*_end_all(state, ending, set(), now, limits, frozenset({node_id})),
             NodeTimedOut(node_id=node_id, reason=reason)]
@@ -49,7 +50,7 @@ def _failing(state: State, instance: Instance, max_failures: int) -> str:
     worst = max((r for r in runners if r is not None and r.status == "failed"), key=lambda r: r.failures, default=None)
     if worst is None or worst.failures < max_failures:
         return ""
-    return f"runner {worst.runner_id} on node {worst.node_id} failed {worst.failures} times: {worst.error}"
+    return f"runner {worst.runner_id} on node {node_display(state, worst.node_id)} failed {worst.failures} times: {worst.error}"
 
 
 def supervise(
@@ -74,7 +75,7 @@ def supervise(
             ending[instance.instance_id] = why
             failed.add(instance.instance_id)
     events = _end_all(state, ending, failed, wall, limits, suspect)
-    events += [NodeTimedOut(node_id=n, reason=f"node {n} timed out: no heartbeat for {node_timeout:g} s")
+    events += [NodeTimedOut(node_id=n, reason=f"node {node_display(state, n)} timed out: no heartbeat for {node_timeout:g} s")
                for n in timed_out]
     if events:
         return events
@@ -115,11 +116,11 @@ def _lost_node(state: State, instance: Instance, timed_out: list[NodeId], suspec
                node_timeout: float, suspect_s: float) -> str:
     for shard in instance.shards:
         if shard.node_id not in state.nodes:
-            return f"node {shard.node_id} is no longer in the cluster"
+            return f"node {node_display(state, shard.node_id)} is no longer in the cluster"
         if shard.node_id in timed_out:
-            return f"node {shard.node_id} timed out: no heartbeat for {node_timeout:g} s"
+            return f"node {node_display(state, shard.node_id)} timed out: no heartbeat for {node_timeout:g} s"
         if shard.node_id in suspect:
-            return f"node {shard.node_id} is suspect: no pulse for {suspect_s:g} s"
+            return f"node {node_display(state, shard.node_id)} is suspect: no pulse for {suspect_s:g} s"
     return ""
 
 

@@ -22,7 +22,8 @@ from exo.core.adapters import split_adapter_id
 from exo.core.commands import DeleteDesire, DeleteInstance, PlaceInstance, replica_bounds_problem
 from exo.core.events import InstanceCreated
 from exo.core.ids import InstanceId, ModelId, NodeId, RunnerId
-from exo.core.placement import human_bytes, node_label, placement_previews
+from exo.core.node_names import node_display
+from exo.core.placement import human_bytes, placement_previews
 from exo.core.state import State
 from exo.core.types import Instance
 
@@ -258,7 +259,7 @@ def _ranks_shown(instance: Instance, state: State) -> list[dict[str, object]]:
     ranks: list[dict[str, object]] = []
     for shard in instance.shards:
         node = state.nodes.get(shard.node_id)
-        ranks.append({"rank": shard.rank, "node_id": shard.node_id, "node": node_label(node) if node else shard.node_id,
+        ranks.append({"rank": shard.rank, "node_id": shard.node_id, "node": node_display(state, shard.node_id),
                       "layers": [shard.start_layer, shard.end_layer], "weights_bytes": shard.memory_bytes,
                       "kv_bytes": shard.kv_bytes, "max_context": instance.max_context,
                       "memory": f"{human_bytes(shard.memory_bytes)} weights + {human_bytes(shard.kv_bytes)} KV cache",

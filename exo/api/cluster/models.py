@@ -3,7 +3,8 @@ added or deleted (POST /models/add, DELETE /models/custom/{id}).
 
 The list has every card, built-in and custom, each with where it can be used now. Every card
 stays listed, since clients pick models from this list; the extra fields (`ready_on`,
-`downloaded_on`) tell which are on a node, and OpenAI clients ignore them."""
+`downloaded_on`: node names; `ready_on_ids`, `downloaded_on_ids`: their ids) tell which are on a
+node, and OpenAI clients ignore them."""
 
 from __future__ import annotations
 
