@@ -1,12 +1,23 @@
 """The dashboard on what goes wrong, in headless Chromium against a real `exo` node: an instance
 whose download failed shows failed (red, never "running"), and its failed download goes once the
 instance does; models are added by local path, and the Add box says what the server said; the
-sticky header never covers the chat. On hand-made States, in the same page: the page's instance
+sticky header never covers the chat; the cluster banner is absent while all is well and says in
+words what is wrong (a node gone, NATS not answering), the node keeps its card (gone, greyed) and
+the master is marked. On hand-made States, in the same page: the page's instance
 status equals the API's `report_of`, layer bars show a download's progress and a failure, and
 nodes on one host (and the witness beside its node) have names that tell them apart."""
 
 from __future__ import annotations
 
+import asyncio
+import os
+import re
+import signal
+import time
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -14,13 +25,18 @@ import msgspec
 import pytest
 
 from exo.api.cluster.instances import report_of
+from exo.bus.connection import connect
+from exo.bus.subjects import event_subject
+from exo.core.events import NodeHeartbeat, encode_event
 from exo.core.state import State
 from exo.core.types import DownloadProgress, Instance, NodeInfo, RunnerInfo, ShardAssignment
 from tests.support.cluster import wait_until
-from tests.support.dashboard import KEY, chromium_page, exo_node, open_with_key
+from tests.support.dashboard import KEY, chromium_page, exo_node, open_with_key, shown
+from tests.support.exo_process import ExoProcess
 from tests.support.tiny_model import TINY_MODEL_ID, make_tiny_model
 
 GONE = "exo-test/gone"  # a card whose repository the Hub does not have: its download fails
+NODE_TIMEOUT_S = 10  # the master times out a silent node this soon: a node gone costs the test this long
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +46,7 @@ def tiny(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def node(tiny, tmp_path_factory):
-    with exo_node(tmp_path_factory.mktemp("node"), {TINY_MODEL_ID: tiny}) as exo:
+    with exo_node(tmp_path_factory.mktemp("node"), {TINY_MODEL_ID: tiny}, {"EXO_NODE_TIMEOUT_S": str(NODE_TIMEOUT_S)}) as exo:
         yield exo
 
 
@@ -127,6 +143,88 @@ def test_the_sticky_header_never_covers_the_chat(page, width):
     assert not covered
 
 
+@pytest.mark.slow
+def test_the_banner_says_what_is_wrong_and_a_gone_node_keeps_its_card(page, http, node):
+    this = http.get("/node_id").json()
+    shown(page, node, '#banner[data-health="ok"]', "attached")  # /health asked and answered
+    assert page.eval_on_selector("#banner", "e => e.hidden") and page.locator("#banner [data-trouble]").count() == 0
+    assert http.get("/state").json()["leader_node"] == this
+    assert page.locator(".card.node .tag.master").count() == 1
+    assert page.locator(f'.card.node[data-node-id="{this}"] .tag.master').inner_text() == "master"
+
+    # A node that registers and then falls silent: the master times it out, the page keeps it.
+    ghost = uuid.uuid4().hex
+    with ThreadPoolExecutor(1) as thread:  # Playwright's sync API holds this thread's event loop
+        thread.submit(asyncio.run, _describe(node, ghost, "studio")).result()
+    card = f'.card.node[data-node-id="{ghost}"]'
+    shown(page, node, f'{card}[data-node-state="live"]')
+    assert page.locator("#banner").is_hidden()
+    page.locator(f'{card}[data-node-state="gone"]').wait_for(timeout=(NODE_TIMEOUT_S + 15) * 1000)
+    assert ghost not in http.get("/state").json()["nodes"]
+    at = r"at \d{1,2}:\d\d:\d\d(\s?[AP]M)?"
+    assert re.fullmatch(f"gone {at}: timed out: no heartbeat for {NODE_TIMEOUT_S} s",
+                        page.locator(f"{card} .liveness").inner_text()), page.locator(f"{card} .liveness").inner_text()
+    assert page.locator(f"{card} .node-name").inner_text() == "studio"
+    assert color(page, card, "filter") == "grayscale(1)"
+    gone_line = page.locator('#banner [data-trouble="gone"]').inner_text()
+    assert re.fullmatch(f"Node studio is gone \\(timed out: no heartbeat for {NODE_TIMEOUT_S} s, {at}\\): check that "
+                        "it runs and can reach the others; it rejoins by itself when it does.", gone_line), gone_line
+    page.wait_for_timeout(1500)  # State fetched again without it: still listed
+    assert page.locator(f'{card}[data-node-state="gone"]').count() == 1
+    assert page.locator(f'.card.node[data-node-id="{this}"] .tag.master').count() == 1
+
+    # This node's NATS server stops answering: /health says so, and the banner with it.
+    with _paused(_nats_server_of(node)):
+        health = _banner_line(page, node, "health", present=True)
+    assert health.startswith("This node cannot serve requests: JetStream cannot serve EXO_EVENTS: "), health
+    assert health.endswith(". NATS does not answer in time: check this node's NATS server (its log, CPU and disk)."), health
+    _banner_line(page, node, "health", present=False)  # answering again: the line goes
+
+
+async def _describe(node: ExoProcess, node_id: str, name: str) -> None:
+    """A node's first description, as its heartbeat writes it; no pulse follows (no memory: no placement picks it)."""
+    nc = await connect([node.nats_url()], name="test-ghost")
+    try:
+        event = NodeHeartbeat(node=NodeInfo(node_id=node_id, name=name, hostname=name, last_seen=time.time()))
+        await nc.jetstream().publish(event_subject("node.heartbeat"), encode_event(event), timeout=5)
+    finally:
+        await nc.close()
+
+
+def _nats_server_of(node: ExoProcess) -> int:
+    assert node.process is not None
+    for pid in map(int, filter(str.isdigit, os.listdir("/proc"))):
+        try:
+            command = Path(f"/proc/{pid}/cmdline").read_bytes()
+            parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError):
+            continue
+        if parent == node.process.pid and b"nats-server" in command:
+            return pid
+    raise AssertionError(f"no nats-server under exo (pid {node.process.pid})")
+
+
+@contextmanager
+def _paused(pid: int) -> Iterator[None]:
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+def _banner_line(page, node: ExoProcess, trouble: str, present: bool) -> str:
+    """Wait until the banner has (or has not) the line `trouble`, showing the page again (a visible
+    page asks /health at once) instead of waiting for its next look."""
+    line = page.locator(f'#banner [data-trouble="{trouble}"]')
+    deadline = time.monotonic() + 20
+    while (line.count() > 0) != present:
+        assert time.monotonic() < deadline, f"banner line {trouble} never {'shown' if present else 'gone'}"
+        page.evaluate("document.dispatchEvent(new Event('visibilitychange'))")
+        page.wait_for_timeout(500)
+    return line.inner_text() if present else ""
+
+
 # -- hand-made States, drawn by the page's own modules -----------------------------------------
 
 MODEL = "org/model"
@@ -211,3 +309,40 @@ def test_nodes_on_one_host_and_the_witness_have_names_that_tell_them_apart(page)
     assert sorted(names) == ["box (01d0000a)", "box (01d0000b)", "vm", "vm:52416"]
     servers = page.locator("#drawn [data-server]").all_inner_texts()
     assert servers == ["vm ★", "vm witness", "vm:52416 offline"]
+
+
+TROUBLES = """async ({state, events}) => {
+    const [{renderNodes}, {Troubles, renderBanner}] = await Promise.all(
+        ["cluster", "banner"].map((m) => import(`/dashboard/${m}.js`)));
+    const troubles = new Troubles();
+    for (const event of events) troubles.noteEvent(event, state, true);
+    document.getElementById("drawn")?.remove();
+    const box = document.createElement("div");
+    box.id = "drawn";
+    document.body.append(box);
+    const [nodes, banner] = [document.createElement("div"), document.createElement("div")];
+    box.append(nodes, banner);
+    renderNodes(nodes, state, {nodeId: null, troubles});
+    renderBanner(banner, state, troubles, null);
+}"""
+
+
+@pytest.mark.slow
+def test_a_suspect_node_an_offline_server_and_a_stream_short_of_replicas_are_said(page):
+    state = two_ranks("ready", "ready")
+    layout = {"name": "exo", "meta_leader": "exo-a",
+              "servers": [{"name": "exo-a", "online": True}, {"name": "exo-b", "online": False}],
+              "streams": [{"name": "EXO_EVENTS", "replicas": 3, "leader": "exo-a", "followers": ["exo-b"]}]}
+    suspect = {"seq": 9, "kind": "instance.deleted",
+               "data": {"instance_id": "i1", "reason": "node host-a is suspect: no pulse for 5 s"}}
+    page.evaluate(TROUBLES, {"state": msgspec.to_builtins(state) | {"cluster": layout}, "events": [suspect]})
+    states = {n: page.locator(f'#drawn .card.node[data-node-id="{n}"]').get_attribute("data-node-state") for n in "ab"}
+    assert states == {"a": "suspect", "b": "offline"}
+    assert page.locator('#drawn .card.node[data-node-id="a"] .liveness').inner_text() == "suspect: no pulse for 5 s"
+    lines = page.locator("#drawn [data-trouble]")
+    assert [(line.get_attribute("data-trouble"), line.inner_text()) for line in lines.all()] == [
+        ("suspect", "Node host-a is suspect: no pulse for 5 s; its requests moved to other nodes. "
+                    "Check that it runs and can reach the others."),
+        ("server", "The NATS server of host-b is offline: check that the node runs and can reach the others."),
+        ("stream", "Stream EXO_EVENTS has 1 of its 3 replicas online: without a majority it takes no writes. "
+                   "Start the stopped nodes.")]

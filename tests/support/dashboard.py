@@ -33,11 +33,11 @@ def require_browser() -> None:
 
 
 @contextmanager
-def exo_node(root: Path, repos: dict[str, Path]) -> Iterator[ExoProcess]:
-    """An exo process that asks for KEY, its (fake) Hub serving `repos`; Ctrl-C at the end."""
+def exo_node(root: Path, repos: dict[str, Path], env: dict[str, str] | None = None) -> Iterator[ExoProcess]:
+    """An exo process that asks for KEY, its (fake) Hub serving `repos`, with `env` added; Ctrl-C at the end."""
     require_browser()
     with FakeHub(repos) as hub:
-        exo = start_exo(root, hub, {"EXO_API_KEYS": KEY})
+        exo = start_exo(root, hub, {"EXO_API_KEYS": KEY} | (env or {}))
         try:
             yield exo
         finally:

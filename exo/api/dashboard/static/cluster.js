@@ -1,28 +1,36 @@
 // The nodes panel (memory, backend, liveness, the shards each node runs) and the pieces the
 // instances panel shares with it: a rank's layer bar and its runner's badge.
 
+import {nodeState} from "./banner.js";
 import {nodeLabel} from "./names.js";
 import {shardProgress} from "./status.js";
 import {bar, bytes, duration, h, percent, replaceChildren, short} from "./util.js";
 
 // Nodes pulse on core NATS and the master removes one it has not heard from (30 s by default):
-// a node in State is live. Its NodeInfo is updated only when it changes, so `last_seen` is when
-// it last described itself, shown as such.
+// a node in State is live unless the page knows worse (banner.js's nodeState). Its NodeInfo is
+// updated only when it changes, so `last_seen` is when it last described itself, shown as such.
+// A node that timed out stays on the page, greyed, until the page reloads.
 export function renderNodes(container, state, ctx) {
-  const label = (node) => nodeLabel(state, node.node_id);
-  const nodes = Object.values(state.nodes).sort((a, b) => label(a).localeCompare(label(b)));
+  const label = (node) => (state.nodes[node.node_id] ? nodeLabel(state, node.node_id) : goneLabel(node));
+  const gone = ctx.troubles ? ctx.troubles.goneNodes(state).map((g) => g.node) : [];
+  const nodes = [...Object.values(state.nodes), ...gone].sort((a, b) => label(a).localeCompare(label(b)));
   if (!nodes.length) return replaceChildren(container, [h("p", {class: "empty"}, "No nodes have registered yet.")]);
-  replaceChildren(container, nodes.map((node) => nodeCard(node, state, ctx)));
+  replaceChildren(container, nodes.map((node) => nodeCard(node, label(node), state, ctx)));
 }
 
-function nodeCard(node, state, ctx) {
-  const used = Math.max(0, node.memory_total - node.memory_available);
+const goneLabel = (node) => node.name || node.hostname || short(node.node_id);
+
+function nodeCard(node, label, state, ctx) {
+  const used = Math.max(0, (node.memory_total || 0) - (node.memory_available || 0));
   const memory = percent(used, node.memory_total);
-  const live = liveness(node);
-  return h("article", {class: "card node", "data-node-id": node.node_id},
+  const live = liveness(node, state, ctx);
+  const master = state.leader_node === node.node_id;
+  return h("article", {class: `card node ${live.kind}`, "data-node-id": node.node_id, "data-node-state": live.kind},
     h("header", {},
       h("span", {class: `dot ${live.kind}`, title: live.text}),
-      h("strong", {class: "node-name", title: node.hostname ? `host ${node.hostname}` : null}, nodeLabel(state, node.node_id)),
+      h("strong", {class: "node-name", title: node.hostname ? `host ${node.hostname}` : null}, label),
+      master ? h("span", {class: "tag master", "data-master": "",
+                          title: "the master: it places instances and routes requests"}, "master") : null,
       node.node_id === ctx.nodeId ? h("span", {class: "tag"}, "this node") : null,
       h("span", {class: "muted small liveness"}, live.text)),
     h("div", {class: "facts"},
@@ -35,10 +43,9 @@ function nodeCard(node, state, ctx) {
     shardsOn(node.node_id, state));
 }
 
-function liveness(node) {
-  if (typeof node.status === "string" && node.status) { // newer nodes may report it outright
-    return {kind: node.status === "alive" || node.status === "live" ? "live" : "down", text: node.status};
-  }
+function liveness(node, state, ctx) {
+  const shown = nodeState(ctx.troubles, state, node.node_id, ctx.nodeId);
+  if (shown.kind !== "live") return shown;
   const age = Date.now() / 1000 - (node.last_seen || 0);
   return {kind: "live", text: `live; described ${duration(age)} ago`};
 }

@@ -2,6 +2,7 @@
 // event goes to the feed.
 
 import {askForKey, forgetKey, json} from "./api.js";
+import {Troubles, renderBanner, watchHealth} from "./banner.js";
 import {Chat} from "./chat.js";
 import {renderNodes} from "./cluster.js";
 import {renderDownloads} from "./downloads.js";
@@ -15,8 +16,10 @@ import {h} from "./util.js";
 
 const AGES_EVERY_MS = 5000; // "heard 12 s ago" is redrawn locally; nothing is fetched for it
 
+const troubles = new Troubles();
 const ctx = {
   nodeId: null,
+  troubles,
   connected: false,
   state: () => live.state,
   rates: new Rates(),
@@ -29,7 +32,7 @@ const chat = new Chat(ctx);
 const live = new Live({onState: render, onEvent, onLive, onConnection});
 
 function render(state) {
-  renderNodes(document.getElementById("nodes"), state, ctx);
+  drawTroubles();
   renderReplicas(document.getElementById("replicas"), state);
   renderInstances(document.getElementById("instances"), state, ctx);
   renderDownloads(document.getElementById("downloads"), state);
@@ -39,7 +42,14 @@ function render(state) {
   document.getElementById("seq").title = "the last event folded into this State (exo replay --until takes it)";
 }
 
+// The banner and the node cards: what State shows, and what the page knows is wrong.
+function drawTroubles() {
+  renderBanner(document.getElementById("banner"), live.state, troubles, ctx.nodeId);
+  if (live.state) renderNodes(document.getElementById("nodes"), live.state, ctx);
+}
+
 function onEvent(event) {
+  troubles.noteEvent(event, live.state, Boolean(live.state) && event.seq > live.state.last_seq);
   feed.add(event);
   if (event.kind === "task.finished") chat.taskFinished(event.data);
 }
@@ -57,6 +67,8 @@ function onConnection(status, detail) {
   badge.dataset.state = status;
   badge.textContent = status === "live" ? "live" : status === "reconnecting" ? "reconnecting…" : "error";
   badge.title = detail || "following /events";
+  troubles.connection = {status, detail};
+  drawTroubles();
 }
 
 function toast(message, kind = "error") {
@@ -78,7 +90,8 @@ new ResizeObserver(() => {
   document.documentElement.style.setProperty("--header-height", `${header.offsetHeight}px`);
 }).observe(header);
 
-setInterval(() => { if (live.state) renderNodes(document.getElementById("nodes"), live.state, ctx); }, AGES_EVERY_MS);
+setInterval(drawTroubles, AGES_EVERY_MS); // ages, and a suspect mark that fades
+watchHealth(troubles, drawTroubles);
 
 ctx.nodeId = await json("GET", "/node_id").catch(() => null);
 live.start();
