@@ -329,19 +329,28 @@ TROUBLES = """async ({state, events}) => {
 
 @pytest.mark.slow
 def test_a_suspect_node_an_offline_server_and_a_stream_short_of_replicas_are_said(page):
+    # State holds the master's marks (suspect_since); the page knows a's reason from its node.suspect
+    # event, c's (a node running no instance) only from State.
     state = two_ranks("ready", "ready")
+    nodes = {**state.nodes, "a": msgspec.structs.replace(state.nodes["a"], suspect_since=1000.0),
+             "c": NodeInfo(node_id="c", hostname="host-c", suspect_since=2000.0)}
     layout = {"name": "exo", "meta_leader": "exo-a",
               "servers": [{"name": "exo-a", "online": True}, {"name": "exo-b", "online": False}],
               "streams": [{"name": "EXO_EVENTS", "replicas": 3, "leader": "exo-a", "followers": ["exo-b"]}]}
-    suspect = {"seq": 9, "kind": "instance.deleted",
-               "data": {"instance_id": "i1", "reason": "node host-a is suspect: no pulse for 5 s"}}
-    page.evaluate(TROUBLES, {"state": msgspec.to_builtins(state) | {"cluster": layout}, "events": [suspect]})
-    states = {n: page.locator(f'#drawn .card.node[data-node-id="{n}"]').get_attribute("data-node-state") for n in "ab"}
-    assert states == {"a": "suspect", "b": "offline"}
+    suspect = {"seq": 9, "kind": "node.suspect",
+               "data": {"node_id": "a", "suspect": True, "reason": "node host-a is suspect: no pulse for 5 s", "at": 1000.0}}
+    page.evaluate(TROUBLES, {"state": msgspec.to_builtins(msgspec.structs.replace(state, nodes=nodes)) | {"cluster": layout},
+                             "events": [suspect]})
+    states = {n: page.locator(f'#drawn .card.node[data-node-id="{n}"]').get_attribute("data-node-state") for n in "abc"}
+    assert states == {"a": "suspect", "b": "offline", "c": "suspect"}
     assert page.locator('#drawn .card.node[data-node-id="a"] .liveness').inner_text() == "suspect: no pulse for 5 s"
+    since = page.evaluate("new Date(2000 * 1000).toLocaleTimeString()")
+    assert page.locator('#drawn .card.node[data-node-id="c"] .liveness').inner_text() == f"suspect: no pulse since {since}"
     lines = page.locator("#drawn [data-trouble]")
     assert [(line.get_attribute("data-trouble"), line.inner_text()) for line in lines.all()] == [
         ("suspect", "Node host-a is suspect: no pulse for 5 s; its requests moved to other nodes. "
+                    "Check that it runs and can reach the others."),
+        ("suspect", f"Node host-c is suspect: no pulse since {since}; its requests moved to other nodes. "
                     "Check that it runs and can reach the others."),
         ("server", "The NATS server of host-b is offline: check that the node runs and can reach the others."),
         ("stream", "Stream EXO_EVENTS has 1 of its 3 replicas online: without a majority it takes no writes. "

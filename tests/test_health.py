@@ -66,7 +66,8 @@ async def health_until(http: httpx.AsyncClient, status: int, timeout: float) -> 
 async def test_health_is_503_naming_a_lost_connection_and_200_once_back_while_livez_stays_200(api, fresh_server):
     ok = await api.get("/health")
     assert ok.status_code == 200
-    assert ok.json() == {"status": "ok", "node_id": "node-a", "last_seq": ok.json()["last_seq"], "nats_connected": True}
+    assert ok.json() == {"status": "ok", "node_id": "node-a", "last_seq": ok.json()["last_seq"], "nats_connected": True,
+                         "suspect_nodes": []}
 
     fresh_server.stop()
     stopped = time.monotonic()
@@ -78,7 +79,8 @@ async def test_health_is_503_naming_a_lost_connection_and_200_once_back_while_li
     since = GONE.fullmatch(body["problem"])
     assert since, body
     assert abs(int(since[1]) - (time.monotonic() - stopped)) <= 1.5, (body, time.monotonic() - stopped)
-    assert set(body) == {"status", "node_id", "last_seq", "nats_connected", "problem"} and degraded.json()["problem"]
+    assert set(body) == {"status", "node_id", "last_seq", "nats_connected", "suspect_nodes", "problem"}
+    assert degraded.json()["problem"]
     livez = await api.get("/livez")
     assert livez.status_code == 200 and livez.json() == {"status": "alive"}
 
@@ -92,6 +94,26 @@ async def jetstream_api_calls(server: EmbeddedNats) -> int:
     """How many JetStream API requests the server has answered (its monitoring endpoint counts them)."""
     async with httpx.AsyncClient(timeout=5) as http:
         return int((await http.get(f"{server.monitor_url}/jsz")).json()["api"]["total"])
+
+
+async def test_a_suspect_node_is_named_by_health_and_is_no_reason_for_503(api, fresh_server):
+    from exo.bus.event_log import EventLog
+    from exo.core.events import LeaderElected, NodeRegistered, NodeSuspected
+    from exo.core.types import NodeInfo
+
+    nc = await connect([fresh_server.url], "exo-test-writer")
+    log = EventLog(nc)
+    term = await log.append(LeaderElected(node_id=NodeId("master"), lease_revision=1), event_id="e1")
+    for n, event in enumerate([NodeRegistered(node=NodeInfo(node_id=NodeId("b" * 32), name="mini")),
+                               NodeRegistered(node=NodeInfo(node_id=NodeId("c" * 32), name="studio")),
+                               NodeSuspected(node_id=NodeId("b" * 32), at=1000.0, term=term)]):
+        last = await log.append(event, event_id=f"e{n + 2}")
+    await nc.close()
+    deadline = time.monotonic() + 10
+    while (answer := await api.get("/health")).json()["last_seq"] < last:
+        assert time.monotonic() < deadline, answer.text
+        await asyncio.sleep(0.05)
+    assert (answer.status_code, answer.json()["status"], answer.json()["suspect_nodes"]) == (200, "ok", ["mini"])
 
 
 async def test_health_asks_jetstream_at_most_once_per_moment_however_often_it_is_asked(api, fresh_server):

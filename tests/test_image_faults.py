@@ -43,7 +43,7 @@ class Cluster:
 
     def start_worker(self) -> ExoProcess:
         return start_node(self.root, "worker", self.nats.url, "--no-master", "--no-api",
-                          env={"EXO_IMAGE_CACHE_BYTES": str(CACHE_BYTES)})
+                          env={"EXO_IMAGE_CACHE_BYTES": str(CACHE_BYTES), "EXO_LOG_LEVEL": "debug"})  # "forwarded to runner"
 
     @property
     def images_dir(self) -> Path:

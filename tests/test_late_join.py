@@ -134,7 +134,8 @@ def test_a_worker_that_was_down_reconciles_cards_and_fetches_images_before_it_pl
         wait_until(lambda: instance not in state_of(head).instances, 30, what="the down worker's instance ended")
         assert [t.instance_id for t in state_of(head).tasks.values() if t.status == "pending"] == [""]
 
-        worker = start_node(tmp_path, "worker", nats.url, "--no-master", "--no-api")
+        worker = start_node(tmp_path, "worker", nats.url, "--no-master", "--no-api",
+                            env={"EXO_LOG_LEVEL": "debug"})  # its "forwarded to runner" line is at DEBUG
         chat.join(120)
         output = worker.output()
         planning = output.index("planning starts")

@@ -18,7 +18,7 @@ from exo.core.types import Instance, ModelCard, NodeInfo
 from exo.master.decide import decide
 from exo.master.heal import replace_missing
 from exo.master.lifecycle_log import LifecycleLog
-from exo.master.supervise import time_out_node
+from exo.master.supervise import suspect_marks, time_out_node
 from tests.support.as_master import stamped, with_leader
 
 GB = 1_000_000_000
@@ -151,9 +151,10 @@ def test_only_the_leading_master_tells(caplog: pytest.LogCaptureFixture):
 def test_suspect_nodes_and_their_return_are_told_once(caplog: pytest.LogCaptureFixture):
     told = Told(two_nodes())
     with caplog.at_level(logging.INFO, logger="exo.master.service"):
-        for silent in ([], [MINI.node_id], [MINI.node_id], [], []):
-            told.log.note_suspects(told.state, silent, 5.0)
+        for now, silent in enumerate(([], [MINI.node_id], [MINI.node_id], [], [])):
+            marks = suspect_marks(told.state, silent, float(now + 1), 5.0)
+            told.fold([*marks, *marks])  # the second of each is skipped: no line of its own
     assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
-        ("WARNING", "master: node mini suspect: no heartbeat for 5 s"),
+        ("WARNING", "master: node mini suspect: no pulse for 5 s"),
         ("INFO", "master: node mini back"),
     ]

@@ -66,6 +66,7 @@ def test_a_masters_event_kind_without_a_term_is_skipped_whoever_wrote_it():
         KeyDeleted,
         KeySet,
         NodeRegistered,
+        NodeSuspected,
         NodeTimedOut,
         TaskCancelRequested,
         TaskCreated,
@@ -84,7 +85,7 @@ def test_a_masters_event_kind_without_a_term_is_skipped_whoever_wrote_it():
     assert state.adapters == {"real": adapter} and state.api_keys == {key.key_id: key}
     forged = [InstanceDeleted(instance_id="i1"), InstanceCreated(instance=INSTANCE.__copy__()),
               TaskCreated(task=Task(task_id="t2", instance_id="i1", model_id="m/a")),
-              TaskCancelRequested(task_id="t1"), NodeTimedOut(node_id="n1"),
+              TaskCancelRequested(task_id="t1"), NodeTimedOut(node_id="n1"), NodeSuspected(node_id="n1", at=1.0),
               CustomCardAdded(card=ModelCard(model_id="org/builtin", path="/tmp/attacker", n_layers=2)),
               CustomCardDeleted(model_id="org/real"), CommandRejected(command_id="c1"),
               DesireSet(desire=Desire(desire_id="d1", model_id="m/a")), DesireEnded(desire_id="d0"),

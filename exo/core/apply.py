@@ -52,6 +52,7 @@ from exo.core.events import (
     LeaderElected,
     NodeHeartbeat,
     NodeRegistered,
+    NodeSuspected,
     NodeTimedOut,
     RunnerStatusChanged,
     TaskCancelRequested,
@@ -71,7 +72,7 @@ from exo.core.types import DownloadProgress, RunnerInfo
 # carry term 0 and are checked against what State knows instead (docs/reliability.md, "Who may
 # write what").
 MASTER_KINDS: frozenset[type] = frozenset({
-    NodeTimedOut, InstanceCreated, InstanceDeleted, TaskCreated, TaskCancelRequested,
+    NodeTimedOut, NodeSuspected, InstanceCreated, InstanceDeleted, TaskCreated, TaskCancelRequested,
     CustomCardAdded, CustomCardDeleted, AdapterAdded, AdapterDeleted, KeySet, KeyDeleted, CommandRejected, DesireSet,
     DesireEnded, DesireScaled, TaskMigrated, GroupsSet,
 })
@@ -146,7 +147,21 @@ def _on_leader_elected(draft: Draft, event: LeaderElected, seq: int) -> None:
 
 
 def _on_node_registered(draft: Draft, event: NodeRegistered | NodeHeartbeat, seq: int) -> None:
-    draft.own("nodes")[event.node.node_id] = event.node
+    node, known = event.node, draft.nodes.get(event.node.node_id)
+    # Only the master marks a node suspect or clears it: a node's own description keeps State's mark.
+    kept = known.suspect_since if known is not None else 0.0
+    draft.own("nodes")[node.node_id] = node if node.suspect_since == kept else replace(node, suspect_since=kept)
+
+
+def _on_node_suspected(draft: Draft, event: NodeSuspected, seq: int) -> None:
+    node = draft.nodes.get(event.node_id)
+    if node is None:
+        raise Skip(f"unknown node {event.node_id}")
+    if event.suspect and event.at <= 0:
+        raise Skip(f"node {event.node_id} marked suspect without the time")
+    if event.suspect == bool(node.suspect_since):
+        raise Skip(f"node {event.node_id} is {'already' if event.suspect else 'not'} suspect")
+    draft.own("nodes")[event.node_id] = replace(node, suspect_since=event.at if event.suspect else 0.0)
 
 
 def _on_node_timed_out(draft: Draft, event: NodeTimedOut, seq: int) -> None:
@@ -261,6 +276,7 @@ _HANDLERS: dict[type, Callable[[Draft, Any, int], None]] = {
     NodeRegistered: _on_node_registered,
     NodeHeartbeat: _on_node_registered,
     NodeTimedOut: _on_node_timed_out,
+    NodeSuspected: _on_node_suspected,
     InstanceCreated: _on_instance_created,
     InstanceDeleted: _on_instance_deleted,
     RunnerStatusChanged: _on_runner_status,

@@ -67,6 +67,16 @@ class NodeTimedOut(Event, frozen=True, tag="node.timed_out", kw_only=True):
     reason: str = ""
 
 
+class NodeSuspected(Event, frozen=True, tag="node.suspect", kw_only=True):
+    """The master's mark on a node silent for its suspect time (`suspect`), or the mark's end once
+    the node is heard again: appended only when the mark changes (exo/master/supervise.py)."""
+
+    node_id: NodeId
+    suspect: bool = True
+    reason: str = ""
+    at: float = 0.0  # the master's wall clock: State keeps it as the node's suspect_since
+
+
 class Eviction(msgspec.Struct, frozen=True, kw_only=True):
     """A desire unloaded to make room for an instance (exo/master/eviction.py): its model and instances."""
 
@@ -233,6 +243,7 @@ AnyEvent = (
     | NodeRegistered
     | NodeHeartbeat
     | NodeTimedOut
+    | NodeSuspected
     | InstanceCreated
     | InstanceDeleted
     | RunnerStatusChanged

@@ -228,6 +228,7 @@ class NodeInfo(msgspec.Struct, frozen=True, kw_only=True):
     ring_port_count: int = 0
     incarnation: str = ""  # random per process start: two live processes with one node id show up as two
     prompt_caches: dict[InstanceId, PromptCacheStats] = {}  # instance id -> its runner's prompt cache on this node
+    suspect_since: float = 0.0  # the master's wall clock when it marked the node suspect (0: not); only it sets this
 
 
 class FileProgress(msgspec.Struct, frozen=True, kw_only=True):

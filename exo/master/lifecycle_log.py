@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from exo.core.events import (
@@ -19,6 +19,7 @@ from exo.core.events import (
     InstanceDeleted,
     NodeHeartbeat,
     NodeRegistered,
+    NodeSuspected,
     NodeTimedOut,
     RunnerStatusChanged,
     TaskMigrated,
@@ -55,6 +56,8 @@ def lifecycle_lines(before: State, event: AnyEvent, after: State, recall: Recall
             why = event.reason.removeprefix(f"node {_label(before, event.node_id)} ")  # the reason names it
             return [Line(f"master: node {_label(before, event.node_id)} gone: {why}", {"node_id": event.node_id},
                          logging.WARNING)]
+        case NodeSuspected() if _marked(before, event.node_id) != _marked(after, event.node_id):  # not skipped
+            return [_suspected(after, event)]
         case InstanceCreated():
             recall.placed_at[event.instance.instance_id] = now
             if event.instance.desire_id not in before.desires:
@@ -80,12 +83,17 @@ def lifecycle_lines(before: State, event: AnyEvent, after: State, recall: Recall
     return []
 
 
-def suspect_lines(state: State, was: Collection[NodeId], suspect: Collection[NodeId], after_s: float) -> list[Line]:
-    """Nodes newly silent for `after_s` seconds (suspect), and those heard again (back)."""
-    return [*(Line(f"master: node {_label(state, n)} suspect: no heartbeat for {after_s:g} s", {"node_id": n},
-                   logging.WARNING) for n in sorted(set(suspect) - set(was))),
-            *(Line(f"master: node {_label(state, n)} back", {"node_id": n})
-              for n in sorted(set(was) - set(suspect)) if n in state.nodes)]
+def _marked(state: State, node_id: NodeId) -> bool:
+    node = state.nodes.get(node_id)
+    return node is not None and node.suspect_since > 0
+
+
+def _suspected(state: State, event: NodeSuspected) -> Line:
+    label = _label(state, event.node_id)
+    if not event.suspect:
+        return Line(f"master: node {label} back", {"node_id": event.node_id})
+    why = event.reason.removeprefix(f"node {label} is suspect: ")  # the reason names it
+    return Line(f"master: node {label} suspect: {why}", {"node_id": event.node_id}, logging.WARNING)
 
 
 def _placed(state: State, instance: Instance, why: str) -> Line:
@@ -166,18 +174,12 @@ class LifecycleLog:
         self._leading = leading
         self._clock = clock
         self._recall = Recall()
-        self._suspect: frozenset[NodeId] = frozenset()
 
     def on_event(self, seq: int, event: AnyEvent, state: State) -> None:
         before, self._before = self._before, state
         lines = lifecycle_lines(before, event, state, self._recall, self._clock())
         if self._leading():
             _emit(lines)
-
-    def note_suspects(self, state: State, suspect: Collection[NodeId], after_s: float) -> None:
-        """The supervisor's view of silent nodes, each round: lines for those that changed."""
-        _emit(suspect_lines(state, self._suspect, suspect, after_s))
-        self._suspect = frozenset(suspect)
 
 
 def _emit(lines: list[Line]) -> None:

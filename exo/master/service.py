@@ -53,7 +53,7 @@ from exo.master.group import groups_to_set, heal_group, key_copy, not_for_group
 from exo.master.heal import HealLimits
 from exo.master.lifecycle_log import LifecycleLog
 from exo.master.memo import DecideMemo
-from exo.master.supervise import silent_nodes, supervise
+from exo.master.supervise import seed_heard_at, silent_nodes, supervise, suspect_marks
 from exo.settings.services import MasterSettings
 
 log = logging.getLogger(__name__)
@@ -218,19 +218,19 @@ class Master:
             # may be held up by the same trouble, so it gets a full suspect window after it.
             troubled = now - broker_trouble.last() < self._heal.suspect_s
             stalled, last_tick = now - last_tick > 2.5 * interval, now
-            for node_id in state.nodes:
-                self._heard_at.setdefault(node_id, now)  # first seen by this master: it gets a full timeout
-            events = supervise(state, self._heard_at, now, node_timeout=self._node_timeout, wall_now=time.time(),
-                               limits=replace(self._heal, suspect_s=float("inf")) if stalled or troubled else self._heal,
-                               builtin=self._builtin_cards, scale=self._scale,
-                               ids=ids_for(CommandId(f"heal:{term}:{state.last_seq}")))
+            suspect_s = min(self._heal.suspect_s, self._node_timeout)
+            seed_heard_at(state, self._heard_at, now, suspect_s)
+            wall = time.time()
+            events = [*suspect_marks(state, silent_nodes(state, self._heard_at, now, suspect_s), wall, suspect_s,
+                                     may_mark=not (stalled or troubled)),
+                      *supervise(state, self._heard_at, now, node_timeout=self._node_timeout, wall_now=wall,
+                                 limits=replace(self._heal, suspect_s=float("inf")) if stalled or troubled else self._heal,
+                                 builtin=self._builtin_cards, scale=self._scale,
+                                 ids=ids_for(CommandId(f"heal:{term}:{state.last_seq}")))]
             try:
                 await self._append_all(events, term, f"supervise:{term}:{state.last_seq}")
             except (TimeoutError, *BROKER_ERRORS, NotLeader) as error:  # type: ignore[misc]  # as above
                 log.warning("master: supervision events not appended: %r", error)
-            # These events are logged as they fold in (exo/master/lifecycle_log.py); silences only here.
-            self._lifecycle.note_suspects(state, silent_nodes(state, self._heard_at, now, self._heal.suspect_s),
-                                          self._heal.suspect_s)
             for event in events:
                 if isinstance(event, NodeTimedOut):
                     self._heard_at.pop(event.node_id, None)

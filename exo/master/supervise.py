@@ -8,9 +8,9 @@ Pure: when each node was last heard from, the time now and the limits come in as
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping, MutableMapping
 
-from exo.core.events import DesireEnded, Event, InstanceDeleted, NodeTimedOut
+from exo.core.events import DesireEnded, Event, InstanceDeleted, NodeSuspected, NodeTimedOut
 from exo.core.ids import InstanceId, ModelId, NodeId
 from exo.core.node_names import node_display
 from exo.core.state import State
@@ -26,6 +26,29 @@ DEFAULT_SCALE = ScalePolicy()  # EXO_SCALE_*'s defaults
 def silent_nodes(state: State, heard_at: Mapping[NodeId, float], now: float, timeout: float) -> list[NodeId]:
     """Nodes in State not heard from for `timeout` seconds (a node never heard counts as heard now)."""
     return sorted(n for n in state.nodes if now - heard_at.get(n, now) >= timeout)
+
+
+def seed_heard_at(state: State, heard_at: MutableMapping[NodeId, float], now: float, suspect_s: float) -> None:
+    """Nodes this master has not heard yet get a full timeout from `now`; one an earlier master
+    marked suspect stays suspect (its silence began before this master)."""
+    for node_id, node in state.nodes.items():
+        heard_at.setdefault(node_id, now - suspect_s if node.suspect_since else now)
+
+
+def suspect_marks(state: State, silent: Collection[NodeId], now: float, suspect_s: float, *,
+                  may_mark: bool = True) -> list[Event]:
+    """Where State's suspect marks differ from `silent` (the nodes not heard for `suspect_s`): a node
+    marked once when it falls silent, cleared once when heard again, nothing while they agree.
+    `may_mark` False: this round's silence proves nothing (a stalled loop, broker trouble)."""
+    events: list[Event] = []
+    for node_id, node in sorted(state.nodes.items()):
+        if node_id in silent and not node.suspect_since and may_mark:
+            events.append(NodeSuspected(node_id=node_id, at=now,
+                                        reason=f"node {node_display(state, node_id)} is suspect: no pulse for {suspect_s:g} s"))
+        elif node_id not in silent and node.suspect_since:
+            events.append(NodeSuspected(node_id=node_id, suspect=False, at=now,
+                                        reason=f"node {node_display(state, node_id)} is heard again"))
+    return events
 
 
 def time_out_node(state: State, node_id: NodeId, timeout: float, now: float = 0.0,

@@ -284,7 +284,7 @@ class Worker:
         self._images.cache.touch(images)
         resume = await self._resume_of(task)
         self._runs.forwarded(step.runner_id, task.task_id, len(task.migrations))
-        log.info("worker: task %s forwarded to runner %s%s", task.task_id, step.runner_id,
+        log.debug("worker: task %s forwarded to runner %s%s", task.task_id, step.runner_id,
                  f" (run {resume.attempt}, after {len(resume.token_ids)} streamed tokens)" if resume else "")
         await self._runners.send(
             step.runner_id,

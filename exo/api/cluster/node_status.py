@@ -13,7 +13,8 @@ from exo.bus.cluster_view import ClusterView
 from exo.bus.connection import Connection
 from exo.bus.readiness import LagWatch, StreamProbe, connection_problem
 from exo.bus.state_view import FoldedView, StateView
-from exo.core.state import encode_state
+from exo.core.node_names import node_display
+from exo.core.state import State, encode_state
 
 
 async def get_state(request: web.Request) -> web.Response:
@@ -71,14 +72,20 @@ def _shared_log(view: FoldedView) -> StateView | None:
 
 async def health(request: web.Request) -> web.Response:
     """200 "ok" while this node can serve; 503 "degraded" with the reasons in `problem` while it
-    cannot (NATS away, the event stream without quorum, State stuck behind it, a full disk)."""
+    cannot (NATS away, the event stream without quorum, State stuck behind it, a full disk). The
+    nodes the master marked suspect are named, but this node serves without them."""
     ctx = context_of(request)
     problems = await request.app[READINESS_KEY].problems(ctx)
-    body = {"status": "degraded" if problems else "ok", "node_id": ctx.node_id, "last_seq": ctx.view.state.last_seq,
-            "nats_connected": ctx.nc.is_connected}
+    state = ctx.view.state
+    body = {"status": "degraded" if problems else "ok", "node_id": ctx.node_id, "last_seq": state.last_seq,
+            "nats_connected": ctx.nc.is_connected, "suspect_nodes": suspect_names(state)}
     if problems:
         return web.json_response({**body, "problem": "; ".join(problems)}, status=503)
     return web.json_response(body)
+
+
+def suspect_names(state: State) -> list[str]:
+    return sorted(node_display(state, node_id) for node_id, node in state.nodes.items() if node.suspect_since)
 
 
 async def livez(request: web.Request) -> web.Response:

@@ -7,19 +7,15 @@ import {nodeLabel, serverLabel} from "./names.js";
 import {h, replaceChildren} from "./util.js";
 
 const HEALTH_EVERY_MS = 5000;
-// The master names a suspect node only in the reasons it ends that node's instances with
-// (exo/master/supervise.py). A node heard again writes nothing unless it changed, so the mark
-// fades once the master would have timed it out (EXO_NODE_TIMEOUT_S, 30 s by default) instead.
-const SUSPECT_SHOWN_S = 60;
-// They name the node as names.js does (older masters: by id).
-const SUSPECT_REASON = /^node (.+) is suspect: (.*)$/;
+// The master's node.suspect event names the node first, as names.js does: the page shows the rest.
+const SUSPECT_REASON = /^node .+? is suspect: /;
 
 export class Troubles {
   constructor() {
     this.connection = {status: "connecting", detail: ""}; // the page's /events stream
     this.health = null; // /health's latest answer (status, problem, nats_connected)
     this.gone = new Map(); // node id -> {node, reason, at}: timed out and not heard since
-    this.suspect = new Map(); // node id -> {reason, at}
+    this.suspect = new Map(); // node id -> why the master marked it suspect (State holds the mark)
     this.known = new Map(); // node id -> its latest NodeInfo: State drops a node that timed out
   }
 
@@ -29,16 +25,15 @@ export class Troubles {
     if (kind === "node.registered" || kind === "node.heartbeat") {
       this.known.set(data.node.node_id, data.node);
       this.gone.delete(data.node.node_id);
-      this.suspect.delete(data.node.node_id);
     } else if (kind === "node.timed_out") {
       const node = (state && state.nodes[data.node_id]) || this.known.get(data.node_id) || {node_id: data.node_id};
       const reason = (data.reason || "timed out").replace(/^node .+? (?=timed out)/, ""); // it names the node
       this.gone.set(data.node_id, {node, reason, at});
       this.suspect.delete(data.node_id);
-    } else if (kind === "instance.deleted" && live) {
-      const [, who, reason] = SUSPECT_REASON.exec(data.reason || "") || [];
-      const nodeId = who && Object.keys(state.nodes).find((id) => id === who || nodeLabel(state, id) === who);
-      if (nodeId) this.suspect.set(nodeId, {reason, at});
+    } else if (kind === "node.suspect" && data.suspect) {
+      this.suspect.set(data.node_id, (data.reason || "").replace(SUSPECT_REASON, ""));
+    } else if (kind === "node.suspect") {
+      this.suspect.delete(data.node_id);
     }
   }
 
@@ -55,7 +50,7 @@ export class Troubles {
 }
 
 // {kind: live | suspect | offline | gone, text}: what a node's card says of it.
-export function nodeState(troubles, state, nodeId, thisNode, now = Date.now() / 1000) {
+export function nodeState(troubles, state, nodeId, thisNode) {
   const gone = troubles && troubles.gone.get(nodeId);
   if (gone && !state.nodes[nodeId]) return {kind: "gone", text: `gone ${when(gone.at)}: ${gone.reason}`};
   if (troubles && nodeId === thisNode && troubles.busAway()) {
@@ -63,8 +58,11 @@ export function nodeState(troubles, state, nodeId, thisNode, now = Date.now() / 
   }
   const server = serverOf(state, nodeId);
   if (server && !server.online) return {kind: "offline", text: "offline: its NATS server is not in the cluster"};
-  const suspect = troubles && troubles.suspect.get(nodeId);
-  if (suspect && now - suspect.at < SUSPECT_SHOWN_S) return {kind: "suspect", text: `suspect: ${suspect.reason}`};
+  const node = state.nodes[nodeId];
+  if (node && node.suspect_since) {
+    const why = (troubles && troubles.suspect.get(nodeId)) || `no pulse since ${clock(node.suspect_since)}`;
+    return {kind: "suspect", text: `suspect: ${why}`};
+  }
   return {kind: "live", text: "live"};
 }
 
@@ -74,8 +72,10 @@ function serverOf(state, nodeId) {
 }
 
 function when(at) {
-  return at === null ? "before this page opened" : `at ${new Date(at * 1000).toLocaleTimeString()}`;
+  return at === null ? "before this page opened" : `at ${clock(at)}`;
 }
+
+const clock = (at) => new Date(at * 1000).toLocaleTimeString();
 
 // The banner's lines, most basic first: a page that cannot follow the log shows stale State.
 export function troubleLines(state, troubles, thisNode) {

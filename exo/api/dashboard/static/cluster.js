@@ -6,8 +6,9 @@ import {nodeLabel} from "./names.js";
 import {shardProgress} from "./status.js";
 import {bar, bytes, duration, h, percent, replaceChildren, short} from "./util.js";
 
-// Nodes pulse on core NATS and the master removes one it has not heard from (30 s by default):
-// a node in State is live unless the page knows worse (banner.js's nodeState). Its NodeInfo is
+// Nodes pulse on core NATS; the master marks one it has not heard from suspect in State
+// (suspect_since) and removes it later (30 s by default): a node in State is live unless State or
+// the page knows worse (banner.js's nodeState). Its NodeInfo is
 // updated only when it changes, so `last_seen` is when it last described itself, shown as such.
 // A node that timed out stays on the page, greyed, until the page reloads.
 export function renderNodes(container, state, ctx) {
