@@ -18,6 +18,7 @@ from exo.core.commands import GenerateText
 from exo.core.events import LeaderElected, TaskCreated, TaskStarted
 from exo.core.types import ChatMessage, GenerationParams, ModelCard
 from exo.master.service import Master
+from exo.settings.services import MasterSettings
 from tests.conftest import eventually
 from tests.test_bus import placed_then_waiting
 
@@ -27,6 +28,10 @@ BUILTIN = {"org/m": ModelCard(model_id="org/m", n_layers=2, storage_bytes=1000)}
 async def _log(nc, first: int = 1):
     js, last = nc.jetstream(), (await EventLog(nc).last_sequence())
     return [(seq, await js.get_msg("EXO_EVENTS", seq)) for seq in range(first, last + 1)]
+
+# The placed node has no worker to pulse: on a loaded machine a test outlasting EXO_SUSPECT_S (5 s)
+# saw its instance's node suspect and the requests refused (a full run beside other work did).
+UNSUSPECTING = MasterSettings(suspect_s=600.0)
 
 
 async def _stop(master: asyncio.Task, view, nc) -> None:
@@ -42,7 +47,7 @@ async def test_a_batch_of_decisions_lands_contiguously_as_one_atomic_batch(fresh
     assert await EventLog(nc).check_atomic()  # streams/EXO_EVENTS.json allows atomic batches
     commands = [GenerateText(command_id=f"atomic-{n}", model_id="org/m") for n in range(10)]
     view, answers = await placed_then_waiting(nc, "atomic", BUILTIN, commands)
-    master = asyncio.create_task(Master(nc, view, BUILTIN, node_id="atomic").run())
+    master = asyncio.create_task(Master(nc, view, BUILTIN, node_id="atomic", settings=UNSUSPECTING).run())
     try:
         await eventually(lambda: all(c.command_id in answers for c in commands), 20)
         created = {seq: msg for seq, msg in await _log(nc) if msg.subject == "exo.events.task.created"}
@@ -68,7 +73,7 @@ async def test_a_refused_batch_is_decided_again_command_by_command_and_a_bad_eve
                 for n in range(10)]
     view, answers = await placed_then_waiting(nc, "refused", BUILTIN, commands)
     start = await EventLog(nc).last_sequence()
-    master = asyncio.create_task(Master(nc, view, BUILTIN, node_id="refused").run())
+    master = asyncio.create_task(Master(nc, view, BUILTIN, node_id="refused", settings=UNSUSPECTING).run())
     try:
         await eventually(lambda: all(c.command_id in answers for c in commands), 30)
         kinds = [json.loads(msg.data)["kind"] for _, msg in await _log(nc, start + 1)]
@@ -145,7 +150,6 @@ async def test_a_batch_decides_on_its_own_staged_decisions_even_when_others_even
     decisions (here: the one place in the queue is taken), not on the view that lacks them."""
     from exo.core.events import NodeRegistered
     from exo.core.types import NodeInfo
-    from exo.settings.services import MasterSettings
 
     nc = await connect([fresh_nats], name="staged")
     await provision(nc)

@@ -5,6 +5,7 @@ says when it expires, and Ollama's load and unload (no prompt) work. Ollama's ow
 
 from __future__ import annotations
 
+import re
 import time
 
 import httpx
@@ -88,7 +89,7 @@ def test_a_2s_keep_alive_unloads_after_2s_idle_and_the_next_request_places_it_ag
     assert time.monotonic() - answered >= 2.0
     again = llama.chat(model=TINY_MODEL_ID, messages=MESSAGES, options=GREEDY, keep_alive=0)
     assert again.message.content == reference.chat(MESSAGES, 8)
-    assert node.output().count(f"placed {TINY_MODEL_ID} on demand on ") >= 2
+    assert len(re.findall(rf"master: placed {re.escape(TINY_MODEL_ID)} on .+: on demand \(instance ", node.output())) >= 2
     wait_until(lambda: _gone(node), 3, what="the second placement unloaded")
 
 

@@ -4,6 +4,7 @@ pure decisions first, then one node end to end (the tiny model from a fake Hub, 
 from __future__ import annotations
 
 import itertools
+import re
 import threading
 import time
 from pathlib import Path
@@ -158,7 +159,7 @@ def test_a_fresh_node_answers_a_card_never_placed_with_mlx_lms_text_and_one_inst
         first_token = next(n for n, line in enumerate(streamed) if '"content":"' in line and '"content":""' not in line)
         notes = [line for line in streamed[:first_token] if line.startswith(": loading ")]
         assert notes and notes[0].startswith(f": loading {TINY_MODEL_ID} on "), streamed[:first_token]
-        assert f"placed {TINY_MODEL_ID} on demand on " in node.output()
+        assert re.search(rf"master: placed {re.escape(TINY_MODEL_ID)} on .+: on demand \(instance ", node.output())
     finally:
         http.close()
         node.interrupt()

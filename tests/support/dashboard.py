@@ -122,13 +122,14 @@ def shown(page: Any, node: ExoProcess | None, selector: str, state: str = "visib
         raise AssertionError(f"{error.message}\n{what_the_page_saw(page, node)}") from None
 
 
-def answer_the_key_prompt(page: Any, node: ExoProcess | None) -> None:
-    """Wait for the key prompt, give KEY; returns once the page follows /events."""
+def answer_the_key_prompt(page: Any, node: ExoProcess | None, key: str = KEY,
+                          ready: str = '#conn[data-state="live"]') -> None:
+    """Wait for the key prompt, give `key`; returns once `ready` shows (an admin's page: it follows /events)."""
     shown(page, node, "#key-dialog")
-    page.fill("#key-input", KEY)
+    page.fill("#key-input", key)
     page.press("#key-input", "Enter")
     shown(page, node, "#key-dialog", "hidden")
-    shown(page, node, '#conn[data-state="live"]')
+    shown(page, node, ready)
 
 
 def open_with_key(page: Any, node: ExoProcess) -> None:

@@ -1,7 +1,8 @@
 """API keys managed at runtime (admin only): POST /keys (the secret is in this answer and never
 again: State keeps its sha256), GET /keys, GET / PATCH / DELETE /keys/{id}; and GET /usage, every
-key's for an admin, a key's own for it. A deleted key fails on every API node as soon as that
-node folds the event (milliseconds; tests/test_keys.py asserts within a second)."""
+key's for an admin, a key's own for it, with `caller` (admin or not, and the caller's own key).
+A deleted key fails on every API node as soon as that node folds the event (milliseconds;
+tests/test_keys.py asserts within a second)."""
 
 from __future__ import annotations
 
@@ -103,4 +104,7 @@ async def usage(request: web.Request) -> web.Response:
     rows = [{"key_id": key_id, "day": day, "model": model, **msgspec.to_builtins(counts)}
             for key_id, days in sorted(state.usage.items()) if not asked or key_id == asked
             for day, models in sorted(days.items()) for model, counts in sorted(models.items())]
-    return web.json_response({"object": "list", "data": rows})
+    # Who asks: the dashboard learns from this one answer whether to show the admin panels, and a
+    # key's page shows its own limits (GET /keys/{id} is an admin's).
+    caller = {"admin": grant.admin, "key": key_entry(grant.key) if grant.key else None}
+    return web.json_response({"object": "list", "data": rows, "caller": caller})

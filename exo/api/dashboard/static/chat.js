@@ -8,6 +8,22 @@ import {instanceStatus} from "./status.js";
 
 const ABORT_AFTER_CANCEL_MS = 3000; // if the stream has not ended by then, drop it ourselves
 
+// true: the card says the model embeds; null: its card is not known yet (it is offered as a chat model).
+export function isEmbedding(card) {
+  return card ? Boolean(card.embedding) : null;
+}
+
+// Chat models first (an embedding model is never the default), the ready ones first, then by id.
+export function orderChoices(choices) {
+  const rank = (c) => (c.embedding ? 2 : 0) + (c.status === "ready" ? 0 : 1);
+  return [...choices].sort((a, b) => rank(a) - rank(b) || a.id.localeCompare(b.id));
+}
+
+function choiceLabel({id, status, embedding}) {
+  if (embedding) return `${id} (embedding: not for chat)`;
+  return status === "ready" ? id : `${id} (${status.replace("_", " ")})`;
+}
+
 export class Chat {
   constructor(ctx) {
     this.ctx = ctx;
@@ -60,28 +76,33 @@ export class Chat {
                    onclick: () => this.setImages(urls.filter((_, j) => j !== i))}, "×"))));
   }
 
-  // The models that have an instance, the ready ones first.
+  // The models with an instance that serves or will: a failed or stopped one is the instances panel's.
   update(state) {
-    const select = this.el["chat-model"];
     const best = new Map();
     for (const instance of Object.values(state.instances)) {
       const status = instanceStatus(instance, state);
+      if (status === "failed" || status === "stopped") continue;
       if (best.get(instance.model_id) !== "ready") best.set(instance.model_id, status);
     }
-    const ids = [...best.keys()].sort((a, b) => (best.get(a) === "ready" ? 0 : 1) - (best.get(b) === "ready" ? 0 : 1) || a.localeCompare(b));
+    this.offer([...best].map(([id, status]) => ({id, status, embedding: isEmbedding(this.ctx.card(id))})));
+  }
+
+  // `choices`: [{id, status, embedding}]. Embedding models are listed but cannot be chosen: they do not chat.
+  offer(choices, empty = "no running model: place one") {
+    const select = this.el["chat-model"];
+    const ordered = orderChoices(choices);
+    const chattable = ordered.filter((c) => !c.embedding).map((c) => c.id);
     // Rebuilt only when the choice changes: rebuilding closes a list the user has open.
-    const signature = ids.map((id) => `${id}=${best.get(id)}`).join("\n");
-    this.el["chat-send"].disabled = Boolean(this.current) || !ids.length;
+    const signature = ordered.map((c) => `${c.id}=${c.status}=${c.embedding}`).join("\n");
+    this.el["chat-send"].disabled = Boolean(this.current) || !chattable.length;
     if (signature === this.signature) return;
     this.signature = signature;
     const chosen = select.value;
-    if (!ids.length) {
-      replaceChildren(select, [h("option", {value: ""}, "no running model: place one")]);
-    } else {
-      replaceChildren(select, ids.map((id) => h("option", {value: id, "data-status": best.get(id)},
-        best.get(id) === "ready" ? id : `${id} (${best.get(id).replace("_", " ")})`)));
-      select.value = ids.includes(chosen) ? chosen : ids[0];
-    }
+    const none = chattable.length ? [] : [h("option", {value: ""}, ordered.length ? "no chat model running" : empty)];
+    replaceChildren(select, [...none, ...ordered.map((c) => h("option", {
+      value: c.id, "data-status": c.status, "data-embedding": c.embedding ? "true" : "false", disabled: c.embedding},
+    choiceLabel(c)))]);
+    select.value = chattable.includes(chosen) ? chosen : chattable[0] ?? "";
     this.showAttach();
   }
 
@@ -139,6 +160,7 @@ export class Chat {
       this.setBusy(false);
       this.showStats(g);
       this.scroll();
+      this.ctx.replied?.(); // a key's page shows its usage again
     }
   }
 

@@ -64,24 +64,36 @@ function instanceCard(instance, state, ctx) {
     h("header", {},
       h("strong", {class: "model"}, instance.model_id),
       h("span", {class: `badge status-${status}`, "data-instance-status": status}, status.replace("_", " "))),
-    failure ? h("div", {class: "error small instance-error"}, `${failure.code}: ${failure.error}`) : null,
+    failure ? failureLine(instance, failure, ctx) : null,
     h("div", {class: "facts"},
       h("span", {}, instance.sharding),
       h("span", {}, `${instance.shards.length} rank${instance.shards.length === 1 ? "" : "s"}`),
       h("span", {class: "mono", title: instance.instance_id}, short(instance.instance_id))),
     statsLine(instance, stats),
-    ranksTable(instance, state),
-    h("div", {class: "actions"},
-      confirmButton("Delete", async () => {
-        try {
-          await json("DELETE", `/instance/${encodeURIComponent(instance.instance_id)}`);
-        } catch (error) {
-          ctx.toast(`Deleting the instance failed: ${error.message}`);
-        }
-      }, {"data-action": "delete-instance"})));
+    ranksTable(instance, state, failure),
+    failure ? null : h("div", {class: "actions"},
+      confirmButton("Delete", () => deleteInstance(instance, ctx), {"data-action": "delete-instance"})));
 }
 
-function ranksTable(instance, state) {
+// Why it failed, once (its ranks do not say it again), and removing it: it serves nothing, so one
+// click does, without the "Sure?" a serving instance's Delete asks.
+function failureLine(instance, failure, ctx) {
+  return h("div", {class: "instance-failure"},
+    h("div", {class: "error small instance-error grow"}, `${failure.code}: ${failure.error}`),
+    h("button", {type: "button", class: "danger", "data-action": "remove-instance",
+                 onclick: (event) => { event.currentTarget.disabled = true; deleteInstance(instance, ctx); }}, "Remove"));
+}
+
+async function deleteInstance(instance, ctx) {
+  try {
+    await json("DELETE", `/instance/${encodeURIComponent(instance.instance_id)}`);
+  } catch (error) {
+    ctx.toast(`Deleting the instance failed: ${error.message}`);
+  }
+}
+
+// A rank's error is shown where it adds to the instance's (another rank's, a download's own code).
+function ranksTable(instance, state, failure) {
   return h("table", {class: "ranks"},
     h("thead", {}, h("tr", {}, h("th", {}, "rank"), h("th", {}, "node"), h("th", {}, "layers"), h("th", {}, "runner"))),
     h("tbody", {}, instance.shards.map((shard) => {
@@ -90,16 +102,20 @@ function ranksTable(instance, state) {
         h("td", {}, `${shard.rank}/${shard.world_size}`),
         h("td", {title: shard.node_id}, nodeLabel(state, shard.node_id)),
         h("td", {}, `${shard.start_layer}–${shard.end_layer - 1}`, layerBar(instance, shard, state),
-          downloadLine(downloadOf(state, shard.node_id, instance.model_id), runner)),
-        h("td", {}, statusBadge(runner), runner && runner.error ? h("div", {class: "error small"}, runner.error) : null));
+          downloadLine(downloadOf(state, shard.node_id, instance.model_id), runner, failure)),
+        h("td", {}, statusBadge(runner),
+          runner && runner.error && runner.error !== failure?.error ? h("div", {class: "error small"}, runner.error) : null));
     })));
 }
 
-// A rank's download while it is under way (its ETA), or why it failed.
-function downloadLine(download, runner) {
+// A rank's download while it is under way (its ETA), or why it failed (unless the instance's reason says it).
+function downloadLine(download, runner, failure) {
   if (!download || download.status === "completed") return null;
   if (runner && runner.status === "ready") return null; // an older record: the runner got its weights
-  if (download.status === "failed") return h("div", {class: "small error"}, `download failed: ${download.error_code || "error"}`);
+  if (download.status === "failed") {
+    const said = failure && runner && runner.error === failure.error && failure.code === (download.error_code || "unknown");
+    return said ? null : h("div", {class: "small error"}, `download failed: ${download.error_code || "error"}`);
+  }
   const facts = [`${percent(download.done_bytes, download.total_bytes).toFixed(0)}%`];
   if (download.total_bytes) facts.push(`${bytes(download.done_bytes)} of ${bytes(download.total_bytes)}`);
   if (download.eta_s !== null && download.eta_s !== undefined) facts.push(`${duration(download.eta_s)} left`);

@@ -1,6 +1,8 @@
 // Wires the panels to the live State: every State change redraws the panels from it, every
-// event goes to the feed.
+// event goes to the feed. A key without admin cannot read State: its page is the chat and its own
+// usage (account.js), and the admin panels stay hidden.
 
+import {Account} from "./account.js";
 import {askForKey, forgetKey, json} from "./api.js";
 import {Troubles, renderBanner, watchHealth} from "./banner.js";
 import {Chat} from "./chat.js";
@@ -9,6 +11,7 @@ import {renderDownloads} from "./downloads.js";
 import {renderReplicas} from "./replicas.js";
 import {EventFeed} from "./events.js";
 import {renderInstances} from "./instances.js";
+import {KeysPanel} from "./keys.js";
 import {Live} from "./live.js";
 import {Models} from "./models.js";
 import {Rates} from "./rates.js";
@@ -29,6 +32,7 @@ const ctx = {
 const feed = new EventFeed();
 const models = new Models(ctx);
 const chat = new Chat(ctx);
+const keys = new KeysPanel(ctx);
 const live = new Live({onState: render, onEvent, onLive, onConnection});
 
 function render(state) {
@@ -36,7 +40,9 @@ function render(state) {
   renderReplicas(document.getElementById("replicas"), state);
   renderInstances(document.getElementById("instances"), state, ctx);
   renderDownloads(document.getElementById("downloads"), state);
-  models.update(state).then(() => chat.showAttach()); // a built-in card may arrive after the chat drew
+  keys.render(state);
+  // A built-in card may arrive after the chat drew: whether the model takes images, or embeds.
+  models.update(state).then(() => { chat.update(live.state); chat.showAttach(); });
   chat.update(state);
   document.getElementById("seq").textContent = `seq ${state.last_seq}`;
   document.getElementById("seq").title = "the last event folded into this State (exo replay --until takes it)";
@@ -80,7 +86,7 @@ function toast(message, kind = "error") {
 document.getElementById("key-button").addEventListener("click", async () => {
   forgetKey();
   await askForKey("Enter the API key for this exo cluster:");
-  live.refresh();
+  location.reload(); // another key may be another role: the page starts again with it
 });
 
 // The sticky header is one line on a laptop and several on a phone: panels reached by the jump
@@ -90,8 +96,16 @@ new ResizeObserver(() => {
   document.documentElement.style.setProperty("--header-height", `${header.offsetHeight}px`);
 }).observe(header);
 
-setInterval(drawTroubles, AGES_EVERY_MS); // ages, and a suspect mark that fades
-watchHealth(troubles, drawTroubles);
-
-ctx.nodeId = await json("GET", "/node_id").catch(() => null);
-live.start();
+// GET /usage answers every key (its own usage, every key's for an admin) and says who asks: no
+// request is made that the key's role would refuse.
+const usage = await json("GET", "/usage").catch(() => null);
+const admin = !usage || !usage.caller || usage.caller.admin;
+document.body.dataset.role = admin ? "admin" : "user";
+if (admin) {
+  setInterval(drawTroubles, AGES_EVERY_MS); // ages, and a suspect mark that fades
+  watchHealth(troubles, drawTroubles);
+  ctx.nodeId = await json("GET", "/node_id").catch(() => null);
+  live.start();
+} else {
+  new Account(ctx, chat, models.cards).start(usage);
+}
