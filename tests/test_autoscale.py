@@ -197,6 +197,26 @@ def test_a_desire_placed_on_demand_never_scales_past_one_and_its_keep_alive_unlo
     assert state.desires["g-0"].replicas == 1
 
 
+
+def test_an_on_demand_desire_kept_until_deleted_is_never_scaled_to_none():
+    """keep_alive negative (Ollama's -1): the desire stays loaded idle, the autoscaler's floor too."""
+    state = fold(NODES)
+    asked = decide(state, GenerateText(command_id="g", model_id=MODEL, at=100.0, keep_alive_s=-1.0),
+                   builtin_cards=CARDS, ids=(f"g-{n}" for n in itertools.count()), keep_alive_s=600.0)
+    state = all_ready(fold(asked, state))
+    assert (state.desires["g-0"].min_replicas, state.desires["g-0"].keep_alive_s) == (1, -1.0)
+    state, events = tick(state, 100_000.0)
+    assert events == [] and state.desires["g-0"].replicas == 1
+
+
+def test_a_master_groups_model_is_not_scaled_by_the_shared_master():
+    """Its queue is in its group's log: on the shared master it would look idle and lose replicas."""
+    state, _ = _busy_trio()
+    state = fold([TaskFinished(task_id="long", status="completed", at=160.0)], state)
+    grouped = msgspec.structs.replace(state, groups={"alpha": ["org/*"]})
+    assert tick(grouped, 10_000.0)[1] == []
+    assert tick(state, 10_000.0)[1] != []  # the same State, ungrouped, scales down
+
 def test_with_the_signal_off_nothing_scales():
     off = ScalePolicy(queue=0, window_s=0.0, idle_s=1.0)
     state = flood(placed(replicas=2, min_replicas=1, max_replicas=3), 50, at=100.0)

@@ -18,6 +18,7 @@ from exo.api.outcomes import CommandOutcomes
 from exo.api.state_metrics import ClusterCollector
 from exo.background import Background
 from exo.bus.connection import Connection, max_payload
+from exo.bus.publish import RETRY_FOR_S, publish_patience
 from exo.bus.state_view import FoldedView
 from exo.core.catalogue import find_card
 from exo.core.ids import ModelId, NodeId
@@ -96,7 +97,7 @@ class ApiContext:
                         param=param, code="model_not_found")
 
     def in_background(self, coroutine: Coroutine[Any, Any, object]) -> None:
-        self._background.start(coroutine)
+        self._background.start(_with_service_patience(coroutine))
 
     def all_cards(self) -> dict[ModelId, ModelCard]:
         return {**self.builtin_cards, **self.view.state.custom_model_cards}
@@ -112,3 +113,10 @@ CONTEXT_KEY = web.AppKey("exo_context", ApiContext)
 
 def context_of(request: web.Request) -> ApiContext:
     return request.app[CONTEXT_KEY]
+
+
+async def _with_service_patience(coroutine: Coroutine[Any, Any, object]) -> object:
+    """Work a request leaves behind (a cancel after the client left) outlives its client: it
+    publishes with the services' patience, not the shorter one its request's context carried."""
+    publish_patience.set(RETRY_FOR_S)  # this task's own copy of the context
+    return await coroutine

@@ -101,7 +101,9 @@ class LoadingWait:
 
     def _waited_out(self, loading: str) -> str:
         task = self._ctx.view.state.tasks.get(self._command_id)
-        if task is None or not loading or not task.instance_id or task.migrations:
+        # A task moved off a dead instance has its own bounds (exo/master/heal.py); one that only
+        # left the queue for its new instance (from "") still waits for a load, and is bounded here.
+        if task is None or not loading or not task.instance_id or any(m.from_instance for m in task.migrations):
             return ""
         waited = time.time() - task.created_at
         if waited < self._ctx.settings.load_timeout_s:

@@ -19,6 +19,7 @@ import msgspec
 from msgspec.structs import replace
 
 from exo.core.events import DesireEnded, DesireScaled, DesireSet, Event, InstanceCreated, InstanceDeleted
+from exo.core.groups import group_of
 from exo.core.ids import InstanceId
 from exo.core.state import State
 from exo.core.types import Desire, Instance, Task
@@ -45,7 +46,10 @@ def scale_desires(state: State, now: float, policy: ScalePolicy,
     by_instance = state.open_tasks_by_instance()
     events: list[Event] = []
     for desire in sorted(state.desires.values(), key=lambda d: d.desire_id):
-        if desire.desire_id not in skip and desire.min_replicas is not None and desire.max_replicas is not None:
+        # A master group's model: its queue is in the group's log, not here; it would look idle.
+        grouped = bool(group_of(desire.model_id, state.groups))
+        if (desire.desire_id not in skip and not grouped and desire.min_replicas is not None
+                and desire.max_replicas is not None):
             events += _scale(state, desire, by_instance, now, policy)
     return events
 

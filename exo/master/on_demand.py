@@ -80,8 +80,9 @@ def _place_on_demand(state: State, command: GenerateText, builtin: Mapping[Model
     stays loaded for the request's keep_alive, else EXO_KEEP_ALIVE, without requests."""
     keep_alive = keep_alive_s if command.keep_alive_s is None else command.keep_alive_s
     # min 0: its keep_alive unloads it whole; max 1: more replicas are for a placement that asks for them.
+    # A negative keep_alive keeps it until deleted: the autoscaler may not take its replica either.
     desire = Desire(desire_id=next(ids), model_id=command.model_id, on_demand=True, keep_alive_s=keep_alive,
-                    last_used_at=command.at, min_replicas=0, max_replicas=1)
+                    last_used_at=command.at, min_replicas=0 if keep_alive >= 0 else 1, max_replicas=1)
     room = place_making_room(state, desire, builtin, ids)
     if isinstance(room, Unplaceable):
         return _refuse(command, room.code, f"no instance of {command.model_id!r} is running and none can be placed "
