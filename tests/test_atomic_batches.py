@@ -115,7 +115,7 @@ async def test_a_commit_whose_answer_is_lost_ends_the_term_and_every_command_is_
 
     view.add_listener(slow_fold)
     start = await EventLog(nc).last_sequence()
-    master = asyncio.create_task(PausedAtCommit(nc, view, BUILTIN, node_id="lost-ack").run())
+    master = asyncio.create_task(PausedAtCommit(nc, view, BUILTIN, node_id="lost-ack", settings=UNSUSPECTING).run())
     try:
         await eventually(lambda: all(c.command_id in answers for c in commands), 40)
         await asyncio.sleep(2)  # anything decided twice would be appended by now
@@ -154,7 +154,7 @@ async def test_a_batch_decides_on_its_own_staged_decisions_even_when_others_even
     nc = await connect([fresh_nats], name="staged")
     await provision(nc)
     view, answers = await placed_then_waiting(nc, "staged", BUILTIN, [])
-    master = Master(nc, view, BUILTIN, node_id="staged", settings=MasterSettings(max_queue=1))
+    master = Master(nc, view, BUILTIN, node_id="staged", settings=MasterSettings(max_queue=1, suspect_s=600.0))
     running = asyncio.create_task(master.run())
     try:
         await eventually(lambda: master.term > 0 and view.state.leader_term == master.term, 20)

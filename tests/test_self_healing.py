@@ -110,6 +110,9 @@ def _assert_healed(cluster: Cluster, api: ExoProcess, stream: Streamed, old_inst
                    migrations_before: float) -> str:
     """The task moved once, off `old_instance` to the desire's replacement on surviving nodes; the
     metric counts it. Returns the replacement's id."""
+    # The stream's last chunk comes on the token stream; the worker's task.finished follows it into
+    # the log, and the API node's State a moment later (a full run read "running" in between).
+    wait_until(lambda: state_of(api).tasks[stream.task_id].status != "running", 10, 0.1, "the task's end in State")
     state = state_of(api)
     desire_id = next(iter(state.desires))
     task = state.tasks[stream.task_id]
