@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from exo.bus.server.cluster_secret import SECRET_FILE
 from exo.bus.server.embedded import CREDENTIALS_FILE
+from exo.bus.server.jetstream_cluster import redundancy
 
 if TYPE_CHECKING:
     from exo.node import Node
@@ -33,6 +34,10 @@ def banner(node: Node) -> str:
         nats += f" (users exo and operator, passwords in {node.embedded.store_dir / CREDENTIALS_FILE})"
     lines = [f"exo: node ready, API at {node.api_url or '(off)'}, NATS at {nats}"]
     lines += [f"  {note}" for note in node.notes]
+    cluster = node.cluster
+    if cluster is not None and cluster.membership is not None and cluster.join_address:
+        lines.append(f"  cluster {cluster.membership.cluster}: another node joins it as a member with "
+                     f"--join {cluster.join_address} (or by discovery on this LAN)")
     if node.api_url:
         lines.append(f"  node {node.name!r}; dashboard: {node.api_url}/")
         lines += next_steps(node.api_url.removeprefix("http://"), node.api_keys_required)
@@ -67,4 +72,6 @@ def risks(node: Node) -> list[str]:
                      f"node's NATS cluster and read or write its log; fix: start every node once with the same "
                      f"EXO_CLUSTER_SECRET=<long random string, e.g. from `openssl rand -hex 24`> "
                      f"(kept in {config.data_dir / 'nats' / SECRET_FILE})")
+    if config.nats_urls and node.event_log_replicas == 1:
+        found.append(f"no redundancy: {redundancy(1).removeprefix('none: ')}")
     return found

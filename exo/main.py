@@ -99,6 +99,9 @@ def parse_args(argv: list[str] | None = None, environ: Mapping[str, str] = os.en
         settings = {cls: read(cls, environ, given_flags(args, cls)) for cls in SERVICE_SETTINGS}
     except SettingError as error:
         parser.error(str(error))
+    join_problem = _join_problem(cast(NodeSettings, settings[NodeSettings]), cast(ClusterSettings, settings[ClusterSettings]))
+    if join_problem:
+        parser.error(join_problem)
     try:  # read here, so a bad map stops the node before it starts anything
         parse_groups(cast(MasterSettings, settings[MasterSettings]).groups)
     except ValueError as error:
@@ -106,12 +109,27 @@ def parse_args(argv: list[str] | None = None, environ: Mapping[str, str] = os.en
     node = cast(NodeSettings, settings[NodeSettings])
     from exo.node import default_name  # here, as in node_config: --help and the tools do not pay for it
     configure_logging(node.log_level, node.log_format, node.name or default_name(node.api_port))
+    from exo.telemetry.setup import configure, traces_endpoint  # here too: --help and the tools skip opentelemetry
+    configure(traces_endpoint(node.otlp_endpoint, environ), process="node", node=node.name or default_name(node.api_port))
     for chatty in ("httpx", "httpx2", "huggingface_hub"):  # one line per HTTP request is noise here
         logging.getLogger(chatty).setLevel(logging.WARNING)
 
     def auto(field: str) -> bool:  # a default port, not asked for: replaced by a free one if taken
         return not is_given(NodeSettings, field, environ, given_flags(args, NodeSettings))
     return node_config(settings, nats_port_auto=auto("nats_port"), api_port_auto=auto("api_port"))
+
+
+def _join_problem(node: NodeSettings, cluster: ClusterSettings) -> str:
+    """Why --join cannot be used as given ("" if it can)."""
+    if not cluster.join:
+        return ""
+    if node.nats_url:
+        return ("--join (EXO_JOIN) makes this node a member of a cluster through its own embedded server; "
+                "--nats (EXO_NATS_URL) makes it a client of another server: give one of them")
+    host, _, port = cluster.join.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        return f"--join (EXO_JOIN): {cluster.join!r} is not HOST:PORT (a member's cluster port, from its start banner)"
+    return ""
 
 
 def node_config(settings: Mapping[type[Any], Any], nats_port_auto: bool = False, api_port_auto: bool = False) -> NodeConfig:
@@ -122,7 +140,8 @@ def node_config(settings: Mapping[type[Any], Any], nats_port_auto: bool = False,
     node: NodeSettings = settings[NodeSettings]
     cluster: ClusterSettings = settings[ClusterSettings]
     data_dir = Path(node.data_dir).expanduser()
-    discovery, trusted_lan = (None, False) if node.nats_url or not cluster.discovery else _discovery(cluster, data_dir)
+    clustered = not node.nats_url and (cluster.discovery or bool(cluster.join))
+    discovery, trusted_lan = _discovery(cluster, data_dir) if clustered else (None, False)
     return NodeConfig(
         data_dir=data_dir, nats_urls=split_urls(node.nats_url), nats_port=node.nats_port, nats_port_auto=nats_port_auto,
         api_host=node.api_host or ("127.0.0.1" if is_loopback(cluster.discovery_address) else "0.0.0.0"),
@@ -142,7 +161,7 @@ def _discovery(cluster: ClusterSettings, data_dir: Path) -> tuple[DiscoverySetti
     secret = resolve_secret(data_dir / "nats", cluster.cluster_secret, cluster.namespace)
     return DiscoverySettings(address=cluster.discovery_address or lan_address(), secret=secret.value,
                              secret_id=secret.digest, namespace=cluster.namespace, cluster_port=cluster.cluster_port,
-                             remove_after_s=cluster.peer_remove_after_s,
+                             remove_after_s=cluster.peer_remove_after_s, join=cluster.join, mdns=cluster.discovery,
                              join_timeout_s=cluster.join_timeout_s), secret.trusted_lan
 
 

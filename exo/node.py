@@ -32,6 +32,7 @@ from exo.bus.provision import Overrides, event_retention, placed_on, provision
 from exo.bus.readers import ReaderPresence
 from exo.bus.server.cluster_node import ClusterNode, DiscoverySettings, LayoutSink
 from exo.bus.server.embedded import EmbeddedNats
+from exo.bus.server.jetstream_cluster import event_log_replicas
 from exo.bus.server.server_config import NODE_TAG
 from exo.bus.state_view import StateView
 from exo.core.events import ClusterLayoutChanged, Event, NodeRegistered
@@ -56,6 +57,7 @@ from exo.settings.services import (
     RunnerSettings,
     WorkerSettings,
 )
+from exo.telemetry.setup import configured_endpoint
 from exo.worker.heartbeat import Heartbeat
 from exo.worker.node_info import NodeIdentity, describe_this_node
 from exo.worker.service import Worker
@@ -155,6 +157,7 @@ class Node:
         self._data_dir_lock: IO[bytes] | None = None
         self.api_keys_required = False  # set by the API at start
         self.notes: list[str] = []  # what the node chose by itself at start, for the banner
+        self.event_log_replicas = 0  # on a NATS given by URL: the event log's copies (1: none to spare), for the banner
         self.name = ""
 
     async def start(self) -> None:
@@ -172,6 +175,8 @@ class Node:
             overrides = merge_overrides(placed_on([NODE_TAG]), overrides)
         await provision(nc, replicas=config.bus.replicas, overrides=overrides, keep_replicas=self.cluster is not None,
                         forming_wait_s=config.bus.cluster_forming_wait_s)
+        if config.nats_urls:
+            self.event_log_replicas = await event_log_replicas(nc)
         builtin = load_builtin_cards(builtin_cards_dir())
         view = await self._catch_up(nc)
         self._view = cluster_view = ClusterView(nc, view, self._groups_wanted(node_id))
@@ -229,8 +234,9 @@ class Node:
         """The worker and its heartbeat, once the node is registered in the log."""
         config = self.config
         identity = NodeIdentity(name=self.name, address=config.address, advertised=config.worker.advertise_addresses,
-                                ring_ports=config.worker.ring_ports)
-        start = RunnerStart(nats_urls=self.nats_urls, security=config.security, settings=config.runner)
+                                ring_ports=config.worker.ring_ports, offline=config.models.offline)
+        start = RunnerStart(nats_urls=self.nats_urls, security=config.security, settings=config.runner,
+                            traces_endpoint=configured_endpoint())
         self.worker = worker = Worker(nc, view, node_id, config.data_dir, self.nats_urls, builtin,
                                       DownloadSettings.of(config.models, config.data_dir), settings=config.worker,
                                       runner_start=start, suspect_s=config.master.suspect_s)

@@ -74,7 +74,7 @@ def test_every_route_but_health_needs_a_key(http, method, path):
     assert status == 401, (method, path, body)
     if path.startswith("/api/"):
         assert isinstance(body["error"], str)  # Ollama's shape
-    elif path == "/v1/messages":
+    elif path.startswith("/v1/messages"):  # /v1/messages/count_tokens too
         assert body["type"] == "error" and body["error"]["type"] == "authentication_error"
     else:
         assert body["error"]["type"] == "authentication_error" and body["error"]["code"] == "invalid_api_key"
@@ -95,9 +95,13 @@ INFERENCE = {("POST", "/v1/chat/completions"), ("GET", "/v1/chat/completions/x/s
              ("POST", "/v1/responses"), ("POST", "/v1/embeddings"), ("POST", "/v1/messages"), ("POST", "/v1/cancel/x"),
              ("GET", "/v1/models"), ("GET", "/v1/models/x"), ("GET", "/models"), ("GET", "/usage"),
              ("POST", "/api/chat"), ("POST", "/api/generate"), ("POST", "/api/embed"), ("POST", "/api/embeddings"),
-             ("POST", "/api/show"), ("GET", "/api/tags"), ("GET", "/api/ps"), ("GET", "/api/version")}
+             ("POST", "/api/show"), ("GET", "/api/tags"), ("GET", "/api/ps"), ("GET", "/api/version"),
+             ("POST", "/tokenize"), ("POST", "/detokenize"), ("POST", "/v1/messages/count_tokens"),
+             ("POST", "/v1/rerank"), ("POST", "/rerank"), ("POST", "/v2/rerank"),
+             ("POST", "/v1/audio/transcriptions"), ("POST", "/v1/audio/translations")}
 # The probes, and the dashboard's page and files: they hold no data.
-PUBLIC = {("GET", "/health"), ("GET", "/livez"), ("GET", "/"), ("GET", "/dashboard/x")}
+PUBLIC = {("GET", "/health"), ("GET", "/livez"), ("GET", "/"), ("GET", "/dashboard/x"),
+          ("GET", "/dashboard/vendor/x")}
 
 
 def test_a_key_without_admin_gets_403_on_every_route_but_inference(http):

@@ -206,7 +206,7 @@ def test_model_card_sampling_defaults_apply_when_the_request_leaves_them_out(htt
     ("/v1/completions", {"prompt": ""}, "prompt"),
     ("/v1/completions", {"prompt": ["a", "b"]}, "prompt"),
     ("/v1/completions", {"prompt": [1, 2, 3]}, "prompt[0]"),
-    ("/v1/completions", {"prompt": "x", "n": 2}, "n"),
+    ("/v1/completions", {"prompt": "x", "n": 17}, "n"),
     ("/v1/completions", {"prompt": "x", "echo": True}, "echo"),
     ("/v1/completions", {"prompt": "x", "logprobs": 6}, "logprobs"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),

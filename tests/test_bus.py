@@ -88,7 +88,9 @@ async def placed_then_waiting(nc, node: str, builtin: dict[str, ModelCard], comm
     """A view, its answers, and an instance of org/m placed by a master that then stopped, with
     `commands` queued for the next master."""
     view, answers = await view_with_a_node(nc, node)
-    first = asyncio.create_task(Master(nc, view, builtin, node_id=node).run())
+    # The node has no worker to pulse: a master that suspects it (EXO_SUSPECT_S, 5 s) refuses the commands
+    # queued here, and a loaded machine can take that long (a fast lane beside other work did).
+    first = asyncio.create_task(Master(nc, view, builtin, node_id=node, settings=MasterSettings(suspect_s=600.0)).run())
     try:
         await send_command(nc, PlaceInstance(command_id=f"{node}-place", model_id="org/m"))
         await eventually(lambda: f"{node}-place" in answers, 20)

@@ -2,10 +2,11 @@
 whose download failed shows failed (red, never "running"), and its failed download goes once the
 instance does; models are added by local path, and the Add box says what the server said; the
 sticky header never covers the chat; the cluster banner is absent while all is well and says in
-words what is wrong (a node gone, NATS not answering), the node keeps its card (gone, greyed) and
-the master is marked. On hand-made States, in the same page: the page's instance
-status equals the API's `report_of`, layer bars show a download's progress and a failure, and
-nodes on one host (and the witness beside its node) have names that tell them apart."""
+words what is wrong (a node gone, NATS not answering, an event log without redundancy that other
+nodes depend on), the node keeps its card (gone, greyed) and the master is marked. On hand-made
+States, in the same page: the page's instance status equals the API's `report_of`, layer bars show a
+download's progress and a failure, nodes on one host (and the witness beside its node) have names
+that tell them apart, and a log of one replica is said only where other nodes depend on it."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ import pytest
 
 from exo.api.cluster.instances import report_of
 from exo.bus.connection import connect
+from exo.bus.server.jetstream_cluster import redundancy
 from exo.bus.subjects import event_subject
 from exo.core.events import NodeHeartbeat, encode_event
 from exo.core.state import State
@@ -158,7 +160,9 @@ def test_the_banner_says_what_is_wrong_and_a_gone_node_keeps_its_card(page, http
         thread.submit(asyncio.run, _describe(node, ghost, "studio")).result()
     card = f'.card.node[data-node-id="{ghost}"]'
     shown(page, node, f'{card}[data-node-state="live"]')
-    assert page.locator("#banner").is_hidden()
+    # Two nodes now depend on this node's log of one replica: that is the banner's one line.
+    assert _banner_line(page, node, "redundancy", present=True).startswith("This cluster has no redundancy: ")
+    assert page.locator("#banner [data-trouble]").count() == 1
     page.locator(f'{card}[data-node-state="gone"]').wait_for(timeout=(NODE_TIMEOUT_S + 15) * 1000)
     assert ghost not in http.get("/state").json()["nodes"]
     at = r"at \d{1,2}:\d\d:\d\d(\s?[AP]M)?"
@@ -169,6 +173,7 @@ def test_the_banner_says_what_is_wrong_and_a_gone_node_keeps_its_card(page, http
     gone_line = page.locator('#banner [data-trouble="gone"]').inner_text()
     assert re.fullmatch(f"Node studio is gone \\(timed out: no heartbeat for {NODE_TIMEOUT_S} s, {at}\\): check that "
                         "it runs and can reach the others; it rejoins by itself when it does.", gone_line), gone_line
+    assert page.locator('#banner [data-trouble="redundancy"]').count() == 0  # alone again: nothing else to stop
     page.wait_for_timeout(1500)  # State fetched again without it: still listed
     assert page.locator(f'{card}[data-node-state="gone"]').count() == 1
     assert page.locator(f'.card.node[data-node-id="{this}"] .tag.master').count() == 1
@@ -311,16 +316,18 @@ def test_nodes_on_one_host_and_the_witness_have_names_that_tell_them_apart(page)
     assert servers == ["vm ★", "vm witness", "vm:52416 offline"]
 
 
-TROUBLES = """async ({state, events}) => {
+TROUBLES = """async ({state, events, health}) => {
     const [{renderNodes}, {Troubles, renderBanner}] = await Promise.all(
         ["cluster", "banner"].map((m) => import(`/dashboard/${m}.js`)));
     const troubles = new Troubles();
+    troubles.health = health || null;
     for (const event of events) troubles.noteEvent(event, state, true);
     document.getElementById("drawn")?.remove();
     const box = document.createElement("div");
     box.id = "drawn";
     document.body.append(box);
     const [nodes, banner] = [document.createElement("div"), document.createElement("div")];
+    banner.className = "banner"; // styled as the page's own
     box.append(nodes, banner);
     renderNodes(nodes, state, {nodeId: null, troubles});
     renderBanner(banner, state, troubles, null);
@@ -355,3 +362,30 @@ def test_a_suspect_node_an_offline_server_and_a_stream_short_of_replicas_are_sai
         ("server", "The NATS server of host-b is offline: check that the node runs and can reach the others."),
         ("stream", "Stream EXO_EVENTS has 1 of its 3 replicas online: without a majority it takes no writes. "
                    "Start the stopped nodes.")]
+
+
+@pytest.mark.slow
+def test_the_banner_says_when_other_nodes_depend_on_an_event_log_without_redundancy(page, http, node):
+    # This lone node's log has one replica and /health says so, but losing its server stops nothing else: no line.
+    shown(page, node, '#banner[data-health="ok"]', "attached")
+    assert http.get("/health").json()["redundancy"] == redundancy(1)
+    assert page.locator('#banner [data-trouble="redundancy"]').count() == 0
+
+    # Two nodes on a log of one replica (a node started with --nats, issue #46): the line, and its fix.
+    state = msgspec.to_builtins(two_ranks("ready", "ready"))
+    page.evaluate(TROUBLES, {"state": state, "events": [], "health": {"status": "ok", "redundancy": redundancy(1)}})
+    lines = page.locator("#drawn [data-trouble]")
+    assert [(line.get_attribute("data-trouble"), line.inner_text()) for line in lines.all()] == [
+        ("redundancy", "This cluster has no redundancy: the event log has 1 replica, and losing its NATS server stops "
+                       "the cluster; fix: run three nodes as members of one exo cluster (--join HOST:PORT or "
+                       "discovery) instead of --nats, or a three-server NATS cluster with EXO_REPLICAS=3 "
+                       "(docs/deploy.md).")]
+    page.eval_on_selector("#drawn [data-trouble]", "e => e.insertAdjacentHTML('afterend', "
+                          "'<p data-trouble=stream></p><p data-trouble=health></p>')")
+    warned, stream, health = (color(page, f'#drawn [data-trouble="{kind}"]', "backgroundColor")
+                              for kind in ("redundancy", "stream", "health"))
+    assert warned == stream != health  # a risk: warned as a stream short of replicas is, not red
+
+    # The same two nodes on a log of three replicas: nothing to say.
+    page.evaluate(TROUBLES, {"state": state, "events": [], "health": {"status": "ok", "redundancy": redundancy(3)}})
+    assert page.locator("#drawn [data-trouble]").count() == 0

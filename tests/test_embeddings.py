@@ -182,7 +182,7 @@ def test_an_embedding_model_is_placed_on_one_node_and_listed_as_embedding(http):
     answer = http.post("/place_instance", json={"model_id": BERT_ID, "min_nodes": 2})
     assert answer.status_code == 409 and "an embedding model runs on one node" in answer.text
     card = http.get(f"/v1/models/{BERT_ID}").json()["card"]
-    assert card["embedding"] == {"pooling": "mean", "normalize": True}
+    assert card["embedding"] == {"pooling": "mean", "normalize": True, "rerank": None}
 
 
 @pytest.mark.slow

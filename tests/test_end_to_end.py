@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from pathlib import Path
 
@@ -194,7 +195,7 @@ def test_a_card_can_point_at_a_local_model_directory_and_deleting_its_instance_e
         ("POST", "/v1/chat/completions", b"", 400),
         ("POST", "/v1/chat/completions", {"model": TINY_MODEL_ID}, 400),
         ("POST", "/v1/chat/completions", {"model": TINY_MODEL_ID, "messages": []}, 400),
-        ("POST", "/v1/chat/completions", {"model": TINY_MODEL_ID, "messages": MESSAGES, "n": 2}, 400),
+        ("POST", "/v1/chat/completions", {"model": TINY_MODEL_ID, "messages": MESSAGES, "n": 17}, 400),
         ("POST", "/v1/chat/completions", {"model": TINY_MODEL_ID, "messages": MESSAGES, "temperature": 9}, 400),
         ("POST", "/v1/chat/completions", {"model": TINY_MODEL_ID, "messages": [{"role": "wizard", "content": "x"}]}, 400),
         ("POST", "/v1/chat/completions", {"model": "nobody/nothing", "messages": MESSAGES}, 404),
@@ -236,6 +237,16 @@ def test_state_node_id_and_models(http, node, instance_id):
     assert TINY_MODEL_ID in ids and "mlx-community/Llama-3.2-1B-Instruct-4bit" in ids
     card_file = node.data_dir / "custom_cards" / "exo-test--tiny-llama.toml"
     assert f'model_id = "{TINY_MODEL_ID}"' in card_file.read_text()
+
+
+def test_the_ready_line_says_what_the_runners_warm_up_took(node, instance_id):
+    """The runner times its warm-up (greedy and sampled kernels: tests/test_warm_up.py), the worker
+    puts it in the ready status, and the master's INFO line says it."""
+    ready = re.compile(rf"master: {TINY_MODEL_ID} ready on .+ in \d+\.\d s from placement "
+                       rf"\(instance {instance_id}, warm-up (\d+\.\d\d) s\)$")
+    found = wait_until(lambda: next(filter(None, map(ready.search, node.output().splitlines())), None), 60,
+                       what="the instance's ready line")
+    assert float(found.group(1)) > 0
 
 
 def test_forged_elections_do_not_wedge_the_cluster(http, client, node, instance_id, expected):

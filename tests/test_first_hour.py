@@ -4,8 +4,10 @@ against the one the guide shows (`...` stands for anything: ids, timings, model 
 What differs from a user's machine, and only that: HOME is a temporary directory (so `~/.exo`
 is fresh), the Hub is a local look-alike serving the tiny test model under the guide's model ids
 (the 405B one listed at its real size, without its bytes), the guide's ports are swapped for
-free ones, discovery stays on loopback in a namespace of its own, and `uv run exo` is the
-environment's own `exo` script (the same program, without uv re-checking the lock each time).
+free ones, the join address the guide shows is the one node 1's banner printed (as a user copies
+it), discovery stays on loopback in a namespace of its own, and `uv run exo` is the environment's
+own `exo` script (the same program, without uv re-checking the lock each time). Where the guide
+says to stop node 1, the walk kills it hard: its exo process and its nats-server, SIGKILL.
 """
 
 from __future__ import annotations
@@ -31,7 +33,9 @@ GUIDE = Path(__file__).resolve().parents[1] / "docs" / "first-hour.md"
 SMALL_ID = "mlx-community/SmolLM2-135M-Instruct"
 HUGE_ID = "mlx-community/Meta-Llama-3.1-405B-Instruct-4bit"
 HUGE_WEIGHTS = 229 * 10**9  # as the real repository lists it
-GUIDE_PORTS = ("52415", "52416", "52417", "4222", "4223")
+GUIDE_PORTS = ("52415", "52416", "52417", "4222", "4223", "4224")
+GUIDE_JOIN = "192.168.1.10:6222"  # the join address the guide shows; the walk's is node 1's
+LOSS_HEADING = "## 7. Lose a node"
 SERVER_WAIT_S = 120.0
 COMMAND_WAIT_S = 180.0
 
@@ -50,6 +54,7 @@ class Walk:
     ports: dict[str, str]
     servers: list[subprocess.Popen] = field(default_factory=list)
     logs: list[Path] = field(default_factory=list)
+    join: str = GUIDE_JOIN
 
 
 def steps_of(text: str) -> list[Step]:
@@ -74,6 +79,7 @@ def pattern_of(expected: str) -> re.Pattern[str]:
 def localized(text: str, walk: Walk) -> str:
     for port, free in walk.ports.items():
         text = re.sub(rf"(?<![0-9]){port}(?![0-9])", free, text)
+    text = text.replace(GUIDE_JOIN, walk.join)
     exo = " ".join(exo_command())
     return text.replace("uv run exo", exo)
 
@@ -102,6 +108,8 @@ def _start_server(command: str, expected: re.Pattern[str], walk: Walk) -> None:
     while time.monotonic() < deadline:
         output = log.read_text(errors="replace")
         if expected.search(output):
+            if len(walk.servers) == 1 and (printed := re.search(r"--join (\S+)", output)):
+                walk.join = printed[1]
             return
         assert walk.servers[-1].poll() is None, f"$ {command} exited:\n{output}"
         time.sleep(0.2)
@@ -137,10 +145,28 @@ def walk(tmp_path):
                     server.kill()
 
 
+def kill_hard(server: subprocess.Popen, data_dir: Path) -> None:
+    """A node lost as a crash loses it: its exo process and its nats-server (a session of its own) SIGKILLed."""
+    servers = [int(f.stem.rsplit("_", 1)[1]) for f in (data_dir / "nats" / "ports").glob("*.ports")]
+    server.kill()
+    server.wait(10)
+    for pid in servers:
+        os.kill(pid, signal.SIGKILL)
+
+
 def test_the_first_hour_guide_runs_as_written(walk):
-    steps = steps_of(GUIDE.read_text())
+    """Every command in order; at section 7 node 1 dies, and the cluster the guide built goes on
+    without it (node 2 answers /health 200 and a chat)."""
+    before, heading, after = GUIDE.read_text().partition(LOSS_HEADING)
+    assert heading, f"the guide has no section {LOSS_HEADING!r}"
+    steps = steps_of(before)
     assert len(steps) >= 10 and any("uv run exo" in s.command for s in steps)
     for step in steps:
+        run_step(step, walk)
+    kill_hard(walk.servers[0], Path(walk.env["HOME"]) / ".exo")
+    survival = steps_of(after)
+    assert [("/health" in s.command, "chat/completions" in s.command) for s in survival] == [(True, False), (False, True)]
+    for step in survival:
         run_step(step, walk)
 
 

@@ -29,6 +29,7 @@ from exo.bus.connection import connect
 from exo.bus.provision import provision
 from exo.bus.readiness import LagWatch, quorum_problem
 from exo.bus.server.embedded import EmbeddedNats
+from exo.bus.server.jetstream_cluster import redundancy
 from exo.core.ids import NodeId
 from exo.models.cards import load_builtin_cards
 from exo.resources import builtin_cards_dir
@@ -67,7 +68,8 @@ async def test_health_is_503_naming_a_lost_connection_and_200_once_back_while_li
     ok = await api.get("/health")
     assert ok.status_code == 200
     assert ok.json() == {"status": "ok", "node_id": "node-a", "last_seq": ok.json()["last_seq"], "nats_connected": True,
-                         "suspect_nodes": []}
+                         "suspect_nodes": [], "redundancy": redundancy(1)}
+    assert redundancy(1).startswith("none: the event log has 1 replica, and losing its NATS server stops the cluster")
 
     fresh_server.stop()
     stopped = time.monotonic()
@@ -79,7 +81,7 @@ async def test_health_is_503_naming_a_lost_connection_and_200_once_back_while_li
     since = GONE.fullmatch(body["problem"])
     assert since, body
     assert abs(int(since[1]) - (time.monotonic() - stopped)) <= 1.5, (body, time.monotonic() - stopped)
-    assert set(body) == {"status", "node_id", "last_seq", "nats_connected", "suspect_nodes", "problem"}
+    assert set(body) == {"status", "node_id", "last_seq", "nats_connected", "suspect_nodes", "redundancy", "problem"}
     assert degraded.json()["problem"]
     livez = await api.get("/livez")
     assert livez.status_code == 200 and livez.json() == {"status": "alive"}

@@ -26,6 +26,7 @@ from exo.core.events import TaskCreated
 from exo.settings.services import ApiSettings
 from tests.support.cluster import replay
 from tests.support.e2e import nats_url_of, one_model_node, place
+from tests.support.image_server import ImageServer
 from tests.support.images import random_png
 from tests.support.tiny_model import TINY_MODEL_ID, make_tiny_model
 
@@ -180,18 +181,24 @@ def test_bad_base64_names_where_it_is(http, cards):
         assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
 
 
-@pytest.mark.parametrize("path, shape, body", [
-    ("/v1/chat/completions", "openai", {"messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}]}]}),
-    ("/v1/responses", "openai", {"input": [{"role": "user", "content": [
-        {"type": "input_image", "image_url": "https://example.com/cat.png"}]}]}),
-    ("/v1/messages", "anthropic", {"max_tokens": 2, "messages": [{"role": "user", "content": [
-        {"type": "image", "source": {"type": "url", "url": "https://example.com/cat.png"}}]}]}),
+@pytest.mark.parametrize("path, shape, part, param", [
+    ("/v1/chat/completions", "openai", lambda url: {"type": "image_url", "image_url": {"url": url}}, "messages[0].content[0]"),
+    ("/v1/responses", "openai", lambda url: {"type": "input_image", "image_url": url}, "input[0].content[0].image_url"),
+    ("/v1/messages", "anthropic", lambda url: {"type": "image", "source": {"type": "url", "url": url}},
+     "messages[0].content[0].source.url"),
 ])
-def test_image_urls_are_refused_since_nothing_is_fetched(http, cards, path, shape, body):
-    response = http.post(path, json={"model": VISION, **body})
-    assert response.status_code == 400, response.text
-    assert "fetches nothing from the web" in error_of(response, shape)
+def test_image_urls_to_loopback_are_refused_unrequested_without_image_url_private(http, cards, path, shape, part, param):
+    with ImageServer(b"an image") as server:
+        url = server.url + "/image.png"
+        turns = [{"role": "user", "content": [part(url)]}]
+        body = {"input": turns} if path == "/v1/responses" else {"max_tokens": 2, "messages": turns}
+        response = http.post(path, json={"model": VISION, **body})
+        assert response.status_code == 400, response.text
+        assert error_of(response, shape) == (f"the image at {url} could not be fetched: 127.0.0.1 is a refused address "
+                                             "(loopback); set EXO_IMAGE_URL_PRIVATE=1 to allow such addresses")
+        assert server.total_hits == 0
+    if shape == "openai":
+        assert response.json()["error"]["param"] == param
 
 
 TOOL_USE = {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "camera", "input": {}}]}
@@ -226,10 +233,10 @@ def test_images_where_they_cannot_go_are_400(http, cards, path, shape, body, mes
 
 def test_data_urls_and_bare_base64_share_one_decoding_and_its_limits():
     uploads = ImageUploads(ApiSettings(max_image_bytes=8))
-    assert uploads.add_data_url(data_url(b64(b"12345678")), "a") == uploads.add_base64(b64(b"12345678"), "b")
+    assert uploads.add_image_url(data_url(b64(b"12345678")), "a") == uploads.add_base64(b64(b"12345678"), "b")
     assert list(uploads.by_digest) == [image_digest(b"12345678")]
     for add, payload, status in [(uploads.add_base64, b64(b"123456789"), 413), (uploads.add_base64, "", 400),
-                                 (uploads.add_data_url, data_url("###"), 400), (uploads.add_data_url, "file:///x", 400)]:
+                                 (uploads.add_image_url, data_url("###"), 400), (uploads.add_image_url, "file:///x", 400)]:
         with pytest.raises(ApiError) as refused:
             add(payload, "p")
         assert (refused.value.status, refused.value.param) == (status, "p")

@@ -19,9 +19,14 @@ from exo.bus.images import store_image
 from exo.bus.provision import provision
 from exo.bus.server.embedded import EmbeddedNats, nats_server_binary
 from exo.bus.snapshots import write_snapshot
+from exo.bus.tooling.inspection import Inspection, ServerView, StreamView
 from exo.core.commands import PlaceInstance
 from exo.core.events import TaskStarted
+from exo.core.ids import NodeId
+from exo.core.node_names import server_display
 from exo.core.state import State
+from exo.core.types import NodeInfo
+from exo.tools.inspect import inspection_text
 from tests.support.exo_process import free_port
 from tests.support.exo_tools import in_thread, run_tool
 
@@ -124,3 +129,24 @@ async def test_inspect_lists_the_keys_a_bucket_holds_and_not_the_deleted(fresh_s
     (state_bucket,) = [b for b in json.loads(done.stdout)["buckets"] if b["bucket"] == "exo-state"]
     assert [(k["key"], k["note"]) for k in state_bucket["keys"]] == [("kept", ""), ("snapshot", "State at sequence 7")]
     assert state_bucket["keys_left_out"] == 0
+
+
+def test_inspect_names_a_cluster_s_servers_after_their_nodes_where_state_knows_them():
+    """exo-<node id> is the server of that node (exo/bus/server/cluster_node.py): the report names it
+    as the node names itself, keeping the follower's note; a server State has no node for keeps its name."""
+    studio, mini, gone = "a" * 32, "b" * 32, "c" * 32
+    state = State(nodes={NodeId(studio): NodeInfo(node_id=NodeId(studio), name="studio"),
+                         NodeId(mini): NodeInfo(node_id=NodeId(mini), name="mini")})
+    events = StreamView(name="EXO_EVENTS", subjects=[], storage="file", messages=0, bytes=0, first_seq=0, last_seq=0,
+                        last_time="", consumers=[], replicas=3, cluster="exo-c1", leader=f"exo-{studio}",
+                        followers=[f"exo-{mini} (offline)", f"exo-{gone} (behind)"])
+    inspection = Inspection(server=ServerView(url="nats://h:4222", version="2.15.1", jetstream_storage_bytes=0,
+                                              jetstream_memory_bytes=0), streams=[events], buckets=[], object_stores=[])
+    assert inspection_text(inspection, state)[2:5] == [
+        f"JetStream cluster exo-c1: 3 server(s) hold streams: exo-{gone}, mini, studio",
+        "  stream      replicas  leader  followers",
+        f"  EXO_EVENTS  3         studio  mini (offline), exo-{gone} (behind)"]
+    assert inspection_text(inspection)[4] == \
+        f"  EXO_EVENTS  3         exo-{studio}  exo-{mini} (offline), exo-{gone} (behind)"
+    assert server_display(state, f"exo-{studio}-witness") == "studio witness"
+    assert server_display(state, "nats-1") == "nats-1"

@@ -85,7 +85,7 @@ def test_the_arrows_table_renders_each_package_with_what_it_may_import():
     rows = arrows_markdown().splitlines()
     assert len(rows) == 2 + len(ALLOWED_ARROWS) + 1  # header, rule, one row per package, the wiring on top
     assert "| `exo/core` | nothing else of exo |" in rows
-    assert "| `exo/runner` | `bus`, `core`, `event_loop`, `memory`, `settings` |" in rows
+    assert "| `exo/runner` | `bus`, `core`, `event_loop`, `memory`, `settings`, `telemetry` |" in rows
     assert "| `exo/event_loop.py` | nothing else of exo |" in rows
     with pytest.raises(ValueError, match="no layers block"):
         with_arrows_table(f"a table lost its end marker: {BEGIN}")

@@ -8,6 +8,7 @@ import logging
 from collections.abc import Iterable
 
 import pytest
+from msgspec.structs import replace
 
 from exo.core.apply import apply
 from exo.core.commands import GenerateText, PlaceInstance
@@ -103,6 +104,34 @@ def test_an_instance_placed_by_request_loads_is_ready_fails_and_is_replaced(capl
     ]
     fields = caplog.records[0].__dict__
     assert (fields["model"], fields["instance_id"]) == (M, first.instance_id)  # JSON lines carry them
+
+
+def test_the_ready_line_says_the_slowest_ranks_warm_up_and_each_readiness_its_own(caplog: pytest.LogCaptureFixture):
+    reachable = {n.node_id: replace(n, addresses=[f"10.0.0.{i}"], ring_port_first=5000, ring_port_count=4)
+                 for i, n in enumerate((STUDIO, MINI), 1)}
+    told = Told(with_leader(State(nodes=reachable)))
+    events = decide(told.state, PlaceInstance(command_id="p", model_id=M, min_nodes=2), builtin_cards=CARDS,
+                    ids=ids("p"))
+    instance = placed(events)
+    told.fold(events)
+    first, second = (replace(e, warm_up_s=s) for e, s in zip(runner_status(instance, "ready"), (3.5, 0.25), strict=True))
+    with caplog.at_level(logging.INFO, logger="exo.master.service"):
+        told.now = 110.0
+        told.fold([first, second])  # the line comes once both are ready: with the slower one's warm-up
+        told.fold(runner_status(instance, "failed", "killed", failures=1)[:1])
+        told.fold([replace(first, warm_up_s=0.04, failures=1)])  # restarted with the kernels cached: its own time
+        told.fold([replace(first, warm_up_s=9.0)])  # already ready: no line, and not kept for the next one
+        told.fold(runner_status(instance, "failed", "killed", failures=1)[1:])
+        told.fold([replace(second, warm_up_s=0.5, failures=1)])
+    labels = ["studio:52416" if s.node_id == STUDIO.node_id else "mini" for s in instance.shards]
+    ready = f"master: {M} ready on {', '.join(labels)} in 10.0 s from placement (instance {instance.instance_id}"
+    assert caplog.messages == [
+        f"{ready}, warm-up 3.50 s)",
+        f"master: {M} failed on {labels[0]}: killed (instance {instance.instance_id}, failure 1)",
+        f"{ready}, warm-up 0.04 s)",
+        f"master: {M} failed on {labels[1]}: killed (instance {instance.instance_id}, failure 1)",
+        f"{ready}, warm-up 0.50 s)",
+    ]
 
 
 def test_a_request_places_on_demand_and_moves_when_its_instance_goes(caplog: pytest.LogCaptureFixture):

@@ -151,3 +151,19 @@ def test_cards_out_of_range_are_refused_and_skipped(fields, reason):
     assert card.problem() == reason
     assert fold([CustomCardAdded(card=card)]).skipped_events[-1].reason == f"custom card: {reason}"
     assert ModelCard(model_id="org/m", n_layers=80, context_length=131072, head_dim=128, kv_dtype_bytes=2).problem() is None
+
+
+def test_a_finished_tasks_params_keep_nothing_that_grows_with_the_request():
+    """State keeps finished tasks (MAX_FINISHED_TASKS of them): their text, tools, grammar and
+    logit_bias (up to 300 entries) stay in the log only, while the small settings stay."""
+    from exo.core.conversation import without_text
+    from exo.core.types import ChatMessage, GenerationParams, ResponseFormat
+
+    params = GenerationParams(messages=[ChatMessage(role="user", content="hi " * 100)], prompt="p" * 100,
+                              tools=[{"type": "function", "function": {"name": "f"}}], stop=["x"],
+                              response_format=ResponseFormat(type="json_object"),
+                              logit_bias={n: 1.0 for n in range(300)}, temperature=0.5, seed=7)
+    kept = without_text(params)
+    assert (kept.messages, kept.prompt, kept.tools, kept.stop, kept.response_format, kept.logit_bias) == \
+           ([], None, [], [], None, {})
+    assert (kept.temperature, kept.seed) == (0.5, 7)

@@ -274,8 +274,7 @@ def test_chunks_carry_the_ids_of_their_text_and_go_on_from_the_resumed_index(eng
     sent: list[TokenChunk] = []
     for n, out in enumerate(outs):  # 8 ms a token: the coalescer holds text for 20 ms
         sent += chunks.add(out, n * 0.008)
-    rest = chunks.rest(whole, len(outs) * 0.008)
-    sent += [rest] if rest else []
+    sent += chunks.rest(whole, len(outs) * 0.008)
     assert len(sent) < len(outs) and [c.index for c in sent] == list(range(7, 7 + len(sent)))
     assert {c.attempt for c in sent} == {2} and chunks.index == 7 + len(sent)
     assert [t for c in sent for t in c.token_ids] == streamed(outs)
@@ -293,8 +292,7 @@ def test_content_sent_ahead_of_new_reasoning_keeps_its_own_ids():
     sent = chunks.add(Output("a", 1, 5, [], [], tokens=[10]), 0.0)
     sent += chunks.add(Output("b", 2, 5, [], [], tokens=[11]), 0.001)  # held
     sent += chunks.add(Output("", 3, 5, [], [], reasoning="r", tokens=[12]), 0.002)  # "b" goes now, alone
-    rest = chunks.rest(GenerationResult("length", 5, 3), 0.003)
-    sent += [rest] if rest else []
+    sent += chunks.rest(GenerationResult("length", 5, 3), 0.003)
     assert [(c.text, c.reasoning, c.token_ids, c.index, c.attempt) for c in sent] == [
         ("a", "", [10], 0, 0), ("b", "", [11], 1, 0), ("", "r", [12], 2, 0)]
 

@@ -6,37 +6,46 @@ from __future__ import annotations
 from aiohttp import web
 
 from exo.api import dashboard
+from exo.api.anthropic import count_tokens as anthropic_count_tokens
 from exo.api.anthropic import messages as anthropic_messages
 from exo.api.auth import auth_middleware
 from exo.api.bus_outage import bus_middleware
 from exo.api.cluster import adapters, cancel, downloads, events, instances, keys, models, node_status, prometheus
 from exo.api.context import CONTEXT_KEY, ApiContext
 from exo.api.errors import error_middleware
+from exo.api.metrics_history import add_to as add_metrics_history
 from exo.api.ollama import embed as ollama_embed
 from exo.api.ollama import endpoints as ollama
 from exo.api.ollama import models as ollama_models
+from exo.api.openai import audio as openai_audio
 from exo.api.openai import chat as openai_chat
 from exo.api.openai import chat_stream as openai_chat_stream
 from exo.api.openai import completions as openai_completions
 from exo.api.openai import embeddings as openai_embeddings
+from exo.api.openai import rerank as openai_rerank
 from exo.api.openai import responses as openai_responses
+from exo.api.openai import tokenize as openai_tokenize
 from exo.api.rate_headers import add_rate_headers
 from exo.api.request_metrics import metrics_middleware
+from exo.api.request_trace import trace_middleware
 from exo.api.storage import storage_middleware
+from exo.api.tokenizers import TOKENIZERS_KEY, Tokenizers
 
 
 def build_app(ctx: ApiContext) -> web.Application:
     # Outermost first: count every answer, then shape errors, then check the key; the bus's trouble innermost.
-    app = web.Application(middlewares=[metrics_middleware, error_middleware, auth_middleware, storage_middleware,
-                                       bus_middleware()],
+    app = web.Application(middlewares=[metrics_middleware, trace_middleware, error_middleware, auth_middleware,
+                                       storage_middleware, bus_middleware()],
                           client_max_size=ctx.body_limit())  # JSON bodies check it again as they come (request_body.py)
     app[CONTEXT_KEY] = ctx
     app[node_status.READINESS_KEY] = node_status.Readiness(ctx.nc)
+    app[TOKENIZERS_KEY] = Tokenizers(ctx)  # the token counting routes', loaded as they are asked for
     app.on_response_prepare.append(add_rate_headers)  # streams too: headers go out before the first event
     _openai(app.router)
     _anthropic_and_ollama(app.router)
     _cluster(app.router)
     dashboard.add_routes(app.router)
+    add_metrics_history(app)  # GET /metrics/history and its sampler, for as long as the app runs
     return app
 
 
@@ -46,14 +55,21 @@ def _openai(router: web.UrlDispatcher) -> None:
     router.add_post("/v1/completions", openai_completions.completions)
     router.add_post("/v1/responses", openai_responses.responses)
     router.add_post("/v1/embeddings", openai_embeddings.embeddings)
+    router.add_post("/v1/audio/transcriptions", openai_audio.transcriptions)
+    router.add_post("/v1/audio/translations", openai_audio.translations)
+    for path in ("/v1/rerank", "/rerank", "/v2/rerank"):  # vLLM's three names for it
+        router.add_post(path, openai_rerank.rerank)
     router.add_get("/v1/models", models.list_models)
     router.add_get("/v1/models/{model_id:.+}", models.get_model)
     router.add_get("/models", models.list_models)
     router.add_post("/v1/cancel/{command_id}", cancel.cancel)
+    router.add_post("/tokenize", openai_tokenize.tokenize)  # vLLM's and llama.cpp's
+    router.add_post("/detokenize", openai_tokenize.detokenize)
 
 
 def _anthropic_and_ollama(router: web.UrlDispatcher) -> None:
     router.add_post("/v1/messages", anthropic_messages.messages)
+    router.add_post("/v1/messages/count_tokens", anthropic_count_tokens.count_tokens)
     router.add_post("/api/chat", ollama.chat)
     router.add_post("/api/generate", ollama.generate)
     router.add_get("/api/tags", ollama.tags)

@@ -24,8 +24,9 @@ MAX_TEXT_CHARS = 4 * MAX_TOKEN_IDS
 
 @dataclass
 class Embeddings:
-    vectors: list[np.ndarray]  # float32, in input order
+    vectors: list[np.ndarray]  # float32, in input order (a rerank's: one score each)
     prompt_tokens: int
+    task_id: str = ""  # the request's command id
 
 
 def embed_inputs(value: Any, param: str, dimensions: int | None = None) -> EmbedInputs:
@@ -55,11 +56,18 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def check_embeds(ctx: ApiContext, model_id: ModelId, dimensions: int | None) -> None:
-    """400 for a model whose card does not embed, or `dimensions` past its vectors' size."""
+def check_embeds(ctx: ApiContext, model_id: ModelId, dimensions: int | None, rerank: bool = False) -> None:
+    """400 for a model whose card does not embed (or rerank, for a rerank), or `dimensions` past its vectors' size."""
     card = ctx.card(model_id)
     if card is None:
         return  # generating() answers the surface's own 404
+    reranker = card.embedding is not None and card.embedding.rerank is not None
+    if rerank and not reranker:
+        raise ApiError(400, f"the model {model_id!r} does not rerank (its card is not a cross-encoder's): use a "
+                            "reranker, a BERT sequence classifier with one label", param="model")
+    if reranker and not rerank:
+        raise ApiError(400, f"the model {model_id!r} is a reranker (a cross-encoder) and does not embed: use "
+                            "POST /v1/rerank", param="model")
     if card.embedding is None:
         raise ApiError(400, f"the model {model_id!r} does not embed (its card has no embedding pooling): use an "
                             "embedding model, or POST /v1/chat/completions for this one", param="model")
@@ -70,10 +78,11 @@ def check_embeds(ctx: ApiContext, model_id: ModelId, dimensions: int | None) -> 
 
 async def run_embeddings(ctx: ApiContext, model_id: ModelId, inputs: EmbedInputs,
                          missing: ApiError | None = None, keep_alive_s: float | None = None) -> Embeddings:
-    check_embeds(ctx, model_id, inputs.dimensions)
+    check_embeds(ctx, model_id, inputs.dimensions, rerank=inputs.query is not None)
     vectors: dict[int, np.ndarray] = {}
     prompt_tokens = 0
     async with generating(ctx, model_id, GenerationParams(embed=inputs), missing, keep_alive_s=keep_alive_s) as generation:
+        task_id = generation.command_id
         async for chunk in generation.chunks():
             raise_if_failed(chunk, generation.failure)
             if chunk.embedding:
@@ -85,7 +94,7 @@ async def run_embeddings(ctx: ApiContext, model_id: ModelId, inputs: EmbedInputs
         raise ApiError(502, f"the runner answered {len(vectors)} vectors for {expected} inputs")
     if len({len(v) for v in vectors.values()}) > 1:
         raise ApiError(502, "the runner answered vectors of different sizes")
-    return Embeddings([vectors[n] for n in range(expected)], prompt_tokens)
+    return Embeddings([vectors[n] for n in range(expected)], prompt_tokens, task_id)
 
 
 def decoded_vector(text: str) -> np.ndarray:

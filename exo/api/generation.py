@@ -20,15 +20,17 @@ from exo.api.auth import current_grant
 from exo.api.context import ApiContext
 from exo.api.errors import ApiError
 from exo.api.loading import LoadingWait
-from exo.api.outcomes import COMMAND_TIMEOUT_S, new_command_id, raise_if_rejected
+from exo.api.outcomes import new_command_id, raise_if_rejected
 from exo.api.validate import check_limits
 from exo.bus.command_queue import send_command
 from exo.bus.readers import read_anywhere
+from exo.bus.readiness import NoQuorum
 from exo.bus.token_stream import TokenListener, UndecodableChunk, stored_chunks
 from exo.core.commands import CancelTask, GenerateText
-from exo.core.events import TaskFinished
+from exo.core.events import AnyEvent, CommandRejected, TaskFinished
 from exo.core.ids import CommandId, ModelId, TaskId
-from exo.core.types import FinishReason, GenerationParams, TokenChunk, TokenLogprob, ToolCall
+from exo.core.types import ChoiceEnd, FinishReason, GenerationParams, TokenChunk, TokenLogprob, ToolCall
+from exo.telemetry import tracing
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +38,9 @@ log = logging.getLogger(__name__)
 # A task can end without a last chunk from its runner (its instance was deleted before it
 # ran); once State says it ended, the chunk that may still be in flight gets this long.
 TASK_END_GRACE_S = 1.0
+# How long a generation whose client was told it failed is watched, to cancel it if decided late
+# (an outage of the event log that long leaves it to run; the watch is this node's memory only).
+ABANDONED_WATCH_S = 3600.0
 
 
 class Generation:
@@ -281,6 +286,19 @@ async def cancel_generation(ctx: ApiContext, command_id: CommandId) -> None:
                        ctx.view.names_for_task(TaskId(command_id)))
 
 
+async def _cancel_once_decided(ctx: ApiContext, command_id: CommandId, answer: asyncio.Future[AnyEvent]) -> None:
+    """Its client was answered 503 or 504, but the command stays queued and is decided once the
+    master can append again: cancel it then, so the client's retry is the only run."""
+    try:
+        event = await asyncio.wait_for(answer, ABANDONED_WATCH_S)
+    except TimeoutError:
+        return
+    finally:
+        ctx.outcomes.forget(command_id, answer)
+    if not isinstance(event, CommandRejected):
+        await cancel_generation(ctx, command_id)
+
+
 async def start_generation(ctx: ApiContext, model_id: ModelId, params: GenerationParams,
                            tier: str = "interactive", keep_alive_s: float | None = None) -> Generation:
     """Queue the request and return once the master accepted it (or raise why it did not).
@@ -292,6 +310,8 @@ async def start_generation(ctx: ApiContext, model_id: ModelId, params: Generatio
     check_limits(params, ctx.view.state.max_context_of(model_id) or (card.context_length if card is not None else 0),
                  ctx.settings.max_tokens_limit)
     command_id = new_command_id()
+    names = ctx.view.names_for_model(model_id)
+    await ctx.outcomes.raise_if_no_quorum(names)  # nothing is queued that could run after its client's 503
     listener = await TokenListener.live(ctx.nc, command_id)  # before sending: no chunk can be missed
     answer = ctx.outcomes.expect(command_id)
     ended = ctx.outcomes.expect_task_end(command_id)
@@ -300,12 +320,14 @@ async def start_generation(ctx: ApiContext, model_id: ModelId, params: Generatio
         await send_command(ctx.nc, GenerateText(command_id=command_id, model_id=model_id, params=params, at=time.time(),
                                                 key_id=key.key_id if key else "",
                                                 priority="batch" if "batch" in (tier, key.priority if key else "")
-                                                else "interactive", keep_alive_s=keep_alive_s),
-                           ctx.view.names_for_model(model_id))
-        raise_if_rejected(await asyncio.wait_for(answer, COMMAND_TIMEOUT_S))
-    except TimeoutError:
+                                                else "interactive", keep_alive_s=keep_alive_s), names)
+        raise_if_rejected(await ctx.outcomes.answer(answer, names))
+    except (TimeoutError, NoQuorum) as error:
+        ctx.in_background(_cancel_once_decided(ctx, command_id, ctx.outcomes.expect(command_id)))
         ctx.outcomes.forget_task_end(command_id, ended)
         await listener.close()
+        if isinstance(error, NoQuorum):
+            raise
         raise ApiError(504, "the master did not answer in time; is it running?") from None
     except BaseException:
         ctx.outcomes.forget_task_end(command_id, ended)
@@ -338,14 +360,21 @@ async def generating(ctx: ApiContext, model_id: ModelId, params: GenerationParam
         raise ApiError(403, f"API key {grant.key.key_id if grant.key else ''} may not use the model {model_id!r} "
                             "(its model patterns do not match)", param="model", code="model_not_allowed")
     if card.embedding is not None and params.embed is None:
-        raise ApiError(400, f"the model {model_id!r} is an embedding model and does not generate text: use "
-                            "POST /v1/embeddings (or Ollama's /api/embed)", param="model")
-    async with storing or nullcontext():
-        generation = await start_generation(ctx, model_id, params, tier, keep_alive_s)
-    try:
-        yield generation
-    finally:
-        await generation.close(resume_grace_s)
+        use = "POST /v1/rerank" if card.embedding.rerank else "POST /v1/embeddings (or Ollama's /api/embed)"
+        raise ApiError(400, f"the model {model_id!r} is an embedding model and does not generate text: use {use}",
+                       param="model")
+    if card.transcribes and params.transcribe is None:
+        raise ApiError(400, f"the model {model_id!r} is a speech-to-text model and does not generate text: use "
+                            "POST /v1/audio/transcriptions", param="model")
+    # The request's trace, when tracing is on: every hop after this one is its descendant (exo/telemetry).
+    with tracing.root_span("exo.api.generation", attributes={"exo.model": model_id}) as request_span:
+        async with storing or nullcontext():
+            generation = await start_generation(ctx, model_id, params, tier, keep_alive_s)
+        request_span.set("exo.task_id", generation.command_id)
+        try:
+            yield generation
+        finally:
+            await generation.close(resume_grace_s)
 
 
 async def resume_generation(ctx: ApiContext, command_id: CommandId, after: int) -> Generation:
@@ -374,13 +403,15 @@ class Collected:
     tool_calls: list[ToolCall] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     final: TokenChunk | None = None
+    end: ChoiceEnd | None = None  # with several choices: how this one ended (exo/api/choices.py)
 
     @property
     def finish_reason(self) -> str:
         assert self.final is not None and self.final.finish_reason is not None
-        if self.tool_calls and self.final.finish_reason == "stop":
+        reason = self.end.finish_reason if self.end is not None else self.final.finish_reason
+        if self.tool_calls and reason == "stop":
             return "tool_calls"
-        return self.final.finish_reason
+        return reason
 
 
 async def collect(generation: Generation) -> Collected:

@@ -1,5 +1,7 @@
-"""Images in requests, on every surface: base64 `data:` URLs (OpenAI chat `image_url` parts,
-Responses `input_image`) and bare base64 (Anthropic `image` blocks, Ollama `images`).
+"""Images in requests, on every surface: base64 `data:` URLs and http(s) URLs (OpenAI chat
+`image_url` parts, Responses `input_image`, Anthropic `image` blocks with a `url` source) and bare
+base64 (Anthropic `image` blocks, Ollama `images`). URLs are fetched by the API node, all of a
+request's at once, behind the guard in image_fetch.py.
 
 The API keeps only hashes in the command; the bytes go to the object store exo-images once
 (a second send of the same image uploads nothing), and workers fetch them by hash. Images are
@@ -9,25 +11,30 @@ nothing behind that it uploaded.
 
 from __future__ import annotations
 
+import asyncio
 import binascii
 import io
 import struct
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+import msgspec
 import PIL.Image
 
 from exo.api.context import ApiContext
 from exo.api.errors import ApiError
+from exo.api.image_fetch import EVERYWHERE, ByteBudget, FetchLimits, ImageFetchError, fetch_image
 from exo.bus.images import ImageStoreFull, delete_image, image_digest, store_image
 from exo.core.ids import ModelId
 from exo.core.state import State
+from exo.core.types import GenerationParams
 from exo.settings.services import ApiSettings
 
 MAX_ASPECT_RATIO = 200  # vision processors (Qwen2-VL's among them) refuse images more elongated than this
 
-# Why a URL is refused, on every surface: images come in the request, as base64.
-NO_FETCHING = "this cluster fetches nothing from the web; send the image's bytes as base64"
+# What an image URL may be, on every surface.
+URL_KINDS = "a base64 data: URL (data:image/png;base64,...) or an http(s) URL"
+_PENDING = "url:"  # an http(s) image's place in the messages until it is fetched: no sha256 digest starts so
 # Vision models (mlx-vlm) see images in user turns only: elsewhere they are refused before any is stored.
 USER_ONLY = "images are taken in user messages only"
 
@@ -64,13 +71,19 @@ class ImageUploads:
     def __init__(self, limits: ApiSettings) -> None:
         self.by_digest: dict[str, bytes] = {}
         self._params: dict[str, str] = {}  # where in the request each image is, for errors that name it
+        self._pending: dict[str, str] = {}  # http(s) URLs to fetch, each with where it first is in the request
         self._limits = limits
         self._max_bytes = limits.max_image_bytes
 
-    def add_data_url(self, url: str, param: str) -> str:
-        """An OpenAI `image_url`: a base64 `data:` URL. Returns the image's digest."""
+    def add_image_url(self, url: str, param: str) -> str:
+        """An image URL: a base64 `data:` URL, decoded now (returns the image's digest), or an
+        http(s) one, fetched by `with_fetched_images` (returns a placeholder it replaces)."""
+        if url.partition(":")[0].lower() in ("http", "https"):
+            self._pending.setdefault(url, param)
+            self._check_count(param)
+            return _PENDING + url
         if not url.startswith("data:"):
-            raise ApiError(400, f"image_url must be a base64 data: URL ({NO_FETCHING})", param=param)
+            raise ApiError(400, f"an image URL must be {URL_KINDS}", param=param)
         header, _, payload = url.partition(",")
         if not header.endswith(";base64"):
             raise ApiError(400, "image_url data: URL must be base64-encoded (data:image/png;base64,...)", param=param)
@@ -89,15 +102,50 @@ class ImageUploads:
             raise ApiError(400, "the image is not valid base64", param=param) from None
         if len(data) > self._max_bytes:
             raise ApiError(413, f"image of {len(data)} bytes is larger than the limit of {self._max_bytes}", param=param)
+        return self._add_bytes(data, param)
+
+    def _add_bytes(self, data: bytes, param: str) -> str:
         digest = image_digest(data)
         self.by_digest[digest] = data
         self._params[digest] = param
-        if len(self.by_digest) > self._limits.max_images:
-            raise ApiError(400, f"at most {self._limits.max_images} images in one request", param=param)
+        self._check_count(param)
         if sum(map(len, self.by_digest.values())) > self._limits.max_request_image_bytes:
             raise ApiError(413, f"the images of one request may total at most {self._limits.max_request_image_bytes} "
                                 "bytes", param=param)
         return digest
+
+    def _check_count(self, param: str) -> None:
+        """Images decoded and URLs still to fetch together: so no more than the cap is ever fetched."""
+        if len(self.by_digest) + len(self._pending) > self._limits.max_images:
+            raise ApiError(400, f"at most {self._limits.max_images} images in one request", param=param)
+
+    async def with_fetched_images(self, params: GenerationParams) -> GenerationParams:
+        """`params` with every http(s) image fetched, concurrently (at most EXO_MAX_IMAGES of
+        them), and its placeholder replaced by its digest. The first fetch that fails fails the
+        request with a 400 naming where its URL is and why."""
+        pending, self._pending = self._pending, {}  # each fetched image is counted in by_digest from now on
+        if not pending:
+            return params
+        fetching = FetchLimits(self._max_bytes, self._limits.image_url_timeout_s,
+                               EVERYWHERE if self._limits.image_url_private else ())
+        budget = ByteBudget(self._limits.max_request_image_bytes - sum(map(len, self.by_digest.values())))
+        try:
+            async with asyncio.TaskGroup() as group:
+                tasks = {url: group.create_task(self._fetch(url, param, fetching, budget))
+                         for url, param in pending.items()}
+        except ExceptionGroup as failed:
+            raise failed.exceptions[0] from None
+        digests = {_PENDING + url: task.result() for url, task in tasks.items()}
+        messages = [msgspec.structs.replace(m, images=[digests.get(d, d) for d in m.images]) for m in params.messages]
+        self.by_digest = {d: self.by_digest[d] for m in messages for d in m.images}  # request order, for "image N" in errors
+        return msgspec.structs.replace(params, messages=messages)
+
+    async def _fetch(self, url: str, param: str, limits: FetchLimits, budget: ByteBudget) -> str:
+        try:
+            data = await fetch_image(url, limits, budget)
+        except ImageFetchError as error:
+            raise ApiError(400, f"the image at {url[:200]} could not be fetched: {error}", param=param) from None
+        return self._add_bytes(data, param)
 
     @asynccontextmanager
     async def stored(self, ctx: ApiContext, model_id: ModelId, param: str = "messages") -> AsyncIterator[None]:

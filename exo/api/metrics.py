@@ -31,6 +31,11 @@ class Metrics:
                                       "runner's prompt cache already held", registry=self.registry)
         self._tokens_drafted = Counter("exo_draft_accepted_tokens", "generated tokens a draft model proposed and the "
                                        "model accepted (speculative decoding)", registry=self.registry)
+        # A rerank's tokens count above (its pairs' prompt tokens); its documents here.
+        self._reranked = Counter("exo_reranked_documents", "documents scored by finished reranks", registry=self.registry)
+
+    def count_reranked(self, documents: int) -> None:
+        self._reranked.inc(documents)
 
     def count_request(self, method: str, route: str, status: int) -> None:
         self._requests.labels(method, route, str(status)).inc()

@@ -11,7 +11,9 @@ from typing import TypeVar
 from exo.api.errors import STATUS_FOR_REJECTION, ApiError
 from exo.bus.command_queue import send_command
 from exo.bus.connection import Connection
+from exo.bus.readiness import PROBE_CACHE_S, NoQuorum, StreamProbe
 from exo.bus.state_view import FoldedView
+from exo.bus.subjects import SHARED, LogNames
 from exo.core.apply import was_skipped
 from exo.core.commands import Command
 from exo.core.events import AnyEvent, CommandRejected, TaskFinished, command_id_of
@@ -19,6 +21,7 @@ from exo.core.ids import CommandId, TaskId
 from exo.core.state import State
 
 COMMAND_TIMEOUT_S = 30.0
+QUORUM_CHECK_S = PROBE_CACHE_S  # while an answer is awaited, how often the log's quorum is asked about
 
 T = TypeVar("T")
 
@@ -36,6 +39,7 @@ class CommandOutcomes:
         self._task_ends: dict[str, list[asyncio.Future[TaskFinished]]] = {}
         self._watches: list[tuple[Callable[[State], object], asyncio.Future[object]]] = []
         self._view = view
+        self._probes: dict[str, StreamProbe] = {}  # events stream -> its readiness, asked at most once a moment
         view.add_listener(self._on_event)
 
     def expect(self, command_id: CommandId) -> asyncio.Future[AnyEvent]:
@@ -77,12 +81,32 @@ class CommandOutcomes:
         finally:
             self._watches.remove(watch)
 
+    async def raise_if_no_quorum(self, names: LogNames = SHARED) -> None:
+        """NoQuorum (the API answers 503 + Retry-After) while the event log the command's answer goes
+        to has lost its quorum: the master could take the command but append nothing until servers
+        return. A leader election among a majority is no reason: it ends within seconds."""
+        probe = self._probes.setdefault(names.events_stream, StreamProbe(self._nc, names.events_stream))
+        if problem := await probe.lost_quorum():
+            raise NoQuorum(problem)
+
+    async def answer(self, future: asyncio.Future[AnyEvent], names: LogNames = SHARED) -> AnyEvent:
+        """The event `future` (from `expect`) gets; TimeoutError after COMMAND_TIMEOUT_S, NoQuorum as
+        soon as the log has lost its quorum (the command stays queued: it may be decided once it has)."""
+        deadline = asyncio.get_running_loop().time() + COMMAND_TIMEOUT_S
+        while (left := deadline - asyncio.get_running_loop().time()) > 0:
+            done, _ = await asyncio.wait({future}, timeout=min(left, QUORUM_CHECK_S))
+            if done:
+                return future.result()
+            await self.raise_if_no_quorum(names)
+        raise TimeoutError
+
     async def call(self, command: Command) -> AnyEvent:
         """Send a command and return the event that answers it; a rejection becomes an ApiError."""
+        await self.raise_if_no_quorum()
         future = self.expect(command.command_id)
         try:
             await send_command(self._nc, command)
-            event = await asyncio.wait_for(future, COMMAND_TIMEOUT_S)
+            event = await self.answer(future)
         except TimeoutError:
             raise ApiError(504, "the master did not answer in time; is it running?") from None
         finally:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import TypeVar
+import re
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -98,3 +99,48 @@ def check_penalty(value: float | None, name: str) -> float | None:
     if value is not None and not -2 <= value <= 2:
         raise ApiError(400, f"{name} must be between -2 and 2", param=name)
     return value
+
+
+MAX_LOGIT_BIAS = 300  # entries, as OpenAI
+LOGIT_BIAS_LIMIT = 100  # each value within plus or minus this, as OpenAI
+REPETITION_PENALTY_MAX = 10.0  # past it every recent token is gone anyway
+REPEAT_LAST_N_MAX = 4096
+OLLAMA_REPEAT_LAST_N = 64  # Ollama's default window for repeat_penalty
+_TOKEN_ID = re.compile(r"[0-9]{1,10}")
+
+
+def check_logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
+    """OpenAI's {"token id": bias}. Whether each id is in the model's vocabulary only its runner knows."""
+    if not bias:
+        return {}
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise ApiError(400, f"logit_bias may have at most {MAX_LOGIT_BIAS} entries, got {len(bias)}", param="logit_bias")
+    for key, value in bias.items():
+        if not _TOKEN_ID.fullmatch(key):
+            raise ApiError(400, f"logit_bias keys must be token ids (integers of 0 or more), got {key!r}", param="logit_bias")
+        if not -LOGIT_BIAS_LIMIT <= value <= LOGIT_BIAS_LIMIT:
+            raise ApiError(400, f"logit_bias values must be between -{LOGIT_BIAS_LIMIT} and {LOGIT_BIAS_LIMIT}, "
+                                f"got {value} for token {key}", param="logit_bias")
+    return {int(key): float(value) for key, value in bias.items()}
+
+
+def check_repetition_penalty(value: float | None, name: str) -> float | None:
+    if value is not None and not 0 < value <= REPETITION_PENALTY_MAX:
+        raise ApiError(400, f"{name} must be above 0 and at most {REPETITION_PENALTY_MAX:g}, got {value}", param=name)
+    return value
+
+
+def openai_top_k(value: int | None) -> int | None:
+    """vLLM's top_k: -1 or 0 is off (0 here, so it overrides a card's default), else at least 1."""
+    if value is not None and value < -1:
+        raise ApiError(400, f"top_k must be -1 or 0 (off) or at least 1, got {value}", param="top_k")
+    return None if value is None else max(value, 0)
+
+
+def sampling_extensions(top_k: int | None, min_p: float | None, repetition_penalty: float | None,
+                        logit_bias: dict[str, float] | None) -> dict[str, Any]:
+    """The OpenAI surfaces' sampling fields beyond OpenAI's (vLLM's and mlx_lm.server's), and
+    logit_bias, validated, as GenerationParams fields."""
+    return {"top_k": openai_top_k(top_k), "min_p": in_range(min_p, 0.0, 1.0, "min_p"),
+            "repetition_penalty": check_repetition_penalty(repetition_penalty, "repetition_penalty"),
+            "logit_bias": check_logit_bias(logit_bias)}

@@ -22,6 +22,7 @@ from nats.aio.client import Client
 from exo.bus.errors import BusError
 from exo.bus.subjects import SHARED, LogNames
 from exo.core.events import Event, encode_event, event_tag
+from exo.telemetry.tracing import with_traceparent
 
 MAX_ATOMIC = 1000  # the server's limit on messages per atomic batch
 COMMIT_TIMEOUT_S = 5.0
@@ -39,8 +40,10 @@ class AtomicAppendFailed(BusError):
         self.err_code = err_code
 
 
-async def append_atomically(nc: Client, events: Sequence[Event], names: LogNames = SHARED) -> int:
-    """Append `events` (at most MAX_ATOMIC) all or none, in order; the last one's sequence."""
+async def append_atomically(nc: Client, events: Sequence[Event], names: LogNames = SHARED,
+                            traceparents: Sequence[str] = ()) -> int:
+    """Append `events` (at most MAX_ATOMIC) all or none, in order; the last one's sequence.
+    `traceparents`: each event's, carried in its headers (none: no event is traced)."""
     if not 0 < len(events) <= MAX_ATOMIC:
         raise ValueError(f"an atomic batch holds 1 to {MAX_ATOMIC} events, not {len(events)}")
     batch_id = uuid.uuid4().hex
@@ -48,10 +51,11 @@ async def append_atomically(nc: Client, events: Sequence[Event], names: LogNames
     try:
         for n, event in enumerate(events[:-1], start=1):
             await nc.publish(names.event_subject(event_tag(event)), encode_event(event),
-                             headers={"Nats-Batch-Id": batch_id, "Nats-Batch-Sequence": str(n)})
+                             headers=with_traceparent({"Nats-Batch-Id": batch_id, "Nats-Batch-Sequence": str(n)},
+                                                      traceparents[n - 1] if traceparents else ""))
         reply = await nc.request(names.event_subject(event_tag(last)), encode_event(last), timeout=COMMIT_TIMEOUT_S,
-                                 headers={"Nats-Batch-Id": batch_id, "Nats-Batch-Sequence": str(len(events)),
-                                          "Nats-Batch-Commit": "1"})
+                                 headers=with_traceparent({"Nats-Batch-Id": batch_id, "Nats-Batch-Sequence": str(len(events)),
+                                                           "Nats-Batch-Commit": "1"}, traceparents[-1] if traceparents else ""))
     except (nats.errors.TimeoutError, nats.errors.ConnectionReconnectingError, nats.errors.StaleConnectionError,
             nats.errors.ConnectionClosedError) as error:  # the commit may have been sent, or be sent on reconnecting
         raise AtomicAppendFailed(f"the batch's commit was not answered: {error!r}") from error

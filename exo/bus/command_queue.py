@@ -17,6 +17,7 @@ from nats.js.client import JetStreamContext
 from exo.bus.publish import publish_durably
 from exo.bus.subjects import MASTER_CONSUMER, SHARED, LogNames
 from exo.core.commands import AnyCommand, Command, command_tag, decode_command, encode_command
+from exo.telemetry import tracing
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +48,9 @@ async def send_command(nc: Client, command: Command, names: LogNames = SHARED) -
     """Durably queue a command (for the shared master, or a master group's); Nats-Msg-Id makes a
     retried send harmless."""
     subject = names.command_subject(command_tag(command))
-    await publish_durably(nc, subject, encode_command(command), names.commands_stream, command.command_id)
+    with tracing.span("exo.command.send", kind="producer", attributes={"exo.command": command_tag(command)}) as sending:
+        await publish_durably(nc, subject, encode_command(command), names.commands_stream, command.command_id,
+                              traceparent=sending.traceparent)
 
 
 async def consume_commands(nc: Client, on_command: OnCommand, still_leader: Callable[[], bool],
@@ -145,7 +148,9 @@ async def _handle(msg: Msg, on_command: OnCommand, still_leader: Callable[[], bo
         await msg.term()
         return "settled"
     try:
-        await on_command(command)
+        with tracing.span("exo.master.decide", tracing.traceparent_of(msg.headers), "consumer",
+                          {"exo.command": command_tag(command), "exo.command_id": command.command_id}):
+            await on_command(command)
     except asyncio.CancelledError:
         raise
     except NotLeader:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 
 import msgspec
 from nats.aio.client import Client
@@ -21,6 +21,7 @@ from exo.bus.errors import LogGap
 from exo.bus.publish import publish_durably
 from exo.bus.subjects import SHARED, LogNames
 from exo.core.events import AnyEvent, Event, decode_event, encode_event, event_tag
+from exo.telemetry import tracing
 
 log = logging.getLogger(__name__)
 
@@ -36,11 +37,11 @@ class EventLog:
         self.names = names
         self.atomic = False  # the stream stores atomic batches (see `check_atomic`)
 
-    async def append(self, event: Event, event_id: str) -> int:
+    async def append(self, event: Event, event_id: str, traceparent: str = "") -> int:
         """Append one event; returns its sequence (the original one if it was a duplicate)."""
         names = self.names
         ack = await publish_durably(self._nc, names.event_subject(event_tag(event)), encode_event(event),
-                                    names.events_stream, event_id)
+                                    names.events_stream, event_id, traceparent=traceparent)
         return ack.seq
 
     async def check_atomic(self) -> bool:
@@ -50,15 +51,18 @@ class EventLog:
         self.atomic = bool(info.config.allow_atomic)
         return self.atomic
 
-    async def append_all(self, events: Sequence[tuple[Event, str]]) -> list[int]:
+    async def append_all(self, events: Sequence[tuple[Event, str]], traces: Mapping[str, str] | None = None) -> list[int]:
         """Append in order; each event's sequence. Where the stream allows, as atomic batches (one
         round trip each, all or none: AtomicAppendFailed when one is not confirmed); else one by
-        one, each with its id (a retry is deduplicated)."""
+        one, each with its id (a retry is deduplicated). `traces`: event id -> traceparent to carry."""
         seqs: list[int] = []
+        traces = traces or {}
         while self.atomic and len(events) - len(seqs) > 1:
-            chunk = [event for event, _ in events[len(seqs):len(seqs) + MAX_ATOMIC]]
+            batch = events[len(seqs):len(seqs) + MAX_ATOMIC]
+            chunk = [event for event, _ in batch]
             try:
-                last = await append_atomically(self._nc, chunk, self.names)
+                last = await append_atomically(self._nc, chunk, self.names,
+                                               [traces.get(event_id, "") for _, event_id in batch] if traces else ())
             except AtomicAppendFailed as error:
                 if error.err_code != NOT_ENABLED:
                     raise
@@ -68,7 +72,7 @@ class EventLog:
                 break
             seqs.extend(range(last - len(chunk) + 1, last + 1))
         for event, event_id in events[len(seqs):]:
-            seqs.append(await self.append(event, event_id))
+            seqs.append(await self.append(event, event_id, traces.get(event_id, "")))
         return seqs
 
     async def last_sequence(self) -> int:
@@ -131,4 +135,7 @@ class EventFollower:
         except (msgspec.DecodeError, msgspec.ValidationError) as error:
             await self._on_undecodable(seq, f"undecodable event on {msg.subject}: {error}")
             return
-        await self._on_event(seq, event)
+        # A traced request's event: this node's listeners (its worker's plan) act inside the trace.
+        with tracing.span("exo.events.deliver", tracing.traceparent_of(msg.headers), "consumer",
+                          {"exo.event": msg.subject, "exo.seq": seq}):
+            await self._on_event(seq, event)

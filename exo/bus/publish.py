@@ -18,6 +18,7 @@ from nats.js.api import PubAck
 
 from exo.bus import broker_trouble
 from exo.bus.errors import BusError
+from exo.telemetry.tracing import with_traceparent
 
 log = logging.getLogger(__name__)
 
@@ -38,16 +39,18 @@ publish_patience: ContextVar[float] = ContextVar("publish_patience", default=RET
 
 
 async def publish_durably(
-    nc: Client, subject: str, payload: bytes, stream: str, msg_id: str, retry_for: float | None = None
+    nc: Client, subject: str, payload: bytes, stream: str, msg_id: str, retry_for: float | None = None, traceparent: str = ""
 ) -> PubAck:
+    """`traceparent`: the span that sends it, carried in the headers to whoever reads it (exo/telemetry)."""
     retry_for = publish_patience.get() if retry_for is None else retry_for
+    headers = with_traceparent({"Nats-Msg-Id": msg_id}, traceparent)
     js = nc.jetstream()
     loop = asyncio.get_running_loop()
     deadline = loop.time() + retry_for
     delay = 0.05
     while True:
         try:
-            return await js.publish(subject, payload, stream=stream, headers={"Nats-Msg-Id": msg_id}, timeout=2)
+            return await js.publish(subject, payload, stream=stream, headers=headers, timeout=2)
         except _TRANSIENT as error:
             if loop.time() + delay > deadline:
                 raise BusError(f"could not publish to {stream} for {retry_for:.0f} s: {error!r}") from error

@@ -24,6 +24,7 @@ from nats.aio.msg import Msg
 from exo.bus.inbound import from_clients_only
 from exo.bus.subjects import token_subject
 from exo.core.types import TokenChunk
+from exo.telemetry.tracing import with_traceparent
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +50,7 @@ class _Unacked:
     msg_id: str
     first_sent: float
     last_sent: float
+    traceparent: str = ""  # the runner's publishing span of a traced request (exo/telemetry)
 
 
 class ChunkPublisher:
@@ -65,13 +67,13 @@ class ChunkPublisher:
         await self._nc.subscribe(f"{self._prefix}.*", cb=from_clients_only(self._on_ack))  # acks come from the server
         self._resender = asyncio.create_task(self._resend_forever(), name="chunk resender")
 
-    async def publish(self, chunk: TokenChunk) -> None:
+    async def publish(self, chunk: TokenChunk, traceparent: str = "") -> None:
         """Send one chunk; for a generation's last, wait until every chunk so far is stored."""
         while len(self._unacked) >= MAX_UNACKED:
             await self._wait_for_change(RESEND_AFTER_S)
         self._sent += 1
         now = asyncio.get_running_loop().time()
-        entry = _Unacked(token_subject(chunk.command_id), _encoder.encode(chunk), chunk_msg_id(chunk), now, now)
+        entry = _Unacked(token_subject(chunk.command_id), _encoder.encode(chunk), chunk_msg_id(chunk), now, now, traceparent)
         self._unacked[self._sent] = entry
         await self._send(self._sent, entry)
         if chunk.finish_reason is not None:
@@ -84,7 +86,7 @@ class ChunkPublisher:
     async def _send(self, seq: int, entry: _Unacked) -> None:
         try:
             await self._nc.publish(entry.subject, entry.payload, reply=f"{self._prefix}.{seq}",
-                                   headers={"Nats-Msg-Id": entry.msg_id})
+                                   headers=with_traceparent({"Nats-Msg-Id": entry.msg_id}, entry.traceparent))
         except Exception as error:  # reconnecting, buffer full: the resender tries again
             log.info("token chunk %s not sent (%r); will resend", entry.msg_id, error)
 

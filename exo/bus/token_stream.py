@@ -22,6 +22,7 @@ from exo.bus.publish import publish_durably
 from exo.bus.subjects import TOKENS_STREAM, token_subject
 from exo.core.ids import CommandId
 from exo.core.types import TokenChunk
+from exo.telemetry import tracing
 
 log = logging.getLogger(__name__)
 
@@ -149,6 +150,7 @@ class TokenListener:
         self.queue: asyncio.Queue[TokenChunk] = asyncio.Queue()
         self._sequenced: asyncio.Queue[tuple[int, TokenChunk]] = asyncio.Queue()  # (stream sequence, chunk)
         self._subscription: Subscription | None = None
+        self._receiving: dict[int, tracing.OpenSpan] = {}  # run (attempt) -> its chunks' span here, when traced
 
     @classmethod
     async def live(cls, nc: Client, command_id: CommandId) -> TokenListener:
@@ -186,9 +188,16 @@ class TokenListener:
             return None
 
     async def _on_msg(self, msg: Msg) -> None:
-        self.queue.put_nowait(decoded_chunk(msg, self.command_id))
+        chunk = decoded_chunk(msg, self.command_id)
+        if (traceparent := tracing.traceparent_of(msg.headers)) and chunk.attempt not in self._receiving:
+            self._receiving[chunk.attempt] = tracing.start_span("exo.tokens.receive", traceparent, "consumer",
+                                                                {"exo.attempt": chunk.attempt})
+        self.queue.put_nowait(chunk)
 
     async def close(self) -> None:
+        for receiving in self._receiving.values():  # from each run's first chunk here until the reading ends
+            receiving.end()
+        self._receiving.clear()
         if self._subscription is not None:
             with contextlib.suppress(Exception):  # already closed with its connection
                 await self._subscription.unsubscribe()

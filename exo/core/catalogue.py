@@ -29,3 +29,9 @@ def is_vision_config(config: object) -> bool:
     """A vision-language checkpoint's config.json, as transformers and mlx-vlm write them: a nested
     `vision_config` (Qwen2-VL, LLaVA, Gemma 3, ...). Such a model takes images and runs on mlx-vlm."""
     return isinstance(config, dict) and isinstance(config.get("vision_config"), dict)
+
+
+def is_speech_to_text_config(config: object) -> bool:
+    """A Whisper checkpoint's config.json (transformers' layout, or mlx-audio's with `model_type`):
+    it turns audio into text and runs on mlx-audio."""
+    return isinstance(config, dict) and config.get("model_type") == "whisper"

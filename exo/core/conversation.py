@@ -40,4 +40,4 @@ def prompt_starts_with(prompt: str, earlier: ConversationDigest) -> bool:
 def without_text(params: GenerationParams) -> GenerationParams:
     """A finished request's parameters, less what grows with its prompt (kept as its digest)."""
     return msgspec.structs.replace(params, messages=[], prompt=None, tools=[], tool_turns=[], stop=[],
-                                   response_format=None)
+                                   response_format=None, logit_bias={})

@@ -4,6 +4,9 @@ A sentence-transformers repository lists its modules in `modules.json` (Transfor
 then Normalize, in order); the Pooling module's `config.json` says how token states become one
 vector, in one of two formats: the older `pooling_mode_<mode>_token(s)` flags, or `pooling_mode`
 (sentence-transformers 6). exo serves the modes embedding models use: mean, CLS and last token.
+
+A cross-encoder (a reranker) has no Pooling module: its `config.json` names a sequence classifier
+with one label, and it is served as an embedder whose spec says `rerank` (its activation).
 """
 
 from __future__ import annotations
@@ -12,11 +15,12 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from exo.core.types import EmbeddingSpec, Pooling
+from exo.core.types import EmbeddingSpec, Pooling, ScoreActivation
 
 _LEGACY_FLAGS: dict[str, Pooling] = {"pooling_mode_cls_token": "cls", "pooling_mode_mean_tokens": "mean",
                                      "pooling_mode_lasttoken": "lasttoken"}
 _UNSERVED_FLAGS = ("pooling_mode_max_tokens", "pooling_mode_mean_sqrt_len_tokens", "pooling_mode_weightedmean_tokens")
+_ACTIVATIONS: dict[str, ScoreActivation] = {"Sigmoid": "sigmoid", "Identity": "identity"}  # torch.nn's class names
 
 
 class EmbeddingFilesError(ValueError):
@@ -66,14 +70,41 @@ def _mode(config: dict[str, Any]) -> Pooling:
     return served[modes[0]]
 
 
+def cross_encoder_spec(config_text: str) -> EmbeddingSpec | None:
+    """A reranker's spec from its `config.json`, if it is a cross-encoder (a *ForSequenceClassification
+    with one label, as sentence-transformers' CrossEncoder saves it); None if not. The activation is
+    CrossEncoder's own default: the one its config names (`sentence_transformers.activation_fn`, or
+    `sbert_ce_default_activation_function` before v4), else Sigmoid for one label."""
+    try:
+        config: Any = json.loads(config_text)
+    except json.JSONDecodeError:
+        return None  # not a model's config: whoever reads it next says so
+    architectures = config.get("architectures") if isinstance(config, dict) else None
+    if not isinstance(architectures, list) or not any(str(a).endswith("ForSequenceClassification") for a in architectures):
+        return None
+    labels = config.get("num_labels", len(config.get("id2label") or {"0": ""}))
+    if labels != 1:
+        raise EmbeddingFilesError(f"a sequence classifier with {labels} labels is not served: a reranker has one")
+    if config.get("model_type") != "bert":
+        raise EmbeddingFilesError(f"cross-encoders are served for BERT (model_type 'bert'), not {config.get('model_type')!r}")
+    settings = config.get("sentence_transformers")
+    named = (settings.get("activation_fn") if isinstance(settings, dict) else None) \
+        or config.get("sbert_ce_default_activation_function") or "Sigmoid"
+    activation = str(named).rsplit(".", 1)[-1]
+    if activation not in _ACTIVATIONS:
+        raise EmbeddingFilesError(f"the cross-encoder's activation {named!r} is not served: exo applies Sigmoid or Identity")
+    return EmbeddingSpec(pooling="cls", normalize=False, rerank=_ACTIVATIONS[activation])
+
+
 def embedding_of(read: Callable[[str], str | None]) -> EmbeddingSpec | None:
-    """The model's pooling, if its sentence-transformers files say it embeds; None if not. `read`
-    gives a file's text by its path in the model, or None where there is no such file (a Hub
-    listing, a folder: the caller's I/O, not this module's)."""
+    """The model's pooling, if its sentence-transformers files say it embeds (or its config, that it
+    reranks); None if not. `read` gives a file's text by its path in the model, or None where there
+    is no such file (a Hub listing, a folder: the caller's I/O, not this module's)."""
     modules = read("modules.json")
     found = pooling_module_path(modules) if modules is not None else None
     if found is None:
-        return None
+        config_text = read("config.json")
+        return cross_encoder_spec(config_text) if config_text is not None else None
     folder, normalize = found
     config = read(f"{folder}/config.json" if folder else "config.json")
     if config is None:

@@ -138,6 +138,7 @@ class RunnerStatusChanged(Event, frozen=True, tag="runner.status", kw_only=True)
     error: str = ""
     failures: int = 0  # consecutive failures of this runner (restarts since it was last ready)
     at: float = 0.0  # the worker's clock (wall) when it changed: a keep_alive counts from readiness
+    warm_up_s: float = 0.0  # "ready": what the runner's warm-up took (0: not said)
 
 
 class TaskCreated(Event, frozen=True, tag="task.created", kw_only=True):

@@ -1,13 +1,15 @@
 """A response_format as the grammar that constrains the answer (llguidance's, from the JSON
-schema), and why one cannot be enforced. Pure: the API refuses a format with this before any
-work, and the runner compiles the very same grammar (exo/runner/constraint.py)."""
+schema, the regex, the choices or the Lark / GBNF text), and why one cannot be enforced. Pure: the
+API refuses a format with this before any work, and the runner compiles the very same grammar
+(exo/runner/constraint.py)."""
 
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Literal
 
 from llguidance import LLMatcher
+from llguidance.gbnf_to_lark import gbnf_to_lark, is_lark_syntax
 
 from exo.core.types import ResponseFormat
 
@@ -16,9 +18,30 @@ _COMPILE = {"whitespace_flexible": False}
 
 
 def grammar_of(response_format: ResponseFormat) -> str:
-    """The llguidance grammar of a response format; ValueError when the schema is malformed."""
+    """The llguidance grammar of a response format; ValueError when the schema or GBNF is malformed
+    (a bad regex or Lark grammar shows only when compiled: grammar_problem)."""
+    if response_format.type == "regex":
+        return LLMatcher.grammar_from_regex(response_format.pattern)
+    if response_format.type == "choice":  # JSON string literals are Lark's, escapes included
+        return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in response_format.choices))
+    if response_format.type == "grammar":
+        return LLMatcher.grammar_from_lark(_lark_of(response_format.grammar, response_format.syntax))
     schema = response_format.json_schema if response_format.type == "json_schema" else {"type": "object"}
     return LLMatcher.grammar_from_json_schema(schema, overrides=_COMPILE)  # type: ignore[arg-type]
+
+
+def syntax_of(grammar: str) -> Literal["lark", "gbnf"]:
+    """Which syntax a grammar of unnamed syntax is written in (vLLM's guided_grammar takes both)."""
+    return "lark" if is_lark_syntax(grammar) else "gbnf"
+
+
+def _lark_of(grammar: str, syntax: Literal["lark", "gbnf"]) -> str:
+    if syntax == "lark":
+        return grammar
+    try:
+        return gbnf_to_lark(grammar)
+    except Exception as error:  # the converter's own error, or whatever its parser trips on
+        raise ValueError(f"not a GBNF grammar: {error}") from None
 
 
 def tool_call_grammar(tools: list[dict[str, Any]], start: list[int], end: list[int]) -> str:

@@ -29,5 +29,15 @@ def node_display(state: State, node_id: NodeId) -> str:
     return f"{base} ({node_id[:SHORT_ID]})" if twins > 1 else base
 
 
+def server_display(state: State, server_name: str) -> str:
+    """A JetStream server of a discovered cluster (exo-<node id>, or exo-<node id>-witness: see
+    exo/bus/server/cluster_node.py) named after its node; its own name when State has no such node."""
+    node_id = NodeId(server_name.removeprefix("exo-").removesuffix("-witness"))
+    if not server_name.startswith("exo-") or node_id not in state.nodes:
+        return server_name
+    label = node_display(state, node_id)
+    return f"{label} witness" if server_name.endswith("-witness") else label
+
+
 def _base_name(node: NodeInfo) -> str:
     return node.name or node.hostname

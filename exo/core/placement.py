@@ -25,6 +25,16 @@ from exo.core.kv_budget import (
     tokens_that_fit,
 )
 from exo.core.node_names import node_display
+from exo.core.placement_nodes import (
+    lacks_files,
+    least_loaded_first,
+    most_free_first,
+    nodes_by_free_memory,
+    offline_note,
+    preference_tiers,
+)
+from exo.core.sizes import human_bytes as human_bytes  # re-exported: the API and tests import it from here
+from exo.core.sizes import needed_and_free as needed_and_free
 from exo.core.state import State
 from exo.core.types import Instance, ModelCard, NodeInfo, RejectionCode, ShardAssignment, Sharding
 
@@ -60,7 +70,8 @@ class _Plan(msgspec.Struct, frozen=True, kw_only=True):
     kv_bits: int = 0
 
 
-LOADED = ("warming_up", "ready")  # a runner past loading: its node's own report counts its memory
+# Node sets in the order placement tries them, each as (most free memory first, least loaded first).
+_Tiers = list[tuple[list[NodeInfo], list[NodeInfo]]]
 
 
 def place_instance(
@@ -79,26 +90,52 @@ def place_instance(
         return invalid
     if min_nodes > 1 and (one_node := _one_node_only(card)) is not None:
         return one_node
-    nodes = [n for n in _nodes_by_free_memory(state) if n.node_id not in exclude]
-    preferred = _least_loaded_first(state, nodes)
-    if not nodes:
+    usable = [n for n in nodes_by_free_memory(state) if n.node_id not in exclude]
+    if not usable:
         return Unplaceable("unavailable", "no worker node has joined the cluster yet" if not state.nodes
                            else f"no node is free for it ({len(state.nodes)} in the cluster, none usable now)")
+    lacking = [n for n in usable if lacks_files(card, n, state)]
+    note = offline_note(card, lacking, state)
+    nodes = [n for n in usable if n not in lacking]
+    if not nodes:
+        return Unplaceable("unavailable", f"no node can get {card.model_id}: {note}")
     if min_nodes > len(nodes):
-        usable = f"{len(nodes)} usable node(s)" if exclude & set(state.nodes) else f"{len(nodes)} node(s)"
-        return Unplaceable("conflict", f"min_nodes={min_nodes} but the cluster has {usable}")
+        count = f"{len(nodes)} usable node(s)" if len(nodes) < len(state.nodes) else f"{len(nodes)} node(s)"
+        return _noted(Unplaceable("conflict", f"min_nodes={min_nodes} but the cluster has {count}"), note)
+    tiers = _tiers(card, nodes, state)
     first_failure: Unplaceable | None = None
     for k in range(min_nodes, _most_nodes(card, nodes) + 1):
-        planned = _plan_on(k, card, sharding, nodes, preferred, state, max_context, kv_bits, force)
+        planned = _plan_preferring(k, card, sharding, tiers, state, max_context, kv_bits, force)
         if not isinstance(planned, Unplaceable):
             return _instance(card, sharding, planned, ids)
         first_failure = first_failure or planned
     assert first_failure is not None
     most = _most_nodes(card, nodes)
     if most == min_nodes:
-        return first_failure
+        return _noted(first_failure, note)
     tried = f"{most} nodes" if most == min_nodes + 1 else f"{min_nodes + 1} to {most} nodes"
-    return Unplaceable(first_failure.code, f"{first_failure.reason}; {tried} did not work either")
+    return _noted(Unplaceable(first_failure.code, f"{first_failure.reason}; {tried} did not work either"), note)
+
+
+def _noted(refusal: Unplaceable, note: str) -> Unplaceable:
+    return Unplaceable(refusal.code, f"{refusal.reason}; {note}") if note else refusal
+
+
+def _tiers(card: ModelCard, nodes: list[NodeInfo], state: State) -> _Tiers:
+    return [(tier, least_loaded_first(state, tier)) for tier in preference_tiers(card, nodes, state)]
+
+
+def _plan_preferring(k: int, card: ModelCard, sharding: Sharding, tiers: _Tiers, state: State, max_context: int,
+                     kv_bits: int, force: bool) -> _Plan | Unplaceable:
+    """The plan on k nodes of the first node set that gives one (nodes that can get the model's
+    files before offline ones that may not); else why the last, widest set cannot."""
+    planned: _Plan | Unplaceable = Unplaceable("unavailable", "")
+    for by_memory, preferred in tiers:
+        if len(by_memory) >= k:
+            planned = _plan_on(k, card, sharding, by_memory, preferred, state, max_context, kv_bits, force)
+            if isinstance(planned, _Plan):
+                return planned
+    return planned
 
 
 # mlx-vlm has no sharding: a vision-language model is served whole, by one runner; so is an
@@ -108,7 +145,13 @@ _ONE_NODE_ONLY = Unplaceable("conflict", "a vision model runs on one node (mlx-v
 _EMBEDDING_ONE_NODE = Unplaceable("conflict", "an embedding model runs on one node: min_nodes must be 1")
 
 
+_SPEECH_ONE_NODE = Unplaceable("conflict", "a speech-to-text model runs on one node (mlx-audio cannot split a "
+                                           "model): min_nodes must be 1")
+
+
 def _one_node_only(card: ModelCard) -> Unplaceable | None:
+    if card.transcribes:
+        return _SPEECH_ONE_NODE
     return _ONE_NODE_ONLY if card.supports_images else _EMBEDDING_ONE_NODE if card.embedding is not None else None
 
 
@@ -127,6 +170,8 @@ def _invalid_request(card: ModelCard, max_context: int, kv_bits: int, force: boo
                                       f"{card.model_id}'s context length, {context_cap(card)}; got {max_context}")
     if kv_bits and (card.supports_images or card.embedding is not None):
         return Unplaceable("invalid", "a quantized KV cache (kv_bits) is not served for vision or embedding models")
+    if kv_bits and card.transcribes:
+        return Unplaceable("invalid", "a quantized KV cache (kv_bits) is not served for speech-to-text models")
     if kv_bits and kv_bits not in KV_BITS:
         return Unplaceable("invalid", f"kv_bits must be 0 (not quantized) or one of {list(KV_BITS)}; got {kv_bits}")
     if kv_bits and not kv_group_size(head_dim_of(card)):
@@ -142,21 +187,24 @@ def placement_previews(card: ModelCard, state: State, max_context: int = 0, kv_b
     Placing with that sharding and min_nodes equal to a valid preview's node count gives that
     placement (with real ids), since the fewest nodes that work win.
     """
-    nodes = _nodes_by_free_memory(state)
-    preferred = _least_loaded_first(state, nodes)
+    lacking = [n for n in state.nodes.values() if lacks_files(card, n, state)]
+    note = offline_note(card, lacking, state)
+    nodes = [n for n in nodes_by_free_memory(state) if n.node_id not in {m.node_id for m in lacking}]
+    tiers = _tiers(card, nodes, state)
     previews = []
     if (invalid := _invalid_request(card, max_context, kv_bits, force)) is not None:
         return [PlacementPreview(sharding=sharding, node_count=1, rejection=invalid) for sharding in SHARDINGS]
     for sharding in SHARDINGS:
         if not nodes:
             previews.append(PlacementPreview(sharding=sharding, node_count=1, rejection=Unplaceable(
-                "unavailable", "no worker node has joined the cluster yet")))
+                "unavailable", f"no node can get {card.model_id}: {note}" if lacking
+                else "no worker node has joined the cluster yet")))
             continue
         for k in range(1, len(nodes) + 1):
-            planned = _plan_on(k, card, sharding, nodes, preferred, state, max_context, kv_bits, force) \
+            planned = _plan_preferring(k, card, sharding, tiers, state, max_context, kv_bits, force) \
                 if k <= _most_nodes(card, nodes) else (_one_node_only(card) or _ONE_NODE_ONLY)
             if isinstance(planned, Unplaceable):
-                previews.append(PlacementPreview(sharding=sharding, node_count=k, rejection=planned))
+                previews.append(PlacementPreview(sharding=sharding, node_count=k, rejection=_noted(planned, note)))
             else:
                 ids = (f"preview-{n}" for n in range(k + 1))
                 previews.append(PlacementPreview(sharding=sharding, node_count=k,
@@ -198,7 +246,7 @@ def _plan_on(k: int, card: ModelCard, sharding: Sharding, by_memory: list[NodeIn
              state: State, max_context: int, kv_bits: int, force: bool) -> _Plan | Unplaceable:
     """The plan on k nodes: the least loaded ones that hold it with the context wanted, else the
     first that holds it at all; else why the k with the most free memory (its best chance) cannot."""
-    tries = [[n] for n in preferred] if k == 1 else [sorted(preferred[:k], key=_most_free_first)]
+    tries = [[n] for n in preferred] if k == 1 else [sorted(preferred[:k], key=most_free_first)]
     tries.append(by_memory[:k])
     want = max_context or default_context(card)
     planned: _Plan | Unplaceable = Unplaceable("unavailable", "")
@@ -322,24 +370,6 @@ def _memory_reason(state: State, card: ModelCard, sharding: Sharding, nodes: lis
             f"one node is {human_bytes(nodes[0].memory_available)})")
 
 
-def human_bytes(count: int, digits: int = 1) -> str:
-    """Sizes as people read them: "229 GB", "23.1 GB", "512 MB" (decimal units, as disks and Hub pages show)."""
-    for unit, size in (("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("kB", 10**3)):
-        shown = f"{count / size:.0f}" if abs(count) >= 100 * size and digits <= 1 else f"{count / size:.{digits}f}"
-        if abs(count) >= size or float(shown) >= 1:  # 999.6 MB reads "1.0 GB", not "1000 MB"
-            return f"{shown} {unit}"
-    return f"{count} bytes"
-
-
-def needed_and_free(need: int, free: int) -> tuple[str, str]:
-    """Both sizes, with as many digits as it takes for a shortfall not to read "needs 8.0 GB, has 8.0 GB"."""
-    for digits in (1, 2, 3):
-        shown = human_bytes(need, digits), human_bytes(free, digits)
-        if shown[0] != shown[1]:
-            return shown
-    return f"{need} bytes", f"{free} bytes"
-
-
 def _used_ring_ports(state: State) -> set[tuple[str, int]]:
     used = set()
     for instance in state.instances.values():
@@ -359,46 +389,3 @@ def _instance(card: ModelCard, sharding: Sharding, plan: _Plan, ids: Iterator[st
     ]
     return Instance(instance_id=InstanceId(next(ids)), model_id=card.model_id, sharding=sharding, shards=shards,
                     max_context=plan.max_context, kv_bits=plan.kv_bits)
-
-
-def _nodes_by_free_memory(state: State) -> list[NodeInfo]:
-    """Live nodes, most free memory first, less what their instances not yet loaded will take."""
-    coming = _memory_still_to_load(state)
-    nodes = [_less_free(node, coming.get(node.node_id, 0)) for node in state.nodes.values()]
-    return sorted(nodes, key=_most_free_first)
-
-
-def _most_free_first(node: NodeInfo) -> tuple[int, str]:
-    return -node.memory_available, node.node_id
-
-
-def _least_loaded_first(state: State, nodes: list[NodeInfo]) -> list[NodeInfo]:
-    """Which nodes an instance goes to: fewest shards placed there, then fewest open tasks on them,
-    then most free memory. Memory alone piles every instance on one node: nodes on one machine
-    report the same free memory, and a loaded instance is already in its node's own report, so
-    the tie went to the lowest node id each time. Rank order stays most free memory first."""
-    shards: dict[str, int] = {}
-    tasks: dict[str, int] = {}
-    open_tasks = state.open_tasks_by_instance()
-    for instance in state.instances.values():
-        for shard in instance.shards:
-            shards[shard.node_id] = shards.get(shard.node_id, 0) + 1
-            tasks[shard.node_id] = tasks.get(shard.node_id, 0) + len(open_tasks.get(instance.instance_id, []))
-    return sorted(nodes, key=lambda n: (shards.get(n.node_id, 0), tasks.get(n.node_id, 0), *_most_free_first(n)))
-
-
-def _memory_still_to_load(state: State) -> dict[str, int]:
-    """Per node: the weights of shards not loaded yet, and every shard's KV reservation."""
-    coming: dict[str, int] = {}
-    for instance in state.instances.values():
-        for shard in instance.shards:
-            runner = state.runners.get(shard.runner_id)
-            weights = shard.memory_bytes if runner is None or runner.status not in LOADED else 0
-            coming[shard.node_id] = coming.get(shard.node_id, 0) + weights + shard.kv_bytes
-    return coming
-
-
-def _less_free(node: NodeInfo, taken: int) -> NodeInfo:
-    if not taken or not node.memory_available:  # 0 means "not reported": it stays unconstrained
-        return node
-    return msgspec.structs.replace(node, memory_available=max(1, node.memory_available - taken))

@@ -38,6 +38,8 @@ def is_valid_model_id(model_id: str) -> bool:
 class SamplingDefaults(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     temperature: float | None = None
     top_p: float | None = None
+    top_k: int | None = None  # 0: off
+    min_p: float | None = None
 
     def problem(self) -> str | None:
         """The ranges a request may ask for (OpenAI's): defaults must be values a request could give."""
@@ -45,6 +47,10 @@ class SamplingDefaults(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
             return f"temperature must be between 0 and 2, not {self.temperature}"
         if self.top_p is not None and not 0 <= self.top_p <= 1:
             return f"top_p must be between 0 and 1, not {self.top_p}"
+        if self.top_k is not None and self.top_k < 0:
+            return f"top_k must be 0 (off) or more, not {self.top_k}"
+        if self.min_p is not None and not 0 <= self.min_p <= 1:
+            return f"min_p must be between 0 and 1, not {self.min_p}"
         return None
 
 
@@ -56,6 +62,7 @@ CARD_LIMITS = {"n_layers": 4096, "hidden_size": 1 << 20, "num_attention_heads": 
 
 
 Pooling = Literal["mean", "cls", "lasttoken"]
+ScoreActivation = Literal["sigmoid", "identity"]
 
 
 class EmbeddingSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -64,6 +71,9 @@ class EmbeddingSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
 
     pooling: Pooling = "mean"
     normalize: bool = True  # L2, as sentence-transformers' Normalize module
+    # Set: a cross-encoder (a sequence classifier with one label) that scores (query, document) pairs for
+    # POST /v1/rerank, this activation on its logit; pooling and normalize do not apply. Placed as embedders are.
+    rerank: ScoreActivation | None = None
 
 
 class ModelCard(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -86,6 +96,7 @@ class ModelCard(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     sampling: SamplingDefaults = SamplingDefaults()
     sampling_no_thinking: SamplingDefaults | None = None  # for requests that turn a thinking model's thinking off
     embedding: EmbeddingSpec | None = None  # set: the model embeds (POST /v1/embeddings), it does not chat
+    transcribes: bool = False  # a speech-to-text model (Whisper): POST /v1/audio/transcriptions, it does not chat
     on_demand: bool = True  # a request for it with no instance places one (False: only POST /place_instance does)
 
     @property
@@ -229,6 +240,7 @@ class NodeInfo(msgspec.Struct, frozen=True, kw_only=True):
     incarnation: str = ""  # random per process start: two live processes with one node id show up as two
     prompt_caches: dict[InstanceId, PromptCacheStats] = {}  # instance id -> its runner's prompt cache on this node
     suspect_since: float = 0.0  # the master's wall clock when it marked the node suspect (0: not); only it sets this
+    offline: bool = False  # --offline: it fetches no model (from the Hub or peers), it uses only what is on its disks
 
 
 class FileProgress(msgspec.Struct, frozen=True, kw_only=True):
@@ -262,11 +274,16 @@ class ChatMessage(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class ResponseFormat(msgspec.Struct, frozen=True, kw_only=True):
-    """What the answer must be: any JSON object, or JSON valid for `json_schema` (constrained decoding)."""
+    """What the answer must be (constrained decoding): any JSON object, JSON valid for `json_schema`,
+    text matching `pattern`, exactly one of `choices`, or text of `grammar` (Lark or GBNF)."""
 
-    type: Literal["json_object", "json_schema"]
+    type: Literal["json_object", "json_schema", "regex", "choice", "grammar"]
     json_schema: dict[str, Any] = {}  # the schema itself, for "json_schema"
     name: str = ""
+    pattern: str = ""  # for "regex": the whole answer matches it (Rust regex syntax, as llguidance reads it)
+    choices: list[str] = []  # for "choice"
+    grammar: str = ""  # for "grammar", written in `syntax`
+    syntax: Literal["lark", "gbnf"] = "lark"  # llguidance's Lark, or llama.cpp's GBNF
 
 
 class EmbedInputs(msgspec.Struct, frozen=True, kw_only=True):
@@ -275,6 +292,44 @@ class EmbedInputs(msgspec.Struct, frozen=True, kw_only=True):
     texts: list[str] = []
     token_ids: list[list[int]] = []
     dimensions: int | None = None  # keep this many leading dimensions, then normalize again (Matryoshka)
+    query: str | None = None  # set (a cross-encoder): score each text as a document for this query, one float each
+
+
+class TranscribeInputs(msgspec.Struct, frozen=True, kw_only=True):
+    """Speech to text (a Whisper model): the audio file by digest, stored as chat images are."""
+
+    audio: str  # sha256 hex of the audio file's bytes, in the object store exo-images
+    seconds: float = 0.0  # its length, read by the API from the file
+    task: Literal["transcribe", "translate"] = "transcribe"  # translate: into English
+    language: str = ""  # the spoken language's ISO-639-1 code; "": the model detects it
+    prompt: str = ""  # text the speech follows, to steer spelling and style (Whisper's initial prompt)
+    temperature: float = 0.0  # 0: Whisper's own fallback, from 0 up while the text looks wrong
+    word_timestamps: bool = False
+
+
+class TranscriptWord(msgspec.Struct, frozen=True, kw_only=True):
+    word: str
+    start: float  # seconds from the audio's start
+    end: float
+
+
+class TranscriptSegment(msgspec.Struct, frozen=True, kw_only=True):
+    """One stretch of a transcript, with Whisper's measures of it (OpenAI's verbose_json segment)."""
+
+    id: int
+    seek: int  # the window it was decoded in, in 10 ms frames
+    start: float  # seconds from the audio's start
+    end: float
+    text: str
+    tokens: list[int] = []
+    temperature: float = 0.0
+    avg_logprob: float = 0.0
+    compression_ratio: float = 0.0
+    no_speech_prob: float = 0.0
+    words: list[TranscriptWord] = []  # with word timestamps
+
+
+REPETITION_CONTEXT = 20  # recent tokens a repetition penalty looks at: mlx-lm's default (and mlx_lm.server's)
 
 
 class GenerationParams(msgspec.Struct, frozen=True, kw_only=True):
@@ -284,11 +339,19 @@ class GenerationParams(msgspec.Struct, frozen=True, kw_only=True):
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    seed: int | None = None
+    seed: int | None = None  # with n > 1, choice i samples with seed + i
+    # Choices generated from one prefill (OpenAI's n), and the candidates they are the likeliest of
+    # (completions' best_of; 0: n). Old logs decode: one choice.
+    n: int = 1
+    best_of: int = 0
     stop: list[str] = []
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    top_k: int | None = None
+    top_k: int | None = None  # 0: off
+    min_p: float | None = None
+    logit_bias: dict[int, float] = {}  # token id -> added to its logit (OpenAI's; str keys in JSON, as theirs)
+    repetition_penalty: float | None = None  # mlx-lm's: divides a recent token's positive logit, multiplies a negative one
+    repetition_context_size: int = REPETITION_CONTEXT  # how many recent tokens it looks at; -1: all of them
     logprobs: bool = False
     top_logprobs: int = 0  # alternatives per token, when logprobs is on
     tools: list[dict[str, Any]] = []  # OpenAI-style function tools, given to the chat template
@@ -298,6 +361,7 @@ class GenerationParams(msgspec.Struct, frozen=True, kw_only=True):
     enable_thinking: bool | None = None  # the chat template's switch; None: the model's default
     response_format: ResponseFormat | None = None  # constrains the answer (exo/runner/constraint.py)
     embed: EmbedInputs | None = None  # set: embed these inputs instead of generating (an embedding model)
+    transcribe: TranscribeInputs | None = None  # set: turn this audio into text (a speech-to-text model)
     # Whose prompt-cache entries it may reuse and add to (keys.cache_scope_of): set by the master from its key.
     cache_scope: str = ""
 
@@ -335,6 +399,16 @@ class Task(msgspec.Struct, frozen=True, kw_only=True):
     conversation: ConversationDigest = ConversationDigest()
 
 
+class ChoiceEnd(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """How one choice of a request with n > 1 ended (its text came in the chunks with its `choice`)."""
+
+    choice: int
+    finish_reason: FinishReason
+    completion_tokens: int = 0
+    stop_sequence: str = ""
+    logprob: float = 0.0  # the sum of its tokens' logprobs, with best_of: what ranks the candidates
+
+
 class TokenChunk(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """One piece of generated text on exo.tokens.<command_id> (data plane, not the event log)."""
 
@@ -356,9 +430,15 @@ class TokenChunk(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     token_ids: list[int] = []
     attempt: int = 0  # which run of the task sent it: 0 first, +1 per migration; older runs' late chunks are dropped
     draft_tokens: int = 0  # on the last chunk: completion tokens a draft model proposed and the model accepted
+    choice: int = 0  # which of the request's choices (GenerationParams.n) this text belongs to
+    choices: list[ChoiceEnd] = []  # on the last chunk, with n > 1 (or best_of): how each choice ended
     # An embedding request's vector for input `index` (one chunk per input, in order): little-endian
     # float32, base64, as OpenAI's encoding_format "base64" (a vector of 4,096 floats is 22 KB).
     embedding: str = ""
+    # A transcription's segment `index` (one chunk per segment, in order); its last chunk's `text` is
+    # the whole transcript and `language` the language spoken.
+    segment: TranscriptSegment | None = None
+    language: str = ""
 
 
 class ToolCall(msgspec.Struct, frozen=True, kw_only=True):

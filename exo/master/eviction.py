@@ -17,7 +17,8 @@ from msgspec.structs import replace
 
 from exo.core.events import DesireEnded, Event, Eviction, InstanceDeleted
 from exo.core.ids import InstanceId, ModelId, NodeId
-from exo.core.placement import LOADED, Unplaceable
+from exo.core.placement import Unplaceable
+from exo.core.placement_nodes import LOADED
 from exo.core.state import State
 from exo.core.types import Desire, Instance, ModelCard
 from exo.master.heal import place_for

@@ -45,6 +45,7 @@ class Recall:
 
     placed_why: dict[str, str] = field(default_factory=dict)  # desire id -> why its next instance is placed
     placed_at: dict[InstanceId, float] = field(default_factory=dict)  # instance id -> when (the caller's clock)
+    warm_up_s: dict[InstanceId, float] = field(default_factory=dict)  # the longest warm-up of its ranks ready so far
 
 
 def lifecycle_lines(before: State, event: AnyEvent, after: State, recall: Recall, now: float) -> list[Line]:
@@ -123,16 +124,30 @@ def _runner_changed(before: State, event: RunnerStatusChanged, after: State, rec
     if event.status == "failed":
         return [Line(f"master: {instance.model_id} failed on {_label(after, event.node_id)}: {event.error} (instance "
                      f"{instance.instance_id}, failure {event.failures})", on, logging.WARNING)]
-    if event.status == "ready" and after.is_ready(instance) and not before.is_ready(instance):
-        placed_at = recall.placed_at.get(instance.instance_id)
-        took = f" in {now - placed_at:.1f} s from placement" if placed_at is not None else ""
-        return [Line(f"master: {instance.model_id} ready on {_nodes(after, instance)}{took} (instance "
-                     f"{instance.instance_id})", _ids(instance))]
+    if event.status == "ready":
+        return _ready(before, event, after, instance, recall, now)
     return []
+
+
+def _ready(before: State, event: RunnerStatusChanged, after: State, instance: Instance, recall: Recall,
+           now: float) -> list[Line]:
+    """The line once every rank is ready, with the slowest rank's warm-up (its kernel compiles)."""
+    if before.is_ready(instance):
+        return []
+    warm_up_s = max(recall.warm_up_s.pop(instance.instance_id, 0.0), event.warm_up_s)
+    if not after.is_ready(instance):
+        recall.warm_up_s[instance.instance_id] = warm_up_s  # the ranks still loading say theirs next
+        return []
+    placed_at = recall.placed_at.get(instance.instance_id)
+    took = f" in {now - placed_at:.1f} s from placement" if placed_at is not None else ""
+    warmed = f", warm-up {warm_up_s:.2f} s" if warm_up_s else ""  # 0: a worker that does not say
+    return [Line(f"master: {instance.model_id} ready on {_nodes(after, instance)}{took} (instance "
+                 f"{instance.instance_id}{warmed})", _ids(instance))]
 
 
 def _unloaded(instance: Instance, event: InstanceDeleted, before: State, after: State, recall: Recall) -> list[Line]:
     recall.placed_at.pop(instance.instance_id, None)
+    recall.warm_up_s.pop(instance.instance_id, None)
     reason = _named(before, event.reason)
     desire: Desire | None = after.desires.get(instance.desire_id)
     if desire is not None and len(after.instances_of_desire(desire.desire_id)) < desire.replicas:

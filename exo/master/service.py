@@ -8,12 +8,11 @@ once State holds its events and still names this master's term."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import cast
 
 from msgspec.structs import replace
@@ -27,9 +26,9 @@ from exo.bus.event_log import EventLog
 from exo.bus.leadership import Lease
 from exo.bus.liveness import Pulse, listen_for_pulses
 from exo.bus.provision import provision_group
-from exo.bus.snapshots import write_snapshot
 from exo.bus.state_view import StateView
 from exo.bus.subjects import group_names
+from exo.bus.throttled_log import ThrottledLog
 from exo.core.apply import apply
 from exo.core.commands import AnyCommand, command_tag
 from exo.core.events import (
@@ -53,8 +52,10 @@ from exo.master.group import groups_to_set, heal_group, key_copy, not_for_group
 from exo.master.heal import HealLimits
 from exo.master.lifecycle_log import LifecycleLog
 from exo.master.memo import DecideMemo
+from exo.master.snapshotter import Snapshotter
 from exo.master.supervise import seed_heard_at, silent_nodes, supervise, suspect_marks
 from exo.settings.services import MasterSettings
+from exo.telemetry import tracing
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +102,9 @@ class Master:
         self._ahead: State | None = None  # State plus this batch's own events, until the view has them
         self._memo = DecideMemo()  # kept across decisions: saves scans of every task and instance per request
         self._staged: list[tuple[Event, str]] = []  # this batch's decided events and their ids, not yet appended
+        self._staged_traces: dict[str, str] = {}  # staged event id -> the traced decision (exo/telemetry) that made it
         self._one_by_one_until = 0.0  # time.monotonic() until which commands append their events one by one
+        self._campaigns = ThrottledLog(log)  # with the bus away a campaign fails every few seconds: a line a minute
 
     def _on_event(self, seq: int, event: AnyEvent, state: State) -> None:
         if isinstance(event, (NodeRegistered, NodeHeartbeat)):
@@ -119,6 +122,7 @@ class Master:
             while True:
                 try:
                     if await self._lease.try_acquire() is None:
+                        self._campaign_worked()
                         await asyncio.sleep(self._lease.ttl / 5)
                         continue
                     await self._lead()
@@ -126,7 +130,7 @@ class Master:
                     # The broker is changing leaders or we are reconnecting, or the lease ran out
                     # while this term began (a pause): campaign again.
                     raise_if_cancelled()
-                    log.warning("master: %r; campaigning again", error)
+                    self._campaigns.warning("campaign", "master%s: %r; campaigning again", self._group_label, error)
                     await asyncio.sleep(1)
         finally:
             if pulses is not None:
@@ -150,6 +154,7 @@ class Master:
         await self._log.check_atomic()
         self._copied_keys = dict(self._view.state.api_keys)
         named = await self._name_groups(term)
+        self._campaign_worked()
         log.info("master%s: leading with term %d", self._group_label, term)
         background = [asyncio.create_task(self._keep_lease()),
                       asyncio.create_task(self._snapshotter.run(self._lease.valid)),
@@ -168,6 +173,10 @@ class Master:
     @property
     def _group_label(self) -> str:
         return f" of group {self._names.group}" if self._names.group else ""
+
+    def _campaign_worked(self) -> None:
+        """A campaign reached the bus (lost to another node, or won): after failed ones, said once."""
+        self._campaigns.cleared("campaign", "master%s: campaigning works again", self._group_label)
 
     async def _name_groups(self, term: int) -> bool:
         """The shared master: the group map of its settings into the log, each group's streams first.
@@ -248,7 +257,8 @@ class Master:
             if not self._lease.valid():
                 raise NotLeader()
             event = replace(event, term=term)
-            appended.append((await self._log.append(event, event_id=f"{id_prefix}:{n}"), event))
+            with tracing.span("exo.events.append", kind="producer") as appending:  # in a traced decision only
+                appended.append((await self._log.append(event, f"{id_prefix}:{n}", appending.traceparent), event))
         return appended
 
     async def give_up(self, command: AnyCommand, error: str) -> None:
@@ -276,9 +286,12 @@ class Master:
         if not self._log.atomic or time.monotonic() < self._one_by_one_until:
             self._ahead = await self._append_folding(state, events, term, f"{command.command_id}:{term}")
             return
+        trace = tracing.current_traceparent()  # the decision's span (command_queue): its events carry it on
         for n, event in enumerate(events):
             event = replace(event, term=term)
             self._staged.append((event, f"{command.command_id}:{term}:{n}"))
+            if trace:
+                self._staged_traces[f"{command.command_id}:{term}:{n}"] = trace
             # Folded here, ahead of the view, at the sequence it gets if nothing comes between.
             state = apply(state, cast(AnyEvent, event), state.last_seq + 1)
         self._ahead = state
@@ -308,6 +321,7 @@ class Master:
         not confirmed ends this term (NotLeader): it may have landed, and only a new election tells
         which decisions count."""
         staged, self._staged = self._staged, []
+        traces, self._staged_traces = self._staged_traces, {}
         if not staged:
             return
         if not self._lease.valid():
@@ -315,7 +329,8 @@ class Master:
             raise NotLeader()
         planned_first = self._ahead.last_seq - len(staged) + 1 if self._ahead is not None else 0
         try:
-            seqs = await self._log.append_all(staged)
+            with tracing.spans("exo.events.append", traces) as appending:
+                seqs = await self._log.append_all(staged, appending)
         except AtomicAppendFailed as error:
             self._ahead = None
             if error.stored_none:  # none stored: decide the batch again, appending command by command
@@ -362,34 +377,3 @@ class Master:
             log.warning("master of group %s: healing events not appended: %r", self._names.group, error)
         for event in events:
             log.warning("master of group %s: %s %s", self._names.group, event_tag(event), getattr(event, "reason", ""))
-
-
-class Snapshotter:
-    """Writes State to the KV bucket every `every` events or `interval` seconds, whichever first."""
-
-    def __init__(self, nc: Connection, view: StateView, every: int, interval: float) -> None:
-        self._nc = nc
-        self._names = view.names
-        self._view = view
-        self._every = every
-        self._interval = interval
-        self._due = asyncio.Event()
-        self._written_seq = 0
-        view.add_listener(self._on_event)
-
-    def _on_event(self, seq: int, event: AnyEvent, state: State) -> None:
-        if seq - self._written_seq >= self._every:
-            self._due.set()
-
-    async def run(self, still_leader: Callable[[], bool]) -> None:
-        while still_leader():
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._due.wait(), self._interval)
-            self._due.clear()
-            state = self._view.state
-            if state.last_seq > self._written_seq and still_leader():
-                started = time.perf_counter()
-                written = await write_snapshot(self._nc, state, names=self._names)
-                self._written_seq = state.last_seq  # not written: try again with the next `every` events
-                if written:
-                    log.info("snapshot at sequence %d (%.0f ms)", state.last_seq, (time.perf_counter() - started) * 1000)

@@ -21,17 +21,21 @@ from exo import event_loop
 from exo.bus.connection import connect
 from exo.runner.process import Runner
 from exo.runner.protocol import RUNNER_START_ENV, RunnerStart
+from exo.telemetry.setup import configure as configure_tracing
+from exo.telemetry.setup import shutdown as shutdown_tracing
 
 
 async def _main() -> None:
     reports = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # library prints now land on stderr
     start = msgspec.json.decode(os.environ[RUNNER_START_ENV], type=RunnerStart)  # from the worker: runner_host.py
+    configure_tracing(start.traces_endpoint, process="runner")
     nc = await connect(start.nats_urls, name="exo-runner", security=start.security)
     try:
         await Runner(nc, reports, start.settings).run()
     finally:
         await nc.drain()
+        shutdown_tracing()  # its last spans out now: this process leaves by os._exit, past atexit
 
 
 if __name__ == "__main__":

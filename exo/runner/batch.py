@@ -20,6 +20,7 @@ tells the others who joins and who leaves (`BatchStep`), and every sampled token
 from __future__ import annotations
 
 import asyncio
+import copy
 import functools
 import logging
 import threading
@@ -32,9 +33,19 @@ from mlx_lm.sample_utils import make_sampler
 
 from exo.core.ids import TaskId
 from exo.core.types import GenerationParams, SamplingDefaults
-from exo.runner.decoding import Decoding, GenerationResult, OnOutput
+from exo.runner.choices import Choices, first_of_choices, ranks_candidates, row_seed, rows_of, sibling
+from exo.runner.decoding import Decoding, GenerationResult, OnOutput, Output
 from exo.runner.distributed import AgreedSamplers, BatchJoin, BatchStep, Lockstep, Sampler, Sampling
-from exo.runner.engine import LogitsProcessor, penalties, sampling_of, seeded_sampler
+from exo.runner.engine import (
+    WARM_UP_TEMPERATURE,
+    WARM_UP_TOP_P,
+    LogitsProcessor,
+    check_logit_bias,
+    logits_processors_of,
+    sampling_of,
+    seeded_sampler,
+    vocabulary_size,
+)
 from exo.runner.engine_api import ModelEngine
 from exo.runner.prompt_cache import PromptCache, Reuse
 
@@ -48,13 +59,14 @@ PREFILL_STEP = 2048
 
 
 def batchable(params: GenerationParams, image_paths: dict[str, str], multi_node: bool) -> bool:
-    return not image_paths and (params.seed is None or not multi_node)
+    # Several choices fan out from one row on this rank only (choices.py): the other ranks could not follow.
+    return not image_paths and (not multi_node or (params.seed is None and rows_of(params) == 1))
 
 
 @functools.lru_cache(maxsize=64)
-def _shared_sampler(temperature: float, top_p: float, top_k: int) -> Sampler:
+def _shared_sampler(temperature: float, top_p: float, top_k: int, min_p: float) -> Sampler:
     # One sampler object per setting: a batch whose requests share it samples in one call.
-    sampler: Sampler = make_sampler(temp=temperature, top_p=top_p, top_k=top_k)
+    sampler: Sampler = make_sampler(temp=temperature, top_p=top_p, top_k=top_k, min_p=min_p)
     return sampler
 
 
@@ -69,7 +81,7 @@ def insert(generator: BatchGenerator, join: BatchJoin, sampler: Sampler, reuse: 
            constraint: list[LogitsProcessor] | None = None) -> int:
     """Into the batch, starting from the cached prefix (`reuse`): only the rest is processed.
     `constraint`: the request's own response_format processor (rank 0 only: it samples)."""
-    processors = [*penalties(join.presence_penalty, join.frequency_penalty), *(constraint or [])]
+    processors = [*logits_processors_of(join), *(constraint or [])]
     uids: list[int] = generator.insert(
         [reuse.rest], max_tokens=[join.max_tokens], caches=[reuse.cache], all_tokens=[join.tokens[:reuse.cached]],
         samplers=[sampler], logits_processors=[processors],
@@ -109,10 +121,19 @@ class Job:
         self.prompt_tokens = self.generated = 0
         self.tokens: list[int] = []  # the prompt's (prepare)
         self.max_tokens = 0  # what the context leaves it (prepare)
+        self.on_start: Callable[[], None] | None = None  # as it joins the batch (Batcher.run)
+        self.choice = 0  # which of its request's choices this row decodes
+        self.choices: Choices | None = None  # its request's rows, when it has several (choices.py)
+        self.logprob = 0.0  # the sum of its tokens' logprobs, when best_of ranks the rows
+
+    def _emit(self, out: Output) -> None:
+        out.choice = self.choice
+        self.on_output(out)
 
     def prepare(self, engine: ModelEngine) -> None:
         """The prompt's tokens and token budget, off the model thread (tokenizing megabytes takes
         seconds); PromptTooLong, found by its length or its tokens, before it ever reaches the batch."""
+        check_logit_bias(self.params.logit_bias, vocabulary_size(engine.model))
         self.tokens = engine.encode(engine.prompt_for(self.params))
         if not self.tokens:  # mlx-lm's own check, made before a sampler is taken (see AgreedSamplers)
             raise ValueError("the prompt is empty")
@@ -120,8 +141,10 @@ class Job:
 
     def start(self, engine: ModelEngine) -> list[int]:
         """The prompt's tokens (prepared); from here on the job can take steps."""
+        if self.on_start is not None:
+            self.on_start()
         tokens = self.tokens
-        self.decoding = Decoding(engine, self.params, self.on_output, self.task_id, tokens)
+        self.decoding = Decoding(engine, self.params, self._emit, self.task_id, tokens)
         self.decoding.prompt_tokens = self.prompt_tokens = len(tokens)
         self.detokenizer = engine.tokenizer.detokenizer
         return tokens
@@ -130,6 +153,8 @@ class Job:
         """One generated token, as stream_generate would report it; the result once the job ends."""
         assert self.decoding is not None
         self.generated += 1
+        if self.choices is not None and ranks_candidates(self.params):
+            self.logprob += float(logprobs[token].item())  # the model's, after any logits processors
         if finish_reason != "stop":  # "stop" is an EOS token: stream_generate does not decode it either
             self.detokenizer.add_token(token)
         if finish_reason is not None:
@@ -166,16 +191,22 @@ class Batcher:
         self._new_batch = False
         self._joins: list[BatchJoin] = []
         self._leaves: list[int] = []
+        self._fanning: dict[int, tuple[Job, BatchJoin]] = {}  # first choices in prefill, by uid (_fan_out_ready)
 
     def run(self, loop: asyncio.AbstractEventLoop, params: GenerationParams, defaults: SamplingDefaults,
-            on_output: OnOutput, is_cancelled: Callable[[], bool], task_id: TaskId) -> asyncio.Future[GenerationResult]:
-        """Generates in the batch; the future resolves after every output of the job was scheduled on `loop`."""
+            on_output: OnOutput, is_cancelled: Callable[[], bool], task_id: TaskId,
+            on_start: Callable[[], None] | None = None) -> asyncio.Future[GenerationResult]:
+        """Generates in the batch; the future resolves after every output of the job was scheduled on `loop`.
+        `on_start`: called on the model thread as the job joins the batch (its queue wait ends: runner/traces.py)."""
         future: asyncio.Future[GenerationResult] = loop.create_future()
         with self._lock:
             self.preparing += 1
-        self._tokenizing.submit(self._prepare, Job(
-            params, defaults, on_output, is_cancelled, task_id,
-            lambda outcome: None if loop.call_soon_threadsafe(_settle, future, outcome) else None))
+        job = Job(params, defaults, on_output, is_cancelled, task_id,
+                  lambda outcome: None if loop.call_soon_threadsafe(_settle, future, outcome) else None)
+        job.on_start = on_start
+        if rows_of(params) > 1:
+            first_of_choices(job)
+        self._tokenizing.submit(self._prepare, job)
         return future
 
     def _prepare(self, job: Job) -> None:
@@ -231,11 +262,12 @@ class Batcher:
             assert job.decoding is not None
             job.decoding.cached = reuse.cached
             join = BatchJoin(tokens=tokens, max_tokens=max_tokens, cached=reuse.cached, cache_scope=params.cache_scope,
-                             sampling=sampling_of(params, job.defaults), presence_penalty=params.presence_penalty,
-                             frequency_penalty=params.frequency_penalty)
+                             sampling=sampling_of(params, job.defaults, vocabulary_size(self._engine.model)),
+                             logit_bias=params.logit_bias, repetition_penalty=params.repetition_penalty,
+                             repetition_context_size=params.repetition_context_size,
+                             presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty)
             generator = self._batch()
-            seeded = params.seed is not None and self._lockstep() is None
-            sampler = seeded_sampler(*join.sampling, params.seed or 0) if seeded else self._sampler(join.sampling)
+            sampler = self._row_sampler(params, join, job.choice)
             uid = insert(generator, join, sampler, reuse, self._engine.constraint_for(params, tokens))
         except Exception as error:
             job.on_done(error)
@@ -243,6 +275,60 @@ class Batcher:
         self._jobs[uid], self._scopes[uid] = job, join.cache_scope
         if self._lockstep() is not None:
             self._joins.append(join)
+        if job.choices is not None and len(reuse.rest) > 1:  # mlx-lm's first segment ends before the last token
+            self._fanning[uid] = job, join
+        elif job.choices is not None and reuse.cache is not None:  # the prompt is cached: the first choice keeps that cache
+            self._fan_out(job, join, copy.deepcopy(reuse.cache))
+
+    def _row_sampler(self, params: GenerationParams, join: BatchJoin, choice: int) -> Sampler:
+        if params.seed is not None and self._lockstep() is None:
+            return seeded_sampler(*join.sampling, row_seed(params.seed, choice))
+        return self._sampler(join.sampling)
+
+    def _fan_out_ready(self, prompts: list[Any]) -> None:
+        """First choices whose prompt, all but its last token, was just processed: the others join now."""
+        for response in prompts:
+            if response.end_of_segment and not response.end_of_prompt and response.uid in self._fanning:
+                job, join = self._fanning.pop(response.uid)
+                ((cache, _),) = self._batch().extract_cache([response.uid]).values()
+                self._fan_out(job, join, cache)
+        for gone in [uid for uid in self._fanning if uid not in self._jobs]:  # cancelled in prefill
+            del self._fanning[gone]
+
+    def _fan_out(self, first: Job, join: BatchJoin, cache: list[Any]) -> None:
+        """The other choices of `first`'s request join from `cache` (its prompt but the last token), each
+        with only that token to process. They share `cache`: mlx-lm merges it into the batch, never writes it."""
+        assert first.choices is not None and first.decoding is not None
+        first.choices.fanned_out = True
+        reuse = Reuse(cache=cache, rest=join.tokens[-1:], cached=len(join.tokens) - 1)
+        for choice in range(1, first.choices.rows):
+            row = sibling(first, choice)
+            try:
+                row.start(self._engine)
+                assert row.decoding is not None
+                row.decoding.cached = first.decoding.cached
+                uid = insert(self._batch(), join, self._row_sampler(row.params, join, choice), reuse,
+                             self._engine.constraint_for(row.params, join.tokens))
+            except Exception as error:
+                row.on_done(error)
+                return
+            self._jobs[uid] = row  # no cache scope: the first choice's cache is the one kept
+
+    def warm_up(self) -> None:
+        """Two sampled requests in a throwaway batch, after Engine.warm_up: sampling a batch's rows
+        compiles kernels of its own (seconds on a CPU). No stop tokens and a fixed max_tokens, so every
+        rank of an instance takes the same steps whatever it samples; the prompt cache is not touched."""
+        engine = self._engine
+        prompt = engine.encode(engine.prompt_for(GenerationParams(messages=[]), text="warm up"))
+        generator = BatchGenerator(engine.model, completion_batch_size=2, prefill_batch_size=2,
+                                   prefill_step_size=PREFILL_STEP)
+        sampler = make_sampler(temp=WARM_UP_TEMPERATURE, top_p=WARM_UP_TOP_P)
+        generator.insert([prompt, prompt[1:]], max_tokens=[2, 2], samplers=[sampler, sampler])
+        ended = 0
+        while ended < 2:
+            _, responses = generator.next()
+            ended += sum(1 for response in responses if response.finish_reason)
+        generator.close()
 
     def _lockstep(self) -> Lockstep | None:
         return self._engine.lockstep
@@ -259,7 +345,7 @@ class Batcher:
         if self._generator is None or self._generator.model is not self._engine.model:
             self._generator = new_generator(self._engine.model, self._engine.tokenizer, self._limit)
             # The other ranks start a new batch too; what they were told of the old one is moot.
-            self._new_batch, self._leaves, self._scopes = True, [], {}
+            self._new_batch, self._leaves, self._scopes, self._fanning = True, [], {}, {}
             if self._agreed is not None:
                 self._agreed.clear()
         return self._generator
@@ -269,8 +355,9 @@ class Batcher:
             return
         try:
             self._tell_the_other_ranks()
-            _, responses = self._batch().next()
+            prompts, responses = self._batch().next()
             self._engine.beat()  # prefill chunks produce no token, but they are progress
+            self._fan_out_ready(prompts)
         except Exception as error:
             log.exception("a batch step failed")
             self._fail_all(error)

@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from exo.core.ids import TaskId
-from exo.core.types import GenerationParams, TokenLogprob, ToolCall
+from exo.core.types import ChoiceEnd, GenerationParams, TokenLogprob, ToolCall
 from exo.runner.splitter import OutputSplitter, Split
 from exo.runner.stops import StopMatcher
 
@@ -33,6 +33,7 @@ class Output:
         self.logprobs = logprobs
         self.tool_calls = tool_calls
         self.tokens = tokens if tokens is not None else []
+        self.choice = 0  # which of the request's choices (n > 1: set by its row in the batch)
 
 
 OnOutput = Callable[[Output], None]
@@ -47,6 +48,7 @@ class GenerationResult:
         self.stop_sequence = stop_sequence
         self.cached_tokens = cached_tokens  # prompt tokens reused from the prompt cache
         self.draft_tokens = draft_tokens  # completion tokens a draft model proposed and the model accepted
+        self.choices: list[ChoiceEnd] = []  # n > 1: how each choice ended (its counts are summed above)
 
 
 class RequestRefused(ValueError):

@@ -31,7 +31,7 @@ from mlx_lm.tuner.utils import load_adapters
 from mlx_lm.utils import load_model, load_tokenizer, sharded_load
 
 from exo.core.ids import TaskId
-from exo.core.types import GenerationParams, SamplingDefaults
+from exo.core.types import REPETITION_CONTEXT, GenerationParams, SamplingDefaults
 from exo.runner.pipeline import split_layers
 
 Sampler = Callable[[mx.array], mx.array]
@@ -125,7 +125,7 @@ class StepAnnouncement(msgspec.Struct, frozen=True, kw_only=True, tag="generate"
     resume_tokens: list[int] = []  # a resumed request's earlier tokens (protocol.Resume): every rank prefills them
 
 
-Sampling = tuple[float, float, int]  # temperature, top_p, top_k
+Sampling = tuple[float, float, int, float]  # temperature, top_p, top_k, min_p
 
 
 class BatchJoin(msgspec.Struct, frozen=True, kw_only=True):
@@ -134,6 +134,10 @@ class BatchJoin(msgspec.Struct, frozen=True, kw_only=True):
     tokens: list[int]
     max_tokens: int
     sampling: Sampling
+    # Its logits processors' settings (engine.logits_processors_of), as GenerationParams has them.
+    logit_bias: dict[int, float] = {}
+    repetition_penalty: float | None = None
+    repetition_context_size: int = REPETITION_CONTEXT
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     cached: int = 0  # prompt tokens reused from rank 0's prompt cache (see StepAnnouncement)
@@ -220,8 +224,9 @@ class AgreedSamplers:
         if sampling not in self._by_setting:
             if len(self._by_setting) >= self._limit:
                 self._by_setting.clear()
-            temperature, top_p, top_k = sampling
-            self._by_setting[sampling] = self._lockstep.agreed(make_sampler(temp=temperature, top_p=top_p, top_k=top_k))
+            temperature, top_p, top_k, min_p = sampling
+            self._by_setting[sampling] = self._lockstep.agreed(
+                make_sampler(temp=temperature, top_p=top_p, top_k=top_k, min_p=min_p))
         return self._by_setting[sampling]
 
     def clear(self) -> None:

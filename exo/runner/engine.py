@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import mlx.core as mx
 from mlx_lm import load, stream_generate
-from mlx_lm.sample_utils import apply_top_k, apply_top_p, make_logits_processors, make_sampler
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors, make_sampler
 
+from exo.core.chat_template import encode_prompt, render_prompt, template_messages
 from exo.core.grammar import grammar_of, tool_call_grammar
 from exo.core.ids import TaskId
 from exo.core.kv_budget import kv_group_size
@@ -20,7 +20,7 @@ from exo.core.types import GenerationParams, SamplingDefaults, TokenLogprob, Top
 from exo.memory import memory
 from exo.runner.constraint import GrammarConstraint
 from exo.runner.decoding import Decoding, GenerationResult, OnOutput, PromptTooLong, RequestRefused, TextStream
-from exo.runner.distributed import Lockstep, Sampler, StepAnnouncement, join_ring, load_shard
+from exo.runner.distributed import Lockstep, Sampler, Sampling, StepAnnouncement, join_ring, load_shard
 from exo.runner.prompt_cache import FOLLOWER_BUDGET, PromptCache, Reuse, budget_bytes
 from exo.runner.protocol import RankSetup, Resume
 from exo.runner.splitter import starts_in_reasoning
@@ -28,9 +28,14 @@ from exo.settings.services import RunnerSettings
 
 LOGPROB_FLOOR = -9999.0  # what OpenAI sends for a token with no chance at all
 PENALTY_CONTEXT = 256  # more than mlx-lm's penalties look back at (20 tokens by default)
+ALL_TOKENS = 2**31 - 1  # a repetition context of every token (mlx slices take 32-bit bounds)
+# The sampled warm-up's settings. Most of the compile time is shared by every setting; a request
+# with another temperature or top_p still compiles the one kernel that embeds its value.
+WARM_UP_TEMPERATURE, WARM_UP_TOP_P = 0.7, 0.9
 
 # mlx-lm's logits processor: (the tokens so far, the next token's logits) -> the logits to sample from.
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
+N = TypeVar("N", int, float)
 
 
 class Engine:
@@ -76,9 +81,17 @@ class Engine:
             self.lockstep.announce(None)
 
     def warm_up(self) -> None:
-        """One short generation, so the first real request does not pay for kernel set-up."""
+        """A short greedy and a short sampled generation, so the first real request of either kind
+        does not wait while MLX compiles their kernels (seconds on a CPU, then cached on disk in the
+        temp dir's mlx/). The batch runs the same kernels. Neither touches the prompt cache; the
+        sampled one draws from the unseeded global random state, as an unseeded request would."""
         prompt = self.prompt_for(GenerationParams(messages=[]), text="warm up")
         for _ in stream_generate(self.model, self.tokenizer, prompt, max_tokens=2):
+            pass
+        # One token: ranks of an instance may sample different ones, and one that sampled EOS stops;
+        # its next step was queued already, so every rank runs the same collectives.
+        sampler = make_sampler(temp=WARM_UP_TEMPERATURE, top_p=WARM_UP_TOP_P)
+        for _ in stream_generate(self.model, self.tokenizer, prompt, max_tokens=1, sampler=sampler):
             pass
 
     def prompt_for(self, params: GenerationParams, text: str | None = None) -> str:
@@ -88,14 +101,7 @@ class Engine:
         if params.prompt is not None and text is None:
             return params.prompt  # completions: the caller's text is the whole prompt
         messages = template_messages(params) if text is None else [{"role": "user", "content": text}]
-        if getattr(self.tokenizer, "chat_template", None):
-            # enable_thinking left out: mlx-lm's wrapper passes its default (on when the model thinks).
-            switch = {} if params.enable_thinking is None else {"enable_thinking": params.enable_thinking}
-            prompt: str = self.tokenizer.apply_chat_template(  # tokenize=False: the text
-                messages, tools=params.tools or None, add_generation_prompt=True, tokenize=False, **switch
-            )
-            return prompt
-        return "\n".join(m["content"] for m in messages)
+        return render_prompt(self.tokenizer, messages, params.tools, params.enable_thinking)
 
     def generate(self, params: GenerationParams, defaults: SamplingDefaults, on_output: OnOutput,
                  is_cancelled: Callable[[], bool], task_id: TaskId = TaskId(""), told: StepAnnouncement | None = None,
@@ -109,12 +115,13 @@ class Engine:
         prior = list(told.resume_tokens if told is not None else resume.token_ids if resume is not None else [])
         if told is None:  # rank 0, before any collective: read back from JetStream, so anyone's to write
             self._check_token_ids(prior)
+            check_logit_bias(params.logit_bias, vocabulary_size(self.model))
         max_tokens = self.max_tokens_for(params, len(tokens)) - len(prior)  # what the whole request may still add
         decoding = Decoding(self, params, on_output, task_id, tokens)
         stream = TextStream(self.tokenizer) if prior else None  # resumed: its own text (see TextStream)
         if stream is not None and (ended := self._replay(decoding, stream, prior, len(tokens), max_tokens)):
             return ended
-        sampler = sampler_of(params, defaults, start=len(prior))
+        sampler = sampler_of(params, defaults, vocabulary_size(self.model), start=len(prior))
         processors = [*logits_processors_of(params), *self.constraint_for(params, tokens, prior)]
         # The draft proposes tokens only where mlx-lm's speculative step gives the plain path's tokens:
         # no logits processors (it shows them the generated tokens only), no resumed run, one node.
@@ -130,7 +137,7 @@ class Engine:
         draft = {"draft_model": self.draft_model, "num_draft_tokens": self.num_draft_tokens} if drafting else {}
         for response in stream_generate(
             self.model, self.tokenizer, mx.array(reuse.rest), max_tokens=max_tokens,
-            sampler=sampler, logits_processors=_seeing_prefix(processors, (tokens + prior)[:reuse.cached]),
+            sampler=sampler, logits_processors=_seeing_prefix(processors, (tokens + prior)[:reuse.cached], params),
             prompt_cache=reuse.cache, prompt_progress_callback=lambda *_: self.beat(), **self._quantized_cache(), **draft,
         ):
             generated.append(response.token)
@@ -175,7 +182,7 @@ class Engine:
         return self.lockstep.start(sampler, is_cancelled)
 
     def _check_token_ids(self, ids: list[int]) -> None:
-        vocab = int(getattr(getattr(self.model, "args", None), "vocab_size", 0) or 0)
+        vocab = vocabulary_size(self.model)
         bad = next((i for i in ids if i < 0 or (vocab and i >= vocab)), None)
         if bad is not None:
             raise RequestRefused(f"the streamed tokens read back for this generation are not this model's "
@@ -187,13 +194,19 @@ class Engine:
         if self.lockstep is not None and not self.lockstep.leads:
             return []
         if params.response_format is not None:
-            grammar = grammar_of(params.response_format)
+            try:
+                grammar = grammar_of(params.response_format)
+            except ValueError as error:  # as below: the API's check was passed by
+                raise RequestRefused(str(error)) from None
         elif params.tools_required and params.tools:
             grammar = self._tool_call_grammar(params.tools)
         else:
             return []
         in_reasoning = params.prompt is None and starts_in_reasoning(self.tokenizer, prompt)
-        constraint = GrammarConstraint(self.tokenizer, grammar, in_reasoning)
+        try:
+            constraint = GrammarConstraint(self.tokenizer, grammar, in_reasoning)
+        except ValueError as error:  # the API checks grammars; one that got past it is refused, not a crash
+            raise RequestRefused(str(error)) from None
         constraint.advance(list(prior))
         return [constraint]
 
@@ -241,9 +254,7 @@ class Engine:
 
     def encode(self, prompt: str) -> list[int]:
         """The prompt's token ids exactly as stream_generate makes them from the same text."""
-        bos = self.tokenizer.bos_token
-        ids: list[int] = self.tokenizer.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos))
-        return ids
+        return encode_prompt(self.tokenizer, prompt)
 
     def logprob(self, token: int, logprobs: Any, top: int) -> TokenLogprob:
         """The sampled token's logprob and the `top` likeliest, each at least LOGPROB_FLOOR: a token a
@@ -280,21 +291,60 @@ def max_tokens_of(params: GenerationParams) -> int:
     return params.max_tokens or DEFAULT_MAX_TOKENS
 
 
-def logits_processors_of(params: GenerationParams) -> list[LogitsProcessor]:
-    return penalties(params.presence_penalty, params.frequency_penalty)
+class Penalized(Protocol):
+    """A request's logits-processor settings: GenerationParams, or a BatchJoin on every rank."""
+
+    @property
+    def logit_bias(self) -> dict[int, float]: ...
+    @property
+    def repetition_penalty(self) -> float | None: ...
+    @property
+    def repetition_context_size(self) -> int: ...
+    @property
+    def presence_penalty(self) -> float | None: ...
+    @property
+    def frequency_penalty(self) -> float | None: ...
 
 
-def penalties(presence: float | None, frequency: float | None) -> list[LogitsProcessor]:
-    processors: list[LogitsProcessor] = make_logits_processors(presence_penalty=presence, frequency_penalty=frequency)
+def logits_processors_of(settings: Penalized) -> list[LogitsProcessor]:
+    """mlx-lm's own processors for the request's logit_bias and penalties (check_logit_bias first)."""
+    processors: list[LogitsProcessor] = make_logits_processors(
+        logit_bias=settings.logit_bias or None, repetition_penalty=settings.repetition_penalty,
+        repetition_context_size=_repetition_context(settings.repetition_context_size),
+        presence_penalty=settings.presence_penalty, frequency_penalty=settings.frequency_penalty)
     return processors
 
 
-def _seeing_prefix(processors: list[LogitsProcessor], prefix: list[int]) -> list[LogitsProcessor]:
+def _repetition_context(size: int) -> int:
+    return ALL_TOKENS if size < 0 else size  # -1: Ollama's num_ctx, the whole context
+
+
+def vocabulary_size(model: Any) -> int:
+    """How many logits the model gives (0: unknown): mlx-lm's `args`, or mlx-vlm's text config."""
+    args = getattr(model, "args", None) or getattr(getattr(model, "config", None), "text_config", None)
+    return int(getattr(args, "vocab_size", 0) or 0)
+
+
+def check_logit_bias(logit_bias: dict[int, float], vocab_size: int) -> None:
+    """RequestRefused for a biased token id the model does not have (the API knows no vocabulary):
+    mlx would write outside the logits with it."""
+    if not logit_bias:
+        return
+    if not vocab_size:
+        raise RequestRefused("logit_bias cannot be applied: this model's vocabulary size is unknown")
+    bad = sorted(token for token in logit_bias if not 0 <= token < vocab_size)
+    if bad:
+        raise RequestRefused(f"logit_bias has token ids outside this model's vocabulary (0 to {vocab_size - 1}): "
+                             f"{', '.join(map(str, bad[:5]))}")
+
+
+def _seeing_prefix(processors: list[LogitsProcessor], prefix: list[int], settings: Penalized) -> list[LogitsProcessor]:
     """Penalties look at the last tokens of the prompt too; stream_generate gives them only the
     tokens it processes, so put back the cached prefix's (as the batch's token context has them)."""
     if not processors or not prefix:
         return processors
-    before = mx.array(prefix[-PENALTY_CONTEXT:])
+    repetition = _repetition_context(settings.repetition_context_size) if settings.repetition_penalty else 0
+    before = mx.array(prefix[-max(PENALTY_CONTEXT, repetition):])
 
     def seeing(processor: LogitsProcessor) -> LogitsProcessor:
         return lambda tokens, logits: processor(mx.concatenate([before, tokens.astype(before.dtype)]), logits)
@@ -302,23 +352,26 @@ def _seeing_prefix(processors: list[LogitsProcessor], prefix: list[int]) -> list
     return [seeing(p) for p in processors]
 
 
-def sampling_of(params: GenerationParams, defaults: SamplingDefaults) -> tuple[float, float, int]:
-    """(temperature, top_p, top_k) for make_sampler: the request's, else the card's defaults."""
+def sampling_of(params: GenerationParams, defaults: SamplingDefaults, vocab_size: int) -> Sampling:
+    """(temperature, top_p, top_k, min_p) for make_sampler: the request's, else the card's defaults.
+    A top_k of the whole vocabulary keeps every token: off (mlx-lm refuses it, failing the batch)."""
     temperature = _first(params.temperature, defaults.temperature, 0.0)
     top_p = _first(params.top_p, defaults.top_p, 0.0)
-    return temperature, top_p if top_p < 1.0 else 0.0, params.top_k or 0
+    top_k = _first(params.top_k, defaults.top_k, 0)
+    min_p = _first(params.min_p, defaults.min_p, 0.0)
+    return temperature, top_p if top_p < 1.0 else 0.0, 0 if vocab_size and top_k >= vocab_size else top_k, min_p
 
 
-def sampler_of(params: GenerationParams, defaults: SamplingDefaults, start: int = 0) -> Sampler:
+def sampler_of(params: GenerationParams, defaults: SamplingDefaults, vocab_size: int, start: int = 0) -> Sampler:
     """`start`: how many tokens the request generated before (resumed), so a seed draws on from there."""
-    temperature, top_p, top_k = sampling_of(params, defaults)
+    temperature, top_p, top_k, min_p = sampling_of(params, defaults, vocab_size)
     if params.seed is not None:
-        return seeded_sampler(temperature, top_p, top_k, params.seed, start)
-    sampler: Sampler = make_sampler(temp=temperature, top_p=top_p, top_k=top_k)
+        return seeded_sampler(temperature, top_p, top_k, min_p, params.seed, start)
+    sampler: Sampler = make_sampler(temp=temperature, top_p=top_p, top_k=top_k, min_p=min_p)
     return sampler
 
 
-def seeded_sampler(temperature: float, top_p: float, top_k: int, seed: int, start: int = 0) -> Sampler:
+def seeded_sampler(temperature: float, top_p: float, top_k: int, min_p: float, seed: int, start: int = 0) -> Sampler:
     """make_sampler's sampling with a random key of the request's own: the same tokens as
     `mx.random.seed(seed)` then make_sampler (mlx-lm's reference), however many other requests
     draw from the global random state meanwhile. So a seeded request can share a batch.
@@ -332,8 +385,10 @@ def seeded_sampler(temperature: float, top_p: float, top_k: int, seed: int, star
 
     def sample(logprobs: mx.array) -> mx.array:
         nonlocal key
-        if 0 < top_p < 1.0:
+        if 0 < top_p < 1.0:  # make_sampler's filters, in its order
             logprobs = apply_top_p(logprobs, top_p)
+        if min_p != 0.0:
+            logprobs = apply_min_p(logprobs, min_p)
         if top_k > 0:
             logprobs = apply_top_k(logprobs, top_k)
         key, draw = mx.random.split(key)  # what mlx's global key sequence does on each draw
@@ -342,33 +397,5 @@ def seeded_sampler(temperature: float, top_p: float, top_k: int, seed: int, star
     return sample
 
 
-def template_messages(params: GenerationParams) -> list[dict[str, Any]]:
-    """Messages as chat templates expect them, with earlier turns' tool calls and results."""
-    turns = {turn.index: turn for turn in params.tool_turns}
-    messages = []
-    for index, message in enumerate(params.messages):
-        entry: dict[str, Any] = {"role": message.role, "content": message.content}
-        turn = turns.get(index)
-        if turn is not None and turn.tool_calls:
-            entry["tool_calls"] = [
-                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": _arguments(c.arguments)}}
-                for c in turn.tool_calls
-            ]
-        if turn is not None and turn.tool_call_id:
-            entry["tool_call_id"] = turn.tool_call_id
-        if turn is not None and turn.name:
-            entry["name"] = turn.name
-        messages.append(entry)
-    return messages
-
-
-def _arguments(text: str) -> Any:
-    # Templates render arguments as a mapping (mlx-lm's server decodes them the same way).
-    try:
-        return json.loads(text)
-    except ValueError:
-        return text
-
-
-def _first(*values: float | None) -> float:
+def _first(*values: N | None) -> N:
     return next(v for v in values if v is not None)

@@ -1,7 +1,7 @@
 """The runner's work, apart from its entry point (exo/runner/__main__.py): `Runner` reads requests
 from the worker on stdin, serves them on one model thread (load, warm up, generate: alone or in a
-batch) and reports back on stdout (JSON lines); `ChunkMaker` turns one generation's output into the
-token chunks published on exo.tokens.<command_id>.
+batch) and reports back on stdout (JSON lines); `ChunkMaker` (chunks.py) turns one generation's output
+into the token chunks published on exo.tokens.<command_id>.
 """
 
 from __future__ import annotations
@@ -23,9 +23,10 @@ from exo.bus.connection import Connection
 from exo.bus.token_publisher import ChunkPublisher
 from exo.core.catalogue import is_vision_config
 from exo.core.ids import TaskId
-from exo.core.types import EmbedInputs, FinishReason, TokenChunk
+from exo.core.types import ChoiceEnd, EmbedInputs, FinishReason, TokenChunk
 from exo.runner.batch import Batcher, BatchFailed, batchable
-from exo.runner.coalesce import Coalescer, Piece
+from exo.runner.choices import refusal, rows_of
+from exo.runner.chunks import ChunkMaker
 from exo.runner.decoding import GenerationResult, OnOutput, Output, RequestRefused
 from exo.runner.embed_batch import EmbedBatcher
 from exo.runner.embedding_engine import EmbeddingEngine, embedding_spec_of
@@ -42,7 +43,6 @@ from exo.runner.protocol import (
     Load,
     Loaded,
     Report,
-    Resume,
     Shutdown,
     Started,
     WarmedUp,
@@ -50,6 +50,8 @@ from exo.runner.protocol import (
     encode_line,
     request_decoder,
 )
+from exo.runner.traces import GenerationTraces
+from exo.runner.transcription_engine import TranscriptionEngine, is_speech_to_text_model, transcript_chunks
 from exo.settings.services import RunnerSettings
 
 PULSE_S = 1.0  # how often the runner tells the worker it is alive (protocol.Alive)
@@ -77,6 +79,7 @@ class Runner:
         self._generating: dict[str, asyncio.Task[None]] = {}  # batched generations in flight, by task id
         self._in_flight: set[str] = set()  # generations the model thread has not finished yet
         self._worker_gone = False  # stdin closed: the node's exo process is gone (_on_worker_gone)
+        self._traces = GenerationTraces()  # the spans of traced requests (exo/telemetry); none otherwise
 
     def report(self, message: Report) -> None:
         if self._worker_gone:
@@ -158,6 +161,15 @@ class Runner:
             engine = EmbeddingEngine(self._settings)
             self._engine, self._batcher = engine, None
             self._embed_batcher = EmbedBatcher(engine, self._mlx_thread)
+        elif is_speech_to_text_model(model_path):
+            self._engine, self._batcher = TranscriptionEngine(self._settings), None
+
+    def _warm_up(self) -> None:
+        """On the model thread: the paths this model's requests take (a quantized KV cache or a draft
+        model keeps every request on the single path), so `ready` means the first one is fast."""
+        self._engine.warm_up()
+        if self._batcher is not None and not self._engine.kv_bits and self._engine.draft_model is None:
+            self._batcher.warm_up()
 
     def _embeds(self, request: AnyRequest) -> TypeGuard[Generate]:
         return self._embed_batcher is not None and isinstance(request, Generate) and request.params.embed is not None
@@ -182,12 +194,14 @@ class Runner:
                                                request.num_draft_tokens)
                 self.report(Loaded())
             elif isinstance(request, WarmUp):
-                await loop.run_in_executor(self._mlx_thread, self._engine.warm_up)
-                self.report(WarmedUp())
+                started = time.perf_counter()
+                await loop.run_in_executor(self._mlx_thread, self._warm_up)
+                self.report(WarmedUp(seconds=round(time.perf_counter() - started, 3)))
                 if self._engine.lockstep is not None and not self._engine.lockstep.leads:
                     self._follow(loop)
             elif isinstance(request, Generate):
-                await self._generate(loop, request)
+                with self._traces.generation(request):
+                    await self._generate(loop, request)
         except Exception as error:  # a broken model must be reported, not kill silently
             traceback.print_exc()
             self.report(Failed(error=f"{type(error).__name__}: {error}"))
@@ -196,6 +210,9 @@ class Runner:
         task_id = request.task_id
         if request.params.embed is not None:
             await self._embed(loop, task_id, request.params.embed)
+            return
+        if request.params.transcribe is not None:
+            await self._transcribe(loop, request)
             return
         chunks = ChunkMaker(task_id, request.resume, self._settings.stream_interval_ms / 1000)
         if task_id in self._cancelled:
@@ -206,7 +223,7 @@ class Runner:
             for chunk in chunks.add(out, time.perf_counter()):
                 loop.call_soon_threadsafe(self._chunks.put_nowait, chunk)
 
-        running = self._start(loop, request, on_output)
+        running = self._start(loop, request, self._traces.watching(task_id, on_output))
         self.report(Started(task_id=task_id))  # after the model thread has its work: off the first token's path
         self._in_flight.add(task_id)
         self._engine.beat()  # waiting for the model thread counts from here
@@ -229,14 +246,13 @@ class Runner:
                                attempt=chunks.attempt)
             return
         self._in_flight.discard(task_id)
-        rest = chunks.rest(result, time.perf_counter())
-        if rest is not None:  # on the loop thread, after every chunk the model thread scheduled
+        for rest in chunks.rest(result, time.perf_counter()):  # on the loop thread, after every chunk the model thread scheduled
             self._chunks.put_nowait(rest)
         # GenerationResult's reason is a str: mlx-lm's "stop" or "length", or Decoding's "cancelled".
         reason = cast(FinishReason, result.finish_reason)
         await self._finish(task_id, chunks.index, reason, result.prompt_tokens, result.completion_tokens,
                            stop_sequence=result.stop_sequence, cached=result.cached_tokens, attempt=chunks.attempt,
-                           draft=result.draft_tokens)
+                           draft=result.draft_tokens, choices=result.choices)
 
     async def _embed(self, loop: asyncio.AbstractEventLoop, task_id: TaskId, inputs: EmbedInputs) -> None:
         """One vector per input, each in a chunk of its own (index = the input's), then the final chunk."""
@@ -262,6 +278,34 @@ class Runner:
             self._chunks.put_nowait(TokenChunk(command_id=task_id, index=index, embedding=vector))
         await self._finish(task_id, len(embedded.vectors), "stop", embedded.prompt_tokens, 0)
 
+    async def _transcribe(self, loop: asyncio.AbstractEventLoop, request: Generate) -> None:
+        """The segments and the whole text in chunks (transcript_chunks), then the final chunk. Not
+        counted in flight: mlx-audio's transcribe has no step to beat at, and may run for minutes."""
+        task_id, inputs = request.task_id, request.params.transcribe
+        assert inputs is not None
+        self.report(Started(task_id=task_id))
+        engine, audio = self._engine, request.image_paths.get(inputs.audio)
+        if not isinstance(engine, TranscriptionEngine):
+            await self._finish(task_id, 0, "error", 0, 0, error="this model does not turn speech into text",
+                               error_code="invalid_request_error")
+            return
+        if audio is None:  # the worker hands every task its objects: this is exo's fault, not the client's
+            await self._finish(task_id, 0, "error", 0, 0, error="the task's audio was not handed to the runner")
+            return
+        try:
+            done = await loop.run_in_executor(self._mlx_thread, engine.transcribe, inputs, audio)
+        except RequestRefused as error:
+            await self._finish(task_id, 0, "error", 0, 0, error=str(error), error_code=error.code)
+            return
+        except Exception as error:
+            traceback.print_exc()
+            await self._finish(task_id, 0, "error", 0, 0, error=f"{type(error).__name__}: {error}")
+            return
+        chunks = transcript_chunks(task_id, done)
+        for chunk in chunks:
+            self._chunks.put_nowait(chunk)
+        await self._finish(task_id, len(chunks), "stop", 0, done.tokens)
+
     def _start(self, loop: asyncio.AbstractEventLoop, request: Generate,
                on_output: OnOutput) -> Awaitable[GenerationResult]:
         """Hands the generation to the model thread: into the batch, or alone (Engine.generate)."""
@@ -270,21 +314,29 @@ class Runner:
         def is_cancelled() -> bool:
             return task_id in self._cancelled
 
+        on_start = self._traces.started(task_id)
         if self._batcher is not None and self._batched(request):
-            return self._batcher.run(loop, request.params, request.defaults, on_output, is_cancelled, task_id)
+            return self._batcher.run(loop, request.params, request.defaults, on_output, is_cancelled, task_id, on_start)
         images = [request.image_paths[digest] for message in request.params.messages for digest in message.images]
-        return loop.run_in_executor(self._mlx_thread, self._engine.generate, request.params, request.defaults,
-                                    on_output, is_cancelled, task_id, None, images, request.resume)
+
+        def generate_alone() -> GenerationResult:
+            if rows_of(request.params) > 1:  # several choices fan out in the batch only (choices.py)
+                raise refusal(resumed=request.resume is not None)
+            if on_start is not None:
+                on_start()
+            return self._engine.generate(request.params, request.defaults, on_output, is_cancelled, task_id, None,
+                                         images, request.resume)
+        return loop.run_in_executor(self._mlx_thread, generate_alone)
 
     async def _finish(self, task_id: TaskId, index: int, reason: FinishReason, prompt: int, completion: int,
                       error: str = "", stop_sequence: str = "", cached: int = 0, error_code: str = "",
-                      attempt: int = 0, draft: int = 0) -> None:
+                      attempt: int = 0, draft: int = 0, choices: list[ChoiceEnd] | None = None) -> None:
         if self._worker_gone:
             return  # the task moves on elsewhere: a last chunk from here would end the client's stream
         final = TokenChunk(
             command_id=task_id, index=index, token_count=completion, prompt_tokens=prompt, finish_reason=reason,
             error=error, stop_sequence=stop_sequence, cached_tokens=cached, error_code=error_code, attempt=attempt,
-            draft_tokens=draft,
+            draft_tokens=draft, choices=choices or [],
         )
         published: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._chunks.put_nowait((final, published))
@@ -300,7 +352,7 @@ class Runner:
             chunk = await self._chunks.get()
             chunk, published = chunk if isinstance(chunk, tuple) else (chunk, None)
             try:
-                await publisher.publish(chunk)
+                await publisher.publish(chunk, self._traces.publishing(chunk.command_id))
             except Exception:
                 logging.exception("cannot publish a token chunk")
             finally:
@@ -331,54 +383,6 @@ class Runner:
         exit_anyway = threading.Timer(WORKER_GONE_GRACE_S, os._exit, (0,))
         exit_anyway.daemon = True
         exit_anyway.start()
-
-
-class ChunkMaker:
-    """One generation's token chunks: its text coalesced (coalesce.py), with the logprobs, tool calls
-    and token ids that came with that text. A resumed request (a migration) goes on with the chunk
-    index where the earlier run's stopped, and every chunk says which run (attempt) sent it."""
-
-    def __init__(self, task_id: TaskId, resume: Resume | None = None,
-                 interval_s: float = RunnerSettings().stream_interval_ms / 1000) -> None:
-        self._task_id = task_id
-        self.index, self.attempt = (resume.next_index, resume.attempt) if resume is not None else (0, 0)
-        self._coalescer = Coalescer(interval_s)  # text faster than this goes out as one message per interval
-        self._held = Output("", 0, 0, [], [])  # what goes with the text the coalescer holds
-
-    def add(self, out: Output, now: float) -> list[TokenChunk]:
-        """The chunks to send now (on the model thread)."""
-        sent: list[TokenChunk] = []
-        ready = self._coalescer.add(out.text, now, out.reasoning)
-        if ready is not None and out.reasoning and not ready.reasoning:
-            sent.append(self._chunk(ready, out))  # content held before this output's reasoning: not its ids
-            ready = None
-        self._held.logprobs.extend(out.logprobs)
-        self._held.tokens.extend(out.tokens)
-        if out.tool_calls:  # a tool call is sent at once, with the text held before it
-            if ready:
-                sent.append(self._chunk(ready, out))
-            self._held.tool_calls.extend(out.tool_calls)
-            ready = self._coalescer.flush(now)
-        if ready or out.tool_calls:
-            sent.append(self._chunk(ready, out))
-        return sent
-
-    def rest(self, result: GenerationResult, now: float) -> TokenChunk | None:
-        """What is still held once the generation ended (then comes the final chunk, at `index`)."""
-        rest = self._coalescer.flush(now)
-        if not rest and not self._held.logprobs and not self._held.tokens:
-            return None
-        return self._chunk(rest, Output("", result.completion_tokens, result.prompt_tokens, [], [],
-                                        result.cached_tokens))
-
-    def _chunk(self, piece: Piece | None, out: Output) -> TokenChunk:
-        held, self._held = self._held, Output("", 0, 0, [], [])
-        text, reasoning = piece or ("", "")
-        self.index += 1
-        return TokenChunk(command_id=self._task_id, index=self.index - 1, text=text, reasoning=reasoning,
-                          token_count=out.completion_tokens, prompt_tokens=out.prompt_tokens, logprobs=held.logprobs,
-                          tool_calls=held.tool_calls, cached_tokens=out.cached_tokens, token_ids=held.tokens,
-                          attempt=self.attempt)
 
 
 def is_vision_model(model_path: str) -> bool:

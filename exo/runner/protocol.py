@@ -19,6 +19,7 @@ class RunnerStart(msgspec.Struct, frozen=True, kw_only=True):
     nats_urls: list[str]
     security: NatsSecurity = NatsSecurity()
     settings: RunnerSettings = RunnerSettings()
+    traces_endpoint: str = ""  # where the runner sends its spans, as its node does ("" : tracing off)
 
 
 class Request(msgspec.Struct, frozen=True, kw_only=True, tag_field="op"):
@@ -63,6 +64,7 @@ class Generate(Request, frozen=True, tag="generate", kw_only=True):
     defaults: SamplingDefaults = SamplingDefaults()
     image_paths: dict[str, str] = {}  # sha256 -> file on this node, verified by the worker
     resume: Resume | None = None  # continue after these tokens instead of starting afresh
+    traceparent: str = ""  # the worker's span that forwarded it (W3C): the runner's spans join its trace
 
 
 class Cancel(Request, frozen=True, tag="cancel", kw_only=True):
@@ -82,7 +84,7 @@ class Loaded(Report, frozen=True, tag="loaded", kw_only=True):
 
 
 class WarmedUp(Report, frozen=True, tag="warmed_up", kw_only=True):
-    pass
+    seconds: float = 0.0  # what the warm-up took (kernel compiles, mostly): the master's ready line says it
 
 
 class Started(Report, frozen=True, tag="started", kw_only=True):

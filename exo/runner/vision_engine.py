@@ -22,11 +22,12 @@ import PIL.Image
 from mlx_vlm.prompt_utils import get_chat_template, get_message_json
 from mlx_vlm.vision_cache import VisionFeatureCache
 
+from exo.core.chat_template import template_messages
 from exo.core.ids import TaskId
 from exo.core.types import GenerationParams, SamplingDefaults
 from exo.runner.decoding import Decoding, GenerationResult, OnOutput, RequestRefused
 from exo.runner.distributed import StepAnnouncement
-from exo.runner.engine import Engine, logits_processors_of, sampler_of, template_messages
+from exo.runner.engine import Engine, check_logit_bias, logits_processors_of, sampler_of, vocabulary_size
 from exo.runner.protocol import RankSetup, Resume
 from exo.settings.services import RunnerSettings
 
@@ -104,11 +105,13 @@ class VisionEngine(Engine):
         tokens = self.encode(prompt)  # the text's tokens: images add theirs inside mlx-vlm's processor
         max_tokens = self.max_tokens_for(params, len(tokens))
         decoding = Decoding(self, params, on_output, task_id, tokens)
+        check_logit_bias(params.logit_bias, vocabulary_size(self.model))
         processors = [*logits_processors_of(params), *self.constraint_for(params, tokens)]
         result = None
         for response in mlx_vlm.stream_generate(
             self.model, self.processor, prompt, image=list(images) or None, max_tokens=max_tokens,
-            sampler=sampler_of(params, defaults), logits_processors=processors or None, vision_cache=self._vision_cache,
+            sampler=sampler_of(params, defaults, vocabulary_size(self.model)), logits_processors=processors or None,
+            vision_cache=self._vision_cache,
         ):
             # mlx-vlm's last record closes the stream: the detokenizer's rest, the token before it again.
             closing = response.finish_reason is not None

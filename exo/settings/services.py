@@ -45,6 +45,9 @@ class NodeSettings(Frozen, frozen=True):
     log_format: Annotated[str, Meta(pattern="^(text|json)$"),
                           Env("EXO_LOG_FORMAT", "text, or json: one JSON object per line (time, level, logger, "
                               "node, message and the line's ids) for Loki, Elasticsearch or jq")] = "text"
+    otlp_endpoint: Annotated[str, Env("EXO_OTLP_ENDPOINT", "send OpenTelemetry traces of every request to this OTLP/HTTP "
+                                      "collector (a base URL: /v1/traces is added; none: OTEL_EXPORTER_OTLP_ENDPOINT, "
+                                      "else tracing is off)", metavar="URL")] = ""
     run_master: Annotated[bool, Env("EXO_RUN_MASTER", "run a master on this node (--no-master: not)",
                                     flag="--master")] = True
     run_worker: Annotated[bool, Env("EXO_RUN_WORKER", "run models on this node (--no-worker: not)",
@@ -99,6 +102,9 @@ class ClusterSettings(Frozen, frozen=True):
         "EXO_PEER_REMOVE_AFTER_S", "seconds a cluster server may be silent before it is treated as gone for good: "
         "its stream replicas move to a spare server and it leaves the meta group (0: never)",
         flag="--peer-remove-after")] = 3600.0
+    join: Annotated[str, Env("EXO_JOIN", "a member's cluster address (HOST:PORT, as its start banner prints it): "
+                             "join that cluster as a full member, taking stream replicas, without mDNS", flag="--join",
+                             metavar="HOST:PORT")] = ""
     join_timeout_s: Annotated[float, Positive, Env(
         "EXO_JOIN_TIMEOUT_S", "seconds a first join through announced routes may take before the node decides "
         "again without that cluster (a stale or spoofed announcement)", flag="--join-timeout")] = 60.0
@@ -230,15 +236,27 @@ class ApiSettings(Frozen, frozen=True):
     max_tokens_limit: Annotated[int, Positive, Env("EXO_MAX_TOKENS_LIMIT", "most tokens a request may ask "
                                                    "for")] = 32768
     max_image_bytes: Annotated[int, Positive, Env("EXO_MAX_IMAGE_BYTES", "largest image")] = 20 * 1024 * 1024
+    max_audio_bytes: Annotated[int, Positive, Env("EXO_MAX_AUDIO_BYTES", "largest audio file to transcribe (OpenAI's "
+                                                  "limit)")] = 25 * 1024 * 1024
+    max_audio_seconds: Annotated[float, Positive, Env("EXO_MAX_AUDIO_SECONDS", "longest audio to transcribe, in "
+                                                      "seconds")] = 1500.0
     max_adapter_bytes: Annotated[int, Positive, Env("EXO_MAX_ADAPTER_BYTES", "largest LoRA adapter "
                                                      "(adapters.safetensors) POST /adapters takes")] = 1 << 30
     metrics_per_key: Annotated[bool, Env("EXO_METRICS_PER_KEY", "label /metrics' usage counters by API key id (off: "
                                          "summed over keys, for clusters with many keys)")] = True
+    metrics_history_s: Annotated[float, Positive, Env("EXO_METRICS_HISTORY_S", "seconds between the samples of "
+                                                      "GET /metrics/history, the dashboard's plots (360 "
+                                                      "kept)")] = 10.0
     max_images: Annotated[int, NonNegative, Env("EXO_MAX_IMAGES", "images per request")] = 16
     max_request_image_bytes: Annotated[int, Positive, Env("EXO_MAX_REQUEST_IMAGE_BYTES", "bytes of images per "
                                                           "request")] = 64 * 1024 * 1024
     max_image_pixels: Annotated[int, Positive, Env("EXO_MAX_IMAGE_PIXELS", "most pixels of one "
                                                    "image")] = 4096 * 4096
+    image_url_private: Annotated[bool, Env("EXO_IMAGE_URL_PRIVATE", "let image URLs reach loopback, link-local and "
+                                           "private addresses (off: refused, so a client cannot make the API node "
+                                           "read its own network)")] = False
+    image_url_timeout_s: Annotated[float, Positive, Env("EXO_IMAGE_URL_TIMEOUT_S", "seconds the API node may take to "
+                                                        "fetch one image URL, redirects included")] = 10.0
     access_log: Annotated[bool, Env("EXO_ACCESS_LOG", "one INFO line per HTTP request (off: those lines are "
                                     "DEBUG)")] = False
 

@@ -11,13 +11,21 @@ server's own figures from its HTTP monitoring endpoint.
 from __future__ import annotations
 
 import argparse
+import asyncio
 
 import msgspec
 
+from exo.bus.catch_up import catch_up
+from exo.bus.connection import Connection
+from exo.bus.errors import BROKER_ERRORS
 from exo.bus.tooling.inspection import Inspection, inspect_nats
+from exo.core.node_names import server_display
+from exo.core.state import State
 from exo.settings.declare import value_of
 from exo.settings.services import ToolSettings
 from exo.tools.cli import EXIT_OK, Output, add_nats_option, open_nats, run_tool, table
+
+NAMES_TIMEOUT_S = 10.0  # folding the log for the nodes' names: past this, servers keep their own names
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -39,19 +47,36 @@ async def _inspect(args: argparse.Namespace) -> int:
     nc = await open_nats(args, "inspect")
     try:
         inspection = await inspect_nats(nc, args.monitor, args.max_items)
+        state = await _state_for_names(nc) if any(s.cluster for s in inspection.streams) and not args.json else None
     finally:
         await nc.close()
     out = Output()
-    if args.json:
+    if args.json:  # the servers' own names, as JetStream and the `nats` CLI give them
         out.raw(msgspec.json.encode(inspection) + b"\n")
     else:
-        for line in inspection_text(inspection):
+        for line in inspection_text(inspection, state):
             out.line(line)
     out.flush()
     return EXIT_OK
 
 
-def inspection_text(inspection: Inspection) -> list[str]:
+async def _state_for_names(nc: Connection) -> State | None:
+    """State, to name the cluster's servers after their nodes; None when the log cannot be read
+    in NAMES_TIMEOUT_S (the servers keep their own names then)."""
+    try:
+        view, _ = await asyncio.wait_for(catch_up(nc), NAMES_TIMEOUT_S)
+    except (TimeoutError, *BROKER_ERRORS):  # type: ignore[misc]  # a tuple of exception types
+        return None
+    await view.stop()
+    return view.state
+
+
+def inspection_text(inspection: Inspection, state: State | None = None) -> list[str]:
+    """The report; with `state`, servers named after their nodes (exo/core/node_names.py)."""
+    def named(server_name: str) -> str:  # "exo-<id> (offline)" -> "studio (offline)"
+        name, _, note = server_name.partition(" ")
+        return " ".join([server_display(state, name), *([note] if note else [])]) if state is not None else server_name
+
     server = inspection.server
     lines = [f"NATS {server.url} (nats-server {server.version}); JetStream stores "
              f"{_size(server.jetstream_storage_bytes)} on disk, {_size(server.jetstream_memory_bytes)} in memory"]
@@ -59,10 +84,11 @@ def inspection_text(inspection: Inspection) -> list[str]:
         lines.append("server: " + ", ".join(f"{k}={v}" for k, v in server.monitor.items()))
     clustered = [s for s in inspection.streams if s.cluster]
     if clustered:
-        servers = sorted({name.split(" ")[0] for s in clustered for name in [s.leader, *s.followers] if name})
+        servers = sorted({named(name.split(" ")[0]) for s in clustered for name in [s.leader, *s.followers] if name})
         lines += ["", f"JetStream cluster {clustered[0].cluster}: {len(servers)} server(s) hold streams: {', '.join(servers)}",
                   *table(["stream", "replicas", "leader", "followers"],
-                          [[s.name, str(s.replicas), s.leader or "-", ", ".join(s.followers) or "-"] for s in clustered])]
+                          [[s.name, str(s.replicas), named(s.leader) if s.leader else "-",
+                            ", ".join(map(named, s.followers)) or "-"] for s in clustered])]
     lines += ["", "Streams", *table(
         ["stream", "messages", "bytes", "first seq", "last seq", "last message", "consumers"],
         [[s.name, f"{s.messages:,}", _size(s.bytes), str(s.first_seq), str(s.last_seq), s.last_time or "-",

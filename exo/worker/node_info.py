@@ -1,4 +1,5 @@
-"""What this node tells placement about itself: its name, memory, CPUs, MLX backend, addresses, ring ports."""
+"""What this node tells placement about itself: its name, memory, CPUs, MLX backend, addresses, ring ports,
+whether it may fetch models."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ class NodeIdentity:
     address: str = ""  # the address this node uses for peers (--discovery-address); "": the default route's
     advertised: tuple[str, ...] = ()  # EXO_ADVERTISE_ADDRESSES: the ring addresses peers dial; (): `address`
     ring_ports: str = ""  # EXO_RING_PORTS, "FIRST-LAST"; "": DEFAULT_RING_PORTS
+    offline: bool = False  # --offline: it fetches no model, so placement prefers nodes that can
 
 
 def describe_this_node(node_id: NodeId, incarnation: str, now: float,
@@ -34,6 +36,7 @@ def describe_this_node(node_id: NodeId, incarnation: str, now: float,
         memory_total=total, memory_available=available, cpu_count=os.cpu_count() or 1, backend=mlx_backend(),
         last_seen=now, addresses=addresses(identity.address, identity.advertised),
         ring_port_first=first, ring_port_count=count, incarnation=incarnation, prompt_caches=prompt_caches or {},
+        offline=identity.offline,
     )
 
 

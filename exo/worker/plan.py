@@ -297,7 +297,9 @@ def _nodes_of(state: State, instance_id: InstanceId) -> frozenset[NodeId] | None
 
 
 def images_of(task: Task) -> list[str]:
-    return [digest for message in task.params.messages for digest in message.images]
+    """The objects of exo-images the task's runner reads: its messages' images, or its audio."""
+    audio = [task.params.transcribe.audio] if task.params.transcribe is not None else []
+    return [digest for message in task.params.messages for digest in message.images] + audio
 
 
 def missing_images(view: WorkerView, task: Task) -> list[str]:

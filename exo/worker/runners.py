@@ -185,7 +185,7 @@ class Runners:
                 self._set_phase(runner_id, "loaded")
             case WarmedUp():
                 self._set_phase(runner_id, "ready", failures=0)
-                await self._publish_status(runner_id, "ready")
+                await self._publish_status(runner_id, "ready", warm_up_s=report.seconds)
             case Started():
                 self._announce_later(runner_id, report.task_id)
             case Done():
@@ -312,13 +312,14 @@ class Runners:
         self._wake.set()
         return True
 
-    async def _publish_status(self, runner_id: RunnerId, status: RunnerStatus, error: str = "") -> None:
+    async def _publish_status(self, runner_id: RunnerId, status: RunnerStatus, error: str = "",
+                              warm_up_s: float = 0.0) -> None:
         runner = self._records[runner_id]
         if runner.phase == "failed" and status not in ("failed", "stopped"):
             return  # it failed since this step began: State must keep saying so (the master counts failures there)
         await self._publish(RunnerStatusChanged(
             runner_id=runner_id, instance_id=runner.instance_id, node_id=self._node_id, status=status, error=error,
-            failures=runner.failures, at=time.time(),
+            failures=runner.failures, at=time.time(), warm_up_s=warm_up_s,
         ))
 
 

@@ -24,7 +24,7 @@ from exo.bus.state_view import FoldedView
 from exo.bus.subjects import SHARED, LogNames
 from exo.bus.token_stream import publish_chunk, resume_point
 from exo.core.catalogue import adapter_of, find_card
-from exo.core.events import AnyEvent, CustomCardAdded, CustomCardDeleted, Event, TaskFinished, TaskStarted
+from exo.core.events import AnyEvent, CustomCardAdded, CustomCardDeleted, Event, TaskCreated, TaskFinished, TaskStarted
 from exo.core.ids import InstanceId, ModelId, NodeId, TaskId
 from exo.core.state import State
 from exo.core.types import (
@@ -42,6 +42,7 @@ from exo.models.dirs import DownloadSettings
 from exo.models.transfer import DownloadError
 from exo.runner.protocol import Generate, Resume, RunnerStart
 from exo.settings.services import MasterSettings, ModelSettings, WorkerSettings
+from exo.telemetry import tracing
 from exo.worker.adapter_files import AdapterFiles
 from exo.worker.downloads import DownloadCoordinator
 from exo.worker.forward_journal import ForwardJournal
@@ -107,6 +108,7 @@ class Worker:
         self._runs = TaskRuns()  # which run of each task this node forwarded and ended
         self._journal = ForwardJournal(data_dir / "worker" / "forwarded")  # what its runners were given, for a restart
         self._given_before_restart: dict[TaskId, int] = {}
+        self._traces: dict[TaskId, str] = {}  # open traced tasks -> their task.created's delivery span (traceparent)
         self._wake = asyncio.Event()
         self._runners = Runners(
             node_id=node_id, state=lambda: self._view.state, new_runner=new_runner, publish=self._publish,
@@ -194,6 +196,10 @@ class Worker:
         if isinstance(event, (CustomCardAdded, CustomCardDeleted)):
             model_id = event.card.model_id if isinstance(event, CustomCardAdded) else event.model_id
             reconcile_custom_card(self.custom_cards_dir, model_id, state.custom_model_cards.get(model_id))
+        if isinstance(event, TaskCreated) and (trace := tracing.current_traceparent()):
+            self._traces[event.task.task_id] = trace  # its delivery here (event_log.py): where forwarding it goes on
+        elif isinstance(event, TaskFinished):
+            self._traces.pop(event.task_id, None)
         concerned = nodes_concerned(state, event)
         if concerned is None or self.node_id in concerned:
             self._wake.set()
@@ -286,10 +292,11 @@ class Worker:
         self._runs.forwarded(step.runner_id, task.task_id, len(task.migrations))
         log.debug("worker: task %s forwarded to runner %s%s", task.task_id, step.runner_id,
                  f" (run {resume.attempt}, after {len(resume.token_ids)} streamed tokens)" if resume else "")
-        await self._runners.send(
-            step.runner_id,
-            Generate(task_id=task.task_id, params=task.params, defaults=defaults, image_paths=images, resume=resume),
-        )
+        with tracing.span("exo.worker.forward", self._traces.get(task.task_id, ""), "producer",
+                          {"exo.task_id": task.task_id, "exo.attempt": len(task.migrations)}) as forwarding:
+            await self._runners.send(step.runner_id, Generate(
+                task_id=task.task_id, params=task.params, defaults=defaults, image_paths=images, resume=resume,
+                traceparent=forwarding.traceparent))
 
     async def _resume_of(self, task: Task) -> Resume | None:
         """A migrated task continues after the tokens its earlier runs streamed (EXO_TOKENS)."""

@@ -1,5 +1,5 @@
 """POST /v1/messages in Anthropic's shapes: system prompt, stop sequences, client tools
-(`tool_use` / `tool_result` blocks), base64 `image` blocks in user messages, usage, and the
+(`tool_use` / `tool_result` blocks), `image` blocks (base64 or url sources) in user messages, usage, and the
 message_start ... message_stop event stream (anthropic_stream.py)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from exo.api.anthropic.wire import ContentBlock, Message, MessagesRequest
 from exo.api.context import context_of
 from exo.api.errors import ApiError
 from exo.api.generation import Generation, collect, generating
-from exo.api.images import NO_FETCHING, USER_ONLY, ImageUploads
+from exo.api.images import USER_ONLY, ImageUploads
 from exo.api.keep_alive import keep_alive_seconds
 from exo.api.request_body import decode_body
 from exo.api.tool_conversation import FUNCTION_NAME, Conversation, arguments_text, function_tool, offered_tools, required_call
@@ -42,9 +42,10 @@ def _image(block: ContentBlock, param: str, uploads: ImageUploads) -> str:
     if source is None:
         raise ApiError(400, f"{param}.source is required", param=f"{param}.source")
     if source.type == "url":
-        raise ApiError(400, f"image source type 'url' is not supported: {NO_FETCHING}", param=f"{param}.source.type")
+        return uploads.add_image_url(source.url, f"{param}.source.url")
     if source.type != "base64":
-        raise ApiError(400, f"image source type {source.type!r} is not supported; use 'base64'", param=f"{param}.source.type")
+        raise ApiError(400, f"image source type {source.type!r} is not supported; use 'base64' or 'url'",
+                       param=f"{param}.source.type")
     return uploads.add_base64(source.data, f"{param}.source.data")
 
 
@@ -134,7 +135,7 @@ def to_params(body: MessagesRequest, uploads: ImageUploads) -> GenerationParams:
 async def messages(request: web.Request) -> web.StreamResponse:
     body = await decode_body(request, MessagesRequest)
     uploads = ImageUploads(context_of(request).settings)
-    params = to_params(body, uploads)
+    params = await uploads.with_fetched_images(to_params(body, uploads))
     ctx = context_of(request)
     missing = ApiError(404, f"model: {body.model!r} does not exist", param="model")
     async with generating(ctx, body.model, params, missing, storing=uploads.stored(ctx, body.model),

@@ -58,6 +58,9 @@ async def events(request: web.Request) -> web.StreamResponse:
     except ConnectionError:  # the client went away: how a live feed ends, not an error
         log.debug("events: client %s disconnected", request.remote)
         return sse.response if sse is not None else web.Response(status=400)
+    except asyncio.CancelledError:  # the same, seen by aiohttp first (handler_cancellation), or a shutdown
+        log.debug("events: the stream to %s was cancelled", request.remote)
+        raise
     finally:
         await follower.stop()
 

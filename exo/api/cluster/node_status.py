@@ -3,6 +3,7 @@ a readiness probe) and whether its process runs (GET /livez, a liveness probe)."
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from aiohttp import web
@@ -11,7 +12,9 @@ from exo.api.context import ApiContext, context_of
 from exo.api.errors import ApiError
 from exo.bus.cluster_view import ClusterView
 from exo.bus.connection import Connection
+from exo.bus.errors import BROKER_ERRORS, BusError
 from exo.bus.readiness import LagWatch, StreamProbe, connection_problem
+from exo.bus.server.jetstream_cluster import event_log_replicas, redundancy
 from exo.bus.state_view import FoldedView, StateView
 from exo.core.node_names import node_display
 from exo.core.state import State, encode_state
@@ -47,6 +50,19 @@ class Readiness:
     def __init__(self, nc: Connection) -> None:
         self._probe = StreamProbe(nc)
         self._lag = LagWatch()
+        self._replicas: tuple[float, int] | None = None  # (time.monotonic(), the event log's replicas)
+
+    async def redundancy(self, ctx: ApiContext, ask: bool) -> str:
+        """The event log's copies in words; asked of JetStream at most every REPLICAS_CACHE_S (they
+        change when nodes join, not per request), and only when `ask` (a bus that serves: a degraded
+        /health must answer at once)."""
+        if ask and (self._replicas is None or time.monotonic() - self._replicas[0] >= REPLICAS_CACHE_S):
+            try:
+                replicas = await asyncio.wait_for(event_log_replicas(ctx.nc), REPLICAS_TIMEOUT_S)
+            except (TimeoutError, BusError, *BROKER_ERRORS):  # type: ignore[misc]  # a tuple of exception types
+                replicas = 0
+            self._replicas = (time.monotonic(), replicas)
+        return redundancy(self._replicas[1] if self._replicas is not None else 0)
 
     async def problems(self, ctx: ApiContext) -> list[str]:
         """Why this node cannot serve now, in words; none when it can."""
@@ -61,6 +77,8 @@ class Readiness:
 
 
 READINESS_KEY = web.AppKey("exo_readiness", Readiness)
+REPLICAS_CACHE_S = 10.0
+REPLICAS_TIMEOUT_S = 1.0
 
 
 def _shared_log(view: FoldedView) -> StateView | None:
@@ -75,10 +93,12 @@ async def health(request: web.Request) -> web.Response:
     cannot (NATS away, the event stream without quorum, State stuck behind it, a full disk). The
     nodes the master marked suspect are named, but this node serves without them."""
     ctx = context_of(request)
-    problems = await request.app[READINESS_KEY].problems(ctx)
+    readiness = request.app[READINESS_KEY]
+    problems = await readiness.problems(ctx)
     state = ctx.view.state
     body = {"status": "degraded" if problems else "ok", "node_id": ctx.node_id, "last_seq": state.last_seq,
-            "nats_connected": ctx.nc.is_connected, "suspect_nodes": suspect_names(state)}
+            "redundancy": await readiness.redundancy(ctx, ask=not problems), "nats_connected": ctx.nc.is_connected,
+            "suspect_nodes": suspect_names(state)}
     if problems:
         return web.json_response({**body, "problem": "; ".join(problems)}, status=503)
     return web.json_response(body)

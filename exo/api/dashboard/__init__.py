@@ -19,11 +19,14 @@ STATIC_PREFIX = "/dashboard/"
 # Only flat, plainly named files of these kinds: a request can never reach outside STATIC_DIR.
 _FILE_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]*\.(js|css|svg)$")
 _CONTENT_TYPES = {"js": "text/javascript", "css": "text/css", "svg": "image/svg+xml"}
+VENDOR_DIR = STATIC_DIR / "vendor"  # libraries as their authors ship them, under their own names (README there)
+_VENDOR_FILE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*\.(js|css)$")
 
 
 def add_routes(router: web.UrlDispatcher) -> None:
     router.add_get("/", index)
     router.add_get(STATIC_PREFIX + "{name}", static_file)
+    router.add_get(STATIC_PREFIX + "vendor/{name}", vendor_file)
 
 
 async def index(request: web.Request) -> web.Response:
@@ -36,6 +39,15 @@ async def static_file(request: web.Request) -> web.Response:
     path = STATIC_DIR / name
     if match is None or not path.is_file():
         raise web.HTTPNotFound(text=f"no dashboard file {name!r}")
+    return _serve(request, path, _CONTENT_TYPES[match.group(1)])
+
+
+async def vendor_file(request: web.Request) -> web.Response:
+    name = request.match_info["name"]
+    match = _VENDOR_FILE.match(name)
+    path = VENDOR_DIR / name
+    if match is None or not path.is_file():
+        raise web.HTTPNotFound(text=f"no dashboard file vendor/{name!r}")
     return _serve(request, path, _CONTENT_TYPES[match.group(1)])
 
 

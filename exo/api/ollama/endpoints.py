@@ -26,7 +26,7 @@ from exo.api.request_body import decode_body
 from exo.api.structured import ollama_format
 from exo.api.thinking import from_ollama
 from exo.api.tool_conversation import Conversation, arguments_object, arguments_text, offered_tools
-from exo.api.validate import at_least_one, in_range, stop_list
+from exo.api.validate import OLLAMA_REPEAT_LAST_N, REPEAT_LAST_N_MAX, at_least_one, check_repetition_penalty, in_range, stop_list
 from exo.core.ids import InstanceId, ModelId
 from exo.core.state import State
 from exo.core.types import ChatMessage, EmbedInputs, GenerationParams, ModelCard, TokenChunk, ToolCall
@@ -42,7 +42,17 @@ def _params(options: Options | None, **fields: Any) -> GenerationParams:
         top_p=in_range(o.top_p, 0.0, 1.0, "top_p"), top_k=at_least_one(o.top_k, "top_k"), seed=o.seed,
         stop=stop_list(o.stop), presence_penalty=in_range(o.presence_penalty, -2.0, 2.0, "presence_penalty"),
         frequency_penalty=in_range(o.frequency_penalty, -2.0, 2.0, "frequency_penalty"),
+        min_p=in_range(o.min_p, 0.0, 1.0, "min_p"), **_repetition(o),
     )
+
+
+def _repetition(o: Options) -> dict[str, Any]:
+    """repeat_penalty over the last repeat_last_n tokens, as Ollama: only when it is asked for
+    (Ollama's own default of 1.1 is left out, so a plain request stays mlx-lm's greedy text)."""
+    window = in_range(o.repeat_last_n, -1, REPEAT_LAST_N_MAX, "repeat_last_n")
+    penalty = check_repetition_penalty(o.repeat_penalty, "repeat_penalty")
+    return {"repetition_penalty": None if window == 0 else penalty,
+            "repetition_context_size": OLLAMA_REPEAT_LAST_N if window is None else window}
 
 
 def _unsupported(**given: object) -> None:
@@ -124,7 +134,8 @@ async def _load_or_unload(request: web.Request, model: ModelId, keep_alive_s: fl
     card = ctx.card(model)
     if unload and card is not None and not any(d.model_id == model for d in state.desires.values()):
         return web.json_response(_head(model) | {"response": "", "done": True, "done_reason": "unload"})
-    params = GenerationParams(embed=EmbedInputs(texts=["load"])) if card is not None and card.embedding is not None \
+    params = GenerationParams(embed=EmbedInputs(texts=["load"], query="load" if card.embedding.rerank else None)) \
+        if card is not None and card.embedding is not None \
         else GenerationParams(messages=[ChatMessage(role="user", content="")], max_tokens=1)
     async with generating(ctx, model, params, ApiError(404, f"model '{model}' not found"),
                           keep_alive_s=keep_alive_s) as generation:

@@ -21,6 +21,9 @@ class Options(msgspec.Struct, kw_only=True):
     stop: str | list[str] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    min_p: float | None = None
+    repeat_penalty: float | None = None
+    repeat_last_n: int | None = None  # the window repeat_penalty looks at: -1 the whole context, 0 off
 
 
 class CalledFunction(msgspec.Struct, kw_only=True):

@@ -8,6 +8,7 @@ import msgspec
 from aiohttp import web
 
 from exo.api import thinking
+from exo.api.choices import check_n
 from exo.api.context import context_of
 from exo.api.errors import ApiError
 from exo.api.generation import generating, requested_tier
@@ -16,10 +17,10 @@ from exo.api.keep_alive import keep_alive_seconds
 from exo.api.openai.chat_stream import complete_chat, parse_event_id, resume_chat, stream_chat
 from exo.api.openai.chat_wire import ChatRequest, ChatRequestMessage
 from exo.api.request_body import decode_body
-from exo.api.structured import openai_chat_format
+from exo.api.structured import openai_constraint
 from exo.api.tool_conversation import offered_tools, required_call, tool_turn
 from exo.api.tool_wire import ToolChoice
-from exo.api.validate import check_logprobs, check_penalty
+from exo.api.validate import check_logprobs, check_penalty, sampling_extensions
 from exo.core.types import ChatMessage, GenerationParams
 
 _ROLES = {"system", "developer", "user", "assistant", "tool"}
@@ -28,8 +29,7 @@ _ROLES = {"system", "developer", "user", "assistant", "tool"}
 def to_params(body: ChatRequest, uploads: ImageUploads) -> GenerationParams:
     if not body.messages:
         raise ApiError(400, "messages must contain at least one message", param="messages")
-    if body.n != 1:
-        raise ApiError(400, "only n=1 is supported", param="n")
+    n = check_n(body.n)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if max_tokens is not None and max_tokens < 1:
         raise ApiError(400, "max_tokens must be at least 1", param="max_tokens")
@@ -40,7 +40,7 @@ def to_params(body: ChatRequest, uploads: ImageUploads) -> GenerationParams:
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     return GenerationParams(
         messages=[_to_message(i, m, uploads) for i, m in enumerate(body.messages)],
-        max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, seed=body.seed, stop=stop,
+        max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, seed=body.seed, stop=stop, n=n,
         **_openai_extras(body),
     )
 
@@ -50,12 +50,13 @@ def _openai_extras(body: ChatRequest) -> dict[str, Any]:
     turns = [tool_turn(i, m.role, m.tool_calls, m.tool_call_id, m.name) for i, m in enumerate(body.messages)]
     tools = offered_tools(body.tools, body.tool_choice)
     required = required_call(tools, body.tool_choice == "required" or isinstance(body.tool_choice, ToolChoice))
-    response_format = openai_chat_format(body.response_format)
+    response_format = openai_constraint(body.constraints())
     if required and response_format is not None:
         raise ApiError(400, "a required tool call and a response_format cannot be combined", param="response_format")
     return {
         "presence_penalty": check_penalty(body.presence_penalty, "presence_penalty"),
         "frequency_penalty": check_penalty(body.frequency_penalty, "frequency_penalty"),
+        **sampling_extensions(body.top_k, body.min_p, body.repetition_penalty, body.logit_bias),
         "logprobs": body.logprobs,
         "top_logprobs": check_logprobs(body.logprobs, body.top_logprobs),
         "tools": tools,
@@ -82,7 +83,7 @@ def _to_message(index: int, message: ChatRequestMessage, uploads: ImageUploads) 
         elif part.type == "image_url" and part.image_url is not None:
             if message.role != "user":
                 raise ApiError(400, f"{USER_ONLY}, not in a {message.role!r} one", param=param)
-            images.append(uploads.add_data_url(part.image_url.url, param))
+            images.append(uploads.add_image_url(part.image_url.url, param))
         else:
             raise ApiError(400, f"content part type {part.type!r} is not supported", param=param)
     return ChatMessage(role=message.role, content="".join(texts), images=images)
@@ -94,7 +95,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         return await resume_chat(request, command_id, after, include_usage=_wants_usage(await request.read()))
     body = await decode_body(request, ChatRequest)
     uploads = ImageUploads(context_of(request).settings)
-    params = to_params(body, uploads)
+    params = await uploads.with_fetched_images(to_params(body, uploads))
     ctx = context_of(request)
     grace = ctx.settings.resume_grace_s if body.stream else 0.0
     async with generating(ctx, body.model, params, resume_grace_s=grace, tier=requested_tier(body.service_tier, body.priority),
@@ -102,7 +103,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                           keep_alive_s=keep_alive_seconds(body.keep_alive)) as generation:
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return await stream_chat(request, generation, body.model, include_usage, body.logprobs)
+            return await stream_chat(request, generation, body.model, include_usage, body.logprobs, n=body.n)
         return await complete_chat(generation, body.model, body.logprobs)
 
 

@@ -13,9 +13,10 @@ from typing import Any
 
 from aiohttp import web
 
+from exo.api.choices import collect_choices
 from exo.api.context import context_of
 from exo.api.errors import ApiError
-from exo.api.generation import Generation, collect, resume_generation
+from exo.api.generation import Collected, Generation, resume_generation
 from exo.api.sse import SseStream
 from exo.core.ids import CommandId
 from exo.core.types import TokenChunk, TokenLogprob, ToolCall
@@ -39,47 +40,57 @@ def usage(final: TokenChunk) -> dict[str, Any]:
 
 
 async def complete_chat(generation: Generation, model: str, with_logprobs: bool) -> web.Response:
-    done = await collect(generation)
-    assert done.final is not None
+    choices = await collect_choices(generation)
+    final = choices[0].final
+    assert final is not None
+    body = envelope(generation.command_id, model, "chat.completion") | {
+        "choices": [_choice_json(index, done, with_logprobs) for index, done in enumerate(choices)], "usage": usage(final)}
+    return web.json_response(body)
+
+
+def _choice_json(index: int, done: Collected, with_logprobs: bool) -> dict[str, Any]:
     message: dict[str, Any] = {"role": "assistant", "content": done.text if done.text or not done.tool_calls else None,
-                     "refusal": None}
+                               "refusal": None}
     if done.reasoning:
         message["reasoning_content"] = done.reasoning
     if done.tool_calls:
         message["tool_calls"] = tool_calls_json(done.tool_calls)
-    choice = {"index": 0, "message": message, "finish_reason": done.finish_reason,
-              "logprobs": logprobs_json(done.logprobs) if with_logprobs else None}
-    body = envelope(generation.command_id, model, "chat.completion") | {
-        "choices": [choice], "usage": usage(done.final)}
-    return web.json_response(body)
+    return {"index": index, "message": message, "finish_reason": done.finish_reason,
+            "logprobs": logprobs_json(done.logprobs) if with_logprobs else None}
 
 
 async def stream_chat(request: web.Request, generation: Generation, model: str, include_usage: bool,
-                      with_logprobs: bool, resumed: bool = False) -> web.StreamResponse:
+                      with_logprobs: bool, resumed: bool = False, n: int = 1) -> web.StreamResponse:
+    """With n > 1, each event carries one choice's delta (`choices[0].index` says which, as OpenAI streams them)."""
     sse = await SseStream.open(request)
     generation.tell_loading(sse.comment)
     base = envelope(generation.command_id, model, "chat.completion.chunk")
 
-    def choice(delta: dict[str, Any], finish_reason: str | None = None, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-        return base | {"choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}]}
+    def choice(delta: dict[str, Any], finish_reason: str | None = None, logprobs: dict[str, Any] | None = None,
+               index: int = 0) -> dict[str, Any]:
+        return base | {"choices": [{"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}]}
 
     if not resumed:
-        await sse.send(choice({"role": "assistant", "content": ""}), event_id=f"{generation.command_id}:-1")
-    calls_sent = 0
+        for index in range(n):
+            await sse.send(choice({"role": "assistant", "content": ""}, index=index), event_id=f"{generation.command_id}:-1")
+    calls_sent: dict[int, int] = {}  # by choice
     async for chunk in generation.chunks():
         event_id = f"{generation.command_id}:{chunk.index}"
-        delta = _delta(chunk, calls_sent)
-        calls_sent += len(chunk.tool_calls)
+        delta = _delta(chunk, calls_sent.get(chunk.choice, 0))
+        calls_sent[chunk.choice] = calls_sent.get(chunk.choice, 0) + len(chunk.tool_calls)
         if delta or (with_logprobs and chunk.logprobs):
-            await sse.send(choice(delta, None, logprobs_json(chunk.logprobs) if with_logprobs else None), event_id=event_id)
+            await sse.send(choice(delta, None, logprobs_json(chunk.logprobs) if with_logprobs else None, chunk.choice),
+                           event_id=event_id)
         if chunk.finish_reason in ("error", "cancelled"):
             message = chunk.error or "generation was cancelled"
             kind = "invalid_request_error" if chunk.error_code else "internal_error"
             await sse.send({"error": {"message": message, "type": kind, "code": chunk.error_code or chunk.finish_reason}},
                            event_id=event_id)
         elif chunk.finish_reason:
-            reason = "tool_calls" if calls_sent and chunk.finish_reason == "stop" else chunk.finish_reason
-            await sse.send(choice({}, reason), event_id=event_id)
+            ends = [(end.choice, end.finish_reason) for end in chunk.choices] or [(0, chunk.finish_reason)]
+            for index, ended in ends:
+                reason = "tool_calls" if calls_sent.get(index) and ended == "stop" else ended
+                await sse.send(choice({}, reason, index=index), event_id=event_id)
             if include_usage:
                 await sse.send(base | {"choices": [], "usage": usage(chunk)},
                                event_id=event_id)
@@ -116,7 +127,8 @@ async def resume_chat(request: web.Request, command_id: CommandId, after: int, i
     generation = await resume_generation(ctx, command_id, after)
     task = ctx.view.state.tasks[command_id]
     try:
-        return await stream_chat(request, generation, task.model_id, include_usage, task.params.logprobs, resumed=True)
+        return await stream_chat(request, generation, task.model_id, include_usage, task.params.logprobs, resumed=True,
+                                 n=task.params.n)
     finally:
         await generation.close(ctx.settings.resume_grace_s)
 

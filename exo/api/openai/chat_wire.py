@@ -38,7 +38,24 @@ class StreamOptions(msgspec.Struct, kw_only=True):
     include_usage: bool = False
 
 
-class ChatRequest(msgspec.Struct, kw_only=True):
+class Constraints(msgspec.Struct, kw_only=True):
+    """Fields that constrain the answer, at most one per request (exo/api/structured.py reads them):
+    OpenAI's, vLLM's guided_* and structured_outputs, llama.cpp's grammar (GBNF) and json_schema."""
+
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
+    grammar: str | None = None
+    json_schema: dict[str, Any] | None = None
+
+    def constraints(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in Constraints.__struct_fields__}
+
+
+class ChatRequest(Constraints, kw_only=True):
     model: ModelId
     service_tier: str | None = None  # "flex": the batch tier (served after interactive requests)
     priority: int | None = None  # vLLM's: above 0, the batch tier
@@ -54,6 +71,10 @@ class ChatRequest(msgspec.Struct, kw_only=True):
     n: int = 1
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    top_k: int | None = None  # vLLM's and mlx_lm.server's extensions, as validate.sampling_extensions reads them
+    min_p: float | None = None
+    repetition_penalty: float | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
@@ -62,11 +83,10 @@ class ChatRequest(msgspec.Struct, kw_only=True):
     reasoning_effort: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     enable_thinking: bool | None = None
-    response_format: dict[str, Any] | None = None
     keep_alive: str | int | float | None = None  # an extension, as Ollama's (exo/api/keep_alive.py)
 
 
-class CompletionRequest(msgspec.Struct, kw_only=True):
+class CompletionRequest(Constraints, kw_only=True):
     model: ModelId
     service_tier: str | None = None  # as ChatRequest's
     priority: int | None = None
@@ -85,5 +105,9 @@ class CompletionRequest(msgspec.Struct, kw_only=True):
     suffix: str | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    top_k: int | None = None  # as ChatRequest's
+    min_p: float | None = None
+    repetition_penalty: float | None = None
     user: str | None = None
     keep_alive: str | int | float | None = None  # an extension, as Ollama's (exo/api/keep_alive.py)

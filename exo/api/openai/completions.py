@@ -7,15 +7,17 @@ from typing import Any
 
 from aiohttp import web
 
+from exo.api.choices import check_best_of, check_n, collect_choices, likeliest
 from exo.api.context import context_of
 from exo.api.errors import ApiError
-from exo.api.generation import Generation, collect, generating, requested_tier
+from exo.api.generation import Generation, generating, requested_tier
 from exo.api.keep_alive import keep_alive_seconds
 from exo.api.openai.chat_stream import usage
 from exo.api.openai.chat_wire import CompletionRequest
 from exo.api.request_body import decode_body
 from exo.api.sse import SseStream
-from exo.api.validate import check_penalty
+from exo.api.structured import openai_constraint
+from exo.api.validate import check_penalty, sampling_extensions
 from exo.core.types import GenerationParams, TokenLogprob
 
 MAX_LOGPROBS = 5  # the completions API's own limit
@@ -29,9 +31,8 @@ def to_params(body: CompletionRequest) -> GenerationParams:
         prompt = prompt[0]
     if not prompt:
         raise ApiError(400, "prompt must not be empty", param="prompt")
-    for name, value, allowed in (("n", body.n, 1), ("best_of", body.best_of or 1, 1)):
-        if value != allowed:
-            raise ApiError(400, f"only {name}=1 is supported", param=name)
+    n = check_n(body.n)
+    best_of = check_best_of(body.best_of, n, body.stream)
     if body.echo or body.suffix:
         raise ApiError(400, "echo and suffix are not supported", param="echo" if body.echo else "suffix")
     if body.max_tokens is not None and body.max_tokens < 1:
@@ -44,10 +45,13 @@ def to_params(body: CompletionRequest) -> GenerationParams:
         raise ApiError(400, f"logprobs must be between 0 and {MAX_LOGPROBS}", param="logprobs")
     return GenerationParams(
         prompt=prompt, max_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p, seed=body.seed,
+        n=n, best_of=best_of,
         stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
         presence_penalty=check_penalty(body.presence_penalty, "presence_penalty"),
         frequency_penalty=check_penalty(body.frequency_penalty, "frequency_penalty"),
+        **sampling_extensions(body.top_k, body.min_p, body.repetition_penalty, body.logit_bias),
         logprobs=body.logprobs is not None, top_logprobs=body.logprobs or 0,
+        response_format=openai_constraint(body.constraints()),
     )
 
 
@@ -77,32 +81,39 @@ def _logprobs(entries: list[TokenLogprob], offset: int) -> dict[str, Any]:
 
 
 async def _complete(generation: Generation, body: CompletionRequest) -> web.Response:
-    done = await collect(generation)
-    assert done.final is not None
-    choice = {"index": 0, "text": done.text, "finish_reason": done.finish_reason,
-              "logprobs": _logprobs(done.logprobs, 0) if body.logprobs is not None else None}
+    choices = await collect_choices(generation)
+    if body.best_of is not None and body.best_of > body.n:
+        choices = likeliest(choices, body.n)
+    final = choices[0].final
+    assert final is not None
     return web.json_response(_envelope(generation, body.model) | {
-        "choices": [choice], "usage": usage(done.final)})
+        "choices": [{"index": index, "text": done.text, "finish_reason": done.finish_reason,
+                     "logprobs": _logprobs(done.logprobs, 0) if body.logprobs is not None else None}
+                    for index, done in enumerate(choices)],
+        "usage": usage(final)})
 
 
 async def _stream(request: web.Request, generation: Generation, body: CompletionRequest) -> web.StreamResponse:
+    """With n > 1, each event carries one choice's text (`choices[0].index` says which)."""
     sse = await SseStream.open(request)
     generation.tell_loading(sse.comment)
     base = _envelope(generation, body.model)
-    offset = 0
+    offsets: dict[int, int] = {}  # by choice
     async for chunk in generation.chunks():
         event_id = f"{generation.command_id}:{chunk.index}"
+        offset = offsets.get(chunk.choice, 0)
         logprobs = _logprobs(chunk.logprobs, offset) if body.logprobs is not None else None
-        offset += len(chunk.text)
+        offsets[chunk.choice] = offset + len(chunk.text)
         if chunk.text or (logprobs and chunk.logprobs):
-            await sse.send(base | {"choices": [{"index": 0, "text": chunk.text, "finish_reason": None, "logprobs": logprobs}]},
-                           event_id=event_id)
+            await sse.send(base | {"choices": [{"index": chunk.choice, "text": chunk.text, "finish_reason": None,
+                                                "logprobs": logprobs}]}, event_id=event_id)
         if chunk.finish_reason in ("error", "cancelled"):
             await sse.send({"error": {"message": chunk.error or "generation was cancelled", "type": "internal_error",
                                       "code": chunk.finish_reason}}, event_id=event_id)
         elif chunk.finish_reason:
-            await sse.send(base | {"choices": [{"index": 0, "text": "", "finish_reason": chunk.finish_reason, "logprobs": None}]},
-                           event_id=event_id)
+            for index, reason in [(end.choice, end.finish_reason) for end in chunk.choices] or [(0, chunk.finish_reason)]:
+                await sse.send(base | {"choices": [{"index": index, "text": "", "finish_reason": reason, "logprobs": None}]},
+                               event_id=event_id)
             if body.stream_options and body.stream_options.include_usage:
                 await sse.send(base | {"choices": [], "usage": usage(chunk)}, event_id=event_id)
     await sse.send("[DONE]")

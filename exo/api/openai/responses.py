@@ -1,5 +1,5 @@
 """POST /v1/responses in OpenAI's shapes: message and function-call items in (`input_image`
-parts with base64 data: URLs among them), message and function_call items out, and its typed
+parts with data: or http(s) URLs among them), message and function_call items out, and its typed
 event stream (openai_responses_stream.py)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from aiohttp import web
 from exo.api.context import context_of
 from exo.api.errors import ApiError
 from exo.api.generation import collect, generating, requested_tier
-from exo.api.images import USER_ONLY, ImageUploads
+from exo.api.images import URL_KINDS, USER_ONLY, ImageUploads
 from exo.api.keep_alive import keep_alive_seconds
 from exo.api.openai.responses_stream import Answer, response_body, stream_response
 from exo.api.openai.responses_wire import ContentPart, InputItem, NamedTool, ResponsesRequest
@@ -47,11 +47,11 @@ def _content(content: str | list[ContentPart], param: str, uploads: ImageUploads
 
 def _image(part: ContentPart, param: str, uploads: ImageUploads) -> str:
     if part.file_id is not None:
-        raise ApiError(400, "input_image file_id is not supported: this server keeps no files; send image_url as a "
-                            "base64 data: URL", param=f"{param}.file_id")
+        raise ApiError(400, f"input_image file_id is not supported: this server keeps no files; send image_url as {URL_KINDS}",
+                       param=f"{param}.file_id")
     if part.image_url is None:
-        raise ApiError(400, "input_image needs image_url (a base64 data: URL)", param=f"{param}.image_url")
-    return uploads.add_data_url(part.image_url, f"{param}.image_url")
+        raise ApiError(400, f"input_image needs image_url ({URL_KINDS})", param=f"{param}.image_url")
+    return uploads.add_image_url(part.image_url, f"{param}.image_url")
 
 
 def _add_item(conversation: Conversation, n: int, item: InputItem, uploads: ImageUploads) -> None:
@@ -115,7 +115,7 @@ def to_params(body: ResponsesRequest, uploads: ImageUploads) -> GenerationParams
 async def responses(request: web.Request) -> web.StreamResponse:
     body = await decode_body(request, ResponsesRequest)
     uploads = ImageUploads(context_of(request).settings)
-    params = to_params(body, uploads)
+    params = await uploads.with_fetched_images(to_params(body, uploads))
     echo = _echo(body)
     ctx = context_of(request)
     async with generating(ctx, body.model, params, storing=uploads.stored(ctx, body.model, "input"),

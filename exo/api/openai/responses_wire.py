@@ -15,7 +15,7 @@ from exo.core.ids import ModelId
 class ContentPart(msgspec.Struct, kw_only=True):
     type: str
     text: str = ""
-    image_url: str | None = None  # input_image: a data: URL
+    image_url: str | None = None  # input_image: a data: or http(s) URL
     file_id: str | None = None
     detail: str | None = None  # accepted; the model sees the image as its processor sizes it
 

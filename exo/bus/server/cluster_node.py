@@ -27,7 +27,7 @@ import msgspec
 from exo.bus.connection import Connection, connect
 from exo.bus.errors import BusError, raise_if_cancelled
 from exo.bus.server.cluster_formation import Announcement, Join, NodeState, Seed, Wait, choose_role
-from exo.bus.server.discovery import Discovery
+from exo.bus.server.discovery import Discovery, NoDiscovery
 from exo.bus.server.embedded import EmbeddedNats
 from exo.bus.server.jetstream_cluster import (
     FULL_REPLICAS,
@@ -36,10 +36,12 @@ from exo.bus.server.jetstream_cluster import (
     meta_group,
     move_streams_off,
     remove_peer,
+    routed_servers,
     scale_streams,
     step_down_if_leader,
     stream_replicas,
 )
+from exo.bus.server.join import join_role, split_address
 from exo.bus.server.migration import has_standalone_store, migrate_standalone_store, set_aside, undo_migration
 from exo.bus.server.server_config import ClusterLink, route_url
 from exo.core.types import ClusterLayout
@@ -69,6 +71,8 @@ class DiscoverySettings(msgspec.Struct, frozen=True, kw_only=True):
     # A join through announced routes that has not made this node a member by then failed: the
     # announcement was stale or spoofed, and the node decides again without that cluster.
     join_timeout_s: float = 60.0
+    join: str = ""  # HOST:PORT of a member's cluster port: join its cluster there, whatever mDNS hears
+    mdns: bool = True  # announce and listen on the LAN (off: --join alone finds the cluster)
 
 
 class Membership(msgspec.Struct, kw_only=True):
@@ -112,7 +116,7 @@ class ClusterNode:
         self.client_port = client_port
         self.settings = settings
         self.server_name = f"exo-{node_id}"
-        self.discovery = Discovery([settings.address])
+        self.discovery = Discovery([settings.address]) if settings.mdns else NoDiscovery()
         self.membership: Membership | None = None
         self.server: EmbeddedNats | None = None
         self.witness: EmbeddedNats | None = None
@@ -126,6 +130,12 @@ class ClusterNode:
     @property
     def witness_name(self) -> str:
         return f"{self.server_name}-witness"
+
+    @property
+    def join_address(self) -> str:
+        """What another node's --join takes: where this server's cluster port listens."""
+        link = self.server.cluster if self.server is not None else None
+        return f"{self.settings.address}:{link.port}" if link is not None else ""
 
     def _me(self, state: NodeState) -> Announcement:
         member = self.membership
@@ -141,7 +151,7 @@ class ClusterNode:
         standalone = self.membership is None and has_standalone_store(self.store_dir)
         await self.discovery.start(self._me("starting"))
         if self.membership is None:
-            await asyncio.sleep(self.settings.browse_s)
+            await asyncio.sleep(self.settings.browse_s if self.settings.mdns else 0)
             await self._become_member(standalone)
         else:
             log.info("rejoining cluster %s", self.membership.cluster)
@@ -177,6 +187,10 @@ class ClusterNode:
             except BaseException as error:
                 if standalone:
                     await self._undo_migration()
+                if self.settings.join and isinstance(error, BusError):  # asked for this cluster: no other will do
+                    await self._forget_failed_join()
+                    raise BusError(f"{error} (--join {self.settings.join}: is this node's cluster secret, or "
+                                   "namespace in trusted-LAN mode, the same as the cluster's?)") from None
                 if standalone or not isinstance(role, Join) or not isinstance(error, BusError):
                     raise
                 log.warning("could not join cluster %s through %s (%s); not trusting its announcements, deciding again",
@@ -200,6 +214,8 @@ class ClusterNode:
         while True:
             peers = [p for p in self.discovery.peers() if p.cluster not in self._distrusted]
             role = choose_role(self.node_id, self.settings.namespace, peers)
+            if self.settings.join and (not isinstance(role, Wait) or waited >= self.settings.wait_limit_s):
+                return await join_role(self.settings.join, self.settings.join_timeout_s)
             if not isinstance(role, Wait):
                 return role
             if waited >= self.settings.wait_limit_s:
@@ -217,13 +233,15 @@ class ClusterNode:
         if isinstance(role, Seed):
             log.info("discovery: no cluster heard; seeding %s", role.cluster)
             return Membership(cluster=role.cluster, port=port, seeded=True, witness_port=free_port(host))
-        log.info("discovery: joining %s through %s", role.cluster, ", ".join(role.routes))
+        how = f"--join {self.settings.join}" if self.settings.join else "discovery"
+        log.info("%s: joining %s through %s", how, role.cluster, ", ".join(role.routes))
         return Membership(cluster=role.cluster, port=port, routes=role.routes)
 
     def _routes(self, membership: Membership) -> list[str]:
         heard = [p.route for p in self.discovery.peers() if p.state == "ready" and p.cluster == membership.cluster]
         witness = [route_url(self.settings.address, membership.witness_port)] if self._runs_witness(membership) else []
-        return sorted({*membership.routes, *heard, *witness})
+        joined = [route_url(*split_address(self.settings.join))] if self.settings.join else []
+        return sorted({*membership.routes, *heard, *witness, *joined})
 
     def _runs_witness(self, membership: Membership) -> bool:
         return membership.seeded and not membership.witness_retired
@@ -313,7 +331,7 @@ class ClusterNode:
         if members and members != membership.routes:
             membership.routes = members
             save_membership(self.store_dir, membership)
-        if len(members) + 1 < FULL_REPLICAS:
+        if len(members) + 1 < FULL_REPLICAS and len(await self._routed_members()) + 1 < FULL_REPLICAS:
             return
         if not await scale_streams(nc):
             return
@@ -325,6 +343,11 @@ class ClusterNode:
         self._replicated_turns = self._replicated_turns + 1 if replicated else 0
         if self._replicated_turns >= 2:
             await self._retire_witness()
+
+    async def _routed_members(self) -> set[str]:
+        """The real servers this one has routes to: members joined by address, which mDNS may not hear."""
+        assert self.server is not None
+        return {name for name in await routed_servers(self.server.monitor_url) if not name.endswith("-witness")}
 
     async def _watch_servers(self, layout: ClusterLayout) -> None:
         """On the meta leader: say when the cluster can lose no more servers, and retire the

@@ -48,6 +48,25 @@ def _announcement_of(info: AsyncServiceInfo) -> Announcement | None:
         return None
 
 
+class NoDiscovery:
+    """Discovery off (`--no-discovery --join HOST:PORT`): announces nothing, hears no one."""
+
+    def __init__(self) -> None:
+        self.changed = asyncio.Event()
+
+    async def start(self, me: Announcement) -> None:
+        pass
+
+    async def announce(self, me: Announcement) -> None:
+        pass
+
+    def peers(self) -> list[Announcement]:
+        return []
+
+    async def stop(self) -> None:
+        pass
+
+
 class Discovery:
     """Announces this node and keeps the table of the peers it hears."""
 

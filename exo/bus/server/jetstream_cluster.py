@@ -18,7 +18,7 @@ from nats.aio.client import Client
 
 from exo.bus.jetstream_api import jetstream_request
 from exo.bus.provision import consumer_configs, group_streams, stream_configs
-from exo.bus.subjects import COMMANDS_STREAM, MASTER_CONSUMER
+from exo.bus.subjects import COMMANDS_STREAM, EVENTS_STREAM, MASTER_CONSUMER
 from exo.core.types import ClusterLayout, ClusterServer, StreamPlacement
 
 log = logging.getLogger(__name__)
@@ -69,6 +69,32 @@ async def meta_group(monitor_url: str) -> MetaGroup | None:
         return None
     meta = body.get("meta_cluster")
     return msgspec.convert(meta, MetaGroup, strict=False) if meta else None
+
+
+def redundancy(event_log_replicas: int) -> str:
+    """What /health and the start banner say of the event log's copies (0 replicas: unknown)."""
+    if event_log_replicas != 1:
+        return f"{event_log_replicas} replicas of the event log" if event_log_replicas else "unknown"
+    return ("none: the event log has 1 replica, and losing its NATS server stops the cluster; fix: run three nodes "
+            "as members of one exo cluster (--join HOST:PORT or discovery) instead of --nats, or a three-server "
+            "NATS cluster with EXO_REPLICAS=3 (docs/deploy.md)")
+
+
+async def event_log_replicas(nc: Client) -> int:
+    """The replicas of the event log (EXO_EVENTS); 0 when JetStream does not say."""
+    info = await jetstream_request(nc, f"$JS.API.STREAM.INFO.{EVENTS_STREAM}")
+    return 0 if info.get("error") else int(info["config"].get("num_replicas", 1))
+
+
+async def routed_servers(monitor_url: str) -> set[str]:
+    """The names of the servers the local one has routes to (empty when it cannot say)."""
+    try:
+        async with (aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=_API_TIMEOUT_S)) as session,
+                    session.get(f"{monitor_url}/routez") as response):
+            body = await response.json(content_type=None)
+    except (aiohttp.ClientError, TimeoutError, ValueError):
+        return set()
+    return {route["remote_name"] for route in body.get("routes") or [] if route.get("remote_name")}
 
 
 async def stream_replicas(nc: Client) -> list[StreamReplicas]:

@@ -13,7 +13,7 @@ const SUSPECT_REASON = /^node .+? is suspect: /;
 export class Troubles {
   constructor() {
     this.connection = {status: "connecting", detail: ""}; // the page's /events stream
-    this.health = null; // /health's latest answer (status, problem, nats_connected)
+    this.health = null; // /health's latest answer (status, problem, nats_connected, redundancy)
     this.gone = new Map(); // node id -> {node, reason, at}: timed out and not heard since
     this.suspect = new Map(); // node id -> why the master marked it suspect (State holds the mark)
     this.known = new Map(); // node id -> its latest NodeInfo: State drops a node that timed out
@@ -101,7 +101,16 @@ export function troubleLines(state, troubles, thisNode) {
         + "Check that it runs and can reach the others."]);
     }
   }
-  return [...lines, ...clusterLines(state)];
+  return [...lines, ...clusterLines(state), ...redundancyLines(state, troubles.health)];
+}
+
+// An event log of one replica that other nodes depend on (issue #46): /health's `redundancy` says
+// "none: " and then why and the fix, in the words the start banner prints. A lone node has no line:
+// losing its server stops nothing else.
+function redundancyLines(state, health) {
+  const none = /^none: /;
+  if (!health || !none.test(health.redundancy || "") || Object.keys(state.nodes).length < 2) return [];
+  return [["redundancy", `This cluster has no redundancy: ${health.redundancy.replace(none, "")}.`]];
 }
 
 // A discovered cluster's servers that are offline and streams with fewer replicas online than they want.

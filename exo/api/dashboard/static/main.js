@@ -10,6 +10,7 @@ import {renderNodes} from "./cluster.js";
 import {renderDownloads} from "./downloads.js";
 import {renderReplicas} from "./replicas.js";
 import {EventFeed} from "./events.js";
+import {History} from "./history.js";
 import {renderInstances} from "./instances.js";
 import {KeysPanel} from "./keys.js";
 import {Live} from "./live.js";
@@ -106,6 +107,7 @@ if (admin) {
   watchHealth(troubles, drawTroubles);
   ctx.nodeId = await json("GET", "/node_id").catch(() => null);
   live.start();
+  new History(document.getElementById("history")).start();
 } else {
   new Account(ctx, chat, models.cards).start(usage);
 }
