@@ -28,8 +28,9 @@ from pathlib import Path
 
 from bench.summary import alternating, print_medians
 from exo.core.ids import TaskId
-from exo.core.types import ChatMessage, GenerationParams, SamplingDefaults
-from exo.runner import batch
+from exo.core.requests import ChatMessage, GenerationParams
+from exo.core.types import SamplingDefaults
+from exo.runner import batch_steps
 from exo.runner.batch import Batcher
 from exo.runner.decoding import Output
 from exo.runner.engine import Engine
@@ -85,10 +86,10 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--warm", type=int, default=10)
-    parser.add_argument("--prefill-step", type=int, default=batch.PREFILL_STEP,
+    parser.add_argument("--prefill-step", type=int, default=batch_steps.PREFILL_STEP,
                         help="prompt tokens per prefill chunk in the batch (exo and mlx-lm: 2048)")
     args = parser.parse_args()
-    batch.PREFILL_STEP = args.prefill_step
+    batch_steps.PREFILL_STEP = args.prefill_step
     with tempfile.TemporaryDirectory() as folder:
         dims = Dims(hidden=args.hidden, intermediate=args.hidden * 2, layers=args.layers, heads=8, kv_heads=4)
         engine = Engine()

@@ -23,8 +23,9 @@ from exo.bus.snapshots import write_snapshot
 from exo.bus.subjects import IMAGES_BUCKET, event_subject
 from exo.core.events import Event, NodeRegistered, TaskCreated, TaskFinished, TaskStarted, encode_event, event_tag
 from exo.core.ids import InstanceId, ModelId, NodeId, TaskId
+from exo.core.requests import GenerationParams
 from exo.core.state import State, encode_state
-from exo.core.types import GenerationParams, NodeInfo, Task
+from exo.core.types import NodeInfo, Task
 
 TAIL = 500  # events after the snapshot, as between two snapshots of a busy master
 

@@ -21,7 +21,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from exo.core.ids import TaskId
-from exo.core.types import ChatMessage, GenerationParams, SamplingDefaults
+from exo.core.requests import ChatMessage, GenerationParams
+from exo.core.types import SamplingDefaults
 from exo.runner.batch import Batcher
 from exo.runner.engine import Engine
 from exo.runner.follower import follow

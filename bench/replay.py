@@ -50,8 +50,9 @@ from exo.core.events import (
     event_tag,
 )
 from exo.core.ids import CommandId, InstanceId, ModelId, NodeId, RunnerId, TaskId
+from exo.core.requests import ChatMessage, GenerationParams
 from exo.core.state import State
-from exo.core.types import ChatMessage, GenerationParams, Instance, ModelCard, NodeInfo, ShardAssignment, Task
+from exo.core.types import Instance, ModelCard, NodeInfo, ShardAssignment, Task
 from exo.tools.export_format import encode_line, read_lines
 from exo.tools.replay import BatchReplayer, _fold_file
 from exo.tools.replay_fold import Replayer

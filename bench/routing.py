@@ -18,8 +18,9 @@ import msgspec
 
 from exo.core.conversation import digest_conversation
 from exo.core.ids import InstanceId, ModelId, TaskId
+from exo.core.requests import ChatMessage, GenerationParams
 from exo.core.state import State
-from exo.core.types import ChatMessage, GenerationParams, Instance, Task
+from exo.core.types import Instance, Task
 from exo.master.routing import TaskIndex, choose_instance
 
 

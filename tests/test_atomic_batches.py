@@ -16,7 +16,8 @@ from exo.bus.event_log import EventLog
 from exo.bus.provision import provision
 from exo.core.commands import GenerateText
 from exo.core.events import LeaderElected, TaskCreated, TaskStarted
-from exo.core.types import ChatMessage, GenerationParams, ModelCard
+from exo.core.requests import ChatMessage, GenerationParams
+from exo.core.types import ModelCard
 from exo.master.service import Master
 from exo.settings.services import MasterSettings
 from tests.conftest import eventually

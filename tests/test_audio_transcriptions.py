@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from exo.api.errors import ApiError
-from exo.core.types import TranscribeInputs, TranscriptSegment
+from exo.core.requests import TranscribeInputs, TranscriptSegment
 from tests.support.e2e import exo_serving, place
 from tests.support.tiny_model import TINY_MODEL_ID, make_tiny_model
 from tests.support.whisper_model import WHISPER_MODEL_ID, make_tiny_whisper, tone_wav

@@ -14,7 +14,8 @@ import pytest
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.sample_utils import make_sampler
 
-from exo.core.types import ChatMessage, GenerationParams, SamplingDefaults
+from exo.core.requests import ChatMessage, GenerationParams
+from exo.core.types import SamplingDefaults
 from exo.runner.batch import Batcher, BatchFailed, batchable
 from exo.runner.decoding import GenerationResult, Output
 from exo.runner.engine import Engine

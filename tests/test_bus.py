@@ -256,8 +256,9 @@ async def test_catch_up_starts_from_the_snapshot_and_says_clearly_when_the_log_w
 
 async def test_a_snapshot_of_ten_thousand_tasks_and_a_hundred_nodes_round_trips(fresh_nats):
     from exo.bus.snapshots import read_latest_snapshot, write_snapshot
+    from exo.core.requests import ChatMessage, GenerationParams
     from exo.core.state import State
-    from exo.core.types import ChatMessage, GenerationParams, Task
+    from exo.core.types import Task
 
     params = GenerationParams(messages=[ChatMessage(role="user", content="a question of some length " * 4)])
     tasks = {f"t{n}": Task(task_id=f"t{n}", instance_id="i", model_id="org/m", params=params) for n in range(10_000)}

@@ -10,7 +10,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from exo.core.types import ChatMessage, GenerationParams
+from exo.core.requests import ChatMessage, GenerationParams
 from exo.runner.engine import Engine
 from tests.support.e2e import start_exo
 from tests.support.fake_hub import FakeHub

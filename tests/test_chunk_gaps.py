@@ -17,8 +17,8 @@ from exo.bus.publish import publish_durably
 from exo.bus.subjects import TOKENS_STREAM, token_subject
 from exo.bus.token_stream import TokenListener
 from exo.core.events import TaskFinished
+from exo.core.requests import TokenChunk
 from exo.core.state import State
-from exo.core.types import TokenChunk
 from exo.settings.services import ApiSettings
 
 

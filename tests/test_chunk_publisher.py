@@ -14,7 +14,7 @@ from exo.bus.provision import provision
 from exo.bus.server.embedded import EmbeddedNats
 from exo.bus.subjects import TOKENS_STREAM, token_subject
 from exo.bus.token_publisher import ChunkPublisher
-from exo.core.types import TokenChunk
+from exo.core.requests import TokenChunk
 
 
 async def _stored_indices(nc, command_id: str) -> list[int]:

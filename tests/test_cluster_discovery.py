@@ -21,8 +21,8 @@ import pytest
 
 from exo.bus.connection import connect
 from exo.bus.provision import stream_configs
-from exo.bus.server.cluster_node import load_membership
 from exo.bus.server.embedded import nats_server_binary
+from exo.bus.server.membership import load_membership
 from exo.core.state import encode_state
 from tests.support.cluster import state_of, wait_until
 from tests.support.e2e import Reference

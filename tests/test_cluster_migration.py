@@ -18,8 +18,9 @@ from exo.bus.errors import BusError
 from exo.bus.event_log import EventLog
 from exo.bus.provision import provision
 from exo.bus.server import cluster_node
-from exo.bus.server.cluster_node import ClusterNode, DiscoverySettings, load_membership
+from exo.bus.server.cluster_node import ClusterNode, DiscoverySettings
 from exo.bus.server.embedded import EmbeddedNats
+from exo.bus.server.membership import load_membership
 from exo.bus.server.migration import BACKUP_DIR, migrate_standalone_store
 from exo.bus.subjects import EVENTS_STREAM
 from exo.core.events import TaskStarted

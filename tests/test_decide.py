@@ -17,8 +17,9 @@ from exo.core.events import (
     TaskCreated,
     TaskFinished,
 )
+from exo.core.requests import GenerationParams
 from exo.core.state import State
-from exo.core.types import GenerationParams, ModelCard, NodeInfo
+from exo.core.types import ModelCard, NodeInfo
 from exo.master.decide import decide
 from exo.master.memo import DecideMemo
 from tests.support.as_master import stamped, with_leader

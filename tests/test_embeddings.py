@@ -16,7 +16,8 @@ import openai
 import pytest
 
 from exo.core.embedding_files import EmbeddingFilesError, embedding_spec, pooling_module_path
-from exo.core.types import EmbeddingSpec, EmbedInputs
+from exo.core.requests import EmbedInputs
+from exo.core.types import EmbeddingSpec
 from tests.support.e2e import exo_serving, place
 from tests.support.embedding_models import TEXTS, make_tiny_bert, make_tiny_qwen3_embedding
 from tests.support.embedding_reference import mlx_embeddings_reference, numpy_bert_embeddings, numpy_qwen3_embeddings

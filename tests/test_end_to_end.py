@@ -16,7 +16,7 @@ import pytest
 
 from exo.bus.connection import connect
 from exo.bus.token_stream import TokenListener
-from exo.core.types import TokenChunk
+from exo.core.requests import TokenChunk
 from tests.support.cluster import wait_until
 from tests.support.e2e import Reference
 from tests.support.exo_process import ExoProcess

@@ -21,7 +21,8 @@ import msgspec
 import pytest
 
 from exo.api.structured import openai_constraint
-from exo.core.types import ChatMessage, GenerationParams, ResponseFormat, SamplingDefaults
+from exo.core.requests import ChatMessage, GenerationParams, ResponseFormat
+from exo.core.types import SamplingDefaults
 from exo.runner.batch import Batcher
 from exo.runner.decoding import Output, RequestRefused
 from exo.runner.engine import Engine

@@ -18,8 +18,9 @@ from exo.core.events import (
     TaskMigrated,
     TaskStarted,
 )
+from exo.core.requests import TokenChunk
 from exo.core.state import State
-from exo.core.types import ModelCard, NodeInfo, TokenChunk
+from exo.core.types import ModelCard, NodeInfo
 from exo.master.decide import decide
 from exo.master.heal import HealLimits
 from exo.master.supervise import supervise

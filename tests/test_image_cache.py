@@ -10,7 +10,8 @@ from pathlib import Path
 
 from exo.core.apply import apply
 from exo.core.events import InstanceCreated, InstanceDeleted, TaskCreated, TaskFinished, TaskMigrated, TaskStarted
-from exo.core.types import ChatMessage, GenerationParams, Instance, ShardAssignment, Task
+from exo.core.requests import ChatMessage, GenerationParams
+from exo.core.types import Instance, ShardAssignment, Task
 from exo.settings.declare import read
 from exo.settings.services import WorkerSettings
 from exo.worker.image_cache import ImageCache

@@ -16,7 +16,7 @@ from exo.api.errors import ApiError
 from exo.api.image_fetch import ByteBudget, FetchLimits, ImageFetchError, fetch_image, refused_class
 from exo.api.images import ImageUploads
 from exo.bus.images import image_digest
-from exo.core.types import ChatMessage, GenerationParams
+from exo.core.requests import ChatMessage, GenerationParams
 from exo.settings.services import ApiSettings
 from tests.support.e2e import exo_serving, place
 from tests.support.image_server import ImageServer

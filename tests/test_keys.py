@@ -23,9 +23,10 @@ from exo.core.events import (
     TaskStarted,
 )
 from exo.core.keys import ApiKey, KeyLimits
+from exo.core.requests import ChatMessage, GenerationParams
 from exo.core.reservations import reserved_tokens
 from exo.core.state import State
-from exo.core.types import ChatMessage, GenerationParams, Instance, ModelCard, ShardAssignment, Task
+from exo.core.types import Instance, ModelCard, ShardAssignment, Task
 from exo.core.usage import UsageCounts, day_of
 from exo.master.decide import decide
 from exo.worker.fairness import next_to_forward

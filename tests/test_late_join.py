@@ -17,7 +17,8 @@ from exo.bus.connection import connect
 from exo.bus.event_log import EventLog
 from exo.bus.snapshots import read_latest_snapshot
 from exo.core.events import NodeRegistered, TaskCreated, TaskFinished
-from exo.core.types import GenerationParams, NodeInfo, Task
+from exo.core.requests import GenerationParams
+from exo.core.types import NodeInfo, Task
 from tests.support.cluster import NatsServer, log_line, replay, start_node, state_of, wait_until
 from tests.support.vision_model import VisionReference, make_vision_model, png
 

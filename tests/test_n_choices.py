@@ -16,7 +16,8 @@ import mlx_lm
 import pytest
 from mlx_lm.sample_utils import make_sampler
 
-from exo.core.types import ChatMessage, GenerationParams, SamplingDefaults
+from exo.core.requests import ChatMessage, GenerationParams
+from exo.core.types import SamplingDefaults
 from exo.runner.batch import Batcher, batchable
 from exo.runner.choices import ChoicesNotResumable
 from exo.runner.decoding import GenerationResult, Output, RequestRefused

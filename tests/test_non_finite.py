@@ -9,7 +9,8 @@ from concurrent.futures import ThreadPoolExecutor
 import mlx.core as mx
 import pytest
 
-from exo.core.types import ChatMessage, GenerationParams, SamplingDefaults
+from exo.core.requests import ChatMessage, GenerationParams
+from exo.core.types import SamplingDefaults
 from exo.runner.batch import Batcher
 from exo.runner.decoding import NonFiniteLogits
 from exo.runner.engine import Engine

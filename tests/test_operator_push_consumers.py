@@ -24,7 +24,7 @@ from exo.bus.server.embedded import EmbeddedNats
 from exo.bus.subjects import EVENTS_STREAM, download_control_subject, model_share_subject, pulse_subject, token_subject
 from exo.bus.token_stream import TokenListener
 from exo.core.events import CustomCardDeleted, DownloadDeleted, TaskStarted
-from exo.core.types import TokenChunk
+from exo.core.requests import TokenChunk
 from tests.support.cluster import NatsServer, start_node, state_of, wait_until
 from tests.support.fake_hub import FakeHub
 from tests.support.sharded_model import make_sharded_model

@@ -113,7 +113,7 @@ def test_a_task_left_running_by_a_runner_before_a_restart_is_failed_not_rerun():
 
 
 def test_a_task_is_forwarded_only_once_its_images_are_on_this_node():
-    from exo.core.types import ChatMessage, GenerationParams
+    from exo.core.requests import ChatMessage, GenerationParams
     from exo.worker.plan import FetchImages
 
     params = GenerationParams(messages=[ChatMessage(role="user", content="look", images=["aa", "bb"])])

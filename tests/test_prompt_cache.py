@@ -18,7 +18,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from exo.core.types import ChatMessage, GenerationParams, SamplingDefaults
+from exo.core.requests import ChatMessage, GenerationParams
+from exo.core.types import SamplingDefaults
 from exo.runner.batch import Batcher
 from exo.runner.decoding import GenerationResult, Output
 from exo.runner.engine import Engine

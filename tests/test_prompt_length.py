@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from exo.core.prompt_length import too_long
-from exo.core.types import ChatMessage, EmbedInputs, GenerationParams
+from exo.core.requests import ChatMessage, EmbedInputs, GenerationParams
 from exo.runner.decoding import PromptTooLong
 from exo.runner.engine import Engine
 from tests.support.tiny_model import make_tiny_model

@@ -157,7 +157,7 @@ def test_a_finished_tasks_params_keep_nothing_that_grows_with_the_request():
     """State keeps finished tasks (MAX_FINISHED_TASKS of them): their text, tools, grammar and
     logit_bias (up to 300 entries) stay in the log only, while the small settings stay."""
     from exo.core.conversation import without_text
-    from exo.core.types import ChatMessage, GenerationParams, ResponseFormat
+    from exo.core.requests import ChatMessage, GenerationParams, ResponseFormat
 
     params = GenerationParams(messages=[ChatMessage(role="user", content="hi " * 100)], prompt="p" * 100,
                               tools=[{"type": "function", "function": {"name": "f"}}], stop=["x"],

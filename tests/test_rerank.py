@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 from exo.core.embedding_files import EmbeddingFilesError, cross_encoder_spec
-from exo.core.types import EmbeddingSpec, EmbedInputs
+from exo.core.requests import EmbedInputs
+from exo.core.types import EmbeddingSpec
 from tests.support.api_keys import ADMIN, add_key, admin_client
 from tests.support.cluster import wait_until
 from tests.support.cross_encoder_model import DOCUMENTS, QUERY, make_tiny_cross_encoder

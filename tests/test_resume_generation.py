@@ -24,7 +24,8 @@ from mlx_lm.sample_utils import make_sampler
 
 from exo.bus.subjects import token_subject
 from exo.bus.token_publisher import chunk_msg_id
-from exo.core.types import ChatMessage, GenerationParams, ResponseFormat, SamplingDefaults, TokenChunk
+from exo.core.requests import ChatMessage, GenerationParams, ResponseFormat, TokenChunk
+from exo.core.types import SamplingDefaults
 from exo.runner.batch import Batcher
 from exo.runner.decoding import GenerationResult, Output, TextStream
 from exo.runner.engine import Engine

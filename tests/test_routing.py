@@ -11,8 +11,8 @@ from exo.core.commands import GenerateText, PlaceInstance
 from exo.core.conversation import digest_conversation
 from exo.core.events import KeySet, TaskFinished
 from exo.core.keys import ApiKey
+from exo.core.requests import ChatMessage, GenerationParams
 from exo.core.state import State
-from exo.core.types import ChatMessage, GenerationParams
 from exo.master.routing import TaskIndex, choose_instance
 from exo.master.routing import shared_conversation as shared_digests
 from tests.support.as_master import stamped

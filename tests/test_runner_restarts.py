@@ -14,7 +14,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.generate import BatchGenerator
 
-from exo.core.types import ChatMessage, GenerationParams
+from exo.core.requests import ChatMessage, GenerationParams
 from exo.runner.distributed import Lockstep
 from exo.runner.process import Runner
 from exo.runner.protocol import Done, Failed, Generate, report_decoder

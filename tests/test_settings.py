@@ -151,6 +151,6 @@ async def test_a_runner_process_serves_with_the_settings_its_worker_hands_it(nc,
 
 
 def _chat(text: str):
-    from exo.core.types import ChatMessage, GenerationParams
+    from exo.core.requests import ChatMessage, GenerationParams
 
     return GenerationParams(messages=[ChatMessage(role="user", content=text)], temperature=0, max_tokens=4)

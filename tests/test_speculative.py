@@ -7,7 +7,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from exo.core.types import ChatMessage, GenerationParams, SamplingDefaults
+from exo.core.requests import ChatMessage, GenerationParams
+from exo.core.types import SamplingDefaults
 from tests.support.e2e import Reference, exo_serving, place
 from tests.support.tiny_model import TINY_MODEL_ID, Dims, make_tiny_model
 

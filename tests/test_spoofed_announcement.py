@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 
 from exo.bus.server.cluster_formation import Announcement
-from exo.bus.server.cluster_node import ClusterNode, DiscoverySettings, load_membership
+from exo.bus.server.cluster_node import ClusterNode, DiscoverySettings
 from exo.bus.server.discovery import Discovery
+from exo.bus.server.membership import load_membership
 
 pytestmark = pytest.mark.slow  # starts JetStream cluster servers
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from exo.core.types import ChatMessage, GenerationParams
+from exo.core.requests import ChatMessage, GenerationParams
 from exo.runner.decoding import GenerationResult, Output
 from exo.runner.process import Runner
 from exo.runner.protocol import Generate
@@ -34,7 +34,7 @@ FIRST_REQUEST_S = 0.5
 FIRST_REQUESTS = r"""
 import asyncio, io, json, os, sys, time
 from pathlib import Path
-from exo.core.types import ChatMessage, GenerationParams
+from exo.core.requests import ChatMessage, GenerationParams
 from exo.runner.process import Runner
 from exo.runner.protocol import Generate, Load, WarmUp, report_decoder
 

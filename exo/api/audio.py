@@ -17,12 +17,13 @@ import miniaudio
 import msgspec
 from aiohttp import BodyPartReader, web
 
+from exo.api.collect import raise_if_failed
 from exo.api.context import ApiContext
 from exo.api.errors import ApiError
-from exo.api.generation import generating, raise_if_failed
+from exo.api.generation import generating
 from exo.bus.images import ImageStoreFull, delete_image, image_digest, store_image
 from exo.core.ids import ModelId
-from exo.core.types import GenerationParams, TokenChunk, TranscribeInputs, TranscriptSegment
+from exo.core.requests import GenerationParams, TokenChunk, TranscribeInputs, TranscriptSegment
 
 MAX_FIELD_BYTES = 64 * 1024  # a form field besides the file: a prompt is a few hundred words
 FORMATS = "WAV, MP3 or FLAC"

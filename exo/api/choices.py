@@ -4,8 +4,9 @@ how every choice ended). The runner generates them from one prefill (exo/runner/
 
 from __future__ import annotations
 
+from exo.api.collect import Collected, raise_if_failed
 from exo.api.errors import ApiError
-from exo.api.generation import Collected, Generation, raise_if_failed
+from exo.api.generation import Generation
 from exo.api.validate import in_range
 
 MAX_CHOICES = 16  # rows of the batch one request may take

@@ -9,11 +9,12 @@ from typing import Any
 
 import numpy as np
 
+from exo.api.collect import raise_if_failed
 from exo.api.context import ApiContext
 from exo.api.errors import ApiError
-from exo.api.generation import generating, raise_if_failed
+from exo.api.generation import generating
 from exo.core.ids import ModelId
-from exo.core.types import EmbedInputs, GenerationParams
+from exo.core.requests import EmbedInputs, GenerationParams
 
 MAX_INPUTS = 2048  # per request, as OpenAI's embeddings API
 # A request's inputs go into the log and State with its task: bounded as OpenAI bounds a request

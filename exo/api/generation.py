@@ -1,7 +1,8 @@
 """The one request path into the cluster for text generation, shared by every API surface.
 
 `start_generation` queues a request; `resume_generation` attaches to one already under way
-(or done) and replays its text from JetStream. Both give a `Generation` to iterate.
+(or done) and replays its text from JetStream. Both give a `Generation` to iterate (or to
+gather whole: exo/api/collect.py).
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, nullcontext
-from dataclasses import dataclass, field
 
 import msgspec
 
@@ -29,7 +29,7 @@ from exo.bus.token_stream import TokenListener, UndecodableChunk, stored_chunks
 from exo.core.commands import CancelTask, GenerateText
 from exo.core.events import AnyEvent, CommandRejected, TaskFinished
 from exo.core.ids import CommandId, ModelId, TaskId
-from exo.core.types import ChoiceEnd, FinishReason, GenerationParams, TokenChunk, TokenLogprob, ToolCall
+from exo.core.requests import FinishReason, GenerationParams, TokenChunk
 from exo.telemetry import tracing
 
 log = logging.getLogger(__name__)
@@ -392,54 +392,3 @@ async def resume_generation(ctx: ApiContext, command_id: CommandId, after: int) 
                                       completion_tokens=task.completion_tokens, cached_tokens=task.cached_tokens))
     listener = await TokenListener.from_stream(ctx.nc, command_id)
     return Generation(ctx, command_id, listener, ended, after=after)
-
-
-@dataclass
-class Collected:
-    """A whole generation, for the surfaces that answer in one piece."""
-
-    text: str = ""
-    reasoning: str = ""
-    tool_calls: list[ToolCall] = field(default_factory=list)
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    final: TokenChunk | None = None
-    end: ChoiceEnd | None = None  # with several choices: how this one ended (exo/api/choices.py)
-
-    @property
-    def finish_reason(self) -> str:
-        assert self.final is not None and self.final.finish_reason is not None
-        reason = self.end.finish_reason if self.end is not None else self.final.finish_reason
-        if self.tool_calls and reason == "stop":
-            return "tool_calls"
-        return reason
-
-
-async def collect(generation: Generation) -> Collected:
-    """Every chunk until the last; a failed or cancelled generation becomes an ApiError."""
-    collected, text, reasoning = Collected(), [], []
-    async for chunk in generation.chunks():
-        text.append(chunk.text)
-        reasoning.append(chunk.reasoning)
-        collected.tool_calls.extend(chunk.tool_calls)
-        collected.logprobs.extend(chunk.logprobs)
-        raise_if_failed(chunk, generation.failure)
-        if chunk.finish_reason:
-            collected.final = chunk
-    if collected.final is None:
-        raise ApiError(500, "generation ended without a finish reason")
-    collected.text = "".join(text)
-    collected.reasoning = "".join(reasoning)
-    return collected
-
-
-def raise_if_failed(chunk: TokenChunk, failure: ApiError | None = None) -> None:
-    """`failure`: the generation's, when its wait for its model went wrong (Generation.failure)."""
-    if chunk.finish_reason == "error" and failure is not None:
-        raise failure
-    if chunk.finish_reason == "error" and chunk.error_code:  # refused by the runner before any work
-        param = "messages" if chunk.error_code == "context_length_exceeded" else None
-        raise ApiError(400, chunk.error, param=param, code=chunk.error_code)
-    if chunk.finish_reason == "error":
-        raise ApiError(500, chunk.error or "generation failed")
-    if chunk.finish_reason == "cancelled":
-        raise ApiError(503, chunk.error or "generation was cancelled")

@@ -26,8 +26,8 @@ from exo.api.errors import ApiError
 from exo.api.image_fetch import EVERYWHERE, ByteBudget, FetchLimits, ImageFetchError, fetch_image
 from exo.bus.images import ImageStoreFull, delete_image, image_digest, store_image
 from exo.core.ids import ModelId
+from exo.core.requests import GenerationParams
 from exo.core.state import State
-from exo.core.types import GenerationParams
 from exo.settings.services import ApiSettings
 
 MAX_ASPECT_RATIO = 200  # vision processors (Qwen2-VL's among them) refuse images more elongated than this

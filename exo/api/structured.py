@@ -18,7 +18,7 @@ import msgspec
 
 from exo.api.errors import ApiError
 from exo.core.grammar import grammar_problem, syntax_of
-from exo.core.types import ResponseFormat
+from exo.core.requests import ResponseFormat
 
 _TYPES = ("text", "json_object", "json_schema")
 # Sizes as JSON, as the request stores them: with the rest of a format, within validate's MAX_SCHEMA_BYTES.

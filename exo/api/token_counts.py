@@ -20,7 +20,8 @@ from exo.api.tokenizers import TOKENIZERS_KEY, ModelTokenizer
 from exo.api.validate import MAX_TOOLS_BYTES
 from exo.core.ids import ModelId
 from exo.core.keys import KeyWindow, admission
-from exo.core.types import GenerationParams, ModelCard
+from exo.core.requests import GenerationParams
+from exo.core.types import ModelCard
 from exo.core.usage import tokens_in_day, tokens_in_month
 
 MAX_TEXT_CHARS = 1_000_000  # text one request may have tokenized (a prompt, or the rendered messages)

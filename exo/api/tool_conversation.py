@@ -19,7 +19,7 @@ import msgspec
 from exo.api.errors import ApiError
 from exo.api.tool_wire import FunctionTool, RequestToolCall, ToolChoice
 from exo.core.grammar import tool_call_problem
-from exo.core.types import ChatMessage, ToolCall, ToolTurn
+from exo.core.requests import ChatMessage, ToolCall, ToolTurn
 
 
 class Conversation:

@@ -10,7 +10,8 @@ import msgspec
 from exo.api.errors import ApiError
 from exo.core.kv_budget import KV_BITS, context_cap, least_context
 from exo.core.prompt_length import API_CHARS_PER_TOKEN, too_long
-from exo.core.types import GenerationParams, ModelCard
+from exo.core.requests import GenerationParams
+from exo.core.types import ModelCard
 
 # What one request may ask for. Everything in GenerationParams is stored in the log and in State,
 # so what a request may put there is bounded, not only what the model can do with it.

@@ -23,7 +23,7 @@ from nats.aio.msg import Msg
 
 from exo.bus.inbound import from_clients_only
 from exo.bus.subjects import token_subject
-from exo.core.types import TokenChunk
+from exo.core.requests import TokenChunk
 from exo.telemetry.tracing import with_traceparent
 
 log = logging.getLogger(__name__)

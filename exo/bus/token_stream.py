@@ -21,7 +21,7 @@ from exo.bus.jetstream_api import jetstream_request
 from exo.bus.publish import publish_durably
 from exo.bus.subjects import TOKENS_STREAM, token_subject
 from exo.core.ids import CommandId
-from exo.core.types import TokenChunk
+from exo.core.requests import TokenChunk
 from exo.telemetry import tracing
 
 log = logging.getLogger(__name__)

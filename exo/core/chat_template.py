@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from exo.core.types import GenerationParams
+from exo.core.requests import GenerationParams
 
 
 def template_messages(params: GenerationParams) -> list[dict[str, Any]]:

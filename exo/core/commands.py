@@ -8,7 +8,8 @@ import msgspec
 from exo.core.adapters import Adapter
 from exo.core.ids import CommandId, InstanceId, ModelId, TaskId
 from exo.core.keys import ApiKey
-from exo.core.types import GenerationParams, ModelCard, Sharding
+from exo.core.requests import GenerationParams
+from exo.core.types import ModelCard, Sharding
 
 
 class Command(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind"):

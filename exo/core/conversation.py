@@ -12,7 +12,8 @@ import hashlib
 
 import msgspec
 
-from exo.core.types import ConversationDigest, GenerationParams
+from exo.core.requests import GenerationParams
+from exo.core.types import ConversationDigest
 
 _encoder = msgspec.json.Encoder(order="deterministic")
 

@@ -11,7 +11,7 @@ from typing import Any, Literal
 from llguidance import LLMatcher
 from llguidance.gbnf_to_lark import gbnf_to_lark, is_lark_syntax
 
-from exo.core.types import ResponseFormat
+from exo.core.requests import ResponseFormat
 
 # Compact JSON: no free whitespace between tokens, which a weak model can repeat until max_tokens.
 _COMPILE = {"whitespace_flexible": False}

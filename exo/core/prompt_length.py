@@ -8,7 +8,7 @@ Pure: no I/O.
 
 from __future__ import annotations
 
-from exo.core.types import GenerationParams
+from exo.core.requests import GenerationParams
 
 # Text averages 3 to 5 characters a token (code and JSON fewer); only long runs of one repeated
 # character pack more. So a prompt past 32 characters a token of the context is refused at the API;

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import msgspec
 
-from exo.core.types import GenerationParams
+from exo.core.requests import GenerationParams
 
 DEFAULT_MAX_TOKENS = 2048  # the runner's max_tokens when a request names none (exo/runner/engine.py uses this)
 CHAT_TOKENS = 64  # a chat template's tokens besides the messages: BOS, the answer's header, a default system prompt

@@ -44,9 +44,10 @@ from exo.core.ids import ModelId
 from exo.core.keys import KeyWindow, Reserved, admission, cache_scope_of
 from exo.core.node_names import node_display
 from exo.core.placement import Unplaceable
+from exo.core.requests import GenerationParams
 from exo.core.reservations import reserved_tokens
 from exo.core.state import State
-from exo.core.types import Desire, GenerationParams, Instance, ModelCard, RejectionCode, Task
+from exo.core.types import Desire, Instance, ModelCard, RejectionCode, Task
 from exo.core.usage import day_of, tokens_in_day, tokens_in_month
 from exo.master.eviction import place_making_room
 from exo.master.heal import place_for

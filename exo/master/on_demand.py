@@ -12,8 +12,9 @@ from exo.core.commands import GenerateText, command_tag
 from exo.core.events import CommandRejected, DesireSet, Event, InstanceCreated, TaskCreated
 from exo.core.ids import CommandId, InstanceId, ModelId, TaskId
 from exo.core.placement import Unplaceable
+from exo.core.requests import GenerationParams
 from exo.core.state import State
-from exo.core.types import Desire, GenerationParams, ModelCard, RejectionCode, Task
+from exo.core.types import Desire, ModelCard, RejectionCode, Task
 from exo.master.eviction import place_making_room
 
 

@@ -23,8 +23,9 @@ from collections.abc import Mapping
 
 from exo.core.conversation import digest_conversation, prompt_starts_with
 from exo.core.ids import InstanceId, TaskId
+from exo.core.requests import GenerationParams
 from exo.core.state import State
-from exo.core.types import ConversationDigest, GenerationParams, Instance, Task
+from exo.core.types import ConversationDigest, Instance, Task
 
 MIN_SHARED_PROMPT_CHARS = 32  # completions: a raw prompt that continues an earlier one by less is not worth a detour
 

@@ -32,30 +32,19 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.sample_utils import make_sampler
 
 from exo.core.ids import TaskId
-from exo.core.types import GenerationParams, SamplingDefaults
+from exo.core.requests import GenerationParams
+from exo.core.types import SamplingDefaults
+from exo.runner.batch_steps import insert, keep_caches, new_generator, warm_up_batch
 from exo.runner.choices import Choices, first_of_choices, ranks_candidates, row_seed, rows_of, sibling
 from exo.runner.decoding import Decoding, GenerationResult, OnOutput, Output
 from exo.runner.distributed import AgreedSamplers, BatchJoin, BatchStep, Lockstep, Sampler, Sampling
-from exo.runner.engine import (
-    WARM_UP_TEMPERATURE,
-    WARM_UP_TOP_P,
-    LogitsProcessor,
-    check_logit_bias,
-    logits_processors_of,
-    sampling_of,
-    seeded_sampler,
-    vocabulary_size,
-)
+from exo.runner.engine import check_logit_bias, sampling_of, seeded_sampler, vocabulary_size
 from exo.runner.engine_api import ModelEngine
-from exo.runner.prompt_cache import PromptCache, Reuse
+from exo.runner.prompt_cache import Reuse
 
 log = logging.getLogger(__name__)
 
 Outcome = GenerationResult | BaseException
-PREFILL_BATCH = 8  # prompts processed together at most, as mlx_lm.server's --prompt-concurrency
-# Prompt tokens per prefill chunk between two decode steps: mlx-lm's (and mlx_lm.server's) default.
-# Every rank of an instance must use the same value; bench/fairness.py measures smaller ones.
-PREFILL_STEP = 2048
 
 
 def batchable(params: GenerationParams, image_paths: dict[str, str], multi_node: bool) -> bool:
@@ -68,41 +57,6 @@ def _shared_sampler(temperature: float, top_p: float, top_k: int, min_p: float) 
     # One sampler object per setting: a batch whose requests share it samples in one call.
     sampler: Sampler = make_sampler(temp=temperature, top_p=top_p, top_k=top_k, min_p=min_p)
     return sampler
-
-
-def new_generator(model: Any, tokenizer: Any, limit: int) -> BatchGenerator:
-    return BatchGenerator(
-        model, stop_tokens=[[t] for t in tokenizer.eos_token_ids],
-        completion_batch_size=limit, prefill_batch_size=min(limit, PREFILL_BATCH), prefill_step_size=PREFILL_STEP,
-    )
-
-
-def insert(generator: BatchGenerator, join: BatchJoin, sampler: Sampler, reuse: Reuse,
-           constraint: list[LogitsProcessor] | None = None) -> int:
-    """Into the batch, starting from the cached prefix (`reuse`): only the rest is processed.
-    `constraint`: the request's own response_format processor (rank 0 only: it samples)."""
-    processors = [*logits_processors_of(join), *(constraint or [])]
-    uids: list[int] = generator.insert(
-        [reuse.rest], max_tokens=[join.max_tokens], caches=[reuse.cache], all_tokens=[join.tokens[:reuse.cached]],
-        samplers=[sampler], logits_processors=[processors],
-    )
-    (uid,) = uids
-    return uid
-
-
-def keep_caches(cache: PromptCache, generator: BatchGenerator, finished: list[Any], leaving: list[int],
-                scopes: dict[int, str]) -> None:
-    """Store the KV caches of requests that just ended (mlx-lm's finished ones, then those we remove)
-    in their cache scopes (`scopes`: uid -> scope, emptied of them here) and take the leaving ones
-    out of the batch. Every rank does this in the same order."""
-    for response in finished:
-        if (scope := scopes.pop(response.uid, None)) is not None:  # none: not kept, rather than in another scope
-            cache.keep(response.all_tokens, response.prompt_cache, scope=scope)
-    if leaving:
-        scoped = {uid: scopes.pop(uid, None) for uid in leaving}
-        for uid, (kv, tokens) in generator.remove(leaving, return_prompt_caches=cache.enabled).items():
-            if (scope := scoped[uid]) is not None:
-                cache.keep(tokens, kv, scope=scope)
 
 
 class BatchFailed(RuntimeError):
@@ -319,16 +273,7 @@ class Batcher:
         compiles kernels of its own (seconds on a CPU). No stop tokens and a fixed max_tokens, so every
         rank of an instance takes the same steps whatever it samples; the prompt cache is not touched."""
         engine = self._engine
-        prompt = engine.encode(engine.prompt_for(GenerationParams(messages=[]), text="warm up"))
-        generator = BatchGenerator(engine.model, completion_batch_size=2, prefill_batch_size=2,
-                                   prefill_step_size=PREFILL_STEP)
-        sampler = make_sampler(temp=WARM_UP_TEMPERATURE, top_p=WARM_UP_TOP_P)
-        generator.insert([prompt, prompt[1:]], max_tokens=[2, 2], samplers=[sampler, sampler])
-        ended = 0
-        while ended < 2:
-            _, responses = generator.next()
-            ended += sum(1 for response in responses if response.finish_reason)
-        generator.close()
+        warm_up_batch(engine.model, engine.encode(engine.prompt_for(GenerationParams(messages=[]), text="warm up")))
 
     def _lockstep(self) -> Lockstep | None:
         return self._engine.lockstep

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, cast
 
-from exo.core.types import ChoiceEnd, FinishReason, GenerationParams
+from exo.core.requests import ChoiceEnd, FinishReason, GenerationParams
 from exo.runner.decoding import GenerationResult, RequestRefused
 
 if TYPE_CHECKING:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from exo.core.ids import TaskId
-from exo.core.types import TokenChunk
+from exo.core.requests import TokenChunk
 from exo.runner.coalesce import Coalescer, Piece
 from exo.runner.decoding import GenerationResult, Output
 from exo.runner.protocol import Resume

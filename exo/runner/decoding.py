@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from exo.core.ids import TaskId
-from exo.core.types import ChoiceEnd, GenerationParams, TokenLogprob, ToolCall
+from exo.core.requests import ChoiceEnd, GenerationParams, TokenLogprob, ToolCall
 from exo.runner.splitter import OutputSplitter, Split
 from exo.runner.stops import StopMatcher
 

@@ -31,7 +31,8 @@ from mlx_lm.tuner.utils import load_adapters
 from mlx_lm.utils import load_model, load_tokenizer, sharded_load
 
 from exo.core.ids import TaskId
-from exo.core.types import REPETITION_CONTEXT, GenerationParams, SamplingDefaults
+from exo.core.requests import REPETITION_CONTEXT, GenerationParams
+from exo.core.types import SamplingDefaults
 from exo.runner.pipeline import split_layers
 
 Sampler = Callable[[mx.array], mx.array]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 from concurrent.futures import Executor
 
-from exo.core.types import EmbedInputs
+from exo.core.requests import EmbedInputs
 from exo.runner.decoding import RequestRefused
 from exo.runner.embedding_engine import Embedded, EmbeddingEngine
 

@@ -25,7 +25,8 @@ from mlx_lm.utils import _get_classes, load_model
 from transformers import AutoTokenizer
 
 from exo.core.embedding_files import embedding_of
-from exo.core.types import EmbeddingSpec, EmbedInputs, GenerationParams, SamplingDefaults
+from exo.core.requests import EmbedInputs, GenerationParams
+from exo.core.types import EmbeddingSpec, SamplingDefaults
 from exo.runner.cross_encoder import load_cross_encoder, relevance
 from exo.runner.decoding import GenerationResult, OnOutput, PromptTooLong, RequestRefused
 from exo.runner.engine import Engine

@@ -15,8 +15,9 @@ from exo.core.grammar import grammar_of, tool_call_grammar
 from exo.core.ids import TaskId
 from exo.core.kv_budget import kv_group_size
 from exo.core.prompt_length import too_long
+from exo.core.requests import GenerationParams, TokenLogprob, TopLogprob
 from exo.core.reservations import DEFAULT_MAX_TOKENS
-from exo.core.types import GenerationParams, SamplingDefaults, TokenLogprob, TopLogprob
+from exo.core.types import SamplingDefaults
 from exo.memory import memory
 from exo.runner.constraint import GrammarConstraint
 from exo.runner.decoding import Decoding, GenerationResult, OnOutput, PromptTooLong, RequestRefused, TextStream

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 from exo.core.ids import TaskId
 
 if TYPE_CHECKING:
-    from exo.core.types import GenerationParams, SamplingDefaults, TokenLogprob
+    from exo.core.requests import GenerationParams, TokenLogprob
+    from exo.core.types import SamplingDefaults
     from exo.runner.decoding import GenerationResult, OnOutput
     from exo.runner.distributed import Lockstep, StepAnnouncement
     from exo.runner.prompt_cache import PromptCache

@@ -12,7 +12,7 @@ import logging
 
 from mlx_lm.generate import BatchGenerator
 
-from exo.runner.batch import insert, keep_caches, new_generator
+from exo.runner.batch_steps import insert, keep_caches, new_generator
 from exo.runner.distributed import AgreedSamplers, BatchStep, Lockstep, StepAnnouncement
 from exo.runner.engine_api import ModelEngine
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import msgspec
 
 from exo.core.ids import TaskId
-from exo.core.types import GenerationParams, PromptCacheStats, SamplingDefaults
+from exo.core.requests import GenerationParams
+from exo.core.types import PromptCacheStats, SamplingDefaults
 from exo.settings.services import NatsSecurity, RunnerSettings
 
 # The variable that carries a runner's RunnerStart (JSON) from the worker to the runner process:

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 
 from mlx_lm.generate import TextStateMachine
 
-from exo.core.types import ToolCall
+from exo.core.requests import ToolCall
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,8 @@ import numpy as np
 
 from exo.core.catalogue import is_speech_to_text_config
 from exo.core.ids import TaskId
-from exo.core.types import GenerationParams, SamplingDefaults, TokenChunk, TranscribeInputs, TranscriptSegment, TranscriptWord
+from exo.core.requests import GenerationParams, TokenChunk, TranscribeInputs, TranscriptSegment, TranscriptWord
+from exo.core.types import SamplingDefaults
 from exo.runner.decoding import GenerationResult, OnOutput, RequestRefused
 from exo.runner.engine import LOGPROB_FLOOR, Engine
 from exo.runner.protocol import RankSetup

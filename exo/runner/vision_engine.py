@@ -24,7 +24,8 @@ from mlx_vlm.vision_cache import VisionFeatureCache
 
 from exo.core.chat_template import template_messages
 from exo.core.ids import TaskId
-from exo.core.types import GenerationParams, SamplingDefaults
+from exo.core.requests import GenerationParams
+from exo.core.types import SamplingDefaults
 from exo.runner.decoding import Decoding, GenerationResult, OnOutput, RequestRefused
 from exo.runner.distributed import StepAnnouncement
 from exo.runner.engine import Engine, check_logit_bias, logits_processors_of, sampler_of, vocabulary_size

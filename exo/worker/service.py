@@ -26,17 +26,9 @@ from exo.bus.token_stream import publish_chunk, resume_point
 from exo.core.catalogue import adapter_of, find_card
 from exo.core.events import AnyEvent, CustomCardAdded, CustomCardDeleted, Event, TaskCreated, TaskFinished, TaskStarted
 from exo.core.ids import InstanceId, ModelId, NodeId, TaskId
+from exo.core.requests import FinishReason, TokenChunk
 from exo.core.state import State
-from exo.core.types import (
-    FinishReason,
-    ModelCard,
-    PromptCacheStats,
-    SamplingDefaults,
-    ShardAssignment,
-    Task,
-    TaskStatus,
-    TokenChunk,
-)
+from exo.core.types import ModelCard, PromptCacheStats, SamplingDefaults, ShardAssignment, Task, TaskStatus
 from exo.models.cards import reconcile_custom_card, reconcile_custom_cards
 from exo.models.dirs import DownloadSettings
 from exo.models.transfer import DownloadError

@@ -13,7 +13,7 @@ from nats.aio.client import Client
 
 from exo.bus.token_publisher import ChunkPublisher
 from exo.core.ids import RunnerId, TaskId
-from exo.core.types import FinishReason, TokenChunk
+from exo.core.requests import FinishReason, TokenChunk
 from exo.runner import protocol as rp
 from exo.worker.runner_host import OnExit, OnReport
 

@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 import httpx
 
-from exo.bus.server.cluster_node import load_membership
+from exo.bus.server.membership import load_membership
 from exo.core.ids import InstanceId
 from exo.core.state import State, decode_state
 from tests.support import polling

@@ -21,7 +21,8 @@ from typing import Any
 from mlx_lm.generate import BatchGenerator
 
 from exo.core.ids import TaskId
-from exo.core.types import ChatMessage, GenerationParams, ResponseFormat, SamplingDefaults
+from exo.core.requests import ChatMessage, GenerationParams, ResponseFormat
+from exo.core.types import SamplingDefaults
 from exo.runner.batch import Batcher, batchable
 from exo.runner.decoding import GenerationResult, Output
 from exo.runner.engine import Engine

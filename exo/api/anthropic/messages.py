@@ -11,16 +11,17 @@ from aiohttp import web
 from exo.api import thinking
 from exo.api.anthropic.stream import content_blocks, stop_fields, stream_message, usage
 from exo.api.anthropic.wire import ContentBlock, Message, MessagesRequest
+from exo.api.collect import collect
 from exo.api.context import context_of
 from exo.api.errors import ApiError
-from exo.api.generation import Generation, collect, generating
+from exo.api.generation import Generation, generating
 from exo.api.images import USER_ONLY, ImageUploads
 from exo.api.keep_alive import keep_alive_seconds
 from exo.api.request_body import decode_body
 from exo.api.tool_conversation import FUNCTION_NAME, Conversation, arguments_text, function_tool, offered_tools, required_call
 from exo.api.tool_wire import NamedFunction, ToolChoice
 from exo.api.validate import at_least_one, in_range
-from exo.core.types import GenerationParams, ToolCall
+from exo.core.requests import GenerationParams, ToolCall
 
 # Blocks a client sends back that only mattered to the model that wrote them: dropped.
 _DROPPED_BLOCKS = {"thinking", "redacted_thinking"}

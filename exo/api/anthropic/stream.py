@@ -10,11 +10,12 @@ from typing import Any
 
 from aiohttp import web
 
+from exo.api.collect import raise_if_failed
 from exo.api.errors import error_body
-from exo.api.generation import Generation, raise_if_failed
+from exo.api.generation import Generation
 from exo.api.sse import SseStream
 from exo.api.tool_conversation import arguments_object
-from exo.core.types import TokenChunk, ToolCall
+from exo.core.requests import TokenChunk, ToolCall
 
 
 def stop_fields(chunk: TokenChunk, called_tools: bool) -> dict[str, Any]:

@@ -16,9 +16,10 @@ from aiohttp import web
 
 from exo.api.auth import current_grant
 from exo.api.availability import NOWHERE, availability
+from exo.api.collect import collect
 from exo.api.context import context_of
 from exo.api.errors import ApiError
-from exo.api.generation import Generation, collect, generating
+from exo.api.generation import Generation, generating
 from exo.api.images import USER_ONLY, ImageUploads
 from exo.api.keep_alive import keep_alive_seconds
 from exo.api.ollama.wire import ChatRequest, GenerateRequest, ModelRequest, OllamaMessage, Options
@@ -28,8 +29,9 @@ from exo.api.thinking import from_ollama
 from exo.api.tool_conversation import Conversation, arguments_object, arguments_text, offered_tools
 from exo.api.validate import OLLAMA_REPEAT_LAST_N, REPEAT_LAST_N_MAX, at_least_one, check_repetition_penalty, in_range, stop_list
 from exo.core.ids import InstanceId, ModelId
+from exo.core.requests import ChatMessage, EmbedInputs, GenerationParams, TokenChunk, ToolCall
 from exo.core.state import State
-from exo.core.types import ChatMessage, EmbedInputs, GenerationParams, ModelCard, TokenChunk, ToolCall
+from exo.core.types import ModelCard
 
 OLLAMA_VERSION = "0.9.0"  # the Ollama API level these routes follow
 

@@ -18,7 +18,7 @@ from exo.api.audio import AudioForm, Transcript, audio_seconds, read_form, run_t
 from exo.api.context import context_of
 from exo.api.errors import ApiError
 from exo.core.ids import ModelId
-from exo.core.types import TranscribeInputs, TranscriptSegment
+from exo.core.requests import TranscribeInputs, TranscriptSegment
 
 RESPONSE_FORMATS = ("json", "text", "srt", "verbose_json", "vtt")
 GRANULARITIES = ("segment", "word")

@@ -21,7 +21,7 @@ from exo.api.structured import openai_constraint
 from exo.api.tool_conversation import offered_tools, required_call, tool_turn
 from exo.api.tool_wire import ToolChoice
 from exo.api.validate import check_logprobs, check_penalty, sampling_extensions
-from exo.core.types import ChatMessage, GenerationParams
+from exo.core.requests import ChatMessage, GenerationParams
 
 _ROLES = {"system", "developer", "user", "assistant", "tool"}
 

@@ -14,12 +14,13 @@ from typing import Any
 from aiohttp import web
 
 from exo.api.choices import collect_choices
+from exo.api.collect import Collected
 from exo.api.context import context_of
 from exo.api.errors import ApiError
-from exo.api.generation import Collected, Generation, resume_generation
+from exo.api.generation import Generation, resume_generation
 from exo.api.sse import SseStream
 from exo.core.ids import CommandId
-from exo.core.types import TokenChunk, TokenLogprob, ToolCall
+from exo.core.requests import TokenChunk, TokenLogprob, ToolCall
 
 ID_PREFIX = "chatcmpl-"
 

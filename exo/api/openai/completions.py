@@ -18,7 +18,7 @@ from exo.api.request_body import decode_body
 from exo.api.sse import SseStream
 from exo.api.structured import openai_constraint
 from exo.api.validate import check_penalty, sampling_extensions
-from exo.core.types import GenerationParams, TokenLogprob
+from exo.core.requests import GenerationParams, TokenLogprob
 
 MAX_LOGPROBS = 5  # the completions API's own limit
 

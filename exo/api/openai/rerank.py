@@ -16,7 +16,7 @@ from exo.api.errors import ApiError
 from exo.api.keep_alive import keep_alive_seconds
 from exo.api.request_body import decode_body
 from exo.core.ids import ModelId
-from exo.core.types import EmbedInputs
+from exo.core.requests import EmbedInputs
 
 MAX_DOCUMENTS = 1000  # per request, as Cohere's rerank API recommends at most
 

@@ -9,9 +9,10 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from exo.api.collect import collect
 from exo.api.context import context_of
 from exo.api.errors import ApiError
-from exo.api.generation import collect, generating, requested_tier
+from exo.api.generation import generating, requested_tier
 from exo.api.images import URL_KINDS, USER_ONLY, ImageUploads
 from exo.api.keep_alive import keep_alive_seconds
 from exo.api.openai.responses_stream import Answer, response_body, stream_response
@@ -22,7 +23,7 @@ from exo.api.thinking import from_effort
 from exo.api.tool_conversation import Conversation, function_tool, offered_tools, required_call
 from exo.api.tool_wire import NamedFunction, ToolChoice
 from exo.api.validate import at_least_one, in_range
-from exo.core.types import GenerationParams, ToolCall
+from exo.core.requests import GenerationParams, ToolCall
 
 _ROLES = {"user", "assistant", "system", "developer"}
 _TEXT_PARTS = {"input_text", "output_text", "text"}

@@ -15,7 +15,7 @@ from aiohttp import web
 from exo.api.generation import Generation
 from exo.api.sse import SseStream
 from exo.core.ids import CommandId
-from exo.core.types import TokenChunk, ToolCall
+from exo.core.requests import TokenChunk, ToolCall
 
 Send = Callable[[str, dict[str, Any]], Awaitable[None]]
 

@@ -42,6 +42,7 @@ from exo.bus.server.jetstream_cluster import (
     stream_replicas,
 )
 from exo.bus.server.join import join_role, split_address
+from exo.bus.server.membership import MEMBERSHIP_FILE, Membership, load_membership, save_membership
 from exo.bus.server.migration import has_standalone_store, migrate_standalone_store, set_aside, undo_migration
 from exo.bus.server.server_config import ClusterLink, route_url
 from exo.core.types import ClusterLayout
@@ -51,7 +52,6 @@ log = logging.getLogger(__name__)
 
 LayoutSink = Callable[[ClusterLayout], Awaitable[None]]  # records a layout in the log if it changed
 
-MEMBERSHIP_FILE = "cluster.json"
 WITNESS_DIR = "nats-witness"  # beside the node's own store
 KEEP_EVERY_S = 2.0
 MEMBER_WARN_EVERY_S = 30.0
@@ -73,30 +73,6 @@ class DiscoverySettings(msgspec.Struct, frozen=True, kw_only=True):
     join_timeout_s: float = 60.0
     join: str = ""  # HOST:PORT of a member's cluster port: join its cluster there, whatever mDNS hears
     mdns: bool = True  # announce and listen on the LAN (off: --join alone finds the cluster)
-
-
-class Membership(msgspec.Struct, kw_only=True):
-    """What this node chose, kept across restarts."""
-
-    cluster: str
-    port: int  # its cluster port
-    seeded: bool = False
-    witness_port: int = 0
-    witness_retired: bool = False
-    routes: list[str] = []  # the members last heard of: where a restart dials
-
-
-def load_membership(store_dir: Path) -> Membership | None:
-    path = store_dir / MEMBERSHIP_FILE
-    if not path.exists():
-        return None
-    return msgspec.json.decode(path.read_bytes(), type=Membership)
-
-
-def save_membership(store_dir: Path, membership: Membership) -> None:
-    partial = store_dir / (MEMBERSHIP_FILE + ".tmp")
-    partial.write_bytes(msgspec.json.encode(membership))
-    partial.replace(store_dir / MEMBERSHIP_FILE)
 
 
 def free_port(host: str) -> int:
