@@ -12,6 +12,7 @@ says to stop node 1, the walk kills it hard: its exo process and its nats-server
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -146,12 +147,14 @@ def walk(tmp_path):
 
 
 def kill_hard(server: subprocess.Popen, data_dir: Path) -> None:
-    """A node lost as a crash loses it: its exo process and its nats-server (a session of its own) SIGKILLed."""
-    servers = [int(f.stem.rsplit("_", 1)[1]) for f in (data_dir / "nats" / "ports").glob("*.ports")]
+    """A node lost as a crash loses it: its exo process and its nats-servers (each a session of its own:
+    the node's, and its witness if it still runs one) SIGKILLed."""
+    servers = [int(f.stem.rsplit("_", 1)[1]) for f in data_dir.glob("nats*/ports/*.ports")]
     server.kill()
     server.wait(10)
     for pid in servers:
-        os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):  # a retired witness has stopped already
+            os.kill(pid, signal.SIGKILL)
 
 
 def test_the_first_hour_guide_runs_as_written(walk):
