@@ -7,7 +7,7 @@ A's longest gap between two tokens while B is prefilled, A's median gap, and B's
 token.
 
 - batch: B joins A's batch (mlx-lm's BatchGenerator: one decode step for A, then one prefill
-  chunk of B's prompt, 2048 tokens, and again). What unseeded and now seeded requests get.
+  chunk of B's prompt, --prefill-step tokens, and again). What unseeded and now seeded requests get.
 - single path: B is served alone after A (what seeded requests got before, and what image
   requests and seeded requests on multi-node instances get): A's batch runs on, B waits.
 - alone on one thread: B's prompt processed by `stream_generate` with A's next step waiting for
@@ -30,7 +30,7 @@ from bench.summary import alternating, print_medians
 from exo.core.ids import TaskId
 from exo.core.requests import ChatMessage, GenerationParams
 from exo.core.types import SamplingDefaults
-from exo.runner import batch_steps
+from exo.runner import prefill
 from exo.runner.batch import Batcher
 from exo.runner.decoding import Output
 from exo.runner.engine import Engine
@@ -86,10 +86,10 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--warm", type=int, default=10)
-    parser.add_argument("--prefill-step", type=int, default=batch_steps.PREFILL_STEP,
-                        help="prompt tokens per prefill chunk in the batch (exo and mlx-lm: 2048)")
+    parser.add_argument("--prefill-step", type=int, default=prefill.PREFILL_STEP,
+                        help="prompt tokens per prefill chunk, in the batch and alone (exo: 512; mlx-lm: 2048)")
     args = parser.parse_args()
-    batch_steps.PREFILL_STEP = args.prefill_step
+    prefill.PREFILL_STEP = args.prefill_step
     with tempfile.TemporaryDirectory() as folder:
         dims = Dims(hidden=args.hidden, intermediate=args.hidden * 2, layers=args.layers, heads=8, kv_heads=4)
         engine = Engine()

@@ -1,10 +1,12 @@
-"""Admission in the master's pure decide: a bounded queue per instance, beyond it "overloaded"."""
+"""Admission in the master's pure decide: a bounded queue per instance, beyond it "overloaded"; a
+request of n choices (or best_of candidates) takes n places, as it takes n rows of a batch."""
 
 import itertools
 
 from exo.core.apply import apply
 from exo.core.commands import GenerateText, PlaceInstance
 from exo.core.events import CommandRejected, NodeRegistered, TaskCreated, TaskFinished
+from exo.core.requests import GenerationParams
 from exo.core.state import State
 from exo.core.types import ModelCard, NodeInfo
 from exo.master.decide import DEFAULT_MAX_QUEUE, decide
@@ -73,3 +75,42 @@ def test_instances_without_their_own_limit_use_the_masters_default():
     state, events = generate(state, 99, default_max_queue=3)
     assert events[0].code == "overloaded"
     assert DEFAULT_MAX_QUEUE >= 32  # the default admits a benchmark's concurrency
+
+
+def rows(state: State, name: str, n: int = 1, best_of: int = 0) -> tuple[State, list]:
+    """A request decoding max(n, best_of) rows of a batch."""
+    return run(state, GenerateText(command_id=name, model_id="org/m", params=GenerationParams(n=n, best_of=best_of)))
+
+
+def outcome(events: list) -> str:
+    return events[0].code if isinstance(events[0], CommandRejected) else type(events[0]).__name__
+
+
+def test_a_request_of_n_choices_takes_n_places_in_the_queue():
+    state = placed(max_queue=4)
+    outcomes = []
+    for name, n, best_of in [("three", 3, 0), ("two", 1, 2), ("one", 1, 0), ("full", 1, 0)]:
+        state, events = rows(state, name, n, best_of)
+        outcomes.append(outcome(events))
+    assert outcomes == ["TaskCreated", "overloaded", "TaskCreated", "overloaded"]  # 3; 3 + 2 > 4; 3 + 1 = 4; full
+    assert sorted(state.tasks) == ["one", "three"]
+    state = apply(state, TaskFinished(task_id="three", status="completed"), state.last_seq + 1)
+    state, again = rows(state, "again", n=2, best_of=3)  # 1 + 3 = 4: its three places came back
+    assert outcome(again) == "TaskCreated"
+
+
+def test_more_choices_than_any_instance_queues_is_a_400_not_a_429_to_retry():
+    state = placed(max_queue=4)
+    state, events = rows(state, "five", n=5)
+    assert (len(events), outcome(events)) == (1, "invalid")
+    assert events[0].reason == ("this request's 5 choices (n or best_of) count as 5 requests, more than the 4 open "
+                                "requests an instance of 'org/m' admits: send a smaller n")
+
+
+def test_the_least_busy_instance_is_the_one_with_fewest_rows_open():
+    state = placed(instances=2)
+    first, second = (i.instance_id for i in state.instances_of("org/m"))
+    state, three = rows(state, "three", n=3)
+    state, one = rows(state, "one")
+    state, next_one = rows(state, "next")  # 3 rows against 1: not one task against one
+    assert [e.task.instance_id for e in (*three, *one, *next_one)] == [first, second, second]

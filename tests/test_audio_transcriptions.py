@@ -1,11 +1,12 @@
 """Speech to text: a tiny random Whisper made here (no Hub) transcribes a WAV made here exactly as
 mlx-audio's own Whisper `generate` does on the same folder and file, in process and through the
 cluster's /v1/audio/transcriptions and /v1/audio/translations in every response_format; bad
-requests are 400s that name the field."""
+requests are 400s that name the field; a key's audio seconds are counted in /usage and /metrics."""
 
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ import pytest
 from exo.api.errors import ApiError
 from exo.core.requests import TranscribeInputs, TranscriptSegment
 from tests.support.e2e import exo_serving, place
+from tests.support.polling import wait_until
 from tests.support.tiny_model import TINY_MODEL_ID, make_tiny_model
 from tests.support.whisper_model import WHISPER_MODEL_ID, make_tiny_whisper, tone_wav
 
@@ -216,3 +218,27 @@ def test_other_routes_refuse_what_they_do_not_serve(http, wav):
     assert http.get(f"/v1/models/{WHISPER_MODEL_ID}").json()["card"]["transcribes"] is True
     form = http.post("/v1/audio/transcriptions", json={"model": WHISPER_MODEL_ID})
     assert form.status_code == 400 and "multipart/form-data" in form.text
+
+
+def _audio_seconds_counted(metrics: str) -> float:
+    found = re.search(rf'^exo_audio_seconds_total{{model="{re.escape(WHISPER_MODEL_ID)}"}} (\S+)$', metrics, re.MULTILINE)
+    return float(found.group(1)) if found else 0.0
+
+
+@pytest.mark.slow
+def test_a_keys_transcription_counts_its_audio_seconds_in_usage_and_metrics(http, node, wav):
+    """Last in the module: while the key exists, every request to the node needs one."""
+    before = _audio_seconds_counted(http.get("/metrics").text)
+    added = http.post("/keys", json={"name": "listener", "admin": True})  # admin: it reads /metrics, deletes itself
+    assert added.status_code == 200, added.text
+    key_id, secret = added.json()["key"]["key_id"], added.json()["secret"]
+    with httpx.Client(base_url=node.url, timeout=300, headers={"Authorization": f"Bearer {secret}"}) as keyed:
+        try:
+            assert _post(keyed, wav).json()["usage"] == {"type": "duration", "seconds": 3}
+            assert _audio_seconds_counted(keyed.get("/metrics").text) == before + 3.0
+            rows = wait_until(lambda: [r for r in keyed.get(f"/usage?key_id={key_id}").json()["data"]
+                                       if r["audio_seconds"]], 10, what="the audio in the key's usage")
+        finally:
+            deleted = keyed.delete(f"/keys/{key_id}")
+    assert deleted.status_code == 200, deleted.text
+    assert [(r["model"], r["requests"], r["audio_seconds"]) for r in rows] == [(WHISPER_MODEL_ID, 1, 3.0)]

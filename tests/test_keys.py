@@ -23,7 +23,7 @@ from exo.core.events import (
     TaskStarted,
 )
 from exo.core.keys import ApiKey, KeyLimits
-from exo.core.requests import ChatMessage, GenerationParams
+from exo.core.requests import ChatMessage, GenerationParams, TranscribeInputs
 from exo.core.reservations import reserved_tokens
 from exo.core.state import State
 from exo.core.types import Instance, ModelCard, ShardAssignment, Task
@@ -113,6 +113,22 @@ def test_a_running_task_asked_to_cancel_counts_until_it_ends():
     assert "1 requests open" in refused(cluster.ask(T0)).reason
 
 
+def test_a_request_of_n_choices_counts_n_against_concurrent_requests():
+    cluster = Cluster(KeyLimits(concurrent_requests=4))
+    three = cluster.ask(T0, params=replace(SHORT, n=3))
+    assert isinstance(three, TaskCreated)
+    assert refused(cluster.ask(T0, params=replace(SHORT, best_of=2))).reason == (
+        f"key {KEY.key_id} has 3 requests open, and this one's 2 choices (n or best_of) count as 2, its limit of 4 "
+        "concurrent requests (a request of n choices counts n)")
+    assert isinstance(cluster.ask(T0), TaskCreated)  # 3 + 1 = 4
+    assert refused(cluster.ask(T0)).reason == (f"key {KEY.key_id} has 4 requests open, its limit of 4 concurrent "
+                                               "requests (a request of n choices counts n)")
+    cluster.finish(three, 5, 5)
+    never = refused(cluster.ask(T0, params=replace(SHORT, n=5)))
+    assert never.reason == (f"key {KEY.key_id}: this request's 5 choices (n or best_of) count as 5 requests, more than "
+                            "its limit of 4 concurrent requests: send a smaller n")
+
+
 def test_tokens_per_minute_count_finished_requests_in_the_minute_they_started():
     cluster = Cluster(KeyLimits(tokens_per_minute=100))
     cluster.finish(cluster.ask(T0), 60, 50)  # 110 tokens, counted in T0's minute
@@ -162,6 +178,20 @@ def test_usage_is_folded_by_key_day_and_model():
     assert cluster.state.usage_totals == {KEY.key_id: {MODEL: UsageCounts(requests=3, prompt_tokens=11,
                                                                            completion_tokens=22)}}
     assert day_of(T0) == "2026-12-31"
+
+
+def test_a_transcriptions_audio_seconds_are_counted_once_it_completes():
+    cluster = Cluster(KeyLimits())
+    speech = GenerationParams(transcribe=TranscribeInputs(audio="a" * 64, seconds=2.25))
+    cluster.finish(cluster.ask(T0, params=speech), 0, 7)
+    cluster.finish(cluster.ask(T0 + 1, params=speech), 0, 5)
+    failed = cluster.ask(T0 + 2, params=GenerationParams(transcribe=TranscribeInputs(audio="b" * 64, seconds=4.0)))
+    assert isinstance(failed, TaskCreated)
+    cluster.fold(TaskFinished(task_id=failed.task.task_id, status="failed", error="the runner died"))
+    cluster.finish(cluster.ask(T0 + 3), 3, 4)  # a chat: tokens, no audio
+    counts = UsageCounts(requests=4, prompt_tokens=3, completion_tokens=16, audio_seconds=4.5)
+    assert cluster.state.usage == {KEY.key_id: {day_of(T0): {MODEL: counts}}}
+    assert cluster.state.usage_totals == {KEY.key_id: {MODEL: counts}}
 
 
 # --- fairness: what a runner is given next ---
@@ -216,6 +246,20 @@ def test_reservations_bound_the_prompt_and_the_answer_within_the_context():
     assert reserved_tokens(HI, 30) == 30  # never more than the context
     assert reserved_tokens(replace(HI, max_tokens=None), 1000) == 1000  # no max_tokens: what the context leaves
     assert reserved_tokens(replace(HI, max_tokens=None), 0) == 4 + 2048  # unknown context: the runner's default
+
+
+def test_a_request_of_n_choices_reserves_its_prompt_once_and_each_choices_answer():
+    assert reserved_tokens(replace(HI, n=3), 0) == 4 + 3 * 40
+    assert reserved_tokens(replace(HI, n=2, best_of=5), 0) == 4 + 5 * 40  # best_of's candidates all decode
+    assert reserved_tokens(replace(HI, n=3), 30) == 4 + 3 * 26  # each choice within the context
+    assert reserved_tokens(replace(HI, max_tokens=None, n=2), 1000) == 4 + 2 * 996
+    cluster = Cluster(KeyLimits(tokens_per_day=100))
+    assert isinstance(cluster.ask(T0, params=replace(HI, n=2)), TaskCreated)  # reserves 84
+    assert refused(cluster.ask(T0, params=HI)).reason == (
+        f"key {KEY.key_id} has 16 tokens of its daily quota of 100 left today (UTC) besides the 84 its open requests "
+        "reserve, and this request reserves 44 (its prompt and max_tokens): try again when they end, or send a "
+        "smaller max_tokens")
+    assert f"this request reserves {4 + 3 * 40} tokens" in refused(cluster.ask(T0, params=replace(HI, n=3))).reason
 
 
 def test_concurrent_requests_reserve_their_most_tokens_against_a_daily_quota_and_release_what_they_did_not_use():

@@ -28,6 +28,7 @@ from exo.bus.state_view import StateView
 from exo.core.events import TaskCreated, TaskFinished
 from exo.core.ids import CommandId, InstanceId, ModelId, NodeId, TaskId
 from exo.core.keys import KeyLimits
+from exo.core.requests import GenerationParams, TranscribeInputs
 from exo.core.types import Task
 from exo.master.service import Master
 from exo.settings.services import ApiSettings
@@ -128,9 +129,11 @@ async def test_delete_removes_the_key_and_an_unknown_id_is_the_apis_404(api: Api
 async def test_usage_reads_one_keys_counts_or_every_keys(api: Api):
     first, _ = await created(api, "--name", "counted")
     second, _ = await created(api, "--name", "also-counted")
-    for key_id, tokens in ((first, 7), (second, 11)):  # one finished task each, as the master and a worker log them
+    speech = GenerationParams(transcribe=TranscribeInputs(audio="a" * 64, seconds=2.5))
+    # One finished task each, as the master and a worker log them: a transcription, then a chat.
+    for key_id, tokens, params in ((first, 7, speech), (second, 11, GenerationParams())):
         task = Task(task_id=TaskId(f"t-{key_id}"), instance_id=InstanceId("i"), model_id=ModelId("org/m"),
-                    key_id=key_id, created_at=DAY_ONE)
+                    key_id=key_id, created_at=DAY_ONE, params=params)
         await api.log.append(TaskCreated(command_id=CommandId(task.task_id), term=api.view.state.leader_term,
                                          task=task), f"created-{key_id}")
         seq = await api.log.append(TaskFinished(task_id=task.task_id, status="completed", prompt_tokens=5,
@@ -139,12 +142,13 @@ async def test_usage_reads_one_keys_counts_or_every_keys(api: Api):
     one = await in_thread(keys, "usage", first, "--url", api.url, "--json")
     assert one.returncode == 0, one.stderr
     assert json.loads(one.stdout) == [{"key_id": first, "day": "2026-01-01", "model": "org/m", "requests": 1,
-                                       "prompt_tokens": 5, "completion_tokens": 7, "cached_tokens": 0}]
+                                       "prompt_tokens": 5, "completion_tokens": 7, "cached_tokens": 0,
+                                       "audio_seconds": 2.5}]
     every = await in_thread(keys, "usage", "--url", api.url)
     assert every.returncode == 0, every.stderr
     rows = [line.split() for line in every.stdout.splitlines()[1:]]
-    assert [first, "2026-01-01", "org/m", "1", "5", "7", "0"] in rows
-    assert [second, "2026-01-01", "org/m", "1", "5", "11", "0"] in rows
+    assert [first, "2026-01-01", "org/m", "1", "5", "7", "0", "2.5"] in rows
+    assert [second, "2026-01-01", "org/m", "1", "5", "11", "0", "0.0"] in rows
 
 
 async def test_each_refusal_names_the_url_and_what_to_do(api: Api):

@@ -146,7 +146,8 @@ def test_usage_equals_a_replay_of_the_log_and_keys_survive_a_restart(node):
         last = int(admin.get("/state").json()["last_seq"])
     folded, _ = replay(exo.nats_url(), last)
     recomputed = [{"key_id": k, "day": d, "model": m, "requests": c.requests, "prompt_tokens": c.prompt_tokens,
-                   "completion_tokens": c.completion_tokens, "cached_tokens": c.cached_tokens}
+                   "completion_tokens": c.completion_tokens, "cached_tokens": c.cached_tokens,
+                   "audio_seconds": c.audio_seconds}
                   for k, days in sorted(folded.usage.items()) for d, models in sorted(days.items())
                   for m, c in sorted(models.items())]
     assert recomputed == rows

@@ -1,7 +1,8 @@
 """Rerank: a tiny cross-encoder (a BERT sequence classifier with one label, generated here) gives the
 scores of an independent numpy BertForSequenceClassification plus CrossEncoder's activation, alone
 and in padded batches, in process and through the cluster (POST /v1/rerank and vLLM's /rerank and
-/v2/rerank), sorted best first and cut to top_n; bad requests are 400s naming the field; a key that
+/v2/rerank), sorted best first and cut to top_n; documents as strings or {"text"} objects, answered
+alike; bad requests are 400s naming the field; a key that
 may not use the model gets a 403; usage and /metrics count its tokens and documents."""
 
 from __future__ import annotations
@@ -12,9 +13,12 @@ import re
 from pathlib import Path
 
 import httpx
+import msgspec
 import numpy as np
 import pytest
 
+from exo.api.errors import ApiError
+from exo.api.openai.rerank import RerankRequest, ranked, rerank_inputs
 from exo.core.embedding_files import EmbeddingFilesError, cross_encoder_spec
 from exo.core.requests import EmbedInputs
 from exo.core.types import EmbeddingSpec
@@ -51,6 +55,44 @@ def test_a_cross_encoder_is_known_by_its_config_and_its_activation_is_crossencod
                         (_config(sentence_transformers={"activation_fn": "torch.nn.Tanh"}), "'torch.nn.Tanh' is not served")]:
         with pytest.raises(EmbeddingFilesError, match=why):
             cross_encoder_spec(config)
+
+
+def _decoded(*documents: object) -> RerankRequest:
+    body = {"model": CE_ID, "query": QUERY, "documents": list(documents)}
+    return msgspec.json.decode(msgspec.json.encode(body), type=RerankRequest)
+
+
+def test_documents_are_strings_or_text_objects_and_come_back_as_text_objects_either_way():
+    inputs = rerank_inputs(_decoded("Paris", {"text": "Berlin"}, "Rome"))
+    assert inputs == EmbedInputs(texts=["Paris", "Berlin", "Rome"], query=QUERY)
+    assert ranked([0.5, 0.9, 0.1], inputs.texts, 2, True) == [
+        {"index": 1, "relevance_score": 0.9, "document": {"text": "Berlin"}},
+        {"index": 0, "relevance_score": 0.5, "document": {"text": "Paris"}}]
+    assert ranked([0.5, 0.9, 0.1], inputs.texts, None, False) == [
+        {"index": 1, "relevance_score": 0.9}, {"index": 0, "relevance_score": 0.5}, {"index": 2, "relevance_score": 0.1}]
+
+
+@pytest.mark.parametrize(("document", "message"), [
+    ({"text": "Berlin", "title": "Germany"}, "Object contains unknown field `title` - at `$.documents[1]`"),
+    ({"content": "Berlin"}, "Object contains unknown field `content` - at `$.documents[1]`"),
+    ({}, "Object missing required field `text` - at `$.documents[1]`"),
+    ({"text": 3}, "Expected `str`, got `int` - at `$.documents[1].text`"),
+    (3, "Expected `str | object`, got `int` - at `$.documents[1]`"),
+    (["Berlin"], "Expected `str | object`, got `array` - at `$.documents[1]`"),
+])
+def test_a_document_of_another_shape_is_refused_naming_it(document, message):
+    """decode_body answers these as 400s whose param is the path after `$.` (documents[1])."""
+    with pytest.raises(msgspec.ValidationError) as refused:
+        _decoded("Paris", document)
+    assert str(refused.value) == message
+
+
+def test_an_empty_text_object_is_refused_as_an_empty_string_is():
+    for empty in ("", {"text": ""}):
+        with pytest.raises(ApiError) as refused:
+            rerank_inputs(_decoded("Paris", empty))
+        assert (refused.value.status, refused.value.param) == (400, "documents")
+        assert refused.value.message == 'documents[1] must be a non-empty string (or {"text": a non-empty string})'
 
 
 @pytest.fixture(scope="module")
@@ -150,6 +192,8 @@ def test_top_n_and_return_documents_cut_the_answer(admin, models):
     assert len(_rerank(admin, top_n=100).json()["results"]) == len(DOCUMENTS)
     one = _rerank(admin, documents=[DOCUMENTS[3]]).json()["results"]
     assert one[0]["index"] == 0 and abs(one[0]["relevance_score"] - reference[3]) < ATOL
+    as_objects = _rerank(admin, documents=[{"text": d} for d in DOCUMENTS]).json()["results"]
+    assert as_objects == _rerank(admin).json()["results"]  # Jina's and Cohere's objects: the same answer
 
 
 @pytest.mark.slow
@@ -158,6 +202,7 @@ def test_top_n_and_return_documents_cut_the_answer(admin, models):
     ({"documents": []}, "documents", "documents must be a non-empty list of strings"),
     ({"documents": ["mlx"] * 1001}, "documents", "documents has 1001 documents; at most 1000 in one request"),
     ({"documents": ["mlx", ""]}, "documents", "documents[1] must be a non-empty string"),
+    ({"documents": ["mlx", {"text": "mlx", "title": "t"}]}, "documents[1]", "unknown field `title` - at `$.documents[1]`"),
     ({"documents": ["word " * 1_000_000]}, "documents", "at most 1200000 in one request"),
     ({"top_n": 0}, "top_n", "top_n must be at least 1, got 0"),
     ({"documents": ["mlx", "mlx " * 100]}, "documents", "documents[1] with the query is 110 tokens, over the model's context"),

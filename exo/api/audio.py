@@ -128,6 +128,7 @@ async def run_transcription(ctx: ApiContext, model_id: ModelId, audio: bytes, in
     segments = [chunk.segment for chunk in ordered[:-2] if chunk.segment is not None]
     if sorted(chunks) != list(range(len(segments) + 2)):
         raise ApiError(502, f"the runner answered {len(chunks)} chunks, not one per segment, the text and the end")
+    ctx.metrics.count_audio(model_id, inputs.seconds)
     return Transcript(ordered[-2].text, ordered[-2].language, segments, inputs.seconds)
 
 

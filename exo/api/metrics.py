@@ -33,9 +33,15 @@ class Metrics:
                                        "model accepted (speculative decoding)", registry=self.registry)
         # A rerank's tokens count above (its pairs' prompt tokens); its documents here.
         self._reranked = Counter("exo_reranked_documents", "documents scored by finished reranks", registry=self.registry)
+        # A transcription's decoded text counts above; its audio here, by the length the API measured.
+        self._audio = Counter("exo_audio_seconds", "seconds of audio in finished transcriptions and translations",
+                              ["model"], registry=self.registry)
 
     def count_reranked(self, documents: int) -> None:
         self._reranked.inc(documents)
+
+    def count_audio(self, model: str, seconds: float) -> None:
+        self._audio.labels(model).inc(seconds)
 
     def count_request(self, method: str, route: str, status: int) -> None:
         self._requests.labels(method, route, str(status)).inc()

@@ -63,12 +63,16 @@ def count_request(draft: Draft, task: Task) -> None:
 def count_tokens(draft: Draft, task: Task, event: TaskFinished) -> None:
     if not task.key_id:
         return
-    tokens = UsageCounts(prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens,
-                         cached_tokens=event.cached_tokens)
+    # A transcription's audio counts once it is transcribed (as the API's /metrics counter does), by
+    # the length the API measured and put in the task: the same on every replay.
+    audio = task.params.transcribe
+    used = UsageCounts(prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens,
+                       cached_tokens=event.cached_tokens,
+                       audio_seconds=audio.seconds if audio is not None and event.status == "completed" else 0.0)
     if task.key_id in draft.api_keys:  # a deleted key's window went with it; its usage is counted all the same
         windows = draft.own("key_windows")
-        windows[task.key_id] = window_with_tokens(windows.get(task.key_id, KeyWindow()), task.created_at, tokens.tokens)
-    _count(draft, task, tokens)
+        windows[task.key_id] = window_with_tokens(windows.get(task.key_id, KeyWindow()), task.created_at, used.tokens)
+    _count(draft, task, used)
 
 
 def _count(draft: Draft, task: Task, add: UsageCounts) -> None:

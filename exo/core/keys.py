@@ -10,7 +10,8 @@ master counts on where the old one stopped, and `exo replay` recomputes them.
   limit's worth kept);
 - tokens per minute: prompt + completion tokens of the requests the key started in the current
   clock minute, counted when each finishes;
-- concurrent requests: its open (pending or running) tasks;
+- concurrent requests: its open (pending or running) tasks, one of n choices (or best_of
+  candidates) counting n: each is a row of a batch (requests.rows_of);
 - tokens per day / per month: its usage (exo/core/usage.py) in the current UTC day / month.
 
 Token limits count what open requests may still use too: each reserves its most tokens
@@ -118,13 +119,13 @@ class Reserved(msgspec.Struct, frozen=True, kw_only=True):
 NOTHING_RESERVED = Reserved()
 
 
-def admission(key: ApiKey, window: KeyWindow, open_tasks: int, used_day: int, used_month: int,
-              at: float, reserved: Reserved = NOTHING_RESERVED) -> Refusal | None:
-    """Whether the key may start one more request at `at` (wall clock), and if not, why and when."""
+def admission(key: ApiKey, window: KeyWindow, open_rows: int, used_day: int, used_month: int,
+              at: float, reserved: Reserved = NOTHING_RESERVED, rows: int = 1) -> Refusal | None:
+    """Whether the key may start one more request, of `rows` rows (requests.rows_of), at `at` (wall
+    clock) beside its open requests' `open_rows`, and if not, why and when."""
     limits = key.limits
-    if limits.concurrent_requests and open_tasks >= limits.concurrent_requests:
-        return Refusal(reason=f"key {key.key_id} has {open_tasks} requests open, its limit of concurrent requests",
-                       retry_after_s=1.0)
+    if limits.concurrent_requests and open_rows + rows > limits.concurrent_requests:
+        return _concurrency_refusal(key.key_id, limits.concurrent_requests, open_rows, rows)
     recent = requests_in_window(window, at)
     if limits.requests_per_minute and len(recent) >= limits.requests_per_minute:
         return Refusal(reason=f"key {key.key_id} made {len(recent)} requests in the last minute, its limit",
@@ -138,6 +139,16 @@ def admission(key: ApiKey, window: KeyWindow, open_tasks: int, used_day: int, us
         if limit and (used >= limit or used + held + reserved.asked > limit):
             return _tokens_refusal(key.key_id, limit, used, held, reserved.asked, (when, name), period_end - at)
     return None
+
+
+def _concurrency_refusal(key_id: str, limit: int, open_rows: int, rows: int) -> Refusal:
+    if rows > limit:
+        return Refusal(reason=f"key {key_id}: this request's {rows} choices (n or best_of) count as {rows} requests, "
+                              f"more than its limit of {limit} concurrent requests: send a smaller n",
+                       retry_after_s=1.0)
+    counted = f", and this one's {rows} choices (n or best_of) count as {rows}" if rows > 1 else ""
+    return Refusal(reason=f"key {key_id} has {open_rows} requests open{counted}, its limit of {limit} concurrent "
+                          "requests (a request of n choices counts n)", retry_after_s=1.0)
 
 
 def _tokens_refusal(key_id: str, limit: int, used: int, held: int, asked: int, words: tuple[str, str],

@@ -8,6 +8,8 @@ Pure: no I/O.
 
 from __future__ import annotations
 
+from typing import Any
+
 from exo.core.requests import GenerationParams
 
 # Text averages 3 to 5 characters a token (code and JSON fewer); only long runs of one repeated
@@ -40,3 +42,11 @@ def too_long(params: GenerationParams, context: int, chars_per_token: int) -> st
         return None
     return (f"the prompt is {chars} characters, at least {chars // chars_per_token} tokens (a token covers at most "
             f"{chars_per_token}); this instance's context is {context}")
+
+
+def token_chars(tokenizer: Any) -> int:
+    """The most characters of text one token can cover: its longest vocabulary entry (a byte-level
+    entry is one character a byte, so it covers no more characters than it has), times four, as
+    a normalizer may compose up to four characters into one (Unicode NFC and NFKC)."""
+    vocabulary: dict[str, int] = tokenizer.get_vocab()
+    return 4 * max(map(len, vocabulary), default=0)

@@ -116,6 +116,13 @@ class GenerationParams(msgspec.Struct, frozen=True, kw_only=True):
     cache_scope: str = ""
 
 
+def rows_of(params: GenerationParams) -> int:
+    """How many rows of a batch the request decodes: its n choices, or its best_of candidates. The
+    master counts it that many times in queues, key limits and token reservations: n=16 is 16
+    requests' work, and must not pass for one beside another tenant's."""
+    return max(params.n, params.best_of)
+
+
 class ChoiceEnd(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """How one choice of a request with n > 1 ended (its text came in the chunks with its `choice`)."""
 

@@ -11,7 +11,9 @@ use is released when it ends (its actual tokens are counted then, exo/core/usage
   tool-calling instructions) and for each image;
 - its answer: `max_tokens`, or without it what the runner would allow: DEFAULT_MAX_TOKENS, within
   the context left after the prompt;
-- the whole: at most the model's context (a longer prompt is refused, and counts nothing).
+- the whole: at most the model's context (a longer prompt is refused, and counts nothing);
+- several choices (n, or best_of candidates): the prompt once (it is prefilled and counted once),
+  and each choice's answer, as its usage will count them.
 
 Pure: no I/O.
 """
@@ -20,7 +22,7 @@ from __future__ import annotations
 
 import msgspec
 
-from exo.core.requests import GenerationParams
+from exo.core.requests import GenerationParams, rows_of
 
 DEFAULT_MAX_TOKENS = 2048  # the runner's max_tokens when a request names none (exo/runner/engine.py uses this)
 CHAT_TOKENS = 64  # a chat template's tokens besides the messages: BOS, the answer's header, a default system prompt
@@ -31,7 +33,7 @@ RAW_PROMPT_TOKENS = 2  # a raw prompt's (completions) BOS and EOS
 
 
 def reserved_tokens(params: GenerationParams, context: int) -> int:
-    """The most tokens (prompt + answer) a request with `params` can use on a model whose
+    """The most tokens (prompt + each choice's answer) a request with `params` can use on a model whose
     instances have `context` tokens of room (0: unknown)."""
     prompt = prompt_bound(params)
     if params.embed is not None:
@@ -40,7 +42,8 @@ def reserved_tokens(params: GenerationParams, context: int) -> int:
         answer = params.max_tokens
     else:
         answer = min(DEFAULT_MAX_TOKENS, max(context - prompt, 0)) if context else DEFAULT_MAX_TOKENS
-    return min(prompt + answer, context) if context else prompt + answer
+    one = min(prompt + answer, context) if context else prompt + answer
+    return one + (rows_of(params) - 1) * max(one - prompt, 0)
 
 
 def prompt_bound(params: GenerationParams) -> int:

@@ -7,6 +7,7 @@ import msgspec
 from exo.core.adapters import Adapter
 from exo.core.ids import CommandId, InstanceId, ModelId, NodeId, RunnerId, TaskId
 from exo.core.keys import ApiKey, KeyWindow
+from exo.core.requests import rows_of
 from exo.core.types import ClusterLayout, Desire, DownloadProgress, Instance, ModelCard, NodeInfo, RunnerInfo, Task
 from exo.core.usage import UsageByDay, UsageCounts
 
@@ -53,8 +54,10 @@ class State(msgspec.Struct, frozen=True, kw_only=True):
     groups: dict[str, list[str]] = {}
     group_logs: list[str] = []
 
-    def open_tasks_of_key(self, key_id: str) -> int:
-        return sum(1 for t in self.tasks.values() if t.key_id == key_id and t.status in ("pending", "running"))
+    def open_rows_of_key(self, key_id: str) -> int:
+        """The batch rows the key's open tasks decode: a task of n choices counts n."""
+        return sum(rows_of(t.params) for t in self.tasks.values() if t.key_id == key_id
+                   and t.status in ("pending", "running"))
 
     def max_context_of(self, model_id: ModelId) -> int:
         """The most context any instance of the model has room for (0: none placed, or unknown)."""

@@ -1,7 +1,7 @@
-"""Usage per API key: requests and tokens by model and UTC day, folded from the log (a task's
-creation counts the request, its end the tokens), so `exo replay` recomputes exactly what
-GET /usage and /metrics say. Days are computed from the task's own time (the API's clock when
-it was asked), never from a clock here.
+"""Usage per API key: requests, tokens and audio seconds by model and UTC day, folded from the log
+(a task's creation counts the request, its end the tokens and a transcription's audio), so `exo
+replay` recomputes exactly what GET /usage and /metrics say. Days are computed from the task's
+own time (the API's clock when it was asked), never from a clock here.
 
 State keeps `DAYS_KEPT` days per key (a monthly quota looks back a month at most) and each key's
 totals since it began, for /metrics' counters.
@@ -19,6 +19,7 @@ class UsageCounts(msgspec.Struct, frozen=True, kw_only=True):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    audio_seconds: float = 0.0  # completed transcriptions' audio, its length as the API measured it
 
     @property
     def tokens(self) -> int:
@@ -28,7 +29,8 @@ class UsageCounts(msgspec.Struct, frozen=True, kw_only=True):
         return UsageCounts(requests=self.requests + other.requests,
                            prompt_tokens=self.prompt_tokens + other.prompt_tokens,
                            completion_tokens=self.completion_tokens + other.completion_tokens,
-                           cached_tokens=self.cached_tokens + other.cached_tokens)
+                           cached_tokens=self.cached_tokens + other.cached_tokens,
+                           audio_seconds=self.audio_seconds + other.audio_seconds)
 
 
 # key id -> UTC day ("2026-12-05") -> model id -> counts

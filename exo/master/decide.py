@@ -40,11 +40,11 @@ from exo.core.events import (
     TaskCancelRequested,
     TaskFinished,
 )
-from exo.core.ids import ModelId
+from exo.core.ids import InstanceId, ModelId
 from exo.core.keys import KeyWindow, Reserved, admission, cache_scope_of
 from exo.core.node_names import node_display
 from exo.core.placement import Unplaceable
-from exo.core.requests import GenerationParams
+from exo.core.requests import GenerationParams, rows_of
 from exo.core.reservations import reserved_tokens
 from exo.core.state import State
 from exo.core.types import Desire, Instance, ModelCard, RejectionCode, Task
@@ -219,17 +219,31 @@ def _generate(state: State, command: GenerateText, builtin: Mapping[ModelId, Mod
                                                f"with back-off (GET /instance/{runner.instance_id} shows how it is "
                                                "doing), or delete it and place it again")
     instances = [i for i in instances if i.instance_id not in failures]
-    # Admission: an instance with room in its queue (the one holding the conversation's prompt
-    # cache, else the least busy: routing.py); none with room: try later.
-    open_by_instance = state.open_tasks_by_instance()
-    open_tasks = {i.instance_id: len(open_by_instance.get(i.instance_id, ())) for i in instances}
-    with_room = [i for i in instances if open_tasks[i.instance_id] < (i.max_queue or default_max_queue)]
+    # Admission: an instance with room in its queue for the request's rows (the one holding the
+    # conversation's prompt cache, else the least busy: routing.py); none with room: try later.
+    open_rows, rows = _open_rows(state, instances), rows_of(params)
+    with_room = [i for i in instances if open_rows[i.instance_id] + rows <= (i.max_queue or default_max_queue)]
     if not with_room:
-        return _reject(command, "overloaded",
-                       f"every instance of {command.model_id!r} has a full queue; try again shortly")
-    chosen = choose_instance(state, with_room, params, open_tasks, by_conversation=cache_routing,
+        return _full_queues(command, instances, rows, default_max_queue)
+    chosen = choose_instance(state, with_room, params, open_rows, by_conversation=cache_routing,
                              index=memo.tasks)
     return [task_created(command, params, chosen.instance_id)]
+
+
+def _open_rows(state: State, instances: list[Instance]) -> dict[InstanceId, int]:
+    """The batch rows each instance's open tasks decode: a task of n choices counts n."""
+    open_by_instance = state.open_tasks_by_instance()
+    return {i.instance_id: sum(rows_of(t.params) for t in open_by_instance.get(i.instance_id, ())) for i in instances}
+
+
+def _full_queues(command: GenerateText, instances: list[Instance], rows: int, default_max_queue: int) -> list[Event]:
+    longest = max(i.max_queue or default_max_queue for i in instances)
+    if rows > longest:  # it can never fit: a 400 that says why, not a 429 to retry for ever
+        return _reject(command, "invalid", f"this request's {rows} choices (n or best_of) count as {rows} requests, "
+                                           f"more than the {longest} open requests an instance of "
+                                           f"{command.model_id!r} admits: send a smaller n")
+    return _reject(command, "overloaded",
+                   f"every instance of {command.model_id!r} has a full queue; try again shortly")
 
 
 def _cancel(state: State, command: CancelTask) -> list[Event]:
@@ -300,10 +314,10 @@ def _over_limits(state: State, command: GenerateText, builtin: Mapping[ModelId, 
         return _reject(command, "unauthorized", f"API key {key.key_id} may not use {command.model_id!r}")
     limits = key.limits
     counts_tokens = limits.tokens_per_minute or limits.tokens_per_day or limits.tokens_per_month
-    refusal = admission(key, state.key_windows.get(key.key_id, KeyWindow()), state.open_tasks_of_key(key.key_id),
+    refusal = admission(key, state.key_windows.get(key.key_id, KeyWindow()), state.open_rows_of_key(key.key_id),
                         tokens_in_day(state.usage, key.key_id, command.at),
                         tokens_in_month(state.usage, key.key_id, command.at), command.at,
-                        _reserved(state, command, builtin) if counts_tokens else Reserved())
+                        _reserved(state, command, builtin) if counts_tokens else Reserved(), rows_of(command.params))
     return [] if refusal is None else _reject(command, "rate_limited", refusal.reason, refusal.retry_after_s)
 
 

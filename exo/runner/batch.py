@@ -32,10 +32,10 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.sample_utils import make_sampler
 
 from exo.core.ids import TaskId
-from exo.core.requests import GenerationParams
+from exo.core.requests import GenerationParams, rows_of
 from exo.core.types import SamplingDefaults
 from exo.runner.batch_steps import insert, keep_caches, new_generator, warm_up_batch
-from exo.runner.choices import Choices, first_of_choices, ranks_candidates, row_seed, rows_of, sibling
+from exo.runner.choices import Choices, first_of_choices, ranks_candidates, row_seed, sibling
 from exo.runner.decoding import Decoding, GenerationResult, OnOutput, Output
 from exo.runner.distributed import AgreedSamplers, BatchJoin, BatchStep, Lockstep, Sampler, Sampling
 from exo.runner.engine import check_logit_bias, sampling_of, seeded_sampler, vocabulary_size

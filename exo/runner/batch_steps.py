@@ -12,20 +12,20 @@ from typing import Any
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.sample_utils import make_sampler
 
+from exo.runner import prefill
 from exo.runner.distributed import BatchJoin, Sampler
 from exo.runner.engine import WARM_UP_TEMPERATURE, WARM_UP_TOP_P, LogitsProcessor, logits_processors_of
 from exo.runner.prompt_cache import PromptCache, Reuse
 
-PREFILL_BATCH = 8  # prompts processed together at most, as mlx_lm.server's --prompt-concurrency
-# Prompt tokens per prefill chunk between two decode steps: mlx-lm's (and mlx_lm.server's) default.
-# Every rank of an instance must use the same value; bench/fairness.py measures smaller ones.
-PREFILL_STEP = 2048
+# Prompts processed together at most, as mlx_lm.server's --prompt-concurrency: a batch step prefills
+# a chunk (prefill.PREFILL_STEP tokens) of each.
+PREFILL_BATCH = 8
 
 
 def new_generator(model: Any, tokenizer: Any, limit: int) -> BatchGenerator:
     return BatchGenerator(
         model, stop_tokens=[[t] for t in tokenizer.eos_token_ids],
-        completion_batch_size=limit, prefill_batch_size=min(limit, PREFILL_BATCH), prefill_step_size=PREFILL_STEP,
+        completion_batch_size=limit, prefill_batch_size=min(limit, PREFILL_BATCH), prefill_step_size=prefill.PREFILL_STEP,
     )
 
 
@@ -59,7 +59,7 @@ def keep_caches(cache: PromptCache, generator: BatchGenerator, finished: list[An
 
 def warm_up_batch(model: Any, prompt: list[int]) -> None:
     """Two sampled rows of `prompt` (one a token shorter) in a throwaway batch, to their fixed end."""
-    generator = BatchGenerator(model, completion_batch_size=2, prefill_batch_size=2, prefill_step_size=PREFILL_STEP)
+    generator = BatchGenerator(model, completion_batch_size=2, prefill_batch_size=2, prefill_step_size=prefill.PREFILL_STEP)
     sampler = make_sampler(temp=WARM_UP_TEMPERATURE, top_p=WARM_UP_TOP_P)
     generator.insert([prompt, prompt[1:]], max_tokens=[2, 2], samplers=[sampler, sampler])
     ended = 0

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, cast
 
-from exo.core.requests import ChoiceEnd, FinishReason, GenerationParams
+from exo.core.requests import ChoiceEnd, FinishReason, GenerationParams, rows_of
 from exo.runner.decoding import GenerationResult, RequestRefused
 
 if TYPE_CHECKING:
@@ -26,11 +26,6 @@ if TYPE_CHECKING:
 
 Outcome = GenerationResult | BaseException
 SEEDS = 2**64  # mx.random.seed takes an unsigned 64-bit integer: seed + i wraps around
-
-
-def rows_of(params: GenerationParams) -> int:
-    """How many rows the request decodes: its n choices, or its best_of candidates."""
-    return max(params.n, params.best_of)
 
 
 def row_seed(seed: int, choice: int) -> int:

@@ -14,11 +14,12 @@ from exo.core.chat_template import encode_prompt, render_prompt, template_messag
 from exo.core.grammar import grammar_of, tool_call_grammar
 from exo.core.ids import TaskId
 from exo.core.kv_budget import kv_group_size
-from exo.core.prompt_length import too_long
+from exo.core.prompt_length import token_chars, too_long
 from exo.core.requests import GenerationParams, TokenLogprob, TopLogprob
 from exo.core.reservations import DEFAULT_MAX_TOKENS
 from exo.core.types import SamplingDefaults
 from exo.memory import memory
+from exo.runner import prefill
 from exo.runner.constraint import GrammarConstraint
 from exo.runner.decoding import Decoding, GenerationResult, OnOutput, PromptTooLong, RequestRefused, TextStream
 from exo.runner.distributed import Lockstep, Sampler, Sampling, StepAnnouncement, join_ring, load_shard
@@ -140,6 +141,7 @@ class Engine:
             self.model, self.tokenizer, mx.array(reuse.rest), max_tokens=max_tokens,
             sampler=sampler, logits_processors=_seeing_prefix(processors, (tokens + prior)[:reuse.cached], params),
             prompt_cache=reuse.cache, prompt_progress_callback=lambda *_: self.beat(), **self._quantized_cache(), **draft,
+            prefill_step_size=prefill.PREFILL_STEP,  # a beat after every chunk (see prefill.py)
         ):
             generated.append(response.token)
             decoding.draft_tokens += int(response.from_draft)
@@ -278,14 +280,6 @@ class Engine:
 def floored(logprob: float) -> float:
     """OpenAI's floor for a logprob: -inf (and NaN, which only a masked alternative can be here) as -9999."""
     return logprob if logprob > LOGPROB_FLOOR else LOGPROB_FLOOR
-
-
-def token_chars(tokenizer: Any) -> int:
-    """The most characters of text one token can cover: its longest vocabulary entry (a byte-level
-    entry is one character a byte, so it covers no more characters than it has), times four, as
-    a normalizer may compose up to four characters into one (Unicode NFC and NFKC)."""
-    vocabulary: dict[str, int] = tokenizer.get_vocab()
-    return 4 * max(map(len, vocabulary), default=0)
 
 
 def max_tokens_of(params: GenerationParams) -> int:

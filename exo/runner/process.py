@@ -23,9 +23,9 @@ from exo.bus.connection import Connection
 from exo.bus.token_publisher import ChunkPublisher
 from exo.core.catalogue import is_vision_config
 from exo.core.ids import TaskId
-from exo.core.requests import ChoiceEnd, EmbedInputs, FinishReason, TokenChunk
+from exo.core.requests import ChoiceEnd, EmbedInputs, FinishReason, TokenChunk, rows_of
 from exo.runner.batch import Batcher, BatchFailed, batchable
-from exo.runner.choices import refusal, rows_of
+from exo.runner.choices import refusal
 from exo.runner.chunks import ChunkMaker
 from exo.runner.decoding import GenerationResult, OnOutput, Output, RequestRefused
 from exo.runner.embed_batch import EmbedBatcher

@@ -6,7 +6,7 @@
         prints the new key's secret, this once (the node keeps only its hash)
     exo keys list [--json]
     exo keys delete KEY_ID
-    exo keys usage [KEY_ID] [--json]     requests and tokens by key, UTC day and model
+    exo keys usage [KEY_ID] [--json]     requests, tokens and audio seconds by key, UTC day and model
 
 Each takes --url (the node's API, default http://127.0.0.1:EXO_API_PORT) and --key (an admin
 key: one of the node's EXO_API_KEYS or a key created with --admin; env EXO_API_KEY). A node with
@@ -50,7 +50,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     create.add_argument("--json", action="store_true", help="print the API's answer (secret and key) as JSON")
     _command(commands, "list", "every key, without secrets").add_argument("--json", action="store_true")
     _command(commands, "delete", "delete a key: it fails on every node at once").add_argument("key_id")
-    usage = _command(commands, "usage", "requests and tokens by key, UTC day and model")
+    usage = _command(commands, "usage", "requests, tokens and audio seconds by key, UTC day and model")
     usage.add_argument("key_id", nargs="?", default="", help="one key's (default: every key's)")
     usage.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
@@ -164,6 +164,8 @@ def _usage(api: KeysApi, args: argparse.Namespace) -> list[str]:
     rows = api.call("GET", f"/usage{query}")["data"]
     if args.json:
         return [json.dumps(rows)]
-    return table(["key", "day", "model", "requests", "prompt tokens", "completion tokens", "cached tokens"],
+    return table(["key", "day", "model", "requests", "prompt tokens", "completion tokens", "cached tokens",
+                  "audio seconds"],
                  [[r["key_id"], r["day"], r["model"], f"{r['requests']:,}", f"{r['prompt_tokens']:,}",
-                   f"{r['completion_tokens']:,}", f"{r['cached_tokens']:,}"] for r in rows])
+                   f"{r['completion_tokens']:,}", f"{r['cached_tokens']:,}",
+                   f"{r.get('audio_seconds', 0.0):,.1f}"] for r in rows])  # .get: an older node has none

@@ -92,7 +92,7 @@ def _changed(key: ApiKey, asked: KeyRequest) -> ApiKey:
 
 
 async def usage(request: web.Request) -> web.Response:
-    """Requests and tokens by key, UTC day and model: every key's for an admin, else the key's own."""
+    """Requests, tokens and audio seconds by key, UTC day and model: every key's for an admin, else the key's own."""
     state = context_of(request).view.state
     grant = current_grant.get()
     asked = request.query.get("key_id")
