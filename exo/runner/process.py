@@ -265,18 +265,23 @@ class Runner:
         self._engine.beat()
         try:
             embedded = await self._embed_batcher.embed(inputs)
-        except RequestRefused as error:
-            await self._finish(task_id, 0, "error", 0, 0, error=str(error), error_code=error.code)
-            return
         except Exception as error:
-            traceback.print_exc()
-            await self._finish(task_id, 0, "error", 0, 0, error=f"{type(error).__name__}: {error}")
+            await self._fail(task_id, error)
             return
         finally:
             self._in_flight.discard(task_id)
         for index, vector in enumerate(embedded.vectors):
             self._chunks.put_nowait(TokenChunk(command_id=task_id, index=index, embedding=vector))
         await self._finish(task_id, len(embedded.vectors), "stop", embedded.prompt_tokens, 0)
+
+    async def _fail(self, task_id: TaskId, error: Exception) -> None:
+        """End a task by its exception: the client's mistake (RequestRefused: a 400 with its code) or a
+        fault of this runner (its traceback on stderr)."""
+        if isinstance(error, RequestRefused):
+            await self._finish(task_id, 0, "error", 0, 0, error=str(error), error_code=error.code)
+            return
+        traceback.print_exception(error)
+        await self._finish(task_id, 0, "error", 0, 0, error=f"{type(error).__name__}: {error}")
 
     async def _transcribe(self, loop: asyncio.AbstractEventLoop, request: Generate) -> None:
         """The segments and the whole text in chunks (transcript_chunks), then the final chunk. Not
@@ -294,12 +299,8 @@ class Runner:
             return
         try:
             done = await loop.run_in_executor(self._mlx_thread, engine.transcribe, inputs, audio)
-        except RequestRefused as error:
-            await self._finish(task_id, 0, "error", 0, 0, error=str(error), error_code=error.code)
-            return
         except Exception as error:
-            traceback.print_exc()
-            await self._finish(task_id, 0, "error", 0, 0, error=f"{type(error).__name__}: {error}")
+            await self._fail(task_id, error)
             return
         chunks = transcript_chunks(task_id, done)
         for chunk in chunks:

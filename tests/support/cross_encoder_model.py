@@ -11,9 +11,8 @@ from pathlib import Path
 
 import numpy as np
 from safetensors.numpy import save_file
-from transformers import PreTrainedTokenizerFast
 
-from tests.support.embedding_models import BERT_MAX_CONTEXT, _bert_tokenizer, _bert_weights, _write_json
+from tests.support.embedding_models import BERT_MAX_CONTEXT, _bert_weights, _write_json, save_bert_tokenizer
 
 # A query and documents whose pairs all fit the tiny context (64 positions) with room; the scores of
 # the tiny model's random weights differ between them by far more than float32's noise.
@@ -37,13 +36,7 @@ def make_tiny_cross_encoder(path: Path, *, seed: int = 1, activation: str = "tor
     leaves the activation unnamed; the sizes' defaults are the tests' model, bench/rerank.py asks for
     MiniLM's (384, 6 layers, 12 heads, 1536) as cross-encoder/ms-marco-MiniLM-L6-v2 has."""
     path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    tok = _bert_tokenizer()
-    PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]", sep_token="[SEP]",
-        mask_token="[MASK]", model_max_length=max_position,
-    ).save_pretrained(str(path))
-    vocab = tok.get_vocab_size()
+    vocab = save_bert_tokenizer(path, max_position)
     encoder = _bert_weights(vocab, hidden, intermediate, layers, max_position, seed)
     rng = np.random.default_rng(seed + 1000)
     weights = {f"bert.{name}": value for name, value in encoder.items()}

@@ -164,6 +164,17 @@ def _bert_weights(vocab: int, hidden: int, inter: int, layers: int, positions: i
     return w
 
 
+def save_bert_tokenizer(path: Path, max_position: int) -> int:
+    """The tiny BERT tokenizer saved into `path` (created if needed); returns its vocabulary size."""
+    path.mkdir(parents=True, exist_ok=True)
+    tok = _bert_tokenizer()
+    PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]", sep_token="[SEP]",
+        mask_token="[MASK]", model_max_length=max_position,
+    ).save_pretrained(str(path))
+    return int(tok.get_vocab_size())
+
+
 def make_tiny_bert(path: Path, pooling: str = "mean", *, pooling_format: str = "legacy", seed: int = 0, hidden: int = 32,
                    layers: int = 2, heads: int = 4, intermediate: int = 64, max_position: int = BERT_MAX_CONTEXT,
                    normalize: bool = True) -> Path:
@@ -178,13 +189,7 @@ def make_tiny_bert(path: Path, pooling: str = "mean", *, pooling_format: str = "
     if hidden % heads:
         raise ValueError(f"hidden ({hidden}) must be a multiple of heads ({heads})")
     path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    tok = _bert_tokenizer()
-    PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]", sep_token="[SEP]",
-        mask_token="[MASK]", model_max_length=max_position,
-    ).save_pretrained(str(path))
-    vocab = tok.get_vocab_size()
+    vocab = save_bert_tokenizer(path, max_position)
     weights = _bert_weights(vocab, hidden, intermediate, layers, max_position, seed)
     save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
     _write_json(path / "config.json", {

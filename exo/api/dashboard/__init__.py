@@ -34,20 +34,20 @@ async def index(request: web.Request) -> web.Response:
 
 
 async def static_file(request: web.Request) -> web.Response:
-    name = request.match_info["name"]
-    match = _FILE_NAME.match(name)
-    path = STATIC_DIR / name
-    if match is None or not path.is_file():
-        raise web.HTTPNotFound(text=f"no dashboard file {name!r}")
-    return _serve(request, path, _CONTENT_TYPES[match.group(1)])
+    return _named_file(request, STATIC_DIR, _FILE_NAME, "")
 
 
 async def vendor_file(request: web.Request) -> web.Response:
+    return _named_file(request, VENDOR_DIR, _VENDOR_FILE, "vendor/")
+
+
+def _named_file(request: web.Request, directory: Path, allowed: re.Pattern[str], shown_as: str) -> web.Response:
+    """The file `name` in `directory`, if its name matches `allowed` (no path separators, a known type)."""
     name = request.match_info["name"]
-    match = _VENDOR_FILE.match(name)
-    path = VENDOR_DIR / name
+    match = allowed.match(name)
+    path = directory / name
     if match is None or not path.is_file():
-        raise web.HTTPNotFound(text=f"no dashboard file vendor/{name!r}")
+        raise web.HTTPNotFound(text=f"no dashboard file {shown_as}{name!r}")
     return _serve(request, path, _CONTENT_TYPES[match.group(1)])
 
 
