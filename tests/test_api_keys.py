@@ -98,7 +98,7 @@ INFERENCE = {("POST", "/v1/chat/completions"), ("GET", "/v1/chat/completions/x/s
              ("POST", "/api/show"), ("GET", "/api/tags"), ("GET", "/api/ps"), ("GET", "/api/version"),
              ("POST", "/tokenize"), ("POST", "/detokenize"), ("POST", "/v1/messages/count_tokens"),
              ("POST", "/v1/rerank"), ("POST", "/rerank"), ("POST", "/v2/rerank"),
-             ("POST", "/v1/audio/transcriptions"), ("POST", "/v1/audio/translations")}
+             ("POST", "/v1/audio/transcriptions"), ("POST", "/v1/audio/translations"), ("POST", "/v1/audio/speech")}
 # The probes, and the dashboard's page and files: they hold no data.
 PUBLIC = {("GET", "/health"), ("GET", "/livez"), ("GET", "/"), ("GET", "/dashboard/x"),
           ("GET", "/dashboard/vendor/x")}

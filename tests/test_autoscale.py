@@ -39,6 +39,7 @@ from exo.core.events import (
     TaskFinished,
     decode_event,
 )
+from exo.core.requests import GenerationParams
 from exo.core.state import State
 from exo.core.types import ModelCard, NodeInfo, Task
 from exo.master.autoscale import ScalePolicy
@@ -122,6 +123,17 @@ def test_a_flood_raises_replicas_after_the_window_step_by_step_up_to_max_replica
         state, events = tick(state, now)
         assert events == [] and state.desires["p"].replicas == 3  # max_replicas: no further
     assert len(state.instances_of_desire("p")) == 3
+
+
+def test_the_queue_counts_rows_a_request_of_n_choices_is_n():
+    first = placed().instances_of_desire("p")[0].instance_id
+    asked = [TaskCreated(task=Task(task_id=f"t{n}", instance_id=first, model_id=MODEL, created_at=100.0,
+                                   params=params))
+             for n, params in enumerate([GenerationParams(n=4), GenerationParams(n=4), GenerationParams(best_of=3)])]
+    state, events = tick(fold(asked, placed()), 110.0)  # 3 requests, 11 rows: over 4
+    assert [type(e) for e in events] == [DesireSet] and pressure_since(state) == 110.0
+    state, events = tick(state, 140.0)
+    assert events == [scaled(2, 1, "11 pending, over 4 per replica for 30 s", 140.0)]
 
 
 def test_a_queue_that_drops_below_the_target_closes_the_window():

@@ -203,9 +203,9 @@ def _task(n: int, key_id: str, priority: str = "interactive") -> Task:
 def test_a_keys_single_request_goes_ahead_of_another_keys_flood():
     flood = [_task(n, "key_a") for n in range(100)]
     lone = _task(200, "key_b")  # asked last
-    assert next_to_forward([*flood[2:], lone], flood[:2], 1) == [lone]
+    assert next_to_forward([*flood[2:], lone], flood[:2], 3) == [lone]  # a batch of 3, 2 of it taken
     assert [t.key_id for t in next_to_forward([*flood[2:], lone], [], 4)] == ["key_a", "key_b", "key_a", "key_a"]
-    assert next_to_forward(flood, [], 0) == []
+    assert next_to_forward(flood[2:], flood[:2], 2) == []
 
 
 def test_the_interactive_tier_goes_before_the_batch_tier():

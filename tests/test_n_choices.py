@@ -2,9 +2,11 @@
 
 In process, on the tiny model's batch: every choice equals mlx-lm's own generation (greedy, or
 sampled with `mx.random.seed(seed + i)` for choice i), the prompt is prefilled once (mlx-lm's own
-count of the prompt tokens it processed), and each choice's cumulative logprob is the model's.
-Through the API (an exo process): the n choices in OpenAI's shapes, whole and streamed, usage with
-the prompt counted once, best_of keeping the likeliest candidates, and the bounds."""
+count of the prompt tokens it processed), each choice's cumulative logprob is the model's, and a
+choice that ends before the others has its last chunk, with its end, at once. Through the API (an
+exo process): the n choices in OpenAI's shapes, whole and streamed (each choice's finish_reason
+where it ends), usage with the prompt counted once, best_of keeping the likeliest candidates, and
+the bounds."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from exo.core.requests import ChatMessage, GenerationParams
 from exo.core.types import SamplingDefaults
 from exo.runner.batch import Batcher, batchable
 from exo.runner.choices import ChoicesNotResumable
+from exo.runner.chunks import ChunkMaker
 from exo.runner.decoding import GenerationResult, Output, RequestRefused
 from exo.runner.engine import Engine
 from exo.runner.process import Runner
@@ -118,6 +121,82 @@ def test_each_candidates_logprob_is_the_models_when_best_of_ranks_them(engine):
     assert len({end.logprob for end in done.choices}) == 4
 
 
+def sampled_steps(model, tokenizer, prompt: str, choices: int, max_tokens: int, seed: int, **sampling) -> list[list[str]]:
+    """mlx-lm's text per token of each choice, choice i sampled after `mx.random.seed(seed + i)`."""
+    steps = []
+    for i in range(choices):
+        mx.random.seed(seed + i)
+        steps.append([r.text for r in mlx_lm.stream_generate(model, tokenizer, prompt, max_tokens=max_tokens,
+                                                              sampler=make_sampler(**sampling))])
+    return steps
+
+
+def tokens_to(steps: list[str], stop: str) -> int | None:
+    """After how many tokens the text holds `stop` (the token that completes it ends the choice)."""
+    text = ""
+    for count, piece in enumerate(steps, 1):
+        text += piece
+        if stop in text:
+            return count
+    return None
+
+
+def unique_stop(steps: list[list[str]], choice: int, after: int) -> tuple[str, int]:
+    """The first 3 characters of the choice's text, completed after token `after`, that no other
+    choice's text has: a stop string that ends this choice only; and its tokens then."""
+    whole, others = "".join(steps[choice]), ["".join(s) for i, s in enumerate(steps) if i != choice]
+    for start in range(len(whole) - 2):
+        stop = whole[start:start + 3]
+        end = tokens_to(steps[choice], stop) or 0
+        if end > after and not any(stop in other for other in others):
+            return stop, end
+    raise AssertionError(f"no stop string ends choice {choice} alone")
+
+
+def stops_ending_apart(steps: list[list[str]]) -> tuple[list[str], list[int]]:
+    """Stop strings that end the last choice first, the one before it next, and choice 0 at max_tokens;
+    and each choice's tokens, where mlx-lm's text says it ends."""
+    ends, stops, after = [len(steps[0])] * len(steps), [], 1
+    for choice in range(len(steps) - 1, 0, -1):
+        stop, after = unique_stop(steps, choice, after)
+        stops.append(stop)
+        ends[choice] = after
+    assert len(set(ends)) == len(ends), ends  # choice 1 ends before max_tokens too
+    return stops, ends
+
+
+def cut(steps: list[str], stops: list[str]) -> str:
+    """The text before the first stop string, as mlx_lm.server ends it."""
+    whole = "".join(steps)
+    return whole[:min([whole.index(s) for s in stops if s in whole], default=len(whole))]
+
+
+def test_a_choice_that_ends_first_has_its_last_chunk_with_its_end_at_once(engine):
+    params = chat("Once upon a time", max_tokens=24, temperature=1.2, top_p=0.95, seed=41, n=3)
+    steps = sampled_steps(engine.model, engine.tokenizer, engine.prompt_for(params), 3, 24, 41, temp=1.2, top_p=0.95)
+    stops, ends = stops_ending_apart(steps)
+    params = chat("Once upon a time", max_tokens=24, temperature=1.2, top_p=0.95, seed=41, n=3, stop=stops)
+    chunks, sent = ChunkMaker("t", interval_s=0.0), []  # every output a chunk: where each one lands shows
+
+    async def run() -> GenerationResult:
+        batcher = Batcher(engine, 8, ThreadPoolExecutor(max_workers=1))
+        return await batcher.run(asyncio.get_running_loop(), params, SamplingDefaults(),
+                                 lambda out: sent.extend(chunks.add(out, 0.0)), lambda: False, "t")
+
+    done = asyncio.run(run())
+    sent += chunks.rest(done, 0.0)
+    assert ["".join(c.text for c in sent if c.choice == i) for i in range(3)] == [cut(s, stops) for s in steps]
+    reasons = ["length", "stop", "stop"]
+    assert [(e.finish_reason, e.completion_tokens) for e in done.choices] == list(zip(reasons, ends, strict=True))
+    told = [(n, c) for n, c in enumerate(sent) if c.choices]
+    assert [(c.choice, [(e.choice, e.finish_reason, e.completion_tokens) for e in c.choices]) for _, c in told] == [
+        (2, [(2, "stop", ends[2])]), (1, [(1, "stop", ends[1])])]  # the last choice ended first
+    for at, chunk in told:  # its own last chunk, and the others' text goes on after it
+        assert chunk is [c for c in sent if c.choice == chunk.choice][-1]
+        assert any(c.choice == 0 and c.text for c in sent[at + 1:])
+    assert [(e.choice, e.finish_reason) for e in chunks.untold(done.choices)] == [(0, "length")]  # the final chunk's
+
+
 def test_several_choices_take_the_batch_only_where_one_row_can_fan_out():
     assert batchable(chat("x", n=3), {}, multi_node=False)
     assert batchable(chat("x", n=3, seed=1), {}, multi_node=False)
@@ -177,6 +256,38 @@ def test_seeded_chat_choices_streamed_and_whole_are_mlx_lms_with_seed_plus_i(cli
     assert [texts[i] for i in range(3)] == expected and len(texts) == 3
     assert roles == {i: "assistant" for i in range(3)} and finishes == {i: "length" for i in range(3)}
     assert (usage.prompt_tokens, usage.completion_tokens) == (tiny.prompt_tokens(tiny.chat_prompt(MESSAGES)), 48)
+
+
+def finish_order(events: list[tuple[int, str, str | None]]) -> list[tuple[int, str]]:
+    """The finish events of a stream of (index, text, finish_reason), in order; and that nothing of a
+    choice comes after its own."""
+    finishes = [(n, index, reason) for n, (index, _, reason) in enumerate(events) if reason]
+    for at, index, _ in finishes:
+        assert all(i != index for i, _, _ in events[at + 1:]), f"choice {index} streamed on after its finish"
+    return [(index, reason) for _, index, reason in finishes]
+
+
+@pytest.mark.parametrize("surface", ["chat", "completions"])
+def test_each_streamed_choice_finishes_where_it_ends(client, tiny, surface):
+    prompt = tiny.chat_prompt(MESSAGES) if surface == "chat" else "Once upon a time"
+    steps = sampled_steps(tiny.model, tiny.tokenizer, prompt, 3, 24, 7, temp=1.2, top_p=0.95)
+    stops, _ = stops_ending_apart(steps)
+    sampling = {"max_tokens": 24, "n": 3, "seed": 7, "temperature": 1.2, "top_p": 0.95, "stop": stops}
+    expected = [cut(s, stops) for s in steps]
+    events = []
+    if surface == "chat":
+        for chunk in client.chat.completions.create(model=TINY_MODEL_ID, messages=MESSAGES, stream=True, **sampling):
+            events += [(c.index, c.delta.content or "", c.finish_reason) for c in chunk.choices]
+        whole = [(c.message.content, c.finish_reason)
+                 for c in client.chat.completions.create(model=TINY_MODEL_ID, messages=MESSAGES, **sampling).choices]
+    else:
+        for chunk in client.completions.create(model=TINY_MODEL_ID, prompt=prompt, stream=True, **sampling):
+            events += [(c.index, c.text, c.finish_reason) for c in chunk.choices]
+        whole = [(c.text, c.finish_reason) for c in client.completions.create(model=TINY_MODEL_ID, prompt=prompt,
+                                                                              **sampling).choices]
+    assert ["".join(text for index, text, _ in events if index == i) for i in range(3)] == expected
+    assert finish_order(events) == [(2, "stop"), (1, "stop"), (0, "length")]  # as they ended, not at the request's end
+    assert whole == list(zip(expected, ["length", "stop", "stop"], strict=True))
 
 
 def test_completions_choices_whole_and_streamed(client, tiny):

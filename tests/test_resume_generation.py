@@ -321,7 +321,7 @@ async def test_a_runner_resumes_from_the_chunks_another_runner_streamed(nc, tmp_
     subscription = await nc.subscribe(token_subject("mig"), cb=on_chunk)
     runner = Runner(nc, io.BytesIO(), RunnerSettings(stream_interval_ms=0.5))  # several chunks, coalesced or not
     runner._engine.load(str(make_tiny_model(tmp_path / "model")))
-    publisher = asyncio.create_task(runner._publish_chunks())
+    publisher = asyncio.create_task(runner._replies.publish())
     loop, params = asyncio.get_running_loop(), chat(max_tokens=40, temperature=0.8, seed=7, stop=["k~~"])
     await runner._generate(loop, Generate(task_id="mig", params=params))
     await nc.flush()

@@ -34,7 +34,7 @@ async def reports_of_a_failed_generation(nc, model_dir, *, multi_node: bool, see
     runner._engine.load(str(model_dir))
     if multi_node:
         runner._engine.lockstep = Lockstep(mx.distributed.init())
-    publisher = asyncio.create_task(runner._publish_chunks())
+    publisher = asyncio.create_task(runner._replies.publish())
     params = GenerationParams(messages=[ChatMessage(role="user", content="Hello")], max_tokens=10, seed=seed)
     await runner._generate(asyncio.get_running_loop(), Generate(task_id="t1", params=params))
     publisher.cancel()

@@ -18,6 +18,7 @@ import pytest
 from tests.support.e2e import place, start_exo
 from tests.support.exo_process import ExoProcess
 from tests.support.fake_hub import FakeHub
+from tests.support.polling import wait_until
 from tests.support.thinking_model import THINKING_MODEL_ID, make_thinking_model
 from tests.support.tiny_model import TINY_MODEL_ID, make_tiny_model
 from tests.support.tool_model import TOOL_MODEL_ID, WEATHER_TOOL, make_tool_model
@@ -279,3 +280,31 @@ def test_a_key_past_its_limit_is_refused_as_chat_refuses_it(http):
     assert refused.status_code == chat.status_code == 429
     assert refused.json()["error"]["code"] == chat.json()["error"]["code"] == "rate_limited"
     assert 1 <= int(refused.headers["Retry-After"]) <= 60
+
+
+def test_counting_has_a_request_window_of_its_own_and_adds_nothing_to_usage(http, node):
+    """As Anthropic limits count_tokens: by requests per minute, apart from the key's generations."""
+    made = http.post("/keys", json={"name": "two-a-minute", "limits": {"requests_per_minute": 2}})
+    assert made.status_code == 200, made.text
+    secret, key_id = made.json()["secret"], made.json()["key"]["key_id"]
+    headers, messages = {"Authorization": f"Bearer {secret}"}, [{"role": "user", "content": "x"}]
+    claude = anthropic.Anthropic(base_url=node.url, api_key=secret, max_retries=0)
+    assert http.post("/tokenize", headers=headers, json={"model": TINY_MODEL_ID, "prompt": "x"}).status_code == 200
+    assert claude.messages.count_tokens(model=TINY_MODEL_ID, messages=messages).input_tokens > 0
+    with pytest.raises(anthropic.RateLimitError) as refused:  # the third count in a minute
+        claude.messages.count_tokens(model=TINY_MODEL_ID, messages=messages)
+    assert refused.value.body["error"]["type"] == "rate_limit_error"
+    assert "2 token counting requests in the last minute" in refused.value.message
+    assert 1 <= int(refused.value.response.headers["Retry-After"]) <= 60
+    again = http.post("/detokenize", headers=headers, json={"model": TINY_MODEL_ID, "tokens": [5]})
+    assert again.status_code == 429 and again.json()["error"]["code"] == "rate_limited"
+    chats = [http.post("/v1/chat/completions", headers=headers,
+                       json={"model": TINY_MODEL_ID, "messages": messages, "max_tokens": 1}) for _ in range(2)]
+    assert [c.status_code for c in chats] == [200, 200]  # the counts used none of its generations' window
+    prompt = chats[0].json()["usage"]["prompt_tokens"]
+
+    def counted() -> list[tuple[int, int]]:  # folded once both chats' tasks finish: the counts are in none of it
+        return [(row["requests"], row["prompt_tokens"]) for row in http.get("/usage").json()["data"] if row["key_id"] == key_id]
+    assert wait_until(lambda: counted() == [(2, 2 * prompt)], timeout=10, what="the two chats in usage, nothing else")
+    metrics = http.get("/metrics").text
+    assert 'exo_http_requests_total{method="POST",route="/v1/messages/count_tokens",status="429"} 1' in metrics

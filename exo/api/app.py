@@ -24,11 +24,13 @@ from exo.api.openai import completions as openai_completions
 from exo.api.openai import embeddings as openai_embeddings
 from exo.api.openai import rerank as openai_rerank
 from exo.api.openai import responses as openai_responses
+from exo.api.openai import speech as openai_speech
 from exo.api.openai import tokenize as openai_tokenize
 from exo.api.rate_headers import add_rate_headers
 from exo.api.request_metrics import metrics_middleware
 from exo.api.request_trace import trace_middleware
 from exo.api.storage import storage_middleware
+from exo.api.token_counts import COUNTING_WINDOWS_KEY, CountingWindows
 from exo.api.tokenizers import TOKENIZERS_KEY, Tokenizers
 
 
@@ -40,6 +42,7 @@ def build_app(ctx: ApiContext) -> web.Application:
     app[CONTEXT_KEY] = ctx
     app[node_status.READINESS_KEY] = node_status.Readiness(ctx.nc)
     app[TOKENIZERS_KEY] = Tokenizers(ctx)  # the token counting routes', loaded as they are asked for
+    app[COUNTING_WINDOWS_KEY] = CountingWindows()  # and their per-key request windows
     app.on_response_prepare.append(add_rate_headers)  # streams too: headers go out before the first event
     _openai(app.router)
     _anthropic_and_ollama(app.router)
@@ -57,6 +60,7 @@ def _openai(router: web.UrlDispatcher) -> None:
     router.add_post("/v1/embeddings", openai_embeddings.embeddings)
     router.add_post("/v1/audio/transcriptions", openai_audio.transcriptions)
     router.add_post("/v1/audio/translations", openai_audio.translations)
+    router.add_post("/v1/audio/speech", openai_speech.speech)
     for path in ("/v1/rerank", "/rerank", "/v2/rerank"):  # vLLM's three names for it
         router.add_post(path, openai_rerank.rerank)
     router.add_get("/v1/models", models.list_models)

@@ -35,7 +35,7 @@ OPEN_PREFIXES = ("/dashboard/",)
 # What a key without admin may call: the inference surfaces, the model lists, its own usage.
 INFERENCE_ROUTES = re.compile(
     r"(POST /v1/(chat/completions|completions|responses|embeddings|rerank|messages(/count_tokens)?|cancel/[^/]+))"
-    r"|(POST /(tokenize|detokenize|rerank|v2/rerank))|(POST /v1/audio/(transcriptions|translations))"
+    r"|(POST /(tokenize|detokenize|rerank|v2/rerank))|(POST /v1/audio/(transcriptions|translations|speech))"
     r"|(GET /v1/chat/completions/[^/]+/stream)|(GET /(v1/models(/.+)?|models|usage))"
     r"|(POST /api/(chat|generate|embed|embeddings|show))|(GET /api/(tags|ps|version))")
 

@@ -19,7 +19,7 @@ from huggingface_hub import constants
 
 from exo.api.errors import ApiError
 from exo.bus.connection import redact
-from exo.core.catalogue import is_speech_to_text_config, is_vision_config
+from exo.core.catalogue import is_speech_to_text_config, is_text_to_speech_config, is_vision_config
 from exo.core.embedding_files import EmbeddingFilesError
 from exo.core.types import ModelCard
 from exo.models.card_facts import CardFacts, NoWeights, hub_card_facts, local_card_facts
@@ -59,6 +59,7 @@ def _with_config(card: ModelCard, config: dict[str, Any]) -> ModelCard:
             kv_dtype_bytes=_DTYPE_BYTES.get(str(text.get("torch_dtype") or text.get("dtype") or ""), 0),
             supports_images=card.supports_images or is_vision_config(config),
             transcribes=card.transcribes or is_speech_to_text_config(config),
+            speaks=card.speaks or is_text_to_speech_config(config),
         )
     except (AttributeError, TypeError, ValueError) as error:  # a config.json that is not a model's
         raise ApiError(400, f"{card.path or card.source_repo!r} has a config.json exo cannot read: {error}",

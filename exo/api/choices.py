@@ -1,6 +1,7 @@
 """Several choices from one request (OpenAI's `n`, and `best_of` on completions): their bounds, and
 each choice collected from the generation's chunks (each chunk says its choice; the last one says
-how every choice ended). The runner generates them from one prefill (exo/runner/choices.py)."""
+how the choices still decoding ended: one that ended before the others said so in a chunk of its
+own, where its stream ends it). The runner generates them from one prefill (exo/runner/choices.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from exo.api.collect import Collected, raise_if_failed
 from exo.api.errors import ApiError
 from exo.api.generation import Generation
 from exo.api.validate import in_range
+from exo.core.requests import ChoiceEnd, FinishReason, TokenChunk
 
 MAX_CHOICES = 16  # rows of the batch one request may take
 
@@ -33,8 +35,10 @@ async def collect_choices(generation: Generation) -> list[Collected]:
     """Every choice's text, reasoning, tool calls and logprobs, in choice order, each with the last
     chunk (usage) and its own end; a failed or cancelled generation becomes an ApiError."""
     parts: dict[int, tuple[Collected, list[str], list[str]]] = {}
+    ends: dict[int, ChoiceEnd] = {}
     final = None
     async for chunk in generation.chunks():
+        ends.update((end.choice, end) for end in chunk.choices)
         collected, text, reasoning = parts.setdefault(chunk.choice, (Collected(), [], []))
         text.append(chunk.text)
         reasoning.append(chunk.reasoning)
@@ -44,7 +48,6 @@ async def collect_choices(generation: Generation) -> list[Collected]:
         final = chunk if chunk.finish_reason else final
     if final is None:
         raise ApiError(500, "generation ended without a finish reason")
-    ends = {end.choice: end for end in final.choices}
     choices = []
     for choice in range(max(len(ends), 1)):
         collected, text, reasoning = parts.get(choice, (Collected(), [], []))
@@ -57,3 +60,14 @@ async def collect_choices(generation: Generation) -> list[Collected]:
 def likeliest(candidates: list[Collected], n: int) -> list[Collected]:
     """best_of: the n candidates of the highest cumulative logprob (the sum over their tokens), likeliest first."""
     return sorted(candidates, key=lambda c: -(c.end.logprob if c.end is not None else 0.0))[:n]
+
+
+def newly_ended(chunk: TokenChunk, ended: set[int]) -> list[tuple[int, FinishReason]]:
+    """The choices whose stream ends at `chunk`, each once (`ended`: those already ended): a choice that
+    ended before the others, in its last chunk; the rest in the request's final chunk (n=1: choice 0)."""
+    ends = [(end.choice, end.finish_reason) for end in chunk.choices]
+    if chunk.finish_reason is not None and not ends:
+        ends = [(0, chunk.finish_reason)]
+    fresh = [(choice, reason) for choice, reason in ends if choice not in ended]
+    ended.update(choice for choice, _ in fresh)
+    return fresh

@@ -366,6 +366,9 @@ async def generating(ctx: ApiContext, model_id: ModelId, params: GenerationParam
     if card.transcribes and params.transcribe is None:
         raise ApiError(400, f"the model {model_id!r} is a speech-to-text model and does not generate text: use "
                             "POST /v1/audio/transcriptions", param="model")
+    if card.speaks and params.speak is None:
+        raise ApiError(400, f"the model {model_id!r} is a text-to-speech model and does not generate text: use "
+                            "POST /v1/audio/speech", param="model")
     # The request's trace, when tracing is on: every hop after this one is its descendant (exo/telemetry).
     with tracing.root_span("exo.api.generation", attributes={"exo.model": model_id}) as request_span:
         async with storing or nullcontext():

@@ -33,8 +33,10 @@ class Metrics:
                                        "model accepted (speculative decoding)", registry=self.registry)
         # A rerank's tokens count above (its pairs' prompt tokens); its documents here.
         self._reranked = Counter("exo_reranked_documents", "documents scored by finished reranks", registry=self.registry)
-        # A transcription's decoded text counts above; its audio here, by the length the API measured.
-        self._audio = Counter("exo_audio_seconds", "seconds of audio in finished transcriptions and translations",
+        # A transcription's decoded text counts above; its audio here, by the length the API measured;
+        # so does the speech a text-to-speech model generated, as the API streamed it.
+        self._audio = Counter("exo_audio_seconds", "seconds of audio in finished transcriptions and translations, and "
+                              "of speech generated",
                               ["model"], registry=self.registry)
 
     def count_reranked(self, documents: int) -> None:

@@ -3,7 +3,13 @@
 count with it, and the bounds of what one request may have tokenized.
 
 A caller counts for the models its key may use, and only while the key is within its limits, as
-a generation would be admitted; the count itself generates nothing, so it adds nothing to usage."""
+a generation would be admitted; the count itself generates nothing, so it adds nothing to usage.
+It is not free of cost (tokenizing a million characters takes this node's CPU for a while), so a
+key's counting requests also have a `requests_per_minute` window of their own, as Anthropic limits
+count_tokens apart from messages: counting never uses up the requests a key may generate. Each
+API node keeps that window for the CPU it spends, in memory; the master never hears of it (a
+round trip to it would cost more than the count), so N API nodes let a key count N times its
+limit per minute. Every count is in the access log and /metrics, as any request is."""
 
 from __future__ import annotations
 
@@ -19,13 +25,36 @@ from exo.api.errors import ApiError
 from exo.api.tokenizers import TOKENIZERS_KEY, ModelTokenizer
 from exo.api.validate import MAX_TOOLS_BYTES
 from exo.core.ids import ModelId
-from exo.core.keys import KeyWindow, admission
+from exo.core.keys import WINDOW_S, ApiKey, KeyWindow, Refusal, admission, requests_in_window, window_after
 from exo.core.requests import GenerationParams
 from exo.core.types import ModelCard
 from exo.core.usage import tokens_in_day, tokens_in_month
 
 MAX_TEXT_CHARS = 1_000_000  # text one request may have tokenized (a prompt, or the rendered messages)
 MAX_TOKEN_IDS = 1_000_000  # token ids one request may have decoded
+
+
+class CountingWindows:
+    """Each key's counting requests in the last minute on this API node (see the module's docstring)."""
+
+    def __init__(self) -> None:
+        self._windows: dict[str, KeyWindow] = {}
+
+    def admit(self, key: ApiKey, now: float) -> Refusal | None:
+        """Counts one request of the key at `now`, or says why not and when to come back."""
+        limit = key.limits.requests_per_minute
+        if not limit:
+            return None
+        window = self._windows.get(key.key_id, KeyWindow())
+        recent = requests_in_window(window, now)
+        if len(recent) >= limit:
+            return Refusal(reason=f"key {key.key_id} made {len(recent)} token counting requests in the last minute, "
+                                  f"its limit of {limit} requests per minute", retry_after_s=recent[-limit] + WINDOW_S - now)
+        self._windows[key.key_id] = window_after(window, key, now)
+        return None
+
+
+COUNTING_WINDOWS_KEY = web.AppKey("exo_counting_windows", CountingWindows)  # the app's, set by build_app
 
 
 async def tokenizer_for(request: web.Request, card: ModelCard) -> ModelTokenizer:
@@ -46,6 +75,7 @@ def counting_card(request: web.Request, model_id: ModelId) -> ModelCard:
         # Concurrent requests are not checked: counting opens none.
         refusal = admission(key, state.key_windows.get(key.key_id, KeyWindow()), 0,
                             tokens_in_day(state.usage, key.key_id, now), tokens_in_month(state.usage, key.key_id, now), now)
+        refusal = refusal or request.app[COUNTING_WINDOWS_KEY].admit(key, now)
         if refusal is not None:
             raise ApiError(429, refusal.reason, code="rate_limited",
                            headers={"Retry-After": str(max(1, math.ceil(refusal.retry_after_s)))})

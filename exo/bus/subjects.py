@@ -2,7 +2,7 @@
 
 from typing import NamedTuple
 
-from exo.core.ids import CommandId, NodeId
+from exo.core.ids import CommandId, InstanceId, NodeId
 
 EVENTS_STREAM = "EXO_EVENTS"
 COMMANDS_STREAM = "EXO_COMMANDS"
@@ -66,6 +66,15 @@ ALL_READERS = "exo.readers.>"
 
 def readers_subject(command_id: CommandId) -> str:
     return f"exo.readers.{command_id}"
+
+
+# Core NATS, no stream: what an instance's rank 0 runner holds in its prompt cache, from its node's
+# worker as it changes (and every few seconds), for every master's routing (exo/bus/cache_reports.py).
+ALL_CACHE_REPORTS = "exo.cache.>"
+
+
+def cache_report_subject(instance_id: InstanceId) -> str:
+    return f"exo.cache.{instance_id}"
 
 
 # JetStream's own subjects (nats-server names them; exo asks them and grants them in

@@ -64,11 +64,12 @@ def count_tokens(draft: Draft, task: Task, event: TaskFinished) -> None:
     if not task.key_id:
         return
     # A transcription's audio counts once it is transcribed (as the API's /metrics counter does), by
-    # the length the API measured and put in the task: the same on every replay.
+    # the length the API measured and put in the task: the same on every replay. Speech counts what
+    # its runner generated, however the task ended (a cancelled one was heard up to there).
     audio = task.params.transcribe
+    heard = audio.seconds if audio is not None and event.status == "completed" else 0.0
     used = UsageCounts(prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens,
-                       cached_tokens=event.cached_tokens,
-                       audio_seconds=audio.seconds if audio is not None and event.status == "completed" else 0.0)
+                       cached_tokens=event.cached_tokens, audio_seconds=heard + event.audio_seconds)
     if task.key_id in draft.api_keys:  # a deleted key's window went with it; its usage is counted all the same
         windows = draft.own("key_windows")
         windows[task.key_id] = window_with_tokens(windows.get(task.key_id, KeyWindow()), task.created_at, used.tokens)

@@ -35,3 +35,20 @@ def is_speech_to_text_config(config: object) -> bool:
     """A Whisper checkpoint's config.json (transformers' layout, or mlx-audio's with `model_type`):
     it turns audio into text and runs on mlx-audio."""
     return isinstance(config, dict) and config.get("model_type") == "whisper"
+
+
+# The config.json `model_type`s of mlx-audio's text-to-speech families (mlx_audio/tts/models and its
+# MODEL_REMAPPING, mlx-audio 0.6). Not the families whose checkpoints say "llama" or "qwen3" (Orpheus,
+# VyvoTTS): mlx-audio tells those from chat models by their repository's name, which exo does not.
+TEXT_TO_SPEECH_TYPES = frozenset({
+    "arktts", "audiodit", "bark", "breeze", "breeze-tts", "breeze_tts", "chatterbox", "chatterbox_turbo", "csm", "dia",
+    "dramabox-tts", "echo_tts", "fish_drama3", "gradium_phonon_tts", "higgs_audio", "indextts", "irodori_tts", "kitten",
+    "kitten_tts", "kokoro", "kugelaudio", "lingv3_tts", "longcat_audiodit", "marvis", "melotts", "moss_tts_delay",
+    "moss_tts_local", "moss_tts_nano", "omnivoice", "outetts", "pocket_tts", "qwen3_tts", "sesame", "soprano", "spark",
+    "vibevoice_streaming", "voxcpm", "voxcpm1.5", "voxcpm2", "voxtral_tts", "zonos2"})
+
+
+def is_text_to_speech_config(config: object) -> bool:
+    """A checkpoint of an mlx-audio text-to-speech family, by its config.json's `model_type`: it turns
+    text into speech and runs on mlx-audio."""
+    return isinstance(config, dict) and config.get("model_type") in TEXT_TO_SPEECH_TYPES

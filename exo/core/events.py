@@ -165,6 +165,7 @@ class TaskFinished(Event, frozen=True, tag="task.finished", kw_only=True):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens reused from the runner's prompt cache
+    audio_seconds: float = 0.0  # a text-to-speech task's: the speech its runner generated
     attempt: int = 0  # the run that ended (len(task.migrations)); an older run's end is skipped (from workers)
     generation_s: float = 0.0  # its runner's time from the generation's start to its end, as its worker saw it; 0: unknown
     at: float = 0.0  # the wall clock of its end, as its worker saw it (0: unknown): a desire's idle time counts from it

@@ -149,9 +149,15 @@ _SPEECH_ONE_NODE = Unplaceable("conflict", "a speech-to-text model runs on one n
                                            "model): min_nodes must be 1")
 
 
+_TEXT_TO_SPEECH_ONE_NODE = Unplaceable("conflict", "a text-to-speech model runs on one node (mlx-audio cannot "
+                                                   "split a model): min_nodes must be 1")
+
+
 def _one_node_only(card: ModelCard) -> Unplaceable | None:
     if card.transcribes:
         return _SPEECH_ONE_NODE
+    if card.speaks:
+        return _TEXT_TO_SPEECH_ONE_NODE
     return _ONE_NODE_ONLY if card.supports_images else _EMBEDDING_ONE_NODE if card.embedding is not None else None
 
 
@@ -172,6 +178,8 @@ def _invalid_request(card: ModelCard, max_context: int, kv_bits: int, force: boo
         return Unplaceable("invalid", "a quantized KV cache (kv_bits) is not served for vision or embedding models")
     if kv_bits and card.transcribes:
         return Unplaceable("invalid", "a quantized KV cache (kv_bits) is not served for speech-to-text models")
+    if kv_bits and card.speaks:
+        return Unplaceable("invalid", "a quantized KV cache (kv_bits) is not served for text-to-speech models")
     if kv_bits and kv_bits not in KV_BITS:
         return Unplaceable("invalid", f"kv_bits must be 0 (not quantized) or one of {list(KV_BITS)}; got {kv_bits}")
     if kv_bits and not kv_group_size(head_dim_of(card)):

@@ -79,6 +79,14 @@ class TranscriptSegment(msgspec.Struct, frozen=True, kw_only=True):
     words: list[TranscriptWord] = []  # with word timestamps
 
 
+class SpeakInputs(msgspec.Struct, frozen=True, kw_only=True):
+    """Text to speech (a model of an mlx-audio TTS family): what to say, in which voice, how fast."""
+
+    text: str
+    voice: str = ""  # one of the model's voices (exo/runner/speech_engine.py); "": its default
+    speed: float = 1.0  # 0.25-4.0, as OpenAI's; other than 1 only for a model whose generate takes a speed
+
+
 REPETITION_CONTEXT = 20  # recent tokens a repetition penalty looks at: mlx-lm's default (and mlx_lm.server's)
 
 
@@ -112,6 +120,7 @@ class GenerationParams(msgspec.Struct, frozen=True, kw_only=True):
     response_format: ResponseFormat | None = None  # constrains the answer (exo/runner/constraint.py)
     embed: EmbedInputs | None = None  # set: embed these inputs instead of generating (an embedding model)
     transcribe: TranscribeInputs | None = None  # set: turn this audio into text (a speech-to-text model)
+    speak: SpeakInputs | None = None  # set: turn this text into audio (a text-to-speech model)
     # Whose prompt-cache entries it may reuse and add to (keys.cache_scope_of): set by the master from its key.
     cache_scope: str = ""
 
@@ -155,7 +164,9 @@ class TokenChunk(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     attempt: int = 0  # which run of the task sent it: 0 first, +1 per migration; older runs' late chunks are dropped
     draft_tokens: int = 0  # on the last chunk: completion tokens a draft model proposed and the model accepted
     choice: int = 0  # which of the request's choices (GenerationParams.n) this text belongs to
-    choices: list[ChoiceEnd] = []  # on the last chunk, with n > 1 (or best_of): how each choice ended
+    # With n > 1 (or best_of): how choices ended, each once: in a choice's own last chunk when it ended
+    # before the request, else in the request's last chunk.
+    choices: list[ChoiceEnd] = []
     # An embedding request's vector for input `index` (one chunk per input, in order): little-endian
     # float32, base64, as OpenAI's encoding_format "base64" (a vector of 4,096 floats is 22 KB).
     embedding: str = ""
@@ -163,6 +174,10 @@ class TokenChunk(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     # the whole transcript and `language` the language spoken.
     segment: TranscriptSegment | None = None
     language: str = ""
+    # Speech as it is generated: 16-bit little-endian mono PCM, base64, at `sample_rate` (every chunk of
+    # a speech task carries the rate; its first has no audio, so the rate comes before any sample).
+    audio: str = ""
+    sample_rate: int = 0
 
 
 class ToolCall(msgspec.Struct, frozen=True, kw_only=True):

@@ -98,6 +98,7 @@ class ModelCard(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     sampling_no_thinking: SamplingDefaults | None = None  # for requests that turn a thinking model's thinking off
     embedding: EmbeddingSpec | None = None  # set: the model embeds (POST /v1/embeddings), it does not chat
     transcribes: bool = False  # a speech-to-text model (Whisper): POST /v1/audio/transcriptions, it does not chat
+    speaks: bool = False  # a text-to-speech model (an mlx-audio TTS family): POST /v1/audio/speech, it does not chat
     on_demand: bool = True  # a request for it with no instance places one (False: only POST /place_instance does)
 
     @property

@@ -19,7 +19,7 @@ class UsageCounts(msgspec.Struct, frozen=True, kw_only=True):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
-    audio_seconds: float = 0.0  # completed transcriptions' audio, its length as the API measured it
+    audio_seconds: float = 0.0  # completed transcriptions' audio (its length as the API measured it), and speech generated
 
     @property
     def tokens(self) -> int:

@@ -2,9 +2,11 @@
 while its queue stays long, and loses one once it is idle (docs/models.md, "Replicas that follow
 the load").
 
-The signal is the queue: the desire's pending tasks (not yet started by a runner, or waiting for
-an instance of its model) per ready replica. It is in State, so the decision is deterministic and
-replays; a master has no timings to judge latency by. The window's start (`pressure_since`) and
+The signal is the queue: the rows of the desire's pending tasks (not yet started by a runner, or
+waiting for an instance of its model) per ready replica; a request of n choices (or best_of
+candidates) is n rows of a batch (requests.rows_of), as admission and the worker's slots count it.
+It is in State, so the decision is deterministic and replays; a master has no timings to judge
+latency by. The window's start (`pressure_since`) and
 the latest step (`last_scaled_at`) are in State too: a new master keeps counting where the last
 one was. Scaling up only raises `replicas`; exo/master/heal.py places the missing instance.
 
@@ -21,6 +23,7 @@ from msgspec.structs import replace
 from exo.core.events import DesireEnded, DesireScaled, DesireSet, Event, InstanceCreated, InstanceDeleted
 from exo.core.groups import group_of
 from exo.core.ids import InstanceId
+from exo.core.requests import rows_of
 from exo.core.state import State
 from exo.core.types import Desire, Instance, Task
 from exo.settings.services import MasterSettings
@@ -31,7 +34,7 @@ _DEFAULTS = MasterSettings()
 class ScalePolicy(msgspec.Struct, frozen=True, kw_only=True):
     """EXO_SCALE_QUEUE, EXO_SCALE_WINDOW_S and EXO_SCALE_IDLE_S (exo/settings/services.py)."""
 
-    queue: int = _DEFAULTS.scale_queue  # pending tasks per ready replica above which one is added; 0: no scaling
+    queue: int = _DEFAULTS.scale_queue  # pending rows per ready replica above which one is added; 0: no scaling
     window_s: float = _DEFAULTS.scale_window_s  # the queue stays above the target this long first; and between steps
     idle_s: float = _DEFAULTS.scale_idle_s  # without tasks this long, a replica above min_replicas goes
 
@@ -73,7 +76,8 @@ def _scale(state: State, desire: Desire, by_instance: dict[InstanceId, list[Task
            policy: ScalePolicy) -> list[Event]:
     instances = state.instances_of_desire(desire.desire_id)
     waiting = [t for t in by_instance.get(InstanceId(""), []) if t.model_id == desire.model_id]
-    pending = len(waiting) + sum(t.status == "pending" for i in instances for t in by_instance.get(i.instance_id, []))
+    queued = [t for i in instances for t in by_instance.get(i.instance_id, []) if t.status == "pending"]
+    pending = sum(rows_of(t.params) for t in [*waiting, *queued])
     ready = sum(state.is_ready(i) for i in instances)
     if desire.replicas == 0:  # scaled to none: a request brings one back at once, as on demand
         return [_scaled(desire, 1, "a request waits and no replica runs", now)] if waiting else []

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Set
 
 from msgspec.structs import replace
 
@@ -40,7 +40,7 @@ from exo.core.events import (
     TaskCancelRequested,
     TaskFinished,
 )
-from exo.core.ids import InstanceId, ModelId
+from exo.core.ids import InstanceId, ModelId, TaskId
 from exo.core.keys import KeyWindow, Reserved, admission, cache_scope_of
 from exo.core.node_names import node_display
 from exo.core.placement import Unplaceable
@@ -53,7 +53,7 @@ from exo.master.eviction import place_making_room
 from exo.master.heal import place_for
 from exo.master.memo import DecideMemo
 from exo.master.on_demand import kept_alive, task_created, without_instance
-from exo.master.routing import choose_instance
+from exo.master.routing import NO_REPORTS, base_serving, choose_instance
 from exo.settings.services import MasterSettings
 
 MAX_REPLICAS = 64
@@ -78,7 +78,11 @@ def decide(
     memo: DecideMemo | None = None,
     on_demand: bool = DEFAULT_ON_DEMAND,
     keep_alive_s: float = DEFAULT_KEEP_ALIVE_S,
+    cache_dropped: Mapping[InstanceId, Set[TaskId]] = NO_REPORTS,
+    adapters_share_base: bool = False,
 ) -> list[Event]:
+    """`cache_dropped`: what runners report their prompt caches no longer hold (routing.py); the
+    one input that is not State: a soft hint, so a redecided command may route elsewhere."""
     if command.command_id in state.answered_commands:
         return []  # redelivered after its first master appended the answer: decided already
     match command:
@@ -90,7 +94,7 @@ def decide(
             return _delete_desire(state, command)
         case GenerateText():
             events = _generate(state, command, builtin_cards, ids, default_max_queue, cache_routing, memo or DecideMemo(),
-                               on_demand, keep_alive_s)
+                               on_demand, keep_alive_s, cache_dropped, adapters_share_base)
             return kept_alive(state, command, events)
         case CancelTask():
             return _cancel(state, command)
@@ -199,12 +203,15 @@ def _delete_desire(state: State, command: DeleteDesire) -> list[Event]:
 
 def _generate(state: State, command: GenerateText, builtin: Mapping[ModelId, ModelCard], ids: Iterator[str],
               default_max_queue: int, cache_routing: bool, memo: DecideMemo, on_demand: bool,
-              keep_alive_s: float) -> list[Event]:
+              keep_alive_s: float, cache_dropped: Mapping[InstanceId, Set[TaskId]] = NO_REPORTS,
+              adapters_share_base: bool = False) -> list[Event]:
     if find_card(state, builtin, command.model_id) is None:
         return _reject(command, "not_found", f"unknown model {command.model_id!r}")
     if command.key_id and (refused := _over_limits(state, command, builtin)):
         return refused
     instances, failures = memo.serving.of(state, command.model_id)
+    if not instances and adapters_share_base:
+        instances, failures = base_serving(state, command.model_id, memo.serving)
     # Cache and routing partitioned by the key's scope, from State: a command cannot choose another's.
     params = replace(command.params, cache_scope=cache_scope_of(state.api_keys.get(command.key_id)))
     if not instances:
@@ -226,7 +233,7 @@ def _generate(state: State, command: GenerateText, builtin: Mapping[ModelId, Mod
     if not with_room:
         return _full_queues(command, instances, rows, default_max_queue)
     chosen = choose_instance(state, with_room, params, open_rows, by_conversation=cache_routing,
-                             index=memo.tasks)
+                             index=memo.tasks, dropped=cache_dropped)
     return [task_created(command, params, chosen.instance_id)]
 
 
@@ -301,6 +308,9 @@ def _delete_adapter(state: State, command: DeleteAdapter) -> list[Event]:
         return _reject(command, "not_found", f"unknown adapter {command.name!r}")
     if state.instances_of(adapter.model_id) or any(d.model_id == adapter.model_id for d in state.desires.values()):
         return _reject(command, "conflict", f"{adapter.model_id!r} has instances placed; delete them first")
+    open_tasks = (t for tasks in state.open_tasks_by_instance().values() for t in tasks)
+    if any(t.model_id == adapter.model_id for t in open_tasks):  # served on its base's instance
+        return _reject(command, "conflict", f"requests for {adapter.model_id!r} are running; try again once they end")
     return [AdapterDeleted(command_id=command.command_id, name=command.name)]
 
 

@@ -1,12 +1,14 @@
 """Which instance of a model serves a request: the one whose runner holds the request's
-conversation in its prompt cache, else the least busy. Pure: it reads State only.
+conversation in its prompt cache, else the least busy. Pure: it reads State, and what the runners
+last said their caches hold.
 
 A runner's prompt cache holds the KV caches of the requests it served last (exo/runner/
 prompt_cache.py), and State already says which instance served which recent request and with
-what messages, by digest (`State.tasks`, the open ones and the last 1,000 finished). So the master needs no
-summary of the caches from the runners: the request that continues a conversation shares its
-leading messages with that conversation's earlier turns, and goes where they went. A new master
-folds the same State and routes the same way.
+what messages, by digest (`State.tasks`, the open ones and the last 1,000 finished): the request
+that continues a conversation shares its leading messages with that conversation's earlier turns,
+and goes where they went. What State cannot show is an eviction; each runner's report says which
+finished tasks' entries it no longer holds (exo/core/cache_reports.py), and those attract nothing.
+Without reports (a master that has heard none yet) it routes on State alone, as a new master folds it.
 
 Only a conversation of the request's own cache scope counts (its key's, or the scope keys share:
 exo/core/keys.py): the runner's cache holds nothing of another scope for it, and a detour towards
@@ -19,30 +21,61 @@ that saw it. A system prompt is processed once per instance and cached there aft
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Set
+from typing import TYPE_CHECKING
 
+from exo.core.catalogue import adapter_of
 from exo.core.conversation import digest_conversation, prompt_starts_with
-from exo.core.ids import InstanceId, TaskId
+from exo.core.ids import InstanceId, ModelId, TaskId
 from exo.core.requests import GenerationParams
 from exo.core.state import State
-from exo.core.types import ConversationDigest, Instance, Task
+from exo.core.types import ConversationDigest, Instance, RunnerInfo, Task
+
+if TYPE_CHECKING:
+    from exo.master.memo import ServingInstances
 
 MIN_SHARED_PROMPT_CHARS = 32  # completions: a raw prompt that continues an earlier one by less is not worth a detour
 
 
+NO_REPORTS: Mapping[InstanceId, Set[TaskId]] = {}
+
+
 def choose_instance(state: State, candidates: list[Instance], params: GenerationParams,
                     open_tasks: Mapping[InstanceId, int], by_conversation: bool = True,
-                    index: TaskIndex | None = None) -> Instance:
-    """The candidate that served the longest shared conversation; ties (and none): the least busy.
+                    index: TaskIndex | None = None, dropped: Mapping[InstanceId, Set[TaskId]] = NO_REPORTS) -> Instance:
+    """The candidate that served the longest shared conversation still in its cache; ties (and none):
+    the least busy. `dropped`: by instance, the finished tasks whose entries its runner reports gone.
     `index` (the master keeps one across requests) only saves time: the choice is the same without it."""
     shared = {i.instance_id: 0 for i in candidates}
     if by_conversation and len(candidates) > 1:
         later = digest_conversation(params)
         for task in index.alike(state, later) if index is not None else _all_alike(state, later, params):
-            if task.instance_id in shared and task.params.cache_scope == params.cache_scope:
+            if task.instance_id in shared and task.params.cache_scope == params.cache_scope \
+                    and not _dropped(task, dropped):
                 here = shared_conversation(task.conversation, later, params.prompt)
                 shared[task.instance_id] = max(shared[task.instance_id], here)
     return min(candidates, key=lambda i: (-shared[i.instance_id], open_tasks[i.instance_id]))
+
+
+def base_serving(state: State, model_id: ModelId,
+                 serving: ServingInstances) -> tuple[list[Instance], dict[InstanceId, RunnerInfo]]:
+    """EXO_ADAPTERS_SHARE_BASE: "<base>:<adapter>" without an instance of its own is served by its
+    base's single-node instances, the adapter applied to its rows (exo/runner/adapter_rows.py).
+    Multi-node instances are left out: their ranks do not select adapters per row yet; so is DoRA,
+    which rescales whole weights, and gets an instance of its own."""
+    adapter = adapter_of(state, model_id)
+    if adapter is None or adapter.fine_tune_type != "lora":
+        return [], {}
+    instances, failures = serving.of(state, adapter.base_model)
+    single = [i for i in instances if len(i.shards) == 1]
+    kept = {i.instance_id for i in single}
+    return single, {i: runner for i, runner in failures.items() if i in kept}
+
+
+def _dropped(task: Task, dropped: Mapping[InstanceId, Set[TaskId]]) -> bool:
+    """An open task's entry is yet to be stored; a finished one's may be gone, if its runner says so."""
+    gone = dropped.get(task.instance_id)
+    return gone is not None and task.status not in ("pending", "running") and task.task_id in gone
 
 
 def _all_alike(state: State, later: ConversationDigest, params: GenerationParams) -> list[Task]:

@@ -19,6 +19,7 @@ from msgspec.structs import replace
 
 from exo.bus import broker_trouble
 from exo.bus.atomic_append import AtomicAppendFailed
+from exo.bus.cache_reports import listen_for_cache_reports
 from exo.bus.command_queue import NotLeader, RetryBatch, consume_commands
 from exo.bus.connection import Connection
 from exo.bus.errors import BROKER_ERRORS, BusError, raise_if_cancelled
@@ -30,6 +31,7 @@ from exo.bus.state_view import StateView
 from exo.bus.subjects import group_names
 from exo.bus.throttled_log import ThrottledLog
 from exo.core.apply import apply
+from exo.core.cache_reports import CacheReport
 from exo.core.commands import AnyCommand, command_tag
 from exo.core.events import (
     AnyEvent,
@@ -47,6 +49,7 @@ from exo.core.keys import ApiKey
 from exo.core.state import State
 from exo.core.types import ModelCard
 from exo.master.autoscale import ScalePolicy
+from exo.master.cache_view import CacheView
 from exo.master.decide import decide
 from exo.master.group import groups_to_set, heal_group, key_copy, not_for_group
 from exo.master.heal import HealLimits
@@ -95,6 +98,7 @@ class Master:
         self._scale = ScalePolicy(queue=settings.scale_queue, window_s=settings.scale_window_s,
                                   idle_s=settings.scale_idle_s)
         self._heard_at: dict[NodeId, float] = {}  # node id -> time.monotonic() of its latest heartbeat seen
+        self._caches = CacheView()  # what runners last said their prompt caches hold: routing's hint
         view.add_listener(self._on_event)
         self._lifecycle = LifecycleLog(view.state, self._lease.valid)
         view.add_listener(self._lifecycle.on_event)
@@ -113,11 +117,17 @@ class Master:
     def _on_pulse(self, pulse: Pulse) -> None:
         self._heard_at[pulse.node_id] = time.monotonic()
 
+    def _on_cache_report(self, report: CacheReport) -> None:
+        if self._settings.cache_reports and not self._caches.accept(self._laid_over(self._view.state), report):
+            log.debug("master: cache report of instance %s from %s ignored: not where its rank 0 runs",
+                      report.instance_id, report.node_id)
+
     async def run(self) -> None:
         """Campaign for the lease until this node wins it, lead until it is lost, repeat. Pulses
         are heard all along, so a node that takes over knows who is alive."""
         # Pulses tell the shared master who is alive; a group's master leaves that to it.
         pulses = await listen_for_pulses(self._nc, self._on_pulse) if self._shared is None else None
+        cache_reports = await listen_for_cache_reports(self._nc, self._on_cache_report)
         try:
             while True:
                 try:
@@ -135,6 +145,7 @@ class Master:
         finally:
             if pulses is not None:
                 await pulses.unsubscribe()
+            await cache_reports.unsubscribe()
             await self._lease.release()
 
     async def _lead(self) -> None:
@@ -282,6 +293,7 @@ class Master:
             state, command, builtin_cards=self._builtin_cards, ids=ids_for(command.command_id),
             cache_routing=self._settings.cache_routing, default_max_queue=self._settings.max_queue,
             memo=self._memo, on_demand=self._settings.on_demand, keep_alive_s=self._settings.keep_alive_s,
+            cache_dropped=self._caches.dropped, adapters_share_base=self._settings.adapters_share_base,
         )]
         if not self._log.atomic or time.monotonic() < self._one_by_one_until:
             self._ahead = await self._append_folding(state, events, term, f"{command.command_id}:{term}")

@@ -34,9 +34,10 @@ from mlx_lm.sample_utils import make_sampler
 from exo.core.ids import TaskId
 from exo.core.requests import GenerationParams, rows_of
 from exo.core.types import SamplingDefaults
+from exo.runner.adapter_rows import ResidentAdapters, RowSelectingModel
 from exo.runner.batch_steps import insert, keep_caches, new_generator, warm_up_batch
 from exo.runner.choices import Choices, first_of_choices, ranks_candidates, row_seed, sibling
-from exo.runner.decoding import Decoding, GenerationResult, OnOutput, Output
+from exo.runner.decoding import Decoding, GenerationResult, OnOutput, Output, RequestRefused
 from exo.runner.distributed import AgreedSamplers, BatchJoin, BatchStep, Lockstep, Sampler, Sampling
 from exo.runner.engine import check_logit_bias, sampling_of, seeded_sampler, vocabulary_size
 from exo.runner.engine_api import ModelEngine
@@ -79,6 +80,7 @@ class Job:
         self.choice = 0  # which of its request's choices this row decodes
         self.choices: Choices | None = None  # its request's rows, when it has several (choices.py)
         self.logprob = 0.0  # the sum of its tokens' logprobs, when best_of ranks the rows
+        self.adapter_path = ""  # a LoRA adapter for its rows alone (adapter_rows.py)
 
     def _emit(self, out: Output) -> None:
         out.choice = self.choice
@@ -140,6 +142,7 @@ class Batcher:
         self._generator: BatchGenerator | None = None
         self._jobs: dict[int, Job] = {}  # BatchGenerator uid -> job
         self._scopes: dict[int, str] = {}  # BatchGenerator uid -> its cache scope, until its cache is kept
+        self._owners: dict[int, TaskId] = {}  # BatchGenerator uid -> its task, whose entry its cache becomes
         # Multi-node: what the other ranks have not been told yet (see BatchStep).
         self._agreed: AgreedSamplers | None = None
         self._new_batch = False
@@ -149,7 +152,7 @@ class Batcher:
 
     def run(self, loop: asyncio.AbstractEventLoop, params: GenerationParams, defaults: SamplingDefaults,
             on_output: OnOutput, is_cancelled: Callable[[], bool], task_id: TaskId,
-            on_start: Callable[[], None] | None = None) -> asyncio.Future[GenerationResult]:
+            on_start: Callable[[], None] | None = None, adapter_path: str = "") -> asyncio.Future[GenerationResult]:
         """Generates in the batch; the future resolves after every output of the job was scheduled on `loop`.
         `on_start`: called on the model thread as the job joins the batch (its queue wait ends: runner/traces.py)."""
         future: asyncio.Future[GenerationResult] = loop.create_future()
@@ -157,7 +160,7 @@ class Batcher:
             self.preparing += 1
         job = Job(params, defaults, on_output, is_cancelled, task_id,
                   lambda outcome: None if loop.call_soon_threadsafe(_settle, future, outcome) else None)
-        job.on_start = on_start
+        job.on_start, job.adapter_path = on_start, adapter_path
         if rows_of(params) > 1:
             first_of_choices(job)
         self._tokenizing.submit(self._prepare, job)
@@ -221,18 +224,35 @@ class Batcher:
                              repetition_context_size=params.repetition_context_size,
                              presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty)
             generator = self._batch()
+            self._hold_adapter(job, job.adapter_path)
             sampler = self._row_sampler(params, join, job.choice)
             uid = insert(generator, join, sampler, reuse, self._engine.constraint_for(params, tokens))
         except Exception as error:
             job.on_done(error)
             return
-        self._jobs[uid], self._scopes[uid] = job, join.cache_scope
+        self._jobs[uid], self._scopes[uid], self._owners[uid] = job, join.cache_scope, job.task_id
         if self._lockstep() is not None:
             self._joins.append(join)
         if job.choices is not None and len(reuse.rest) > 1:  # mlx-lm's first segment ends before the last token
             self._fanning[uid] = job, join
         elif job.choices is not None and reuse.cache is not None:  # the prompt is cached: the first choice keeps that cache
             self._fan_out(job, join, copy.deepcopy(reuse.cache))
+
+    def _hold_adapter(self, job: Job, path: str) -> None:
+        """The job's adapter resident and held for its rows until it ends (on_done, on this thread)."""
+        adapters = resident_adapters(self._engine)
+        if not path:
+            return
+        if adapters is None:
+            raise RequestRefused("this model takes no LoRA adapter per request")
+        adapters.hold(self._engine.model, path, job)
+        done = job.on_done
+
+        def released(outcome: Outcome) -> None:
+            adapters.release(job)
+            done(outcome)
+
+        job.on_done = released
 
     def _row_sampler(self, params: GenerationParams, join: BatchJoin, choice: int) -> Sampler:
         if params.seed is not None and self._lockstep() is None:
@@ -259,6 +279,7 @@ class Batcher:
             row = sibling(first, choice)
             try:
                 row.start(self._engine)
+                self._hold_adapter(row, first.adapter_path)
                 assert row.decoding is not None
                 row.decoding.cached = first.decoding.cached
                 uid = insert(self._batch(), join, self._row_sampler(row.params, join, choice), reuse,
@@ -287,10 +308,12 @@ class Batcher:
         return self._agreed.get(sampling)
 
     def _batch(self) -> BatchGenerator:
-        if self._generator is None or self._generator.model is not self._engine.model:
-            self._generator = new_generator(self._engine.model, self._engine.tokenizer, self._limit)
+        if self._generator is None or _base_of(self._generator.model) is not self._engine.model:
+            adapters, model = resident_adapters(self._engine), self._engine.model
+            rows = model if adapters is None else RowSelectingModel(model, adapters, self._jobs.get)
+            self._generator = new_generator(rows, self._engine.tokenizer, self._limit)
             # The other ranks start a new batch too; what they were told of the old one is moot.
-            self._new_batch, self._leaves, self._scopes, self._fanning = True, [], {}, {}
+            self._new_batch, self._leaves, self._scopes, self._fanning, self._owners = True, [], {}, {}, {}
             if self._agreed is not None:
                 self._agreed.clear()
         return self._generator
@@ -312,7 +335,7 @@ class Batcher:
         finished, cache = [r for r in responses if r.finish_reason], self._engine.prompt_cache
         if finished or leaving:
             generator = self._batch()
-            keep_caches(cache, generator, finished, leaving, self._scopes)
+            keep_caches(cache, generator, finished, leaving, self._scopes, self._owners)
             cache.trim(generator.prompt_cache_nbytes if cache.enabled else 0)  # running requests count too
         self._leaves += leaving if self._lockstep() is not None else []
 
@@ -350,9 +373,19 @@ class Batcher:
 
     def _fail_all(self, error: BaseException) -> None:
         jobs, self._jobs, self._generator, self._joins, self._scopes = list(self._jobs.values()), {}, None, [], {}
+        self._owners = {}
         failed = BatchFailed(f"{type(error).__name__}: {error}")
         for job in jobs:
             job.on_done(failed)
+
+
+def resident_adapters(engine: ModelEngine) -> ResidentAdapters | None:
+    adapters = getattr(engine, "adapters", None)  # text engines only
+    return adapters if isinstance(adapters, ResidentAdapters) else None
+
+
+def _base_of(model: Any) -> Any:
+    return model.base if isinstance(model, RowSelectingModel) else model
 
 
 def _settle(future: asyncio.Future[GenerationResult], outcome: Outcome) -> None:

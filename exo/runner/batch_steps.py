@@ -12,6 +12,7 @@ from typing import Any
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.sample_utils import make_sampler
 
+from exo.core.ids import TaskId
 from exo.runner import prefill
 from exo.runner.distributed import BatchJoin, Sampler
 from exo.runner.engine import WARM_UP_TEMPERATURE, WARM_UP_TOP_P, LogitsProcessor, logits_processors_of
@@ -43,18 +44,21 @@ def insert(generator: BatchGenerator, join: BatchJoin, sampler: Sampler, reuse: 
 
 
 def keep_caches(cache: PromptCache, generator: BatchGenerator, finished: list[Any], leaving: list[int],
-                scopes: dict[int, str]) -> None:
+                scopes: dict[int, str], owners: dict[int, TaskId] | None = None) -> None:
     """Store the KV caches of requests that just ended (mlx-lm's finished ones, then those we remove)
     in their cache scopes (`scopes`: uid -> scope, emptied of them here) and take the leaving ones
-    out of the batch. Every rank does this in the same order."""
+    out of the batch. Every rank does this in the same order. `owners` (rank 0): uid -> its task,
+    emptied alike, for what the cache reports it holds."""
+    owners = {} if owners is None else owners
     for response in finished:
+        owner = owners.pop(response.uid, TaskId(""))
         if (scope := scopes.pop(response.uid, None)) is not None:  # none: not kept, rather than in another scope
-            cache.keep(response.all_tokens, response.prompt_cache, scope=scope)
+            cache.keep(response.all_tokens, response.prompt_cache, scope=scope, owner=owner)
     if leaving:
-        scoped = {uid: scopes.pop(uid, None) for uid in leaving}
+        scoped = {uid: (scopes.pop(uid, None), owners.pop(uid, TaskId(""))) for uid in leaving}
         for uid, (kv, tokens) in generator.remove(leaving, return_prompt_caches=cache.enabled).items():
-            if (scope := scoped[uid]) is not None:
-                cache.keep(tokens, kv, scope=scope)
+            if (scope := scoped[uid][0]) is not None:
+                cache.keep(tokens, kv, scope=scope, owner=scoped[uid][1])
 
 
 def warm_up_batch(model: Any, prompt: list[int]) -> None:

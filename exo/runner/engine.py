@@ -20,6 +20,7 @@ from exo.core.reservations import DEFAULT_MAX_TOKENS
 from exo.core.types import SamplingDefaults
 from exo.memory import memory
 from exo.runner import prefill
+from exo.runner.adapter_rows import ResidentAdapters
 from exo.runner.constraint import GrammarConstraint
 from exo.runner.decoding import Decoding, GenerationResult, OnOutput, PromptTooLong, RequestRefused, TextStream
 from exo.runner.distributed import Lockstep, Sampler, Sampling, StepAnnouncement, join_ring, load_shard
@@ -54,6 +55,7 @@ class Engine:
         self.batches = True
         self.draft_model: Any = None  # speculative decoding's draft (load_draft); mlx-lm's batches take none
         self.num_draft_tokens = 0
+        self.adapters = ResidentAdapters(settings.resident_adapters)  # per request (EXO_ADAPTERS_SHARE_BASE)
 
     def load(self, model_path: str, shard: RankSetup | None = None, max_context: int = 0, kv_bits: int = 0,
              adapter_path: str = "") -> None:
@@ -154,7 +156,7 @@ class Engine:
                 break
         # Every token stream_generate reported went through the model: the cache holds them all.
         if reuse.cache is not None:  # none with a draft: both models' caches would have to be kept in step
-            self.prompt_cache.keep(tokens + prior + generated, reuse.cache, scope=params.cache_scope)
+            self.prompt_cache.keep(tokens + prior + generated, reuse.cache, scope=params.cache_scope, owner=task_id)
             self._trim_cache()
         return result or decoding.finish()
 

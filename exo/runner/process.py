@@ -1,7 +1,8 @@
 """The runner's work, apart from its entry point (exo/runner/__main__.py): `Runner` reads requests
 from the worker on stdin, serves them on one model thread (load, warm up, generate: alone or in a
-batch) and reports back on stdout (JSON lines); `ChunkMaker` (chunks.py) turns one generation's output
-into the token chunks published on exo.tokens.<command_id>.
+batch; embeddings, transcriptions and speech in other_requests.py) and reports back on stdout (JSON
+lines); `ChunkMaker` (chunks.py) turns one generation's output into the token chunks published on
+exo.tokens.<command_id>, and `Replies` (replies.py) sends both.
 """
 
 from __future__ import annotations
@@ -16,15 +17,16 @@ import time
 import traceback
 from collections.abc import Awaitable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from pathlib import Path
 from typing import BinaryIO, TypeGuard, cast
 
 from exo.bus.connection import Connection
-from exo.bus.token_publisher import ChunkPublisher
 from exo.core.catalogue import is_vision_config
-from exo.core.ids import TaskId
-from exo.core.requests import ChoiceEnd, EmbedInputs, FinishReason, TokenChunk, rows_of
-from exo.runner.batch import Batcher, BatchFailed, batchable
+from exo.core.requests import FinishReason, rows_of
+from exo.runner.adapter_rows import adapter_scoped
+from exo.runner.batch import Batcher, BatchFailed, batchable, resident_adapters
+from exo.runner.cache_contents import report_cache_contents
 from exo.runner.choices import refusal
 from exo.runner.chunks import ChunkMaker
 from exo.runner.decoding import GenerationResult, OnOutput, Output, RequestRefused
@@ -33,44 +35,38 @@ from exo.runner.embedding_engine import EmbeddingEngine, embedding_spec_of
 from exo.runner.engine import Engine
 from exo.runner.engine_api import ModelEngine
 from exo.runner.follower import follow
+from exo.runner.other_requests import serve_embedding, serve_speech, serve_transcription
 from exo.runner.protocol import (
     Alive,
     AnyRequest,
     Cancel,
-    Done,
     Failed,
     Generate,
     Load,
     Loaded,
-    Report,
     Shutdown,
     Started,
     WarmedUp,
     WarmUp,
-    encode_line,
     request_decoder,
 )
+from exo.runner.replies import Replies
+from exo.runner.speech_engine import SpeechEngine, is_text_to_speech_model
 from exo.runner.traces import GenerationTraces
-from exo.runner.transcription_engine import TranscriptionEngine, is_speech_to_text_model, transcript_chunks
+from exo.runner.transcription_engine import TranscriptionEngine, is_speech_to_text_model
 from exo.settings.services import RunnerSettings
 
 PULSE_S = 1.0  # how often the runner tells the worker it is alive (protocol.Alive)
 WORKER_GONE_GRACE_S = 5.0  # stdin closed: the runner has exited by then, whatever its model thread does
 
-# What the publisher sends: a chunk, or a generation's final chunk with the future set once it is out.
-Outgoing = TokenChunk | tuple[TokenChunk, asyncio.Future[None]]
-
 
 class Runner:
     def __init__(self, nc: Connection, reports: BinaryIO, settings: RunnerSettings = RunnerSettings()) -> None:
-        self._nc = nc
-        self._reports = reports
         self._settings = settings
         self._engine: ModelEngine = Engine(settings)
         self._mlx_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlx")
         self._cancelled: set[str] = set()  # written by the loop, read by the model thread between decode steps
         self._requests: asyncio.Queue[AnyRequest | None] = asyncio.Queue()  # None: the worker went away
-        self._chunks: asyncio.Queue[Outgoing] = asyncio.Queue()
         # How many requests decode together; 1 turns batching off. The default is mlx_lm.server's
         # --decode-concurrency: fewer costs throughput once more clients than that come.
         limit = settings.max_batch
@@ -78,23 +74,19 @@ class Runner:
         self._embed_batcher: EmbedBatcher | None = None  # set when an embedding model is loaded
         self._generating: dict[str, asyncio.Task[None]] = {}  # batched generations in flight, by task id
         self._in_flight: set[str] = set()  # generations the model thread has not finished yet
-        self._worker_gone = False  # stdin closed: the node's exo process is gone (_on_worker_gone)
         self._traces = GenerationTraces()  # the spans of traced requests (exo/telemetry); none otherwise
-
-    def report(self, message: Report) -> None:
-        if self._worker_gone:
-            return  # nobody reads the pipe any more
-        self._reports.write(encode_line(message))
-        self._reports.flush()
+        self._replies = Replies(nc, reports, self._traces, lambda: self._engine.prompt_cache.stats())
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
         reader = asyncio.create_task(self._read_stdin(loop))
-        publisher = asyncio.create_task(self._publish_chunks())
+        publisher = asyncio.create_task(self._replies.publish())
         pulse = asyncio.create_task(self._pulse())
+        cache_reports = asyncio.create_task(report_cache_contents(lambda: self._engine.prompt_cache,
+                                                                  self._replies.report))
         while True:
             request = await self._requests.get()
-            if request is None or isinstance(request, Shutdown) or self._worker_gone:
+            if request is None or isinstance(request, Shutdown) or self._replies.worker_gone:
                 break
             if self._batched(request) or self._embeds(request):  # alongside the next requests: they may join it
                 self._start_batched(loop, request)
@@ -103,12 +95,14 @@ class Runner:
         if self._generating:
             # Cancelled generations end at their next step; with the worker gone, one blocked in a
             # collective whose peer went too never will: do not wait for it forever.
-            await asyncio.wait(list(self._generating.values()), timeout=WORKER_GONE_GRACE_S if self._worker_gone else None)
+            grace = WORKER_GONE_GRACE_S if self._replies.worker_gone else None
+            await asyncio.wait(list(self._generating.values()), timeout=grace)
         await self._leave_group(loop)
-        await self._chunks.join()
+        await self._replies.all_sent()
         publisher.cancel()
         reader.cancel()
         pulse.cancel()
+        cache_reports.cancel()
 
     async def _pulse(self) -> None:
         """Alive every PULSE_S while idle or while the model thread has moved since the last one:
@@ -118,7 +112,7 @@ class Runner:
         while True:
             await asyncio.sleep(PULSE_S)
             if not self._in_flight or self._engine.pulse != last or (self._batcher and self._batcher.preparing):
-                self.report(Alive())
+                self._replies.report(Alive())
             last = self._engine.pulse
 
     def _start_batched(self, loop: asyncio.AbstractEventLoop, request: Generate) -> None:
@@ -130,7 +124,7 @@ class Runner:
         """A rank other than 0: from now on the model thread runs what rank 0 announces."""
         def on_end(done: asyncio.Future[None]) -> None:
             error = done.exception()
-            self.report(Failed(error=f"lost rank 0: {type(error).__name__}: {error}" if error else "rank 0 left"))
+            self._replies.report(Failed(error=f"lost rank 0: {type(error).__name__}: {error}" if error else "rank 0 left"))
 
         loop.run_in_executor(self._mlx_thread, follow, self._engine).add_done_callback(on_end)
 
@@ -145,8 +139,8 @@ class Runner:
                     await asyncio.wait_for(loop.run_in_executor(self._mlx_thread, self._engine.release_followers), 5)
                 except Exception:
                     logging.exception("could not tell the other ranks that rank 0 is leaving")
-            await self._chunks.join()
-            self._reports.flush()  # raises if the worker is gone (its pipe closed)
+            await self._replies.all_sent()
+            self._replies.flush_reports()  # raises if the worker is gone (its pipe closed)
         finally:
             os._exit(0)  # whatever happened: the model thread may be blocked in a collective that never ends
 
@@ -163,6 +157,8 @@ class Runner:
             self._embed_batcher = EmbedBatcher(engine, self._mlx_thread)
         elif is_speech_to_text_model(model_path):
             self._engine, self._batcher = TranscriptionEngine(self._settings), None
+        elif is_text_to_speech_model(model_path):
+            self._engine, self._batcher = SpeechEngine(self._settings), None
 
     def _warm_up(self) -> None:
         """On the model thread: the paths this model's requests take (a quantized KV cache or a draft
@@ -192,11 +188,11 @@ class Runner:
                 if request.draft_path:
                     await loop.run_in_executor(self._mlx_thread, self._engine.load_draft, request.draft_path,
                                                request.num_draft_tokens)
-                self.report(Loaded())
+                self._replies.report(Loaded())
             elif isinstance(request, WarmUp):
                 started = time.perf_counter()
                 await loop.run_in_executor(self._mlx_thread, self._warm_up)
-                self.report(WarmedUp(seconds=round(time.perf_counter() - started, 3)))
+                self._replies.report(WarmedUp(seconds=round(time.perf_counter() - started, 3)))
                 if self._engine.lockstep is not None and not self._engine.lockstep.leads:
                     self._follow(loop)
             elif isinstance(request, Generate):
@@ -204,27 +200,34 @@ class Runner:
                     await self._generate(loop, request)
         except Exception as error:  # a broken model must be reported, not kill silently
             traceback.print_exc()
-            self.report(Failed(error=f"{type(error).__name__}: {error}"))
+            self._replies.report(Failed(error=f"{type(error).__name__}: {error}"))
 
     async def _generate(self, loop: asyncio.AbstractEventLoop, request: Generate) -> None:
+        """By what the request asks for: vectors, a transcript or speech (other_requests.py), else text."""
+        params = request.params
+        if params.embed is not None:
+            await serve_embedding(self._replies, self._embed_batcher, self._engine, self._in_flight, request.task_id,
+                                  params.embed)
+        elif params.transcribe is not None:
+            await serve_transcription(self._replies, loop, self._mlx_thread, self._engine, request)
+        elif params.speak is not None:
+            await serve_speech(self._replies, loop, self._mlx_thread, self._engine, request, self._cancelled)
+        else:
+            await self._generate_text(loop, request)
+
+    async def _generate_text(self, loop: asyncio.AbstractEventLoop, request: Generate) -> None:
         task_id = request.task_id
-        if request.params.embed is not None:
-            await self._embed(loop, task_id, request.params.embed)
-            return
-        if request.params.transcribe is not None:
-            await self._transcribe(loop, request)
-            return
         chunks = ChunkMaker(task_id, request.resume, self._settings.stream_interval_ms / 1000)
         if task_id in self._cancelled:
-            await self._finish(task_id, chunks.index, reason="cancelled", prompt=0, completion=0, attempt=chunks.attempt)
+            await self._replies.finish(task_id, chunks.index, reason="cancelled", prompt=0, completion=0, attempt=chunks.attempt)
             return
 
         def on_output(out: Output) -> None:  # on the model thread
             for chunk in chunks.add(out, time.perf_counter()):
-                loop.call_soon_threadsafe(self._chunks.put_nowait, chunk)
+                loop.call_soon_threadsafe(self._replies.send, chunk)
 
         running = self._start(loop, request, self._traces.watching(task_id, on_output))
-        self.report(Started(task_id=task_id))  # after the model thread has its work: off the first token's path
+        self._replies.report(Started(task_id=task_id))  # after the model thread has its work: off the first token's path
         self._in_flight.add(task_id)
         self._engine.beat()  # waiting for the model thread counts from here
         try:
@@ -232,80 +235,28 @@ class Runner:
         except Exception as error:
             self._in_flight.discard(task_id)
             if isinstance(error, RequestRefused):  # the client's mistake, refused before any collective
-                await self._finish(task_id, chunks.index, "error", 0, 0, error=str(error), error_code=error.code,
-                                   attempt=chunks.attempt)
+                await self._replies.finish(task_id, chunks.index, "error", 0, 0, error=str(error),
+                                           error_code=error.code, attempt=chunks.attempt)
                 return
             traceback.print_exc()
             if self._engine.lockstep is not None and (isinstance(error, BatchFailed) or not self._batched(request)):
                 # The group broke (a peer's machine may be gone): the worker ends the task, or the master
                 # moves it to another instance first (exo/master/heal.py); no error chunk from here.
                 # The other ranks may still wait in a collective of this step: only a new group is sure to be in step.
-                self.report(Failed(error=f"{type(error).__name__}: {error}"))
+                self._replies.report(Failed(error=f"{type(error).__name__}: {error}"))
                 return
-            await self._finish(task_id, chunks.index, "error", 0, 0, error=f"{type(error).__name__}: {error}",
-                               attempt=chunks.attempt)
+            await self._replies.finish(task_id, chunks.index, "error", 0, 0,
+                                       error=f"{type(error).__name__}: {error}", attempt=chunks.attempt)
             return
         self._in_flight.discard(task_id)
         for rest in chunks.rest(result, time.perf_counter()):  # on the loop thread, after every chunk the model thread scheduled
-            self._chunks.put_nowait(rest)
+            self._replies.send(rest)
         # GenerationResult's reason is a str: mlx-lm's "stop" or "length", or Decoding's "cancelled".
         reason = cast(FinishReason, result.finish_reason)
-        await self._finish(task_id, chunks.index, reason, result.prompt_tokens, result.completion_tokens,
-                           stop_sequence=result.stop_sequence, cached=result.cached_tokens, attempt=chunks.attempt,
-                           draft=result.draft_tokens, choices=result.choices)
-
-    async def _embed(self, loop: asyncio.AbstractEventLoop, task_id: TaskId, inputs: EmbedInputs) -> None:
-        """One vector per input, each in a chunk of its own (index = the input's), then the final chunk."""
-        self.report(Started(task_id=task_id))
-        if self._embed_batcher is None:
-            await self._finish(task_id, 0, "error", 0, 0, error="this model does not embed: it has no pooling "
-                               "(sentence-transformers' modules.json)", error_code="invalid_request_error")
-            return
-        self._in_flight.add(task_id)
-        self._engine.beat()
-        try:
-            embedded = await self._embed_batcher.embed(inputs)
-        except Exception as error:
-            await self._fail(task_id, error)
-            return
-        finally:
-            self._in_flight.discard(task_id)
-        for index, vector in enumerate(embedded.vectors):
-            self._chunks.put_nowait(TokenChunk(command_id=task_id, index=index, embedding=vector))
-        await self._finish(task_id, len(embedded.vectors), "stop", embedded.prompt_tokens, 0)
-
-    async def _fail(self, task_id: TaskId, error: Exception) -> None:
-        """End a task by its exception: the client's mistake (RequestRefused: a 400 with its code) or a
-        fault of this runner (its traceback on stderr)."""
-        if isinstance(error, RequestRefused):
-            await self._finish(task_id, 0, "error", 0, 0, error=str(error), error_code=error.code)
-            return
-        traceback.print_exception(error)
-        await self._finish(task_id, 0, "error", 0, 0, error=f"{type(error).__name__}: {error}")
-
-    async def _transcribe(self, loop: asyncio.AbstractEventLoop, request: Generate) -> None:
-        """The segments and the whole text in chunks (transcript_chunks), then the final chunk. Not
-        counted in flight: mlx-audio's transcribe has no step to beat at, and may run for minutes."""
-        task_id, inputs = request.task_id, request.params.transcribe
-        assert inputs is not None
-        self.report(Started(task_id=task_id))
-        engine, audio = self._engine, request.image_paths.get(inputs.audio)
-        if not isinstance(engine, TranscriptionEngine):
-            await self._finish(task_id, 0, "error", 0, 0, error="this model does not turn speech into text",
-                               error_code="invalid_request_error")
-            return
-        if audio is None:  # the worker hands every task its objects: this is exo's fault, not the client's
-            await self._finish(task_id, 0, "error", 0, 0, error="the task's audio was not handed to the runner")
-            return
-        try:
-            done = await loop.run_in_executor(self._mlx_thread, engine.transcribe, inputs, audio)
-        except Exception as error:
-            await self._fail(task_id, error)
-            return
-        chunks = transcript_chunks(task_id, done)
-        for chunk in chunks:
-            self._chunks.put_nowait(chunk)
-        await self._finish(task_id, len(chunks), "stop", 0, done.tokens)
+        await self._replies.finish(task_id, chunks.index, reason, result.prompt_tokens, result.completion_tokens,
+                                   stop_sequence=result.stop_sequence, cached=result.cached_tokens,
+                                   attempt=chunks.attempt, draft=result.draft_tokens,
+                                   choices=chunks.untold(result.choices))
 
     def _start(self, loop: asyncio.AbstractEventLoop, request: Generate,
                on_output: OnOutput) -> Awaitable[GenerationResult]:
@@ -316,8 +267,10 @@ class Runner:
             return task_id in self._cancelled
 
         on_start = self._traces.started(task_id)
+        params, adapter_path = adapter_scoped(request.params, request.adapter_path), request.adapter_path
         if self._batcher is not None and self._batched(request):
-            return self._batcher.run(loop, request.params, request.defaults, on_output, is_cancelled, task_id, on_start)
+            return self._batcher.run(loop, params, request.defaults, on_output, is_cancelled, task_id, on_start,
+                                     adapter_path)
         images = [request.image_paths[digest] for message in request.params.messages for digest in message.images]
 
         def generate_alone() -> GenerationResult:
@@ -325,41 +278,13 @@ class Runner:
                 raise refusal(resumed=request.resume is not None)
             if on_start is not None:
                 on_start()
-            return self._engine.generate(request.params, request.defaults, on_output, is_cancelled, task_id, None,
-                                         images, request.resume)
+            adapters = resident_adapters(self._engine)
+            if adapter_path and adapters is None:
+                raise RequestRefused("this model takes no LoRA adapter per request")
+            with adapters.alone(self._engine.model, adapter_path, task_id) if adapters else nullcontext():
+                return self._engine.generate(params, request.defaults, on_output, is_cancelled, task_id, None,
+                                             images, request.resume)
         return loop.run_in_executor(self._mlx_thread, generate_alone)
-
-    async def _finish(self, task_id: TaskId, index: int, reason: FinishReason, prompt: int, completion: int,
-                      error: str = "", stop_sequence: str = "", cached: int = 0, error_code: str = "",
-                      attempt: int = 0, draft: int = 0, choices: list[ChoiceEnd] | None = None) -> None:
-        if self._worker_gone:
-            return  # the task moves on elsewhere: a last chunk from here would end the client's stream
-        final = TokenChunk(
-            command_id=task_id, index=index, token_count=completion, prompt_tokens=prompt, finish_reason=reason,
-            error=error, stop_sequence=stop_sequence, cached_tokens=cached, error_code=error_code, attempt=attempt,
-            draft_tokens=draft, choices=choices or [],
-        )
-        published: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._chunks.put_nowait((final, published))
-        await published  # this generation's chunks are all out (one publisher, in order); others may still run
-        self.report(Done(task_id=task_id, finish_reason=reason, prompt_tokens=prompt, completion_tokens=completion,
-                         error=error, cached_tokens=cached, prompt_cache=self._engine.prompt_cache.stats()))
-
-    async def _publish_chunks(self) -> None:
-        # One publisher keeps chunks in order on the wire; each is acked by JetStream (resent if not).
-        publisher = ChunkPublisher(self._nc)
-        await publisher.start()
-        while True:
-            chunk = await self._chunks.get()
-            chunk, published = chunk if isinstance(chunk, tuple) else (chunk, None)
-            try:
-                await publisher.publish(chunk, self._traces.publishing(chunk.command_id))
-            except Exception:
-                logging.exception("cannot publish a token chunk")
-            finally:
-                self._chunks.task_done()
-                if published is not None and not published.done():
-                    published.set_result(None)
 
     async def _read_stdin(self, loop: asyncio.AbstractEventLoop) -> None:
         # Read on the event loop itself (not a thread): one thread hop less per request.
@@ -378,7 +303,7 @@ class Runner:
         instances (exo/master/heal.py). Every generation here stops at its next step without a last
         chunk, and the runner exits within WORKER_GONE_GRACE_S even if its model thread never returns
         (a collective whose peer went too): nobody is left to stop it and free its memory."""
-        self._worker_gone = True
+        self._replies.worker_gone = True
         self._cancelled.update(self._in_flight, self._generating)
         self._requests.put_nowait(None)
         exit_anyway = threading.Timer(WORKER_GONE_GRACE_S, os._exit, (0,))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
+from exo.core.cache_reports import EMPTY, CacheContents
 from exo.core.ids import TaskId
 from exo.core.requests import GenerationParams
 from exo.core.types import PromptCacheStats, SamplingDefaults
@@ -66,6 +67,7 @@ class Generate(Request, frozen=True, tag="generate", kw_only=True):
     image_paths: dict[str, str] = {}  # sha256 -> file on this node, verified by the worker
     resume: Resume | None = None  # continue after these tokens instead of starting afresh
     traceparent: str = ""  # the worker's span that forwarded it (W3C): the runner's spans join its trace
+    adapter_path: str = ""  # a LoRA adapter's folder, applied to this request's rows only (adapter_rows.py)
 
 
 class Cancel(Request, frozen=True, tag="cancel", kw_only=True):
@@ -100,6 +102,7 @@ class Done(Report, frozen=True, tag="done", kw_only=True):
     error: str = ""
     cached_tokens: int = 0  # prompt tokens reused from the prompt cache
     prompt_cache: PromptCacheStats | None = None  # the runner's cache after this request
+    audio_seconds: float = 0.0  # the speech a text-to-speech task generated
 
 
 class Failed(Report, frozen=True, tag="failed", kw_only=True):
@@ -111,8 +114,15 @@ class Alive(Report, frozen=True, tag="alive", kw_only=True):
     has work and stops sending this is hung (exo/worker/plan.py)."""
 
 
+class CacheHeld(Report, frozen=True, tag="cache_held", kw_only=True):
+    """What the prompt cache holds, after it changed (at most twice a second: exo/runner/cache_contents.py):
+    the worker passes rank 0's on to the master, whose routing reads it (exo/core/cache_reports.py)."""
+
+    contents: CacheContents = EMPTY
+
+
 AnyRequest = Load | WarmUp | Generate | Cancel | Shutdown
-AnyReport = Loaded | WarmedUp | Started | Done | Failed | Alive
+AnyReport = Loaded | WarmedUp | Started | Done | Failed | Alive | CacheHeld
 
 request_decoder = msgspec.json.Decoder(AnyRequest)
 report_decoder = msgspec.json.Decoder(AnyReport)

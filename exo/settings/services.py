@@ -162,6 +162,12 @@ class MasterSettings(Frozen, frozen=True):
                                                  "placement above its min_replicas loses a replica")] = 300.0
     cache_routing: Annotated[bool, Env("EXO_CACHE_ROUTING", "send a request to the instance that caches most of "
                                        "its prompt (off: the least busy one)")] = True
+    adapters_share_base: Annotated[bool, Env("EXO_ADAPTERS_SHARE_BASE", "serve a request for \"<base>:<adapter>\" "
+                                             "on a running single-node instance of its base, the adapter applied "
+                                             "per row (off: each adapter needs an instance of its own)")] = False
+    cache_reports: Annotated[bool, Env("EXO_CACHE_REPORTS", "route by what runners report their prompt caches "
+                                       "hold, so an evicted conversation attracts nothing (off: by the tasks "
+                                       "in State alone)")] = True
     groups: Annotated[str, Env("EXO_MASTER_GROUPS", "master groups, each deciding its models' requests with a log, "
                                "lease and master of its own: NAME=GLOB,... (a group's globs joined by a vertical bar; "
                                "docs/scaling.md); the shared master writes its map to the log: give every master "
@@ -209,6 +215,9 @@ class RunnerSettings(Frozen, frozen=True):
                                                                "free at load)")] = None
     prompt_cache_entries: Annotated[int, AtLeastOne, Env("EXO_PROMPT_CACHE_ENTRIES", "prompts cached per instance "
                                                          "(as mlx_lm.server's --prompt-cache-size)")] = 10
+    resident_adapters: Annotated[int, AtLeastOne, Env("EXO_RESIDENT_ADAPTERS", "LoRA adapters an instance of a "
+                                                      "base keeps loaded beside it (least recently used out, never "
+                                                      "one a running request uses)")] = 8
     vision_cache_images: Annotated[int, NonNegative, Env("EXO_VISION_CACHE_IMAGES", "images whose vision features "
                                                          "a vision instance keeps")] = 8
     ring_join_timeout_s: Annotated[float, Positive, Env("EXO_RING_JOIN_TIMEOUT_S", "seconds a multi-node instance's "
@@ -240,6 +249,8 @@ class ApiSettings(Frozen, frozen=True):
                                                   "limit)")] = 25 * 1024 * 1024
     max_audio_seconds: Annotated[float, Positive, Env("EXO_MAX_AUDIO_SECONDS", "longest audio to transcribe, in "
                                                       "seconds")] = 1500.0
+    max_speech_chars: Annotated[int, Positive, Env("EXO_MAX_SPEECH_CHARS", "longest text to speak, in characters "
+                                                   "(OpenAI's limit)")] = 4096
     max_adapter_bytes: Annotated[int, Positive, Env("EXO_MAX_ADAPTER_BYTES", "largest LoRA adapter "
                                                      "(adapters.safetensors) POST /adapters takes")] = 1 << 30
     metrics_per_key: Annotated[bool, Env("EXO_METRICS_PER_KEY", "label /metrics' usage counters by API key id (off: "

@@ -64,7 +64,7 @@ class WorkerView(msgspec.Struct, frozen=True, kw_only=True):
     # A multi-node instance's runner that failed may have lost a peer machine: its tasks wait this
     # long for the master to move them (exo/master/heal.py) before this node ends them with the error.
     migrate_grace: float = 0.0
-    batch_slots: int = 0  # tasks a runner is given at once (its batch: exo/worker/fairness.py); 0: every one
+    batch_slots: int = 0  # rows a runner is given at once (its batch: exo/worker/fairness.py); 0: every task
 
 
 class Step(msgspec.Struct, frozen=True, kw_only=True, tag_field="step"):
@@ -251,13 +251,13 @@ def _task_steps(view: WorkerView, instance: Instance, local: LocalRunner, tasks:
 
 def _forwards(view: WorkerView, instance: Instance, local: LocalRunner, tasks: list[Task],
               waiting: list[Task]) -> list[Step]:
-    """The waiting tasks the runner is given now: as many as its batch has free slots, fairly."""
+    """The waiting tasks the runner is given now: as many as its batch has free rows for, fairly."""
     if not view.batch_slots:
         return [ForwardTask(runner_id=local.runner_id, task_id=t.task_id) for t in waiting]
     in_runner = [t for t in tasks if t.task_id in local.forwarded and t.task_id not in view.ended_tasks]
     # The single path (a quantized KV cache, a draft model) serves one at a time: one slot.
     slots = 1 if instance.kv_bits or instance.draft_model else view.batch_slots
-    chosen = next_to_forward(waiting, in_runner, max(slots - len(in_runner), 0))
+    chosen = next_to_forward(waiting, in_runner, slots)
     return [ForwardTask(runner_id=local.runner_id, task_id=t.task_id) for t in chosen]
 
 

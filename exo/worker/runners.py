@@ -17,12 +17,26 @@ from msgspec.structs import replace
 
 from exo.background import Background
 from exo.bus.blobs import BlobUnavailable
+from exo.core.cache_reports import CacheContents
 from exo.core.events import Event, RunnerStatusChanged, TaskFinished, TaskStarted
 from exo.core.ids import InstanceId, ModelId, NodeId, RunnerId, TaskId
 from exo.core.state import State
 from exo.core.types import Instance, PromptCacheStats, RunnerStatus, ShardAssignment, TaskStatus
 from exo.models.transfer import DownloadCancelled, DownloadError
-from exo.runner.protocol import AnyReport, Cancel, Done, Failed, Load, Loaded, RankSetup, Request, Started, WarmedUp, WarmUp
+from exo.runner.protocol import (
+    AnyReport,
+    CacheHeld,
+    Cancel,
+    Done,
+    Failed,
+    Load,
+    Loaded,
+    RankSetup,
+    Request,
+    Started,
+    WarmedUp,
+    WarmUp,
+)
 from exo.worker.plan import (
     AbandonRunner,
     CreateRunner,
@@ -53,6 +67,7 @@ class Runners:
         self, *, node_id: NodeId, state: Callable[[], State], new_runner: RunnerFactory,
         publish: Callable[[Event], Awaitable[None]], runs: TaskRuns, fetch_model: FetchModel,
         wake: asyncio.Event, migrate_grace_s: float, fetch_adapter: FetchAdapter,
+        on_cache_held: Callable[[RunnerId, CacheContents], None] = lambda runner_id, contents: None,
     ) -> None:
         self._node_id = node_id
         self._state = state
@@ -62,6 +77,7 @@ class Runners:
         self._fetch_model = fetch_model
         self._fetch_adapter = fetch_adapter
         self._wake = wake  # set: the worker plans again
+        self._on_cache_held = on_cache_held  # what a runner's prompt cache holds: for the master's routing
         self._migrate_grace_s = migrate_grace_s
         self._records: dict[RunnerId, LocalRunner] = {}
         self._hosts: dict[RunnerId, RunnerLink] = {}
@@ -192,6 +208,8 @@ class Runners:
                 await self._on_done(runner_id, report)
             case Failed():
                 await self._fail(runner_id, report.error)
+            case CacheHeld():
+                self._on_cache_held(runner_id, report.contents)
 
     def _announce_later(self, runner_id: RunnerId, task_id: TaskId) -> None:
         """`task.started` goes to the log only for a task still running STILL_RUNNING_S after it
@@ -224,6 +242,7 @@ class Runners:
             task_id=report.task_id, status=statuses.get(report.finish_reason, "completed"),
             finish_reason=report.finish_reason, error=report.error, prompt_tokens=report.prompt_tokens,
             completion_tokens=report.completion_tokens, cached_tokens=report.cached_tokens, attempt=run,
+            audio_seconds=report.audio_seconds,
             generation_s=round(time.monotonic() - started_at, 4) if started_at else 0.0, at=time.time(),
         ))
 

@@ -36,6 +36,7 @@ from exo.runner.protocol import Generate, Resume, RunnerStart
 from exo.settings.services import MasterSettings, ModelSettings, WorkerSettings
 from exo.telemetry import tracing
 from exo.worker.adapter_files import AdapterFiles
+from exo.worker.cache_reports import CacheReporter
 from exo.worker.downloads import DownloadCoordinator
 from exo.worker.forward_journal import ForwardJournal
 from exo.worker.plan import (
@@ -102,10 +103,11 @@ class Worker:
         self._given_before_restart: dict[TaskId, int] = {}
         self._traces: dict[TaskId, str] = {}  # open traced tasks -> their task.created's delivery span (traceparent)
         self._wake = asyncio.Event()
+        self._cache_reports = CacheReporter(nc, node_id, lambda: self._view.state)  # for the masters' routing
         self._runners = Runners(
             node_id=node_id, state=lambda: self._view.state, new_runner=new_runner, publish=self._publish,
             runs=self._runs, fetch_model=self._model_files, wake=self._wake, migrate_grace_s=self._migrate_grace_s,
-            fetch_adapter=self._adapter_folder)
+            fetch_adapter=self._adapter_folder, on_cache_held=self._cache_reports.on_cache_held)
         self._adapters = AdapterFiles(nc, data_dir / "adapters", settings.adapter_cache_bytes, self._adapters_in_use)
         self._images = TaskImages(
             nc=nc, images_dir=self.images_dir, fail_tasks_needing=self._fail_tasks_needing,
@@ -138,6 +140,7 @@ class Worker:
         self._images.trim()
         log.info("worker: disk reconciled with State at sequence %d; planning starts", self._view.state.last_seq)
         self._in_background(self._watch_busy_runners())
+        self._in_background(self._cache_reports.run())
         self._wake.set()
         while True:
             await self._wake.wait()
@@ -247,7 +250,9 @@ class Worker:
     def _adapters_in_use(self) -> set[str]:
         state = self._view.state
         mine = (i for i in state.instances.values() if any(s.node_id == self.node_id for s in i.shards))
-        return {adapter.digest for i in mine if (adapter := adapter_of(state, i.model_id)) is not None}
+        rows = (t.model_id for i in mine for t in state.open_tasks_of(i.instance_id) if t.model_id != i.model_id)
+        return {adapter.digest for model_id in (*(i.model_id for i in mine), *rows)
+                if (adapter := adapter_of(state, model_id)) is not None}
 
     def _start_fetching(self, digests: list[str]) -> None:
         self._images.in_flight.update(digests)  # now: the next plan must not fetch them again
@@ -269,8 +274,13 @@ class Worker:
                 and task.status in ("pending", "running") and len(task.migrations) == run}
 
     async def _forward(self, step: ForwardTask) -> None:
-        self._runners.note_forwarded(step.runner_id, step.task_id)
         task = self._view.state.tasks[step.task_id]
+        try:
+            adapter_path = await self._row_adapter(task)
+        except Exception as error:  # a missing or corrupt object: this request fails, the instance serves on
+            await self._end_task(task.task_id, "failed", f"cannot load the adapter of {task.model_id}: {error}")
+            return
+        self._runners.note_forwarded(step.runner_id, step.task_id)
         if self._journal.due_for_compaction():
             in_runners = {t: run_of(self._view.state, t) for r in self._runners.records().values() for t in r.forwarded}
             self._journal.compact(self._still_open(in_runners))
@@ -288,7 +298,18 @@ class Worker:
                           {"exo.task_id": task.task_id, "exo.attempt": len(task.migrations)}) as forwarding:
             await self._runners.send(step.runner_id, Generate(
                 task_id=task.task_id, params=task.params, defaults=defaults, image_paths=images, resume=resume,
-                traceparent=forwarding.traceparent))
+                traceparent=forwarding.traceparent, adapter_path=adapter_path))
+
+    async def _row_adapter(self, task: Task) -> str:
+        """The folder of the adapter a task names when it runs on its base's instance
+        (EXO_ADAPTERS_SHARE_BASE): fetched by hash as for an instance of its own. "": none."""
+        instance = self._view.state.instances.get(task.instance_id)
+        if instance is None or instance.model_id == task.model_id:
+            return ""
+        folder = await self._adapter_folder(task.model_id)
+        if folder is None:  # never the bare base's text for a request that named an adapter
+            raise LookupError("no such adapter (deleted?)")
+        return str(folder)
 
     async def _resume_of(self, task: Task) -> Resume | None:
         """A migrated task continues after the tokens its earlier runs streamed (EXO_TOKENS)."""

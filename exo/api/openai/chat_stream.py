@@ -13,7 +13,7 @@ from typing import Any
 
 from aiohttp import web
 
-from exo.api.choices import collect_choices
+from exo.api.choices import collect_choices, newly_ended
 from exo.api.collect import Collected
 from exo.api.context import context_of
 from exo.api.errors import ApiError
@@ -75,6 +75,7 @@ async def stream_chat(request: web.Request, generation: Generation, model: str, 
         for index in range(n):
             await sse.send(choice({"role": "assistant", "content": ""}, index=index), event_id=f"{generation.command_id}:-1")
     calls_sent: dict[int, int] = {}  # by choice
+    ended: set[int] = set()  # choices whose finish chunk was sent
     async for chunk in generation.chunks():
         event_id = f"{generation.command_id}:{chunk.index}"
         delta = _delta(chunk, calls_sent.get(chunk.choice, 0))
@@ -87,14 +88,12 @@ async def stream_chat(request: web.Request, generation: Generation, model: str, 
             kind = "invalid_request_error" if chunk.error_code else "internal_error"
             await sse.send({"error": {"message": message, "type": kind, "code": chunk.error_code or chunk.finish_reason}},
                            event_id=event_id)
-        elif chunk.finish_reason:
-            ends = [(end.choice, end.finish_reason) for end in chunk.choices] or [(0, chunk.finish_reason)]
-            for index, ended in ends:
-                reason = "tool_calls" if calls_sent.get(index) and ended == "stop" else ended
-                await sse.send(choice({}, reason, index=index), event_id=event_id)
-            if include_usage:
-                await sse.send(base | {"choices": [], "usage": usage(chunk)},
-                               event_id=event_id)
+            continue
+        for index, finished in newly_ended(chunk, ended):  # each choice's at its own end, as OpenAI streams n
+            reason = "tool_calls" if calls_sent.get(index) and finished == "stop" else finished
+            await sse.send(choice({}, reason, index=index), event_id=event_id)
+        if chunk.finish_reason and include_usage:
+            await sse.send(base | {"choices": [], "usage": usage(chunk)}, event_id=event_id)
     await sse.send("[DONE]")
     return await sse.close()
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from aiohttp import web
 
-from exo.api.choices import check_best_of, check_n, collect_choices, likeliest
+from exo.api.choices import check_best_of, check_n, collect_choices, likeliest, newly_ended
 from exo.api.context import context_of
 from exo.api.errors import ApiError
 from exo.api.generation import Generation, generating, requested_tier
@@ -99,6 +99,7 @@ async def _stream(request: web.Request, generation: Generation, body: Completion
     generation.tell_loading(sse.comment)
     base = _envelope(generation, body.model)
     offsets: dict[int, int] = {}  # by choice
+    ended: set[int] = set()  # choices whose finish chunk was sent
     async for chunk in generation.chunks():
         event_id = f"{generation.command_id}:{chunk.index}"
         offset = offsets.get(chunk.choice, 0)
@@ -110,11 +111,11 @@ async def _stream(request: web.Request, generation: Generation, body: Completion
         if chunk.finish_reason in ("error", "cancelled"):
             await sse.send({"error": {"message": chunk.error or "generation was cancelled", "type": "internal_error",
                                       "code": chunk.finish_reason}}, event_id=event_id)
-        elif chunk.finish_reason:
-            for index, reason in [(end.choice, end.finish_reason) for end in chunk.choices] or [(0, chunk.finish_reason)]:
-                await sse.send(base | {"choices": [{"index": index, "text": "", "finish_reason": reason, "logprobs": None}]},
-                               event_id=event_id)
-            if body.stream_options and body.stream_options.include_usage:
-                await sse.send(base | {"choices": [], "usage": usage(chunk)}, event_id=event_id)
+            continue
+        for index, reason in newly_ended(chunk, ended):  # each choice's at its own end
+            await sse.send(base | {"choices": [{"index": index, "text": "", "finish_reason": reason, "logprobs": None}]},
+                           event_id=event_id)
+        if chunk.finish_reason and body.stream_options and body.stream_options.include_usage:
+            await sse.send(base | {"choices": [], "usage": usage(chunk)}, event_id=event_id)
     await sse.send("[DONE]")
     return await sse.close()
