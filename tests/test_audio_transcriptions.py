@@ -111,6 +111,28 @@ def test_the_engine_transcribes_as_mlx_audio_does(whisper, wav, reference, optio
     assert done.tokens == sum(t < 50257 for s in expected.segments for t in s["tokens"]) > 0
 
 
+@pytest.mark.slow
+def test_a_cancel_stops_the_transcription_between_windows_and_leaves_the_engine_exact(whisper, tmp_path, wav,
+                                                                                     reference):
+    from exo.runner.transcription_engine import TranscriptionEngine
+
+    engine = TranscriptionEngine()
+    engine.load(str(whisper))
+    long_audio = tmp_path / "long.wav"
+    long_audio.write_bytes(tone_wav(75.0))  # three of Whisper's 30-second windows
+    checks: list[int] = []
+
+    def cancelled_after_the_first_window() -> bool:
+        checks.append(1)
+        return len(checks) > 1
+
+    assert engine.transcribe(TranscribeInputs(audio="x"), str(long_audio), cancelled_after_the_first_window) is None
+    assert len(checks) == 2  # the first window decoded, the second never started
+    assert "decode" not in vars(engine.model)  # mlx-audio's own decode again
+    done = engine.transcribe(TranscribeInputs(audio="x"), str(wav))
+    assert done is not None and done.text == reference(wav).text
+
+
 @pytest.fixture(scope="module")
 def node(tmp_path_factory, whisper):
     chat = make_tiny_model(tmp_path_factory.mktemp("chat") / "tiny")

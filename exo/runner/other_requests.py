@@ -57,9 +57,10 @@ async def serve_speech(replies: Replies, loop: asyncio.AbstractEventLoop, model_
 
 
 async def serve_transcription(replies: Replies, loop: asyncio.AbstractEventLoop, model_thread: Executor,
-                              engine: ModelEngine, request: Generate) -> None:
-    """The segments and the whole text in chunks (transcript_chunks), then the final chunk. Not
-    counted in flight: mlx-audio's transcribe has no step to beat at, and may run for minutes."""
+                              engine: ModelEngine, request: Generate, cancelled: set[str]) -> None:
+    """The segments and the whole text in chunks (transcript_chunks), then the final chunk; a
+    cancel stops it before Whisper's next 30-second window. Not counted in flight: a window may take
+    long, and beats only as it starts."""
     task_id, inputs = request.task_id, request.params.transcribe
     assert inputs is not None
     replies.report(Started(task_id=task_id))
@@ -72,9 +73,13 @@ async def serve_transcription(replies: Replies, loop: asyncio.AbstractEventLoop,
         await replies.finish(task_id, 0, "error", 0, 0, error="the task's audio was not handed to the runner")
         return
     try:
-        done = await loop.run_in_executor(model_thread, engine.transcribe, inputs, audio)
+        done = await loop.run_in_executor(model_thread, engine.transcribe, inputs, audio,
+                                          lambda: task_id in cancelled)
     except Exception as error:
         await replies.fail(task_id, error)
+        return
+    if done is None:
+        await replies.finish(task_id, 0, "cancelled", 0, 0)
         return
     chunks = transcript_chunks(task_id, done)
     for chunk in chunks:

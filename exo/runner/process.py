@@ -209,7 +209,8 @@ class Runner:
             await serve_embedding(self._replies, self._embed_batcher, self._engine, self._in_flight, request.task_id,
                                   params.embed)
         elif params.transcribe is not None:
-            await serve_transcription(self._replies, loop, self._mlx_thread, self._engine, request)
+            await serve_transcription(self._replies, loop, self._mlx_thread, self._engine, request,
+                                      self._cancelled)
         elif params.speak is not None:
             await serve_speech(self._replies, loop, self._mlx_thread, self._engine, request, self._cancelled)
         else:

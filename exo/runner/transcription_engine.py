@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -73,7 +75,9 @@ class TranscriptionEngine(Engine):
         raise RequestRefused("this model turns speech into text and does not generate text: use "
                              "POST /v1/audio/transcriptions")
 
-    def transcribe(self, inputs: TranscribeInputs, audio_path: str) -> Transcribed:
+    def transcribe(self, inputs: TranscribeInputs, audio_path: str,
+                   is_cancelled: Callable[[], bool] = lambda: False) -> Transcribed | None:
+        """The transcript, or None when the task was cancelled: checked before each 30-second window."""
         from mlx_audio.stt.models.whisper.tokenizer import LANGUAGES
         from mlx_audio.stt.utils import load_audio
 
@@ -85,9 +89,14 @@ class TranscriptionEngine(Engine):
         except Exception as error:  # noqa: BLE001 - whatever the reader says, the file is the client's
             raise RequestRefused(f"the file is not audio this model can read (WAV, MP3 or FLAC): {error}") from None
         mx.random.seed(FALLBACK_SEED)
-        result = self.model.generate(audio, task=inputs.task, language=inputs.language or None,
-                                     initial_prompt=inputs.prompt or None, word_timestamps=inputs.word_timestamps,
-                                     **({"temperature": inputs.temperature} if inputs.temperature else {}))
+        try:
+            with _windows_checked(self.model, is_cancelled, self.beat):
+                result = self.model.generate(audio, task=inputs.task, language=inputs.language or None,
+                                             initial_prompt=inputs.prompt or None,
+                                             word_timestamps=inputs.word_timestamps,
+                                             **({"temperature": inputs.temperature} if inputs.temperature else {}))
+        except _Cancelled:
+            return None
         self.beat()
         segments = [_segment(n, raw) for n, raw in enumerate(result.segments or [])]
         tokens = sum(1 for segment in segments for token in segment.tokens if token < self._end_of_text())
@@ -96,6 +105,30 @@ class TranscriptionEngine(Engine):
     def _end_of_text(self) -> int:
         end: int = self.model.get_tokenizer().eot
         return end
+
+
+class _Cancelled(Exception):
+    """Raised between Whisper's windows to leave mlx-audio's generate when the task is cancelled."""
+
+
+@contextmanager
+def _windows_checked(model: Any, is_cancelled: Callable[[], bool], beat: Callable[[], None]) -> Iterator[None]:
+    """mlx-audio's generate has no per-step hook, but it calls the model's `decode` once per 30-second
+    window (and per temperature fallback): shadow it on the instance for this call, to stop between
+    windows and to beat there (a long file is many windows)."""
+    decode = model.decode
+
+    def decode_unless_cancelled(*args: Any, **kwargs: Any) -> Any:
+        if is_cancelled():
+            raise _Cancelled
+        beat()
+        return decode(*args, **kwargs)
+
+    model.decode = decode_unless_cancelled
+    try:
+        yield
+    finally:
+        del model.decode  # the class's method again
 
 
 def _segment(index: int, raw: dict[str, Any]) -> TranscriptSegment:
