@@ -24,10 +24,10 @@ import pytest
 
 from exo.api.errors import ApiError
 from exo.core.requests import SpeakInputs
-from tests.support.e2e import exo_serving, place
+from tests.support.audio_node import audio_client, audio_node
 from tests.support.polling import wait_until
 from tests.support.soprano_model import SPEECH_MODEL_ID, make_tiny_soprano
-from tests.support.tiny_model import TINY_MODEL_ID, make_tiny_model
+from tests.support.tiny_model import TINY_MODEL_ID
 
 RATE = 32_000  # Soprano's
 MAX_CHARS = 300  # the node's EXO_MAX_SPEECH_CHARS, small so the refusal is cheap to reach
@@ -144,17 +144,14 @@ def test_the_engine_speaks_as_mlx_audio_does(soprano, reference):
 
 @pytest.fixture(scope="module")
 def node(tmp_path_factory, soprano):
-    chat = make_tiny_model(tmp_path_factory.mktemp("chat") / "tiny")
     env = {"EXO_MAX_SPEECH_CHARS": str(MAX_CHARS)}
-    with exo_serving(tmp_path_factory.mktemp("node"), {SPEECH_MODEL_ID: soprano, TINY_MODEL_ID: chat}, env) as exo:
+    with audio_node(tmp_path_factory, SPEECH_MODEL_ID, soprano, env) as exo:
         yield exo
 
 
 @pytest.fixture(scope="module")
 def http(node):
-    with httpx.Client(base_url=node.url, timeout=300) as client:
-        place(client, SPEECH_MODEL_ID)
-        assert client.post("/models/add", json={"model_id": TINY_MODEL_ID}).status_code == 200
+    with audio_client(node, SPEECH_MODEL_ID) as client:
         yield client
 
 

@@ -22,6 +22,8 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import save_file
 
+from tests.support.whisper_model import byte_alphabet
+
 SPEECH_MODEL_ID = "exo-test/tiny-soprano"
 WIDTH, LAYERS, HEADS, KV_HEADS, HEAD_DIM, MLP = 32, 1, 2, 1, 16, 64
 DECODER_DIM, DECODER_MLP, DECODER_LAYERS, N_FFT, INPUT_KERNEL = 512, 1536, 8, 2048, 3
@@ -29,23 +31,11 @@ MARKERS = ["[STOP]", "[TEXT]", "[START]"]
 CARRIER, STOP_GAIN = 8.0, 0.26  # dimension 0 of every embedding, and how much [STOP]'s logit reads it
 
 
-def _byte_alphabet() -> list[str]:
-    """GPT-2's byte-to-unicode table: the characters byte-level BPE writes each byte as."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
-    codes, extra = list(printable), 0
-    for byte in range(256):
-        if byte not in printable:
-            printable.append(byte)
-            codes.append(256 + extra)
-            extra += 1
-    return [chr(code) for _, code in sorted(zip(printable, codes, strict=True))]
-
-
 def _write_tokenizer(path: Path) -> int:
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    backend = Tokenizer(models.BPE(vocab={token: n for n, token in enumerate(_byte_alphabet())}, merges=[]))
+    backend = Tokenizer(models.BPE(vocab={token: n for n, token in enumerate(byte_alphabet())}, merges=[]))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
     backend.add_special_tokens([AddedToken(marker, special=True, normalized=False) for marker in MARKERS])

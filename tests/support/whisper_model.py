@@ -32,7 +32,7 @@ REGULAR_TOKENS = 50257
 WIDTH, HEADS, MELS, TEXT_CONTEXT, AUDIO_CONTEXT = 32, 2, 80, 16, 1500
 
 
-def _byte_alphabet() -> list[str]:
+def byte_alphabet() -> list[str]:
     """GPT-2's byte-to-unicode table: the characters byte-level BPE writes each byte as."""
     printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
     codes, extra = list(printable), 0
@@ -52,7 +52,7 @@ def _specials() -> list[str]:
 
 def _vocabulary() -> dict[str, int]:
     """The byte tokens, then " a", " b", ... " aa", ...: words the random model's tokens decode to."""
-    tokens = _byte_alphabet()
+    tokens = byte_alphabet()
     letters = "abcdefghijklmnopqrstuvwxyz"
     n = 0
     while len(tokens) < REGULAR_TOKENS:
