@@ -52,8 +52,9 @@ def references(model_dir, adapter_dirs):
 
 @pytest.fixture(scope="module")
 def http(tmp_path_factory, model_dir, adapter_dirs):
+    """EXO_ADAPTERS_SHARE_BASE left at its default (on): the tests below check what it does by default."""
     with exo_serving(tmp_path_factory.mktemp("node"), {TINY_MODEL_ID: model_dir},
-                     env={"EXO_ADAPTERS_SHARE_BASE": "true", "EXO_RESIDENT_ADAPTERS": "3"}) as node, \
+                     env={"EXO_RESIDENT_ADAPTERS": "3"}) as node, \
             httpx.Client(base_url=node.url, timeout=300) as client:
         place(client, TINY_MODEL_ID)
         for name in ("pirate", "poet", "clerk"):
@@ -149,16 +150,18 @@ def _one_node(instance_id: str, model_id: str, nodes: int = 1) -> Instance:
     return Instance(instance_id=instance_id, model_id=model_id, shards=shards)
 
 
-def test_the_master_sends_an_adapter_to_a_single_node_instance_of_its_base_only_when_asked(adapter_dirs):
+def test_the_master_sends_an_adapter_to_a_single_node_instance_of_its_base_unless_turned_off(adapter_dirs):
     adapter = _adapter(adapter_dirs["pirate"])
     state = State(adapters={"pirate": adapter},
                   instances={"two": _one_node("two", TINY_MODEL_ID, nodes=2), "one": _one_node("one", TINY_MODEL_ID)})
     command = GenerateText(command_id="g", model_id=adapter.model_id, params=GenerationParams())
 
-    def run(state: State, share: bool) -> list:
+    def run(state: State, share: bool | None) -> list:
+        chosen = {} if share is None else {"adapters_share_base": share}  # None: the default
         return decide(state, command, builtin_cards={TINY_MODEL_ID: CARD}, ids=iter(["x"] * 10), on_demand=False,
-                      adapters_share_base=share)
+                      **chosen)
 
+    assert run(state, None) == run(state, True)  # on by default
     [created] = run(state, True)
     assert isinstance(created, TaskCreated) and created.task.instance_id == "one"
     assert created.task.model_id == adapter.model_id  # the task names its adapter

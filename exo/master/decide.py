@@ -64,6 +64,7 @@ MAX_DRAFT_TOKENS = 16
 DEFAULT_MAX_QUEUE = MasterSettings().max_queue  # EXO_MAX_QUEUE's default
 # A request for a model with no instance places one (EXO_ON_DEMAND's default).
 DEFAULT_ON_DEMAND = MasterSettings().on_demand
+DEFAULT_ADAPTERS_SHARE_BASE = MasterSettings().adapters_share_base  # an adapter served by its base's instance
 DEFAULT_KEEP_ALIVE_S = MasterSettings().keep_alive_s  # how long a model placed on demand stays loaded, idle
 
 
@@ -79,7 +80,7 @@ def decide(
     on_demand: bool = DEFAULT_ON_DEMAND,
     keep_alive_s: float = DEFAULT_KEEP_ALIVE_S,
     cache_dropped: Mapping[InstanceId, Set[TaskId]] = NO_REPORTS,
-    adapters_share_base: bool = False,
+    adapters_share_base: bool = DEFAULT_ADAPTERS_SHARE_BASE,
 ) -> list[Event]:
     """`cache_dropped`: what runners report their prompt caches no longer hold (routing.py); the
     one input that is not State: a soft hint, so a redecided command may route elsewhere."""
@@ -204,7 +205,7 @@ def _delete_desire(state: State, command: DeleteDesire) -> list[Event]:
 def _generate(state: State, command: GenerateText, builtin: Mapping[ModelId, ModelCard], ids: Iterator[str],
               default_max_queue: int, cache_routing: bool, memo: DecideMemo, on_demand: bool,
               keep_alive_s: float, cache_dropped: Mapping[InstanceId, Set[TaskId]] = NO_REPORTS,
-              adapters_share_base: bool = False) -> list[Event]:
+              adapters_share_base: bool = DEFAULT_ADAPTERS_SHARE_BASE) -> list[Event]:
     if find_card(state, builtin, command.model_id) is None:
         return _reject(command, "not_found", f"unknown model {command.model_id!r}")
     if command.key_id and (refused := _over_limits(state, command, builtin)):

@@ -164,7 +164,7 @@ class MasterSettings(Frozen, frozen=True):
                                        "its prompt (off: the least busy one)")] = True
     adapters_share_base: Annotated[bool, Env("EXO_ADAPTERS_SHARE_BASE", "serve a request for \"<base>:<adapter>\" "
                                              "on a running single-node instance of its base, the adapter applied "
-                                             "per row (off: each adapter needs an instance of its own)")] = False
+                                             "per row (off: each adapter needs an instance of its own)")] = True
     cache_reports: Annotated[bool, Env("EXO_CACHE_REPORTS", "route by what runners report their prompt caches "
                                        "hold, so an evicted conversation attracts nothing (off: by the tasks "
                                        "in State alone)")] = True
