@@ -10,8 +10,9 @@ import httpx
 import pytest
 
 from tests.support.adapters import make_adapter
-from tests.support.cluster import NatsServer, start_node, state_of, wait_until
+from tests.support.cluster import NatsServer, node_process, start_node, state_of, wait_until
 from tests.support.e2e import Reference
+from tests.support.exo_process import start_all
 from tests.support.tiny_model import Dims, make_tiny_model
 from tests.test_multinode import PROMPT, _ring_ports, stop_cluster
 
@@ -44,10 +45,10 @@ def cluster(tmp_path_factory, model_dir, adapter_dir):
     added = http.post("/adapters", data={"name": "pirate", "base_model": MODEL}, files=files)
     assert added.status_code == 200, added.text
     # The workers join later: the adapter is in State (and its weights in exo-adapters) before they exist.
-    workers = [
-        start_node(root, f"worker{n}", nats.url, "--no-master", "--no-api", env=beat | {"EXO_RING_PORTS": _ring_ports()})
+    workers = start_all([
+        node_process(root, f"worker{n}", nats.url, "--no-master", "--no-api", env=beat | {"EXO_RING_PORTS": _ring_ports()})
         for n in (1, 2)
-    ]
+    ])
     wait_until(lambda: len(state_of(head).nodes) == 2, 30, what="both workers registered")
     yield head, workers, http, added.json()["adapter"]["digest"]
     http.close()

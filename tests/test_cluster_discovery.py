@@ -26,7 +26,7 @@ from exo.bus.server.membership import load_membership
 from exo.core.state import encode_state
 from tests.support.cluster import state_of, wait_until
 from tests.support.e2e import Reference
-from tests.support.exo_process import ExoProcess, free_port_range
+from tests.support.exo_process import ExoProcess, free_port_range, interrupt_all
 from tests.support.exo_tools import run_tool
 from tests.support.fake_hub import FakeHub
 from tests.support.healing import kill_9, stop_all
@@ -348,8 +348,7 @@ def test_the_master_machine_dies_then_the_whole_cluster_restarts_and_comes_back_
         victim.start(timeout=150)
         assert "rejoining cluster" in victim.output() and cluster_of(victim) == name
         wait_until(lambda: "local/after-failover" in _model_ids(victim), 30, 0.5, "the rejoined node caught up")
-        for node in nodes:
-            assert node.interrupt() == 0
+        assert interrupt_all(nodes) == [0, 0, 0]  # every machine switched off
         start_together(nodes)
         assert all("rejoining cluster" in node.output() for node in nodes)
         assert {cluster_of(node) for node in nodes} == {name}

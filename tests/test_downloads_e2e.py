@@ -13,8 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.support.cluster import NatsServer, start_node, state_of, wait_until
-from tests.support.exo_process import ExoProcess
+from tests.support.cluster import NatsServer, node_process, state_of, wait_until
+from tests.support.exo_process import ExoProcess, interrupt_all, start_all
 from tests.support.fake_hub import FakeHub
 from tests.support.sharded_model import make_sharded_model
 
@@ -51,8 +51,8 @@ def test_a_second_node_downloads_from_the_first_through_nats_and_a_restart_needs
     hub = FakeHub({REPO: model})
     hub.start()
     env = hub_env(hub, tmp_path)
-    first = start_node(tmp_path, "a", nats.url, env=env)
-    second = start_node(tmp_path, "b", nats.url, "--no-master", "--no-api", env=env)
+    first, second = start_all([node_process(tmp_path, "a", nats.url, env=env),
+                               node_process(tmp_path, "b", nats.url, "--no-master", "--no-api", env=env)])
     try:
         with httpx.Client(base_url=first.url, timeout=60) as http:
             a, b = node_id(first), (second.data_dir / "node_id").read_text().strip()
@@ -77,18 +77,15 @@ def test_a_second_node_downloads_from_the_first_through_nats_and_a_restart_needs
             placed = http.post("/place_instance", json={"model_id": REPO})
             assert placed.status_code == 200, placed.text
             before = http.post("/v1/chat/completions", json=CHAT).json()["choices"][0]["message"]["content"]
-        for node in (second, first):
-            assert node.interrupt() == 0
+        assert interrupt_all([second, first]) == [0, 0]
         # Everything restarts with the Hub still down: the models on disk are enough.
-        first, second = first.start(), second.start()
+        first, second = start_all([first, second])
         with httpx.Client(base_url=first.url, timeout=60) as http:
             after = http.post("/v1/chat/completions", json=CHAT).json()["choices"][0]["message"]["content"]
         assert after == before
         assert "download: " not in first.output() + second.output()  # nothing was fetched again
     finally:
-        for node in (first, second):
-            if node.process.poll() is None:
-                node.interrupt()
+        interrupt_all([first, second])
         hub.stop()
         nats.stop()
 

@@ -21,8 +21,8 @@ import pytest
 from exo.bus.connection import connect
 from exo.bus.images import delete_image
 from exo.bus.subjects import IMAGES_BUCKET
-from tests.support.cluster import NatsServer, start_node, state_of, wait_until
-from tests.support.exo_process import ExoProcess
+from tests.support.cluster import NatsServer, node_process, state_of, wait_until
+from tests.support.exo_process import ExoProcess, start_all
 from tests.support.images import random_png
 from tests.support.tiny_model import make_tiny_model
 
@@ -37,13 +37,16 @@ class Cluster:
     def __init__(self, root: Path, nats: NatsServer) -> None:
         self.root, self.nats = root, nats
         # A long node timeout: the worker is down for a moment in one test, its instance must stay.
-        self.head = start_node(root, "head", nats.url, "--no-worker", "--node-timeout", "3600")
-        self.worker = self.start_worker()
+        self.head, self.worker = start_all([
+            node_process(root, "head", nats.url, "--no-worker", "--node-timeout", "3600"), self.worker_process()])
         self.http = httpx.Client(base_url=self.head.url, timeout=60)
 
     def start_worker(self) -> ExoProcess:
-        return start_node(self.root, "worker", self.nats.url, "--no-master", "--no-api",
-                          env={"EXO_IMAGE_CACHE_BYTES": str(CACHE_BYTES), "EXO_LOG_LEVEL": "debug"})  # "forwarded to runner"
+        return self.worker_process().start()
+
+    def worker_process(self) -> ExoProcess:
+        return node_process(self.root, "worker", self.nats.url, "--no-master", "--no-api",
+                            env={"EXO_IMAGE_CACHE_BYTES": str(CACHE_BYTES), "EXO_LOG_LEVEL": "debug"})  # "forwarded to runner"
 
     @property
     def images_dir(self) -> Path:

@@ -18,8 +18,9 @@ import openai
 import pytest
 
 from tests.support.api_keys import ADMIN, add_key, admin_client
-from tests.support.cluster import NatsServer, replay, start_node, wait_until
+from tests.support.cluster import NatsServer, node_process, replay, wait_until
 from tests.support.e2e import start_exo
+from tests.support.exo_process import interrupt_all, start_all
 from tests.support.fake_hub import FakeHub
 from tests.support.tiny_model import TINY_MODEL_ID, make_tiny_model
 
@@ -161,8 +162,8 @@ def test_usage_equals_a_replay_of_the_log_and_keys_survive_a_restart(node):
 def test_two_api_nodes_admit_a_keys_limit_and_not_one_request_more(tmp_path, model_dir):
     nats = NatsServer(tmp_path / "nats")
     env = {"EXO_API_KEYS": ADMIN, "EXO_HEARTBEAT_S": "0.5"}
-    head = start_node(tmp_path, "head", nats.url, env=env)
-    second = start_node(tmp_path, "api2", nats.url, "--no-master", "--no-worker", env=env)
+    head, second = start_all([node_process(tmp_path, "head", nats.url, env=env),
+                              node_process(tmp_path, "api2", nats.url, "--no-master", "--no-worker", env=env)])
     try:
         with admin_client(head.url) as admin:
             assert admin.post("/models/add", json={"model_id": TINY_MODEL_ID, "path": str(model_dir)}).status_code == 200
@@ -181,8 +182,7 @@ def test_two_api_nodes_admit_a_keys_limit_and_not_one_request_more(tmp_path, mod
             wait_until(lambda url=url: chat(url, secret).status_code == 401, 1.0, interval=0.02, what=f"{url} refuses")
         assert time.monotonic() - deleted < 1.0
     finally:
-        for process in (second, head):
-            process.interrupt()
+        interrupt_all([second, head])
         nats.stop()
 
 

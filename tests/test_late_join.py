@@ -19,7 +19,8 @@ from exo.bus.snapshots import read_latest_snapshot
 from exo.core.events import NodeRegistered, TaskCreated, TaskFinished
 from exo.core.requests import GenerationParams
 from exo.core.types import NodeInfo, Task
-from tests.support.cluster import NatsServer, log_line, replay, start_node, state_of, wait_until
+from tests.support.cluster import NatsServer, log_line, node_process, replay, start_node, state_of, wait_until
+from tests.support.exo_process import interrupt_all, start_all
 from tests.support.vision_model import VisionReference, make_vision_model, png
 
 pytestmark = pytest.mark.slow
@@ -93,9 +94,11 @@ def test_a_late_node_catches_up_from_the_snapshot_to_exactly_a_full_replay(tmp_p
 def test_a_worker_that_was_down_reconciles_cards_and_fetches_images_before_it_plans(tmp_path, nats):
     model_dir = make_vision_model(tmp_path / "model")
     # The master ends a silent node's instances after EXO_SUSPECT_S: long enough here for the request
-    # below to queue on the instance first, whatever the machine's load.
-    head = start_node(tmp_path, "head", nats.url, "--no-worker", env={"EXO_MAX_IMAGE_BYTES": "1000000", "EXO_SUSPECT_S": "15"})
-    worker = start_node(tmp_path, "worker", nats.url, "--no-master", "--no-api")
+    # below to queue on the instance first, whatever the machine's load (it took 0.5 s at a load of 7
+    # on 2 cores; the rest of the suspect time the test only waits).
+    head, worker = start_all([
+        node_process(tmp_path, "head", nats.url, "--no-worker", env={"EXO_MAX_IMAGE_BYTES": "1000000", "EXO_SUSPECT_S": "6"}),
+        node_process(tmp_path, "worker", nats.url, "--no-master", "--no-api")])
     http = httpx.Client(base_url=head.url, timeout=120)
     try:
         cards = worker.data_dir / "custom_cards"
@@ -153,6 +156,4 @@ def test_a_worker_that_was_down_reconciles_cards_and_fetches_images_before_it_pl
         assert all(http.delete(f"/instance/{i}").status_code == 200 for i in replacements)
     finally:
         http.close()
-        for node in (worker, head):
-            if node.process.poll() is None:
-                node.interrupt()
+        interrupt_all([worker, head])

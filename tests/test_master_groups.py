@@ -17,9 +17,9 @@ import pytest
 
 from exo.bus.connection import connect
 from exo.core.state import State, decode_state
-from tests.support.cluster import NatsServer, start_node, state_of, wait_until
+from tests.support.cluster import NatsServer, node_process, start_node, state_of, wait_until
 from tests.support.e2e import Reference
-from tests.support.exo_process import ExoProcess
+from tests.support.exo_process import ExoProcess, interrupt_all, start_all
 from tests.support.exo_tools import json_lines, run_tool
 from tests.support.tiny_model import make_tiny_model
 
@@ -87,11 +87,11 @@ def cluster(tmp_path_factory, model_dir):
         started.append(n1)
         wait_until(lambda: leader_of(n1, "alpha") == node_id(n1) and state_of(n1).leader_node == node_id(n1), 60,
                    what="n1 leads the shared log and group alpha")
-        n2 = start_node(root, "n2", nats.url, "--no-worker", env=ENV | {"EXO_LEAD_GROUPS": "beta,alpha"})
-        started.append(n2)
+        # the worker's start need not wait for n2's (only n1 must lead first)
+        n2, n3 = start_all([node_process(root, "n2", nats.url, "--no-worker", env=ENV | {"EXO_LEAD_GROUPS": "beta,alpha"}),
+                            node_process(root, "n3", nats.url, "--no-master", env=ENV)])
+        started += [n2, n3]
         wait_until(lambda: leader_of(n2, "beta") == node_id(n2), 60, what="n2 leads group beta")
-        n3 = start_node(root, "n3", nats.url, "--no-master", env=ENV)
-        started.append(n3)
         with httpx.Client(base_url=n1.url, timeout=120) as http:
             wait_until(lambda: len(state_of(n1).nodes) == 1, 30, what="the worker registered")
             for model in (ALPHA, BETA):
@@ -100,9 +100,7 @@ def cluster(tmp_path_factory, model_dir):
                 assert placed.status_code == 200, placed.text
         yield {"nats": nats, "n1": n1, "n2": n2, "n3": n3, "root": root}
     finally:
-        for node in reversed(started):
-            if node.process.poll() is None:
-                node.interrupt()
+        interrupt_all(started[::-1])
         nats.stop()
 
 

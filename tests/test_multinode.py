@@ -16,9 +16,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.support.cluster import NatsServer, start_node, state_of, wait_until
+from tests.support.cluster import NatsServer, node_process, state_of, wait_until
 from tests.support.e2e import Reference
-from tests.support.exo_process import ExoProcess, free_port_range
+from tests.support.exo_process import ExoProcess, free_port_range, interrupt_all, start_all
 from tests.support.tiny_model import Dims, make_tiny_model
 from tests.test_runner_lifecycle import stream_and_kill
 
@@ -44,11 +44,10 @@ def cluster(tmp_path_factory, model_dir):
     root = tmp_path_factory.mktemp("multinode")
     nats = NatsServer(root / "nats")
     beat = {"EXO_HEARTBEAT_S": "0.5", "EXO_ADVERTISE_ADDRESSES": "127.0.0.1"}
-    head = start_node(root, "head", nats.url, "--no-worker", "--node-timeout", str(NODE_TIMEOUT_S), env=beat)
-    workers = [
-        start_node(root, f"worker{n}", nats.url, "--no-master", "--no-api", env=beat | {"EXO_RING_PORTS": _ring_ports()})
-        for n in (1, 2)
-    ]
+    head, *workers = start_all([
+        node_process(root, "head", nats.url, "--no-worker", "--node-timeout", str(NODE_TIMEOUT_S), env=beat),
+        *(node_process(root, f"worker{n}", nats.url, "--no-master", "--no-api",
+                       env=beat | {"EXO_RING_PORTS": _ring_ports()}) for n in (1, 2))])
     http = httpx.Client(base_url=head.url, timeout=120)
     wait_until(lambda: len(state_of(head).nodes) == 2, 30, what="both workers registered")
     assert http.post("/models/add", json={"model_id": MODEL, "path": str(model_dir)}).status_code == 200
@@ -61,9 +60,7 @@ def cluster(tmp_path_factory, model_dir):
 def stop_cluster(head: ExoProcess, workers: list[ExoProcess], nats: NatsServer) -> list[int]:
     """Stop the nodes and the server; the runner processes that outlived their workers (killed now)."""
     runners = [pid for worker in workers for pid in _runner_pids(worker)]
-    for node in [*workers, head]:
-        if node.process.poll() is None:
-            node.interrupt()
+    interrupt_all([*workers, head])
     nats.stop()
     # A stopped worker's runners go with it, even ranks blocked in a collective whose peer left
     # (two such orphans once spun at 70% CPU each after this module, until killed by hand).
@@ -193,9 +190,10 @@ def test_workers_killed_mid_generation_leave_no_runner_behind(tmp_path, model_di
     process ends too, though rank 0 cannot tell a follower that is gone that it leaves."""
     nats = NatsServer(tmp_path / "nats")
     beat = {"EXO_HEARTBEAT_S": "0.5", "EXO_ADVERTISE_ADDRESSES": "127.0.0.1"}
-    head = start_node(tmp_path, "head", nats.url, "--no-worker", env=beat)
-    workers = [start_node(tmp_path, f"worker{n}", nats.url, "--no-master", "--no-api",
-                          env=beat | {"EXO_RING_PORTS": _ring_ports()}) for n in (1, 2)]
+    head, *workers = start_all([
+        node_process(tmp_path, "head", nats.url, "--no-worker", env=beat),
+        *(node_process(tmp_path, f"worker{n}", nats.url, "--no-master", "--no-api",
+                       env=beat | {"EXO_RING_PORTS": _ring_ports()}) for n in (1, 2))])
     try:
         http = httpx.Client(base_url=head.url, timeout=120)
         wait_until(lambda: len(state_of(head).nodes) == 2, 30, what="both workers registered")
@@ -217,7 +215,5 @@ def test_workers_killed_mid_generation_leave_no_runner_behind(tmp_path, model_di
             os.kill(pid, signal.SIGKILL)
         assert not left, f"runner processes outlived their workers: {left}"
     finally:
-        for node in [*workers, head]:
-            if node.process.poll() is None:
-                node.interrupt()
+        interrupt_all([*workers, head])
         nats.stop()

@@ -7,7 +7,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.support.cluster import NatsServer, start_node, state_of, wait_until
+from tests.support.cluster import NatsServer, node_process, state_of, wait_until
+from tests.support.exo_process import interrupt_all, start_all
 from tests.support.fake_hub import FakeHub
 from tests.support.sharded_model import make_sharded_model
 from tests.test_downloads_e2e import REPO, hub_env, node_id
@@ -20,8 +21,8 @@ def test_instances_of_a_model_the_offline_node_lacks_go_to_the_node_that_can_dow
     hub = FakeHub({REPO: make_sharded_model(tmp_path / "repo")})
     hub.start()
     env = hub_env(hub, tmp_path)
-    online = start_node(tmp_path, "a", nats.url, env=env)
-    offline = start_node(tmp_path, "b", nats.url, "--offline", "--no-master", "--no-api", env=env)
+    online, offline = start_all([node_process(tmp_path, "a", nats.url, env=env),
+                                 node_process(tmp_path, "b", nats.url, "--offline", "--no-master", "--no-api", env=env)])
     try:
         a, b = node_id(online), (offline.data_dir / "node_id").read_text().strip()
         wait_until(lambda: {a, b} <= set(state_of(online).nodes), 30, what="both nodes in State")
@@ -34,8 +35,6 @@ def test_instances_of_a_model_the_offline_node_lacks_go_to_the_node_that_can_dow
         instances = list(state_of(online).instances.values())
         assert len(instances) == 2 and {s.node_id for i in instances for s in i.shards} == {a}
     finally:
-        for node in (online, offline):
-            if node.process.poll() is None:
-                node.interrupt()
+        interrupt_all([online, offline])
         hub.stop()
         nats.stop()

@@ -12,9 +12,9 @@ import httpx
 import pytest
 
 from exo.core.state import encode_state
-from tests.support.cluster import NatsServer, replay, start_node, state_of, wait_until
+from tests.support.cluster import NatsServer, node_process, replay, state_of, wait_until
 from tests.support.e2e import Reference
-from tests.support.exo_process import free_port_range
+from tests.support.exo_process import free_port_range, interrupt_all, start_all
 from tests.support.tcp_proxy import TcpProxy
 from tests.support.tiny_model import Dims, make_tiny_model
 
@@ -35,11 +35,12 @@ def test_a_partitioned_worker_is_timed_out_then_rejoins_and_converges(tmp_path: 
     nats = NatsServer(tmp_path / "nats")
     port = int(re.search(r":(\d+)$", nats.url).group(1))
     proxy = TcpProxy("127.0.0.1", port).start()
-    head = start_node(tmp_path, "head", nats.url, "--no-worker", "--node-timeout", str(NODE_TIMEOUT_S),
-                      env={"EXO_HEARTBEAT_S": "0.5"})
-    steady = start_node(tmp_path, "steady", nats.url, "--no-master", "--no-api", env=_worker_env())
     through_proxy = nats.url.replace(f"127.0.0.1:{port}", proxy.url.split("://", 1)[1])  # with the credentials
-    cut_off = start_node(tmp_path, "cut-off", through_proxy, "--no-master", env=_worker_env())  # API on: we read its State
+    head, steady, cut_off = start_all([
+        node_process(tmp_path, "head", nats.url, "--no-worker", "--node-timeout", str(NODE_TIMEOUT_S),
+                     env={"EXO_HEARTBEAT_S": "0.5"}),
+        node_process(tmp_path, "steady", nats.url, "--no-master", "--no-api", env=_worker_env()),
+        node_process(tmp_path, "cut-off", through_proxy, "--no-master", env=_worker_env())])  # API on: we read its State
     http = httpx.Client(base_url=head.url, timeout=120)
     try:
         wait_until(lambda: len(state_of(head).nodes) == 2, 30, what="both workers registered")
@@ -71,9 +72,7 @@ def test_a_partitioned_worker_is_timed_out_then_rejoins_and_converges(tmp_path: 
         _chat_exactly(http, expected)
     finally:
         http.close()
-        for node in (cut_off, steady, head):
-            if node.process.poll() is None:
-                node.interrupt()
+        interrupt_all([cut_off, steady, head])
         proxy.stop()
         nats.stop()
 

@@ -41,8 +41,14 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("model") / "model", DIMS)
 
 
+@pytest.fixture(scope="module")
+def reference(model_dir: Path) -> Reference:
+    """One for both paths: the long prompt's answer (a prefill of seconds) is computed once."""
+    return Reference(model_dir)
+
+
 @pytest.mark.parametrize("path", ["batch", "single"])
-def test_a_long_prefill_is_answered_exactly_and_a_runner_stopped_in_one_is_killed(tmp_path, model_dir, path):
+def test_a_long_prefill_is_answered_exactly_and_a_runner_stopped_in_one_is_killed(tmp_path, model_dir, reference, path):
     env = {"EXO_RUNNER_STALL_S": str(STALL_S)} | ({"EXO_MAX_BATCH": "1"} if path == "single" else {})
     with exo_serving(tmp_path, {TINY_MODEL_ID: model_dir}, env) as node, \
             httpx.Client(base_url=node.url, timeout=300) as http:
@@ -52,7 +58,7 @@ def test_a_long_prefill_is_answered_exactly_and_a_runner_stopped_in_one_is_kille
         reply = http.post("/v1/chat/completions", json={**ask, "messages": messages})
         took = time.monotonic() - started
         assert reply.status_code == 200, reply.text  # not a 424: "the runner was hung"
-        assert reply.json()["choices"][0]["message"]["content"] == Reference(model_dir).chat(messages, MAX_TOKENS)
+        assert reply.json()["choices"][0]["message"]["content"] == reference.chat(messages, MAX_TOKENS)
         assert took > 2 * STALL_S, f"the prompt took {took:.1f} s: too short to outlast the stall limit"
 
         (runner,) = runner_pids(node.process.pid)

@@ -15,7 +15,8 @@ from exo.core.placement import Unplaceable, place_instance
 from exo.core.state import State
 from exo.core.types import Instance, ModelCard, NodeInfo, RunnerInfo, Task
 from exo.master.decide import decide
-from tests.support.cluster import NatsServer, start_node, state_of, wait_until
+from tests.support.cluster import NatsServer, node_process, state_of, wait_until
+from tests.support.exo_process import interrupt_all, start_all
 from tests.support.tiny_model import make_tiny_model
 
 GB = 1_000_000_000
@@ -146,8 +147,8 @@ def model_dir(tmp_path_factory) -> Path:
 def test_three_models_on_three_worker_nodes_of_one_machine_go_one_to_each(tmp_path, model_dir):
     """Nodes on one machine report the same free memory: the case that piled everything on one."""
     nats = NatsServer(tmp_path / "nats")
-    head = start_node(tmp_path, "head", nats.url, "--no-worker")
-    workers = [start_node(tmp_path, f"worker{n}", nats.url, "--no-master", "--no-api") for n in (1, 2, 3)]
+    head, *workers = start_all([node_process(tmp_path, "head", nats.url, "--no-worker"),
+                                *(node_process(tmp_path, f"worker{n}", nats.url, "--no-master", "--no-api") for n in (1, 2, 3))])
     try:
         wait_until(lambda: len(state_of(head).nodes) == 3, 60, what="three workers registered")
         with httpx.Client(base_url=head.url, timeout=180) as http:
@@ -160,6 +161,5 @@ def test_three_models_on_three_worker_nodes_of_one_machine_go_one_to_each(tmp_pa
         by_model = {i.model_id: [s.node_id for s in i.shards] for i in state.instances.values()}
         assert sorted(n for shards in by_model.values() for n in shards) == sorted(state.nodes), by_model
     finally:
-        for process in [*workers, head]:
-            process.interrupt()
+        interrupt_all([*workers, head])
         nats.stop()

@@ -19,7 +19,7 @@ from exo.bus.errors import BusError
 from exo.bus.server.cluster_secret import lan_address
 from exo.bus.server.embedded import EmbeddedNats
 from exo.defaults import DEFAULT_API_PORT, DEFAULT_NATS_PORT
-from tests.support.exo_process import ExoProcess, exo_command
+from tests.support.exo_process import ExoProcess, exo_command, interrupt_all, start_all
 
 pytestmark = pytest.mark.slow
 
@@ -79,7 +79,8 @@ def test_a_loopback_node_prints_where_to_go_and_what_to_run_and_no_risk(tmp_path
 
 def test_an_open_api_is_one_risk_line_with_its_fix_and_advertise_addresses_still_win(tmp_path: Path):
     env = {"EXO_DISCOVERY_ADDRESS": "127.0.0.1", "EXO_ADVERTISE_ADDRESSES": "10.1.2.3"}
-    exo = ExoProcess(tmp_path / "data", env, ["--host", "0.0.0.0"]).start()
+    exo, keyed = start_all([ExoProcess(tmp_path / "data", env, ["--host", "0.0.0.0"]),
+                            ExoProcess(tmp_path / "keyed", {"EXO_API_KEYS": "k1"}, ["--host", "0.0.0.0"])])
     try:
         risks = [line for line in banner_of(exo) if line.startswith("  risk:")]
         assert risks == [f"  risk: the API listens on 0.0.0.0:{exo.port} without API keys: anyone who can reach "
@@ -88,15 +89,12 @@ def test_an_open_api_is_one_risk_line_with_its_fix_and_advertise_addresses_still
         node = own_node(exo)
         assert node["addresses"] == ["10.1.2.3"]
         assert node["name"] == f"{platform.node()}:{exo.port}"  # not the default port: told apart by it
-    finally:
-        assert exo.interrupt() == 0
-    keyed = ExoProcess(tmp_path / "keyed", {"EXO_API_KEYS": "k1"}, ["--host", "0.0.0.0"]).start()
-    try:  # with a key it is not a risk, and the commands shown send one
+        # with a key it is not a risk, and the commands shown send one
         banner = banner_of(keyed)
         assert not [line for line in banner if line.startswith("  risk:")], banner
         assert any(line.strip().startswith("curl -H 'Authorization: Bearer <key>' -X POST") for line in banner), banner
     finally:
-        assert keyed.interrupt() == 0
+        assert interrupt_all([exo, keyed]) == [0, 0]
 
 
 def test_trusted_lan_is_one_risk_line_that_is_the_same_at_every_start(tmp_path: Path):

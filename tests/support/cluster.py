@@ -30,7 +30,12 @@ class NatsServer:
 
 
 def start_node(root: Path, name: str, nats_url: str, *flags: str, env: dict[str, str] | None = None) -> ExoProcess:
-    return ExoProcess(root / name, env or {}, ["--nats", nats_url, *flags]).start()
+    return node_process(root, name, nats_url, *flags, env=env).start()
+
+
+def node_process(root: Path, name: str, nats_url: str, *flags: str, env: dict[str, str] | None = None) -> ExoProcess:
+    """start_node's process, not started yet: for exo_process.start_all."""
+    return ExoProcess(root / name, env or {}, ["--nats", nats_url, *flags])
 
 
 def state_of(node: ExoProcess) -> State:

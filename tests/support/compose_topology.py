@@ -35,8 +35,16 @@ class Service:
         return self.log_path.read_text(errors="replace")
 
     def stop(self, sig: int = signal.SIGINT, timeout: float = 30) -> None:
+        self.signal(sig)
+        self.wait_stopped(timeout)
+
+    def signal(self, sig: int) -> None:
         if self.process and self.process.poll() is None:
             self.process.send_signal(sig)
+
+    def wait_stopped(self, timeout: float = 30) -> None:
+        """Its exit, killed if it takes longer than `timeout`."""
+        if self.process:
             try:
                 self.process.wait(timeout)
             except subprocess.TimeoutExpired:
@@ -108,10 +116,12 @@ class LocalTopology:
         while not all(self.nats_healthy(n) for n in self.nats_names):
             assert time.monotonic() < deadline, "NATS cluster not healthy"
             time.sleep(0.2)
-        for name in self.compose["services"]:
-            if name.startswith("exo-"):
-                service = self.services[name] = self.exo_service(name).start()
-                self.wait_ready(service)
+        # all at once, as compose starts them (each depends on the NATS servers only)
+        started = [self.exo_service(name).start() for name in self.compose["services"] if name.startswith("exo-")]
+        for service in started:
+            self.services[service.name] = service
+        for service in started:
+            self.wait_ready(service)
 
     def wait_ready(self, service: Service, timeout: float = 90) -> None:
         deadline = time.monotonic() + timeout
@@ -129,5 +139,11 @@ class LocalTopology:
         return f"http://127.0.0.1:{self.api_port}"
 
     def stop(self) -> None:
-        for name in reversed(list(self.services)):
-            self.services[name].stop()
+        """The exo services at once, then the NATS servers at once (as `compose down` stops them)."""
+        services = list(reversed(self.services.values()))
+        exo = [s for s in services if s.name.startswith("exo-")]
+        for group in (exo, [s for s in services if s not in exo]):
+            for service in group:
+                service.signal(signal.SIGINT)
+            for service in group:
+                service.wait_stopped()

@@ -56,14 +56,22 @@ class Reference:
     def __init__(self, model_dir: Path, adapter_dir: Path | None = None) -> None:
         self.model_dir = model_dir
         self.model, self.tokenizer = mlx_lm.load(str(model_dir), adapter_path=str(adapter_dir) if adapter_dir else None)
+        # greedy texts already generated, by (prompt, max_tokens): a module asks for the same long
+        # one in several tests (a 1,000-token chat is ~3 s of CPU), and greedy decoding gives the
+        # same text every time
+        self._greedy: dict[tuple[str, int], str] = {}
 
     def chat_prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
         prompt: str = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
         return prompt  # tokenize=False: the template's text
 
     def generate(self, prompt: str, max_tokens: int, **kwargs: Any) -> str:
-        text: str = mlx_lm.generate(self.model, self.tokenizer, prompt, max_tokens=max_tokens, **kwargs)
-        return text
+        if kwargs:  # a sampler, logits processors, ...: generated each time
+            text: str = mlx_lm.generate(self.model, self.tokenizer, prompt, max_tokens=max_tokens, **kwargs)
+            return text
+        if (prompt, max_tokens) not in self._greedy:
+            self._greedy[prompt, max_tokens] = mlx_lm.generate(self.model, self.tokenizer, prompt, max_tokens=max_tokens)
+        return self._greedy[prompt, max_tokens]
 
     def chat(self, messages: list[dict[str, Any]], max_tokens: int, tools: list[dict[str, Any]] | None = None,
              **kwargs: Any) -> str:

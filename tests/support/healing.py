@@ -25,7 +25,7 @@ from exo.bus.server.membership import load_membership
 from exo.core.ids import InstanceId
 from exo.core.state import State, decode_state
 from tests.support import polling
-from tests.support.exo_process import ExoProcess, free_port_range
+from tests.support.exo_process import ExoProcess, free_port_range, interrupt_all
 
 MODEL = "local/tiny4"
 SUSPECT_S = 3.0  # EXO_SUSPECT_S: pulses (every second) silent this long and a node's instances are lost
@@ -113,14 +113,14 @@ def restart(node: ExoProcess, timeout: float = 150.0) -> None:
 
 
 def stop_all(nodes: list[ExoProcess]) -> None:
-    """Ctrl-C each live node; whatever outlives that is killed."""
+    """Ctrl-C every live node at once; whatever outlives that is killed."""
     for node in nodes:
         if node.process is not None and node.process.poll() is None:
             signal_all(pids_of(node), signal.SIGCONT)  # a paused node cannot stop
-            try:
-                node.interrupt(timeout=20)
-            except Exception:  # noqa: BLE001 (killed below)
-                pass
+    try:
+        interrupt_all(nodes, timeout=20)
+    except Exception:  # noqa: BLE001 (killed below)
+        pass
     for node in nodes:
         if node.process is not None:
             kill_9(node)
