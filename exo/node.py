@@ -33,6 +33,7 @@ from exo.bus.readers import ReaderPresence
 from exo.bus.server.cluster_node import ClusterNode, DiscoverySettings, LayoutSink
 from exo.bus.server.embedded import EmbeddedNats
 from exo.bus.server.jetstream_cluster import event_log_replicas
+from exo.bus.server.node_keys import load_node_key
 from exo.bus.server.server_config import NODE_TAG
 from exo.bus.state_view import StateView
 from exo.core.events import ClusterLayoutChanged, Event, NodeRegistered
@@ -233,10 +234,18 @@ class Node:
                             builtin: Mapping[ModelId, ModelCard]) -> None:
         """The worker and its heartbeat, once the node is registered in the log."""
         config = self.config
+        key = load_node_key(config.data_dir)  # its chunks are signed with it; State learns the public half
+        known = view.state.nodes.get(node_id)
+        if known is not None and known.public_key and known.public_key != key.public_key:
+            # The first key stays (exo/core/apply.py): every chunk signed with another would be dropped.
+            raise StartupError(f"the cluster knows node {node_id} by another key than {key.seed_file} holds "
+                               "(the file was replaced or lost): put the original file back, or start this "
+                               "machine as a new node (remove node_id from its data dir)")
         identity = NodeIdentity(name=self.name, address=config.address, advertised=config.worker.advertise_addresses,
-                                ring_ports=config.worker.ring_ports, offline=config.models.offline)
+                                ring_ports=config.worker.ring_ports, offline=config.models.offline,
+                                public_key=key.public_key)
         start = RunnerStart(nats_urls=self.nats_urls, security=config.security, settings=config.runner,
-                            traces_endpoint=configured_endpoint())
+                            traces_endpoint=configured_endpoint(), node_id=node_id, node_key_file=str(key.seed_file))
         self.worker = worker = Worker(nc, view, node_id, config.data_dir, self.nats_urls, builtin,
                                       DownloadSettings.of(config.models, config.data_dir), settings=config.worker,
                                       runner_start=start, suspect_s=config.master.suspect_s)

@@ -5,6 +5,9 @@ next request without another instance; the prompt cache never lends one adapter'
 
 from __future__ import annotations
 
+import json
+import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -13,7 +16,7 @@ import openai
 import pytest
 
 from exo.core.commands import DeleteAdapter, GenerateText
-from exo.core.events import CommandRejected, TaskCreated
+from exo.core.events import AdapterDeleting, TaskCreated
 from exo.core.requests import ChatMessage, GenerationParams
 from exo.core.state import State
 from exo.core.types import Instance, SamplingDefaults, ShardAssignment
@@ -25,13 +28,14 @@ from exo.settings.services import RunnerSettings
 from tests.support.adapters import make_adapter
 from tests.support.e2e import Reference, exo_serving, place
 from tests.support.tiny_model import TINY_MODEL_ID, make_tiny_model
-from tests.test_adapters import CARD, _adapter, upload
+from tests.test_adapters import CARD, _adapter, _objects, upload
 
 ASK = [{"role": "user", "content": "Tell me about the sea and the ships upon it."}]
 MAX_TOKENS = 24
 # Different seeds, ranks and layers: stacked per layer with ranks padded (multi_lora.py).
 ADAPTERS = {"pirate": {"seed": 7, "rank": 4}, "poet": {"seed": 11, "rank": 8, "num_layers": 1},
-            "clerk": {"seed": 13, "rank": 2}, "late": {"seed": 17, "rank": 4}}
+            "clerk": {"seed": 13, "rank": 2}, "late": {"seed": 17, "rank": 4}, "doomed": {"seed": 19, "rank": 4}}
+LONG_TOKENS = 600  # a generation still running while the DELETE is asked and a new request refused
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +64,7 @@ def http(tmp_path_factory, model_dir, adapter_dirs):
         for name in ("pirate", "poet", "clerk"):
             assert upload(client, name, adapter_dirs[name]).status_code == 200
         client.base_url_v1 = f"{node.url}/v1"  # type: ignore[attr-defined]
+        client.node = node  # type: ignore[attr-defined]
         yield client
 
 
@@ -100,6 +105,54 @@ def test_the_same_prompt_under_two_adapters_gets_each_adapters_own_text(http, re
     messages = [{"role": "user", "content": "Write a long letter about the harbour, the gulls and the tide."}]
     for adapter in ("poet", "clerk", None, "poet"):
         assert _ask(http, adapter, messages) == references[adapter].chat(messages, MAX_TOKENS), adapter
+
+
+def _stream_text(lines: Iterator[str], until_first: bool = False) -> str:
+    """The content of an SSE chat stream's deltas: all of it, or (`until_first`) its first piece."""
+    text = ""
+    for line in lines:
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        text += json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
+        if until_first and text:
+            break
+    return text
+
+
+def _soon(check: Callable[[], object], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "not within the timeout"
+        time.sleep(0.05)
+
+
+@pytest.mark.slow
+def test_deleting_an_adapter_in_use_waits_for_its_request_which_ends_with_mlx_lms_text(http, references, adapter_dirs):
+    assert upload(http, "doomed", adapter_dirs["doomed"]).status_code == 200
+    bad_wait = http.delete("/adapters/doomed", params={"wait": "soon"})
+    assert bad_wait.status_code == 400 and bad_wait.json()["error"]["param"] == "wait", bad_wait.text
+    digest = http.get("/adapters/doomed").json()["digest"]
+    model = f"{TINY_MODEL_ID}:doomed"
+    body = {"model": model, "messages": ASK, "max_tokens": LONG_TOKENS, "temperature": 0, "stream": True}
+    with ThreadPoolExecutor(1) as pool, http.stream("POST", "/v1/chat/completions", json=body) as stream, \
+            httpx.Client(base_url=http.base_url, timeout=300) as other:
+        lines = stream.iter_lines()
+        text = _stream_text(lines, until_first=True)  # it runs
+        at_once = http.delete("/adapters/doomed", params={"wait": 0})
+        assert at_once.status_code == 202, at_once.text
+        assert at_once.json()["deleting"] and at_once.json()["requests"] == 1
+        waiting = pool.submit(other.delete, "/adapters/doomed")  # a second DELETE, waiting for the same end
+        _soon(lambda: http.get("/adapters/doomed").json()["deleting"])
+        refused = http.post("/v1/chat/completions", json={"model": model, "messages": ASK, "max_tokens": 4})
+        assert refused.status_code == 404 and "being deleted" in refused.json()["error"]["message"], refused.text
+        assert model not in [m["id"] for m in http.get("/v1/models").json()["data"]]
+        assert not waiting.done()
+        text += _stream_text(lines)
+        answer = waiting.result(timeout=60)
+    assert text == references["doomed"].chat(ASK, LONG_TOKENS)  # ran to its exact end
+    assert answer.status_code == 200 and answer.json()["message"] == "adapter deleted", answer.text
+    assert http.get("/adapters/doomed").status_code == 404
+    assert digest not in _objects(http.node)  # type: ignore[attr-defined]  # deleted before the 200
 
 
 # --- in process and pure ---
@@ -167,7 +220,7 @@ def test_the_master_sends_an_adapter_to_a_single_node_instance_of_its_base_unles
     assert created.task.model_id == adapter.model_id  # the task names its adapter
     assert not isinstance(run(state, False)[0], TaskCreated)  # off: as before, an instance of its own
     running = State(adapters={"pirate": adapter}, instances=state.instances, tasks={"g": created.task})
-    [refused] = decide(running, DeleteAdapter(command_id="d", name="pirate"), builtin_cards={}, ids=iter(["x"]))
-    assert isinstance(refused, CommandRejected) and refused.code == "conflict" and "running" in refused.reason
+    [marked] = decide(running, DeleteAdapter(command_id="d", name="pirate"), builtin_cards={}, ids=iter(["x"]))
+    assert isinstance(marked, AdapterDeleting)  # deleted once the request ends (tests/test_adapter_delete.py)
     multi_node_only = State(adapters={"pirate": adapter}, instances={"two": _one_node("two", TINY_MODEL_ID, nodes=2)})
     assert not isinstance(run(multi_node_only, True)[0], TaskCreated)

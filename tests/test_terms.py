@@ -56,6 +56,7 @@ def test_a_masters_event_kind_without_a_term_is_skipped_whoever_wrote_it():
     from exo.core.events import (
         AdapterAdded,
         AdapterDeleted,
+        AdapterDeleting,
         CommandRejected,
         CustomCardAdded,
         CustomCardDeleted,
@@ -91,7 +92,8 @@ def test_a_masters_event_kind_without_a_term_is_skipped_whoever_wrote_it():
               DesireSet(desire=Desire(desire_id="d1", model_id="m/a")), DesireEnded(desire_id="d0"),
               DesireScaled(desire_id="d0", from_replicas=1, to_replicas=2),
               TaskMigrated(task_id="t1"), AdapterAdded(adapter=replace(adapter, name="x")),
-              AdapterDeleted(name="real"), KeySet(key=replace(key, admin=True)), KeyDeleted(key_id=key.key_id),
+              AdapterDeleted(name="real"), AdapterDeleting(name="real"), KeySet(key=replace(key, admin=True)),
+              KeyDeleted(key_id=key.key_id),
               GroupsSet(groups={"g": ["m/*"]})]
     assert {type(e) for e in forged} == MASTER_KINDS  # every master kind is tried
     after = apply_all(state, [(event, state.last_seq + n) for n, event in enumerate(forged, start=1)])  # as written

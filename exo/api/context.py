@@ -17,6 +17,7 @@ from exo.api.metrics import Metrics
 from exo.api.outcomes import CommandOutcomes
 from exo.api.state_metrics import ClusterCollector
 from exo.background import Background
+from exo.bus.chunk_gate import ChunkGate
 from exo.bus.connection import Connection, max_payload
 from exo.bus.publish import RETRY_FOR_S, publish_patience
 from exo.bus.state_view import FoldedView
@@ -66,9 +67,11 @@ class ApiContext:
     cluster_metrics: ClusterCollector = field(init=False)
     models: ModelSettings = field(default_factory=ModelSettings)
     model_dirs: ModelDirs = field(init=False)  # where this node keeps models: /models/add looks there offline
+    chunk_gate: ChunkGate = field(init=False)  # admits only chunks signed by the node running their run
 
     def __post_init__(self) -> None:
         self.model_dirs = ModelDirs.of(self.models, self.data_dir)  # as the worker reads them
+        self.chunk_gate = ChunkGate(lambda: self.view.state)
         self.cluster_metrics = ClusterCollector(lambda: self.view.state, per_key=self.settings.metrics_per_key)
         self.metrics.registry.register(self.cluster_metrics)
 

@@ -154,7 +154,7 @@ class Generation:
 
     async def _stored(self, first: int, stop: int | None) -> dict[int, TokenChunk]:
         try:
-            found = await stored_chunks(self._ctx.nc, self.command_id, first, stop)
+            found = await stored_chunks(self._ctx.nc, self.command_id, first, stop, gate=self._listener.gate)
         except Exception as error:  # JetStream unreachable right now: what is missing stays missing
             log.warning("generation %s: cannot read its chunks from JetStream: %r", self.command_id, error)
             return {}
@@ -312,7 +312,7 @@ async def start_generation(ctx: ApiContext, model_id: ModelId, params: Generatio
     command_id = new_command_id()
     names = ctx.view.names_for_model(model_id)
     await ctx.outcomes.raise_if_no_quorum(names)  # nothing is queued that could run after its client's 503
-    listener = await TokenListener.live(ctx.nc, command_id)  # before sending: no chunk can be missed
+    listener = await TokenListener.live(ctx.nc, command_id, ctx.chunk_gate)  # before sending: no chunk can be missed
     answer = ctx.outcomes.expect(command_id)
     ended = ctx.outcomes.expect_task_end(command_id)
     try:
@@ -393,5 +393,5 @@ async def resume_generation(ctx: ApiContext, command_id: CommandId, after: int) 
         ended.set_result(TaskFinished(task_id=command_id, status=task.status, finish_reason=task.finish_reason,
                                       error=task.error, prompt_tokens=task.prompt_tokens,
                                       completion_tokens=task.completion_tokens, cached_tokens=task.cached_tokens))
-    listener = await TokenListener.from_stream(ctx.nc, command_id)
+    listener = await TokenListener.from_stream(ctx.nc, command_id, gate=ctx.chunk_gate)
     return Generation(ctx, command_id, listener, ended, after=after)

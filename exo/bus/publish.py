@@ -39,11 +39,13 @@ publish_patience: ContextVar[float] = ContextVar("publish_patience", default=RET
 
 
 async def publish_durably(
-    nc: Client, subject: str, payload: bytes, stream: str, msg_id: str, retry_for: float | None = None, traceparent: str = ""
+    nc: Client, subject: str, payload: bytes, stream: str, msg_id: str, retry_for: float | None = None, traceparent: str = "",
+    headers: dict[str, str] | None = None,
 ) -> PubAck:
-    """`traceparent`: the span that sends it, carried in the headers to whoever reads it (exo/telemetry)."""
+    """`traceparent`: the span that sends it, carried in the headers to whoever reads it (exo/telemetry);
+    `headers`: more of them (a chunk's signature)."""
     retry_for = publish_patience.get() if retry_for is None else retry_for
-    headers = with_traceparent({"Nats-Msg-Id": msg_id}, traceparent)
+    headers = with_traceparent({**(headers or {}), "Nats-Msg-Id": msg_id}, traceparent)
     js = nc.jetstream()
     loop = asyncio.get_running_loop()
     deadline = loop.time() + retry_for

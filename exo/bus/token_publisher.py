@@ -21,6 +21,7 @@ import msgspec
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
+from exo.bus.chunk_signing import ChunkSigner
 from exo.bus.inbound import from_clients_only
 from exo.bus.subjects import token_subject
 from exo.core.requests import TokenChunk
@@ -51,11 +52,13 @@ class _Unacked:
     first_sent: float
     last_sent: float
     traceparent: str = ""  # the runner's publishing span of a traced request (exo/telemetry)
+    signed: dict[str, str] | None = None  # its signature headers (exo/bus/chunk_signing.py), signed once
 
 
 class ChunkPublisher:
-    def __init__(self, nc: Client) -> None:
+    def __init__(self, nc: Client, signer: ChunkSigner | None = None) -> None:
         self._nc = nc
+        self._signer = signer  # the node's key: the API node admits only chunks its run's node signed
         self._unacked: dict[int, _Unacked] = {}  # by our sequence, in sending order
         self._sent = 0
         self._prefix = ""
@@ -73,7 +76,9 @@ class ChunkPublisher:
             await self._wait_for_change(RESEND_AFTER_S)
         self._sent += 1
         now = asyncio.get_running_loop().time()
-        entry = _Unacked(token_subject(chunk.command_id), _encoder.encode(chunk), chunk_msg_id(chunk), now, now, traceparent)
+        subject, payload = token_subject(chunk.command_id), _encoder.encode(chunk)
+        signed = self._signer.headers(subject, payload) if self._signer is not None else None
+        entry = _Unacked(subject, payload, chunk_msg_id(chunk), now, now, traceparent, signed)
         self._unacked[self._sent] = entry
         await self._send(self._sent, entry)
         if chunk.finish_reason is not None:
@@ -86,7 +91,8 @@ class ChunkPublisher:
     async def _send(self, seq: int, entry: _Unacked) -> None:
         try:
             await self._nc.publish(entry.subject, entry.payload, reply=f"{self._prefix}.{seq}",
-                                   headers=with_traceparent({"Nats-Msg-Id": entry.msg_id}, entry.traceparent))
+                                   headers=with_traceparent({**(entry.signed or {}), "Nats-Msg-Id": entry.msg_id},
+                                                            entry.traceparent))
         except Exception as error:  # reconnecting, buffer full: the resender tries again
             log.info("token chunk %s not sent (%r); will resend", entry.msg_id, error)
 

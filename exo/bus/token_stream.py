@@ -16,6 +16,8 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js import api
 
+from exo.bus.chunk_gate import ChunkGate
+from exo.bus.chunk_signing import ChunkSigner
 from exo.bus.inbound import from_clients_only
 from exo.bus.jetstream_api import jetstream_request
 from exo.bus.publish import publish_durably
@@ -60,22 +62,23 @@ def decoded_chunk(msg: Msg, command_id: CommandId) -> TokenChunk:
                                       "the runner sent what the API cannot read")
 
 
-async def publish_chunk(nc: Client, chunk: TokenChunk) -> None:
-    subject = token_subject(chunk.command_id)
+async def publish_chunk(nc: Client, chunk: TokenChunk, signer: ChunkSigner | None = None) -> None:
+    subject, payload = token_subject(chunk.command_id), _encoder.encode(chunk)
+    signed = signer.headers(subject, payload) if signer is not None else {}
     if chunk.finish_reason is None:
-        await nc.publish(subject, _encoder.encode(chunk))
+        await nc.publish(subject, payload, headers=signed or None)
     else:
         msg_id = f"{chunk.command_id}:{chunk.index}:{chunk.finish_reason}"
-        await publish_durably(nc, subject, _encoder.encode(chunk), TOKENS_STREAM, msg_id)
+        await publish_durably(nc, subject, payload, TOKENS_STREAM, msg_id, headers=signed)
 
 
 async def stored_chunks(nc: Client, command_id: CommandId, first: int, stop: int | None,
-                        timeout: float = 5.0) -> dict[int, TokenChunk]:
+                        timeout: float = 5.0, gate: ChunkGate | None = None) -> dict[int, TokenChunk]:
     """The chunks of one generation that EXO_TOKENS holds, by index: `first` to `stop` (excluded),
     or with `stop` None everything from `first` through the last chunk. For a listener that
     missed some (its connection dropped); what is not there after `timeout` was never stored
     (a runner resends a chunk JetStream did not ack after 1 s: the timeout leaves room for that)."""
-    listener = await TokenListener.from_stream(nc, command_id)
+    listener = await TokenListener.from_stream(nc, command_id, gate=gate)
     found: dict[int, TokenChunk] = {}
     end = stop
     loop = asyncio.get_running_loop()
@@ -96,16 +99,18 @@ async def stored_chunks(nc: Client, command_id: CommandId, first: int, stop: int
     return found
 
 
-async def resume_point(nc: Client, command_id: CommandId, attempt: int, timeout: float = 5.0) -> tuple[list[int], int]:
+async def resume_point(nc: Client, command_id: CommandId, attempt: int, timeout: float = 5.0,
+                       gate: ChunkGate | None = None) -> tuple[list[int], int]:
     """For run `attempt` of a generation taking over from the runs before it: the token ids they
     streamed, in order, and the index of the next chunk. Their stored chunks, each run's from the
-    index it resumed at, up to the first gap (what JetStream never stored is generated again)."""
+    index it resumed at, up to the first gap (what JetStream never stored is generated again).
+    With a `gate`, only chunks signed by their run's node count (a forged one is a gap)."""
     last = await jetstream_request(nc, f"$JS.API.STREAM.MSG.GET.{TOKENS_STREAM}",
                                    {"last_by_subj": token_subject(command_id)})
     if last.get("error"):
         return [], 0  # nothing stored: it starts from the beginning
     last_seq = int(last["message"]["seq"])
-    listener = await TokenListener.from_stream(nc, command_id, with_sequence=True)
+    listener = await TokenListener.from_stream(nc, command_id, with_sequence=True, gate=gate)
     chunks: list[TokenChunk] = []
     try:
         while (found := await listener.next_with_sequence(timeout)) is not None:
@@ -142,27 +147,30 @@ class TokenListener:
 
     `live()` subscribes on the plain subject before the command is sent (no round trip, and
     nothing can be published before the command exists); `from_stream()` replays from
-    JetStream for a listener that arrives late.
+    JetStream for a listener that arrives late. With a `gate`, only chunks it admits arrive
+    (exo/bus/chunk_gate.py: signed by the node running their run).
     """
 
-    def __init__(self, command_id: CommandId = CommandId("")) -> None:
+    def __init__(self, command_id: CommandId = CommandId(""), gate: ChunkGate | None = None) -> None:
         self.command_id = command_id
+        self.gate = gate
         self.queue: asyncio.Queue[TokenChunk] = asyncio.Queue()
         self._sequenced: asyncio.Queue[tuple[int, TokenChunk]] = asyncio.Queue()  # (stream sequence, chunk)
         self._subscription: Subscription | None = None
         self._receiving: dict[int, tracing.OpenSpan] = {}  # run (attempt) -> its chunks' span here, when traced
 
     @classmethod
-    async def live(cls, nc: Client, command_id: CommandId) -> TokenListener:
-        listener = cls(command_id)
+    async def live(cls, nc: Client, command_id: CommandId, gate: ChunkGate | None = None) -> TokenListener:
+        listener = cls(command_id, gate)
         # A runner's publish, never a JetStream delivery: a push consumer aimed at this subject
         # could otherwise put stored chunks of another generation into this one.
         listener._subscription = await nc.subscribe(token_subject(command_id), cb=from_clients_only(listener._on_msg))
         return listener
 
     @classmethod
-    async def from_stream(cls, nc: Client, command_id: CommandId, with_sequence: bool = False) -> TokenListener:
-        listener = cls(command_id)
+    async def from_stream(cls, nc: Client, command_id: CommandId, with_sequence: bool = False,
+                          gate: ChunkGate | None = None) -> TokenListener:
+        listener = cls(command_id, gate)
         listener._subscription = await nc.jetstream().subscribe(
             token_subject(command_id),
             stream=TOKENS_STREAM,
@@ -178,7 +186,13 @@ class TokenListener:
         except TimeoutError:
             return None
 
+    async def _admits(self, msg: Msg) -> bool:
+        # Awaited in the subscription's callback: later chunks wait behind this one, so order holds.
+        return self.gate is None or await self.gate.admits(self.command_id, msg.subject, msg.data, msg.headers)
+
     async def _on_stored(self, msg: Msg) -> None:
+        if not await self._admits(msg):
+            return
         self._sequenced.put_nowait((msg.metadata.sequence.stream, decoded_chunk(msg, self.command_id)))
 
     async def next_within(self, seconds: float) -> TokenChunk | None:
@@ -188,6 +202,8 @@ class TokenListener:
             return None
 
     async def _on_msg(self, msg: Msg) -> None:
+        if not await self._admits(msg):
+            return
         chunk = decoded_chunk(msg, self.command_id)
         if (traceparent := tracing.traceparent_of(msg.headers)) and chunk.attempt not in self._receiving:
             self._receiving[chunk.attempt] = tracing.start_span("exo.tokens.receive", traceparent, "consumer",

@@ -46,6 +46,9 @@ class Adapter(msgspec.Struct, frozen=True, kw_only=True):
     layers: int = 0  # the highest layer index its tensors touch, plus one
     hidden_inputs: list[int] = []  # the input widths of its q/k/v/gate/up projections (the base's hidden size)
     source: str = ""  # "upload", or the Hub repo it came from
+    # DELETE /adapters asked while requests used it: it takes no new ones, and the master deletes it
+    # once the last ends (exo/master/adapters.py). In State, so a new master finishes it too.
+    deleting: bool = False
 
     @property
     def model_id(self) -> ModelId:

@@ -20,7 +20,15 @@ from typing import Any, get_args
 
 from msgspec.structs import replace
 
-from exo.core.apply_access import on_adapter_added, on_adapter_deleted, on_card_added, on_card_deleted, on_key_deleted, on_key_set
+from exo.core.apply_access import (
+    on_adapter_added,
+    on_adapter_deleted,
+    on_adapter_deleting,
+    on_card_added,
+    on_card_deleted,
+    on_key_deleted,
+    on_key_set,
+)
 from exo.core.apply_tasks import (
     on_task_cancel_requested,
     on_task_created,
@@ -33,6 +41,7 @@ from exo.core.draft import Draft
 from exo.core.events import (
     AdapterAdded,
     AdapterDeleted,
+    AdapterDeleting,
     AnyEvent,
     ClusterLayoutChanged,
     CommandRejected,
@@ -74,7 +83,7 @@ from exo.core.types import DownloadProgress, RunnerInfo
 MASTER_KINDS: frozenset[type] = frozenset({
     NodeTimedOut, NodeSuspected, InstanceCreated, InstanceDeleted, TaskCreated, TaskCancelRequested,
     CustomCardAdded, CustomCardDeleted, AdapterAdded, AdapterDeleted, KeySet, KeyDeleted, CommandRejected, DesireSet,
-    DesireEnded, DesireScaled, TaskMigrated, GroupsSet,
+    DesireEnded, AdapterDeleting, DesireScaled, TaskMigrated, GroupsSet,
 })
 
 
@@ -150,7 +159,12 @@ def _on_node_registered(draft: Draft, event: NodeRegistered | NodeHeartbeat, seq
     node, known = event.node, draft.nodes.get(event.node.node_id)
     # Only the master marks a node suspect or clears it: a node's own description keeps State's mark.
     kept = known.suspect_since if known is not None else 0.0
-    draft.own("nodes")[node.node_id] = node if node.suspect_since == kept else replace(node, suspect_since=kept)
+    # Trust on first use: the first key stays, so a forged registration cannot swap in a key of its
+    # own (or none) to sign chunks as this node; the rest of the event is folded as ever.
+    key = known.public_key if known is not None and known.public_key else node.public_key
+    if node.suspect_since != kept or node.public_key != key:
+        node = replace(node, suspect_since=kept, public_key=key)
+    draft.own("nodes")[node.node_id] = node
 
 
 def _on_node_suspected(draft: Draft, event: NodeSuspected, seq: int) -> None:
@@ -288,6 +302,7 @@ _HANDLERS: dict[type, Callable[[Draft, Any, int], None]] = {
     CustomCardDeleted: on_card_deleted,
     AdapterAdded: on_adapter_added,
     AdapterDeleted: on_adapter_deleted,
+    AdapterDeleting: on_adapter_deleting,
     KeySet: on_key_set,
     KeyDeleted: on_key_deleted,
     CommandRejected: _on_command_rejected,

@@ -4,8 +4,19 @@ finish). exo/core/apply.py dispatches to them; the same rules hold (decide, then
 
 from __future__ import annotations
 
+from msgspec.structs import replace
+
 from exo.core.draft import Draft
-from exo.core.events import AdapterAdded, AdapterDeleted, CustomCardAdded, CustomCardDeleted, KeyDeleted, KeySet, TaskFinished
+from exo.core.events import (
+    AdapterAdded,
+    AdapterDeleted,
+    AdapterDeleting,
+    CustomCardAdded,
+    CustomCardDeleted,
+    KeyDeleted,
+    KeySet,
+    TaskFinished,
+)
 from exo.core.keys import KeyWindow, window_after, window_with_tokens
 from exo.core.skip import Skip
 from exo.core.types import Task
@@ -35,6 +46,14 @@ def on_adapter_deleted(draft: Draft, event: AdapterDeleted, seq: int) -> None:
     if event.name not in draft.adapters:
         raise Skip(f"unknown adapter {event.name}")
     del draft.own("adapters")[event.name]
+
+
+def on_adapter_deleting(draft: Draft, event: AdapterDeleting, seq: int) -> None:
+    adapter = draft.adapters.get(event.name)
+    if adapter is None:
+        raise Skip(f"unknown adapter {event.name}")
+    if not adapter.deleting:  # marked already: a second DELETE waits for the same end
+        draft.own("adapters")[event.name] = replace(adapter, deleting=True)
 
 
 def on_key_set(draft: Draft, event: KeySet, seq: int) -> None:

@@ -10,7 +10,7 @@ from exo.core.apply_access import count_request, count_tokens
 from exo.core.conversation import digest_conversation, without_text
 from exo.core.draft import Draft
 from exo.core.events import TaskCancelRequested, TaskCreated, TaskFinished, TaskMigrated, TaskStarted
-from exo.core.ids import TaskId
+from exo.core.ids import InstanceId, NodeId, TaskId
 from exo.core.skip import Skip
 from exo.core.state import MAX_FINISHED_TASKS
 from exo.core.types import Migration, Task
@@ -20,9 +20,16 @@ def on_task_created(draft: Draft, event: TaskCreated, seq: int) -> None:
     if event.task.task_id in draft.tasks:
         raise Skip(f"task {event.task.task_id} already exists")
     task = event.task
-    draft.own("tasks")[task.task_id] = replace(task, conversation=digest_conversation(task.params))
+    draft.own("tasks")[task.task_id] = replace(task, conversation=digest_conversation(task.params),
+                                               run_nodes=[_nodes_of(draft, task.instance_id)])
     count_request(draft, task)
     _stamp_use(draft, task, task.created_at)
+
+
+def _nodes_of(draft: Draft, instance_id: InstanceId) -> list[NodeId]:
+    """The nodes of an instance's ranks: who may sign the chunks of a run on it ([]: not in this log)."""
+    instance = draft.instances.get(instance_id)
+    return [shard.node_id for shard in instance.shards] if instance is not None else []
 
 
 def _stamp_use(draft: Draft, task: Task, at: float) -> None:
@@ -80,8 +87,10 @@ def on_task_migrated(draft: Draft, event: TaskMigrated, seq: int) -> None:
     waiting_already = not task.instance_id and task.migrations  # from waiting to an instance: the same move
     migrations = [*task.migrations[:-1], replace(task.migrations[-1], to_instance=event.to_instance)] \
         if waiting_already else [*task.migrations, moved]
+    run = len(migrations)  # the run that starts on to_instance ("": it waits, no nodes yet)
+    run_nodes = [*task.run_nodes[:run], *([[]] * (run - len(task.run_nodes))), _nodes_of(draft, event.to_instance)]
     draft.own("tasks")[event.task_id] = replace(task, instance_id=event.to_instance, status="pending",
-                                                migrations=migrations)
+                                                migrations=migrations, run_nodes=run_nodes)
     if not waiting_already:
         draft.migrations_total += 1
 

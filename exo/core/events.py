@@ -191,6 +191,14 @@ class AdapterDeleted(Event, frozen=True, tag="adapter.deleted", kw_only=True):
     name: str
 
 
+class AdapterDeleting(Event, frozen=True, tag="adapter.deleting", kw_only=True):
+    """DELETE /adapters of one that requests use: marked, refused to new requests, deleted (an
+    adapter.deleted with no command) once the last of them ends."""
+
+    command_id: CommandId = CommandId("")
+    name: str
+
+
 class KeySet(Event, frozen=True, tag="key.set", kw_only=True):
     command_id: CommandId = CommandId("")
     key: ApiKey
@@ -257,6 +265,7 @@ AnyEvent = (
     | CustomCardDeleted
     | AdapterAdded
     | AdapterDeleted
+    | AdapterDeleting
     | KeySet
     | KeyDeleted
     | CommandRejected

@@ -242,6 +242,9 @@ class NodeInfo(msgspec.Struct, frozen=True, kw_only=True):
     incarnation: str = ""  # random per process start: two live processes with one node id show up as two
     prompt_caches: dict[InstanceId, PromptCacheStats] = {}  # instance id -> its runner's prompt cache on this node
     suspect_since: float = 0.0  # the master's wall clock when it marked the node suspect (0: not); only it sets this
+    # Its chunk-signing key (a NATS user nkey, "U..."; exo/bus/chunk_signing.py): the first one State
+    # sees stays (trust on first use); "": a node from before keys.
+    public_key: str = ""
     offline: bool = False  # --offline: it fetches no model (from the Hub or peers), it uses only what is on its disks
 
 
@@ -300,6 +303,9 @@ class Task(msgspec.Struct, frozen=True, kw_only=True):
     # Set by the reducer: the prompt by digest. Once the task finishes, `params` loses its
     # messages, prompt, tools and stop strings, and this is what routing reads of it.
     conversation: ConversationDigest = ConversationDigest()
+    # Set by the reducer: the nodes of each run's instance, by run (attempt), when it began: who may
+    # sign its chunks, still known once a migrated run's instance is deleted. []: not known (an older log).
+    run_nodes: list[list[NodeId]] = []
 
 
 class ClusterServer(msgspec.Struct, frozen=True, kw_only=True):

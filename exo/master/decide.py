@@ -6,7 +6,7 @@ from collections.abc import Iterable, Iterator, Mapping, Set
 
 from msgspec.structs import replace
 
-from exo.core.adapters import misfit
+from exo.core.adapter_use import being_deleted
 from exo.core.catalogue import find_card
 from exo.core.commands import (
     AddAdapter,
@@ -25,8 +25,6 @@ from exo.core.commands import (
     replica_bounds_problem,
 )
 from exo.core.events import (
-    AdapterAdded,
-    AdapterDeleted,
     CommandRejected,
     CustomCardAdded,
     CustomCardDeleted,
@@ -49,6 +47,7 @@ from exo.core.reservations import reserved_tokens
 from exo.core.state import State
 from exo.core.types import Desire, Instance, ModelCard, RejectionCode, Task
 from exo.core.usage import day_of, tokens_in_day, tokens_in_month
+from exo.master.adapters import add_adapter, delete_adapter
 from exo.master.eviction import place_making_room
 from exo.master.heal import place_for
 from exo.master.memo import DecideMemo
@@ -104,9 +103,9 @@ def decide(
         case DeleteCustomCard():
             return _delete_card(state, command, builtin_cards)
         case AddAdapter():
-            return _add_adapter(state, command, builtin_cards)
+            return add_adapter(state, command, builtin_cards)
         case DeleteAdapter():
-            return _delete_adapter(state, command)
+            return delete_adapter(state, command)
         case SetKey():
             return _set_key(state, command)
         case DeleteKey():
@@ -127,6 +126,8 @@ def _place(state: State, command: PlaceInstance, builtin: Mapping[ModelId, Model
     card = find_card(state, builtin, command.model_id)
     if card is None:
         return _reject(command, "not_found", f"unknown model {command.model_id!r}")
+    if deleting := being_deleted(state, command.model_id):
+        return _reject(command, "not_found", deleting)
     if not 0 <= command.num_draft_tokens <= MAX_DRAFT_TOKENS:
         return _reject(command, "invalid", f"num_draft_tokens must be between 1 and {MAX_DRAFT_TOKENS} (0: "
                                            f"{DEFAULT_DRAFT_TOKENS}), not {command.num_draft_tokens}")
@@ -208,6 +209,8 @@ def _generate(state: State, command: GenerateText, builtin: Mapping[ModelId, Mod
               adapters_share_base: bool = DEFAULT_ADAPTERS_SHARE_BASE) -> list[Event]:
     if find_card(state, builtin, command.model_id) is None:
         return _reject(command, "not_found", f"unknown model {command.model_id!r}")
+    if deleting := being_deleted(state, command.model_id):  # those it runs end first: none may join them
+        return _reject(command, "not_found", deleting)
     if command.key_id and (refused := _over_limits(state, command, builtin)):
         return refused
     instances, failures = memo.serving.of(state, command.model_id)
@@ -284,35 +287,6 @@ def _delete_card(state: State, command: DeleteCustomCard, builtin: Mapping[Model
     if fitted:
         return _reject(command, "conflict", f"adapters fit {command.model_id!r} ({', '.join(fitted)}); delete them first")
     return [CustomCardDeleted(command_id=command.command_id, model_id=command.model_id)]
-
-
-def _add_adapter(state: State, command: AddAdapter, builtin: Mapping[ModelId, ModelCard]) -> list[Event]:
-    adapter = command.adapter
-    if problem := adapter.problem():
-        return _reject(command, "invalid", problem)
-    card = find_card(state, builtin, adapter.base_model)
-    if card is None or card.model_id != adapter.base_model:  # an adapter fits a model, not another adapter
-        return _reject(command, "not_found", f"unknown base model {adapter.base_model!r}")
-    if problem := misfit(adapter, card):
-        return _reject(command, "invalid", problem)
-    existing = state.adapters.get(adapter.name)
-    if existing is not None and replace(existing, source=adapter.source) != adapter:
-        return _reject(command, "conflict", f"an adapter named {adapter.name!r} exists already (for "
-                                            f"{existing.base_model}, weights {existing.digest[:12]}); delete it "
-                                            "first or choose another name")
-    return [AdapterAdded(command_id=command.command_id, adapter=existing or adapter)]
-
-
-def _delete_adapter(state: State, command: DeleteAdapter) -> list[Event]:
-    adapter = state.adapters.get(command.name)
-    if adapter is None:
-        return _reject(command, "not_found", f"unknown adapter {command.name!r}")
-    if state.instances_of(adapter.model_id) or any(d.model_id == adapter.model_id for d in state.desires.values()):
-        return _reject(command, "conflict", f"{adapter.model_id!r} has instances placed; delete them first")
-    open_tasks = (t for tasks in state.open_tasks_by_instance().values() for t in tasks)
-    if any(t.model_id == adapter.model_id for t in open_tasks):  # served on its base's instance
-        return _reject(command, "conflict", f"requests for {adapter.model_id!r} are running; try again once they end")
-    return [AdapterDeleted(command_id=command.command_id, name=command.name)]
 
 
 def _over_limits(state: State, command: GenerateText, builtin: Mapping[ModelId, ModelCard]) -> list[Event]:

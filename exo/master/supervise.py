@@ -1,6 +1,7 @@
 """What the master does unasked: time out silent nodes, end instances that lost a node or keep
-failing (moving their generations: exo/master/heal.py), keep each desire placed, unload idle ones
-and scale replicas with the load (exo/master/autoscale.py).
+failing (moving their generations: exo/master/heal.py), keep each desire placed, unload idle ones,
+scale replicas with the load (exo/master/autoscale.py) and delete the adapters marked for deletion
+once their last request ends (exo/master/adapters.py).
 
 Pure: when each node was last heard from, the time now and the limits come in as arguments.
 """
@@ -15,6 +16,7 @@ from exo.core.ids import InstanceId, ModelId, NodeId
 from exo.core.node_names import node_display
 from exo.core.state import State
 from exo.core.types import Instance, ModelCard
+from exo.master.adapters import deletions_due
 from exo.master.autoscale import ScalePolicy, desires_touched, scale_desires
 from exo.master.heal import HealLimits, after_failure, end_instance, replace_missing, waiting_tasks
 
@@ -84,8 +86,8 @@ def supervise(
     scale: ScalePolicy = DEFAULT_SCALE,
 ) -> list[Event]:
     """Instances that lost a node or keep failing end first (their tasks move); once State has
-    that, waiting tasks find instances, desires short of replicas get new ones, idle ones unload
-    and replicas follow the load."""
+    that, waiting tasks find instances, desires short of replicas get new ones, idle ones unload,
+    replicas follow the load and adapters waiting for their requests to end are deleted."""
     wall = now if wall_now is None else wall_now
     timed_out = silent_nodes(state, heard_at, now, node_timeout)
     suspect = frozenset(silent_nodes(state, heard_at, now, min(limits.suspect_s, node_timeout)))
@@ -104,7 +106,7 @@ def supervise(
         return events
     kept = [*waiting_tasks(state, wall, limits, suspect),
             *replace_missing(state, builtin or {}, ids or _no_ids(), wall, avoid=suspect),
-            *idle_desires(state, wall)]
+            *idle_desires(state, wall), *deletions_due(state)]
     # A desire healed or unloaded this round scales in the next: two whole-record DesireSets of one
     # desire in one round would lose the first's change.
     return [*kept, *scale_desires(state, wall, scale, skip=desires_touched(state, kept))]

@@ -14,10 +14,12 @@ import logging
 import os
 import sys
 import traceback
+from pathlib import Path
 
 import msgspec
 
 from exo import event_loop
+from exo.bus.chunk_signing import ChunkSigner
 from exo.bus.connection import connect
 from exo.runner.process import Runner
 from exo.runner.protocol import RUNNER_START_ENV, RunnerStart
@@ -32,7 +34,8 @@ async def _main() -> None:
     configure_tracing(start.traces_endpoint, process="runner")
     nc = await connect(start.nats_urls, name="exo-runner", security=start.security)
     try:
-        await Runner(nc, reports, start.settings).run()
+        signer = ChunkSigner.from_file(start.node_id, Path(start.node_key_file)) if start.node_key_file else None
+        await Runner(nc, reports, start.settings, signer).run()
     finally:
         await nc.drain()
         shutdown_tracing()  # its last spans out now: this process leaves by os._exit, past atexit

@@ -21,6 +21,7 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import BinaryIO, TypeGuard, cast
 
+from exo.bus.chunk_signing import ChunkSigner
 from exo.bus.connection import Connection
 from exo.core.catalogue import is_vision_config
 from exo.core.requests import FinishReason, rows_of
@@ -61,7 +62,8 @@ WORKER_GONE_GRACE_S = 5.0  # stdin closed: the runner has exited by then, whatev
 
 
 class Runner:
-    def __init__(self, nc: Connection, reports: BinaryIO, settings: RunnerSettings = RunnerSettings()) -> None:
+    def __init__(self, nc: Connection, reports: BinaryIO, settings: RunnerSettings = RunnerSettings(),
+                 signer: ChunkSigner | None = None) -> None:
         self._settings = settings
         self._engine: ModelEngine = Engine(settings)
         self._mlx_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlx")
@@ -75,7 +77,7 @@ class Runner:
         self._generating: dict[str, asyncio.Task[None]] = {}  # batched generations in flight, by task id
         self._in_flight: set[str] = set()  # generations the model thread has not finished yet
         self._traces = GenerationTraces()  # the spans of traced requests (exo/telemetry); none otherwise
-        self._replies = Replies(nc, reports, self._traces, lambda: self._engine.prompt_cache.stats())
+        self._replies = Replies(nc, reports, self._traces, lambda: self._engine.prompt_cache.stats(), signer)
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()

@@ -22,6 +22,10 @@ class RunnerStart(msgspec.Struct, frozen=True, kw_only=True):
     security: NatsSecurity = NatsSecurity()
     settings: RunnerSettings = RunnerSettings()
     traces_endpoint: str = ""  # where the runner sends its spans, as its node does ("" : tracing off)
+    # The node's key file (<data dir>/node.nk, its owner's only), never the seed itself: its chunks
+    # are signed as `node_id` with it (exo/bus/chunk_signing.py). "": unsigned.
+    node_id: str = ""
+    node_key_file: str = ""
 
 
 class Request(msgspec.Struct, frozen=True, kw_only=True, tag_field="op"):

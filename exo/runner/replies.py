@@ -10,6 +10,7 @@ import traceback
 from collections.abc import Callable
 from typing import BinaryIO
 
+from exo.bus.chunk_signing import ChunkSigner
 from exo.bus.connection import Connection
 from exo.bus.token_publisher import ChunkPublisher
 from exo.core.ids import TaskId
@@ -25,8 +26,9 @@ Outgoing = TokenChunk | tuple[TokenChunk, asyncio.Future[None]]
 
 class Replies:
     def __init__(self, nc: Connection, reports: BinaryIO, traces: GenerationTraces,
-                 prompt_cache_stats: Callable[[], PromptCacheStats]) -> None:
+                 prompt_cache_stats: Callable[[], PromptCacheStats], signer: ChunkSigner | None = None) -> None:
         self._nc = nc
+        self._signer = signer  # its node's key, which every chunk is signed with
         self._reports = reports
         self._traces = traces
         self._prompt_cache_stats = prompt_cache_stats  # of the engine loaded now
@@ -78,7 +80,7 @@ class Replies:
 
     async def publish(self) -> None:
         # One publisher keeps chunks in order on the wire; each is acked by JetStream (resent if not).
-        publisher = ChunkPublisher(self._nc)
+        publisher = ChunkPublisher(self._nc, self._signer)
         await publisher.start()
         while True:
             chunk = await self._chunks.get()

@@ -24,6 +24,7 @@ class NodeIdentity:
     advertised: tuple[str, ...] = ()  # EXO_ADVERTISE_ADDRESSES: the ring addresses peers dial; (): `address`
     ring_ports: str = ""  # EXO_RING_PORTS, "FIRST-LAST"; "": DEFAULT_RING_PORTS
     offline: bool = False  # --offline: it fetches no model, so placement prefers nodes that can
+    public_key: str = ""  # its node key's public half (<data dir>/node.nk): the API checks its chunks' signatures
 
 
 def describe_this_node(node_id: NodeId, incarnation: str, now: float,
@@ -36,7 +37,7 @@ def describe_this_node(node_id: NodeId, incarnation: str, now: float,
         memory_total=total, memory_available=available, cpu_count=os.cpu_count() or 1, backend=mlx_backend(),
         last_seen=now, addresses=addresses(identity.address, identity.advertised),
         ring_port_first=first, ring_port_count=count, incarnation=incarnation, prompt_caches=prompt_caches or {},
-        offline=identity.offline,
+        offline=identity.offline, public_key=identity.public_key,
     )
 
 

@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from exo.background import Background
+from exo.bus.chunk_gate import ChunkGate
+from exo.bus.chunk_signing import ChunkSigner
 from exo.bus.connection import Connection
 from exo.bus.errors import raise_if_cancelled
 from exo.bus.event_log import EventLog
@@ -95,6 +97,9 @@ class Worker:
         self._migrate_grace_s = suspect_s + MIGRATE_MARGIN_S
         downloads = download_settings or DownloadSettings.of(ModelSettings(), data_dir)
         start = runner_start or RunnerStart(nats_urls=nats_urls)
+        # The last chunk this worker sends for its runner is signed as its runners' are.
+        self._signer = ChunkSigner.from_file(start.node_id, Path(start.node_key_file)) if start.node_key_file else None
+        self._chunk_gate = ChunkGate(lambda: view.state)  # earlier runs' chunks count for a resume only if theirs
         self._batch_slots = start.settings.max_batch  # the queue stays here, fair between keys (fairness.py)
         new_runner = runner_factory or (
             lambda runner_id: RunnerHost(runner_id, start, data_dir / "logs", offline=downloads.offline))
@@ -315,7 +320,7 @@ class Worker:
         """A migrated task continues after the tokens its earlier runs streamed (EXO_TOKENS)."""
         if not task.migrations:
             return None
-        token_ids, next_index = await resume_point(self._nc, task.task_id, len(task.migrations))
+        token_ids, next_index = await resume_point(self._nc, task.task_id, len(task.migrations), gate=self._chunk_gate)
         return Resume(token_ids=token_ids, next_index=next_index, attempt=len(task.migrations))
 
     async def _end_task(self, task_id: TaskId, status: TaskStatus, reason: str) -> None:
@@ -323,6 +328,6 @@ class Worker:
         finish: FinishReason = "cancelled" if status == "cancelled" else "error"
         attempt = run_of(self._view.state, task_id)
         await publish_chunk(self._nc, TokenChunk(command_id=task_id, index=0, finish_reason=finish, error=reason,
-                                                 attempt=attempt))
+                                                 attempt=attempt), self._signer)
         await self._publish(TaskFinished(task_id=task_id, status=status, finish_reason=finish, error=reason,
                                          attempt=attempt, at=time.time()))

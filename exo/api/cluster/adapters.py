@@ -1,5 +1,6 @@
 """LoRA adapters: added (POST /adapters, from the Hub or uploaded), listed (GET /adapters, and
-each as "<base>:<adapter>" in GET /v1/models), deleted (DELETE /adapters/{name}).
+each as "<base>:<adapter>" in GET /v1/models), deleted (DELETE /adapters/{name}, which waits for the
+requests that use it: exo/master/adapters.py).
 
 An adapter's weights go to the object store exo-adapters under their sha256 before the master
 is asked to add it; the master checks that it fits its base model (exo/core/adapters.py) and a
@@ -14,10 +15,12 @@ refusal removes the weights again unless another adapter shares them. Requests u
 from __future__ import annotations
 
 import asyncio
+import math
 from typing import Any
 
 import msgspec
 from aiohttp import BodyPartReader, web
+from msgspec.structs import replace
 
 from exo.api.card_source import HUB_STATUS
 from exo.api.context import ApiContext, context_of
@@ -26,9 +29,10 @@ from exo.api.outcomes import new_command_id
 from exo.api.request_body import decode_body
 from exo.bus.adapters import delete_adapter, store_adapter
 from exo.bus.blobs import BlobStoreFull, digest_of
+from exo.core.adapter_use import open_requests_of, weights_shared
 from exo.core.adapters import Adapter, is_valid_adapter_name, read_adapter
 from exo.core.commands import AddAdapter, DeleteAdapter
-from exo.core.events import AdapterAdded
+from exo.core.events import AdapterAdded, AdapterDeleting
 from exo.core.ids import ModelId
 from exo.core.state import State
 from exo.core.types import is_valid_model_id
@@ -36,6 +40,11 @@ from exo.models.adapter_source import MAX_CONFIG_BYTES, AdapterTooLarge, hub_ada
 from exo.models.transfer import DownloadError
 
 MAX_FORM_PARTS = 8
+# After a 202, how long the API node still follows a deletion to remove the weights once it is done.
+FOLLOW_DELETION_S = 24 * 3600.0
+# DELETE /adapters/{name}: how long it waits for the requests using the adapter to end (`wait`).
+DELETE_WAIT_DEFAULT_S = 600.0
+DELETE_WAIT_MAX_S = 3600.0
 
 
 class AdapterFromHub(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -49,7 +58,8 @@ def adapter_entry(adapter: Adapter, state: State) -> dict[str, Any]:
     return {"name": adapter.name, "model": adapter.model_id, "base_model": adapter.base_model,
             "digest": adapter.digest, "size": adapter.size, "fine_tune_type": adapter.fine_tune_type,
             "rank": adapter.rank, "layers": adapter.layers, "source": adapter.source,
-            "instances": [i.instance_id for i in state.instances_of(adapter.model_id)]}
+            "instances": [i.instance_id for i in state.instances_of(adapter.model_id)],
+            "deleting": adapter.deleting, "requests": open_requests_of(state, adapter.model_id)}
 
 
 async def add_adapter(request: web.Request) -> web.Response:
@@ -76,7 +86,7 @@ async def add_adapter(request: web.Request) -> web.Response:
     try:
         event = await ctx.outcomes.call(AddAdapter(command_id=new_command_id(), adapter=adapter))
     except ApiError:
-        if uploaded and not _shared(ctx.view.state, adapter.digest, ""):
+        if uploaded and not weights_shared(ctx.view.state, replace(adapter, name="")):
             await delete_adapter(ctx.nc, adapter.digest)  # refused: nothing refers to the weights
         raise
     assert isinstance(event, AdapterAdded)
@@ -156,15 +166,51 @@ async def get_adapter(request: web.Request) -> web.Response:
 
 
 async def delete_adapter_route(request: web.Request) -> web.Response:
+    """Deleted at once when no request uses it. Else the master marks it (new requests for it are a
+    404) and deletes it when the last one ends: this waits up to `wait` seconds for that (200), then
+    answers 202 with how many still run; the deletion goes on without the caller."""
     ctx = context_of(request)
-    name = request.match_info["name"]
-    adapter = ctx.view.state.adapters.get(name)
-    await ctx.outcomes.call(DeleteAdapter(command_id=new_command_id(), name=name))
-    if adapter is not None and not _shared(ctx.view.state, adapter.digest, name):
+    name, wait_s = request.match_info["name"], _wait_seconds(request)
+    known = ctx.view.state.adapters.get(name)
+    event = await ctx.outcomes.call(DeleteAdapter(command_id=new_command_id(), name=name))
+    adapter = ctx.view.state.adapters.get(name) or known
+    if isinstance(event, AdapterDeleting) and adapter is not None:
+        dropped = asyncio.get_running_loop().create_future()
+        ctx.in_background(_drop_weights_once_deleted(ctx, adapter, dropped))  # goes on after a 202, or a hang-up
+        try:
+            await asyncio.wait_for(asyncio.shield(dropped), wait_s)
+        except TimeoutError:
+            running = open_requests_of(ctx.view.state, adapter.model_id)
+            return web.json_response({"message": f"adapter {name!r} is being deleted: {running} requests still use "
+                                                 "it; it is deleted when they end", "name": name, "deleting": True,
+                                      "requests": running}, status=202)
+    elif adapter is not None and not weights_shared(ctx.view.state, adapter):
         await delete_adapter(ctx.nc, adapter.digest)
     return web.json_response({"message": "adapter deleted", "name": name})
 
 
-def _shared(state: State, digest: str, but: str) -> bool:
-    """Whether an adapter other than `but` uses these weights."""
-    return any(a.digest == digest and a.name != but for a in state.adapters.values())
+async def _drop_weights_once_deleted(ctx: ApiContext, adapter: Adapter, dropped: asyncio.Future[None]) -> None:
+    """Once the master has deleted the adapter, its weights leave the object store unless another
+    adapter shares them; `dropped` then says so to the DELETE still waiting, if any."""
+    try:
+        gone = await ctx.outcomes.until(lambda state: state if adapter.name not in state.adapters else None,
+                                        FOLLOW_DELETION_S)
+        if gone is not None and not weights_shared(gone, adapter):
+            await delete_adapter(ctx.nc, adapter.digest)
+    except Exception as error:
+        if not dropped.done():
+            dropped.set_exception(error)
+        raise
+    if not dropped.done():
+        dropped.set_result(None)
+
+
+def _wait_seconds(request: web.Request) -> float:
+    raw = request.query.get("wait", "")
+    try:
+        wait = float(raw) if raw else DELETE_WAIT_DEFAULT_S
+    except ValueError:
+        raise ApiError(400, f"wait must be a number of seconds, got {raw!r}", param="wait") from None
+    if not (math.isfinite(wait) and 0 <= wait <= DELETE_WAIT_MAX_S):
+        raise ApiError(400, f"wait must be between 0 and {DELETE_WAIT_MAX_S:g} seconds, got {raw}", param="wait")
+    return wait

@@ -42,7 +42,8 @@ async def list_models(request: web.Request) -> web.Response:
     data = [openai_entry(card, state, where.get(card.model_id, NOWHERE))
             for card in sorted(ctx.all_cards().values(), key=lambda c: c.model_id)]
     data += [openai_entry(card, state, where.get(adapter.model_id, NOWHERE), adapter.model_id)
-             for _, adapter in sorted(state.adapters.items()) if (card := ctx.card(adapter.base_model)) is not None]
+             for _, adapter in sorted(state.adapters.items())
+             if not adapter.deleting and (card := ctx.card(adapter.base_model)) is not None]  # deleting: a 404
     grant = current_grant.get()  # a key sees the models it may use
     data = [entry for entry in data if grant.may_use(entry["id"])]
     return web.json_response({"object": "list", "data": data})

@@ -3,7 +3,8 @@ only), and the nats-server `authorization` users that admit such keys, each with
 its node's roles give it (exo/core/node_roles.py). The server keeps only public keys: a client
 proves it holds the seed by signing the server's nonce (nats-py's `nkeys_seed`).
 
-Not wired into node start-up yet (docs/deploy.md, "Per-node identities").
+A node loads its key at start to sign its token chunks (exo/bus/chunk_signing.py); the users block is
+not wired into start-up yet (docs/deploy.md, "Per-node identities").
 """
 
 from __future__ import annotations
