@@ -195,6 +195,9 @@ async def run(config: NodeConfig) -> int:
     done, _ = await asyncio.wait({waiting, stopping}, return_when=asyncio.FIRST_COMPLETED)
     waiting.cancel()
     await node.stop()
+    if node.removed:  # an admin removed it: it must not come back as this node (it would refuse to start)
+        print(f"exo: {node.removed}; exiting", file=sys.stderr, flush=True)
+        return 1
     if waiting in done and not stopping.done():  # a service stopped by itself: a supervisor should restart us
         print("exo: a service stopped unexpectedly (see the log above); exiting", file=sys.stderr, flush=True)
         return 1

@@ -22,6 +22,7 @@ from exo.api.app import build_app
 from exo.api.context import ApiContext
 from exo.api.outcomes import CommandOutcomes
 from exo.bus.catch_up import catch_up
+from exo.bus.chunk_signing import ChunkSigner
 from exo.bus.cluster_view import ClusterView
 from exo.bus.connection import Connection, connect, redact
 from exo.bus.disk_watch import DiskWatch
@@ -39,6 +40,7 @@ from exo.bus.state_view import StateView
 from exo.core.events import ClusterLayoutChanged, Event, NodeRegistered
 from exo.core.groups import groups_ranked_on, parse_groups
 from exo.core.ids import ModelId, NodeId
+from exo.core.revocation import removal_line, removal_of
 from exo.core.state import State
 from exo.core.types import ClusterLayout, ModelCard
 from exo.defaults import DEFAULT_API_PORT, DEFAULT_NATS_PORT
@@ -47,6 +49,7 @@ from exo.master.service import Master
 from exo.models.cards import load_builtin_cards
 from exo.models.dirs import DownloadSettings
 from exo.models.hub import set_offline
+from exo.removal_watch import run_until_removed
 from exo.resources import builtin_cards_dir
 from exo.runner.protocol import RunnerStart
 from exo.settings.services import (
@@ -160,6 +163,7 @@ class Node:
         self.notes: list[str] = []  # what the node chose by itself at start, for the banner
         self.event_log_replicas = 0  # on a NATS given by URL: the event log's copies (1: none to spare), for the banner
         self.name = ""
+        self.removed = ""  # why this node stopped: an admin removed it (exo/core/revocation.py)
 
     async def start(self) -> None:
         config = self.config
@@ -185,7 +189,7 @@ class Node:
         if self.cluster is not None:
             self._tasks.append(asyncio.create_task(self.cluster.keep(self._layout_recorder(nc, view)), name="cluster upkeep"))
         if config.run_master and config.master.lead_shared:
-            master = Master(nc, view, builtin, node_id, config.master)
+            master = Master(nc, view, builtin, node_id, config.master, signer=self._master_signer(node_id))
             self._tasks.append(asyncio.create_task(master.run(), name="master"))
         if config.run_master:
             cluster_view.on_group(lambda group_view: self._campaign_in_group(nc, group_view, view, builtin, node_id))
@@ -219,8 +223,13 @@ class Node:
         """A master candidate for a master group this node follows (unless EXO_LEAD_GROUPS leaves it out)."""
         group = group_view.names.group
         if self.config.master.leads_group(group):
-            master = Master(nc, group_view, builtin, node_id, self.config.master, shared=shared)
+            master = Master(nc, group_view, builtin, node_id, self.config.master, shared=shared,
+                            signer=self._master_signer(node_id))
             self._tasks.append(asyncio.create_task(master.run(), name=f"master of group {group}"))
+
+    def _master_signer(self, node_id: NodeId) -> ChunkSigner:
+        """The node key a master signs its snapshots with (a starting node checks them against the log)."""
+        return ChunkSigner.from_file(node_id, load_node_key(self.config.data_dir).seed_file)
 
     def _lock_data_dir(self, data_dir: Path) -> None:
         data_dir.mkdir(parents=True, exist_ok=True)
@@ -235,6 +244,9 @@ class Node:
         """The worker and its heartbeat, once the node is registered in the log."""
         config = self.config
         key = load_node_key(config.data_dir)  # its chunks are signed with it; State learns the public half
+        if (removal := removal_of(view.state, node_id, key.public_key)) is not None:
+            raise StartupError(f"{removal_line(*removal)}; to join again as a new node, remove node_id and "
+                               f"node.nk from {config.data_dir}")
         known = view.state.nodes.get(node_id)
         if known is not None and known.public_key and known.public_key != key.public_key:
             # The first key stays (exo/core/apply.py): every chunk signed with another would be dropped.
@@ -261,8 +273,15 @@ class Node:
         view.shared.add_listener(heartbeat.on_event)
         info = describe_this_node(node_id, heartbeat.incarnation, time.time(), identity=identity)
         await events.append(NodeRegistered(node=info), uuid.uuid4().hex)
-        self._tasks.append(asyncio.create_task(worker.run(), name="worker"))
-        self._tasks.append(asyncio.create_task(heartbeat.run(), name="heartbeat"))
+        running = [asyncio.create_task(worker.run(), name="worker"), asyncio.create_task(heartbeat.run(), name="heartbeat")]
+        self._tasks.append(asyncio.create_task(self._work_until_removed(view, node_id, running), name="worker"))
+
+    async def _work_until_removed(self, view: ClusterView, node_id: NodeId, running: list[asyncio.Task[None]]) -> None:
+        """The worker and its heartbeat; removed by an admin, they stop (its runners too) and this
+        returns, which stops the whole node (its API and master too): exo/removal_watch.py."""
+        self.removed = await run_until_removed(view, node_id, running)
+        if self.removed and self.worker is not None:
+            await self.worker.stop()
 
     def _choose_ports(self, config: NodeConfig) -> NodeConfig:
         """The API and embedded NATS ports: as asked, or free ones in place of taken defaults (noted)."""

@@ -203,7 +203,7 @@ def _one_node(instance_id: str, model_id: str, nodes: int = 1) -> Instance:
     return Instance(instance_id=instance_id, model_id=model_id, shards=shards)
 
 
-def test_the_master_sends_an_adapter_to_a_single_node_instance_of_its_base_unless_turned_off(adapter_dirs):
+def test_the_master_sends_an_adapter_to_an_instance_of_its_base_unless_turned_off(adapter_dirs):
     adapter = _adapter(adapter_dirs["pirate"])
     state = State(adapters={"pirate": adapter},
                   instances={"two": _one_node("two", TINY_MODEL_ID, nodes=2), "one": _one_node("one", TINY_MODEL_ID)})
@@ -223,4 +223,5 @@ def test_the_master_sends_an_adapter_to_a_single_node_instance_of_its_base_unles
     [marked] = decide(running, DeleteAdapter(command_id="d", name="pirate"), builtin_cards={}, ids=iter(["x"]))
     assert isinstance(marked, AdapterDeleting)  # deleted once the request ends (tests/test_adapter_delete.py)
     multi_node_only = State(adapters={"pirate": adapter}, instances={"two": _one_node("two", TINY_MODEL_ID, nodes=2)})
-    assert not isinstance(run(multi_node_only, True)[0], TaskCreated)
+    [on_ranks] = run(multi_node_only, True)  # its ranks select adapters per row too (tests/test_adapters_on_ranks.py)
+    assert isinstance(on_ranks, TaskCreated) and on_ranks.task.instance_id == "two"

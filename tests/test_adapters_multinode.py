@@ -5,6 +5,7 @@ text equals mlx-lm's in one process with the adapter loaded, token for token."""
 from __future__ import annotations
 
 import hashlib
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -14,6 +15,7 @@ from tests.support.cluster import NatsServer, node_process, start_node, state_of
 from tests.support.e2e import Reference
 from tests.support.exo_process import start_all
 from tests.support.tiny_model import Dims, make_tiny_model
+from tests.test_adapters import upload
 from tests.test_multinode import PROMPT, _ring_ports, stop_cluster
 
 pytestmark = pytest.mark.slow
@@ -74,4 +76,29 @@ def test_two_late_joiners_fetch_the_adapter_by_hash_and_generate_what_mlx_lm_doe
     assert answer.json()["choices"][0]["message"]["content"] == expected
     for instance_id in list(state_of(head).instances):
         assert http.delete(f"/instance/{instance_id}").status_code == 200
+    wait_until(lambda: not state_of(head).runners, 30, what="runners gone")
+
+
+def test_the_bare_bases_two_rank_instance_serves_its_adapters_per_row_fetched_by_hash_on_every_rank(
+        cluster, model_dir, adapter_dir, tmp_path):
+    """EXO_ADAPTERS_SHARE_BASE (the default) on a pipeline instance of the base: rank 1's runner
+    fetches each adapter from exo-adapters by the hash rank 0 names (tests/test_adapters_on_ranks.py)."""
+    head, _, http, _ = cluster
+    poet = make_adapter(model_dir, tmp_path / "poet", seed=11, rank=8)
+    assert upload(http, "poet", poet, base=MODEL).status_code == 200
+    placed = http.post("/place_instance", json={"model_id": MODEL, "sharding": "pipeline", "min_nodes": 2, "wait": 120})
+    assert placed.status_code == 200, placed.text
+    rows = {MODEL: Reference(model_dir), ADAPTED: Reference(model_dir, adapter_dir), f"{MODEL}:poet": Reference(model_dir, poet)}
+
+    def ask(model: str) -> str:
+        answer = http.post("/v1/chat/completions", json={"model": model, "messages": PROMPT, "max_tokens": 24,
+                                                         "temperature": 0})
+        assert answer.status_code == 200, answer.text
+        return str(answer.json()["choices"][0]["message"]["content"])
+
+    with ThreadPoolExecutor(len(rows)) as pool:
+        answers = list(pool.map(ask, rows))
+    assert answers == [reference.chat(PROMPT, 24) for reference in rows.values()]
+    assert [i.model_id for i in state_of(head).instances.values()] == [MODEL]  # no instance for the adapters
+    assert http.delete(f"/instance/{placed.json()['instance_id']}").status_code == 200
     wait_until(lambda: not state_of(head).runners, 30, what="runners gone")

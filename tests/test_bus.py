@@ -14,7 +14,7 @@ from exo.bus.event_log import EventLog
 from exo.bus.provision import provision, stream_configs
 from exo.bus.state_view import StateView
 from exo.core.commands import GenerateText, PlaceInstance
-from exo.core.events import CommandRejected, InstanceCreated, NodeRegistered, TaskStarted
+from exo.core.events import CommandRejected, InstanceCreated, LeaderElected, NodeRegistered, TaskStarted
 from exo.core.types import ModelCard, NodeInfo
 from exo.master.service import Master
 from exo.settings.services import MasterSettings
@@ -246,6 +246,9 @@ async def test_catch_up_starts_from_the_snapshot_and_says_clearly_when_the_log_w
         await client.jetstream().purge_stream("EXO_EVENTS", keep=10)  # history before 91 is gone
         with pytest.raises(LogGap, match="starts at sequence 91 but this reader needs 1"):
             await catch_up(client)
+        # An unsigned snapshot, usable while the log shows a leader without a key (an older master).
+        elected = LeaderElected(node_id="old", lease_revision=1)
+        state = apply(state, elected, await log.append(elected, "elected"))
         await write_snapshot(client, at_95)
         view, from_seq = await catch_up(client)
         assert from_seq == 95 and view.state == state

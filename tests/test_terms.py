@@ -67,6 +67,7 @@ def test_a_masters_event_kind_without_a_term_is_skipped_whoever_wrote_it():
         KeyDeleted,
         KeySet,
         NodeRegistered,
+        NodeRemoved,
         NodeSuspected,
         NodeTimedOut,
         TaskCancelRequested,
@@ -87,6 +88,7 @@ def test_a_masters_event_kind_without_a_term_is_skipped_whoever_wrote_it():
     forged = [InstanceDeleted(instance_id="i1"), InstanceCreated(instance=INSTANCE.__copy__()),
               TaskCreated(task=Task(task_id="t2", instance_id="i1", model_id="m/a")),
               TaskCancelRequested(task_id="t1"), NodeTimedOut(node_id="n1"), NodeSuspected(node_id="n1", at=1.0),
+              NodeRemoved(node_id="n1"),
               CustomCardAdded(card=ModelCard(model_id="org/builtin", path="/tmp/attacker", n_layers=2)),
               CustomCardDeleted(model_id="org/real"), CommandRejected(command_id="c1"),
               DesireSet(desire=Desire(desire_id="d1", model_id="m/a")), DesireEnded(desire_id="d0"),
@@ -98,8 +100,9 @@ def test_a_masters_event_kind_without_a_term_is_skipped_whoever_wrote_it():
     assert {type(e) for e in forged} == MASTER_KINDS  # every master kind is tried
     after = apply_all(state, [(event, state.last_seq + n) for n, event in enumerate(forged, start=1)])  # as written
     assert (after.instances, after.tasks, after.nodes, after.custom_model_cards, after.desires, after.adapters,
-            after.api_keys, after.groups) == (state.instances, state.tasks, state.nodes, state.custom_model_cards,
-                                              state.desires, state.adapters, state.api_keys, state.groups)
+            after.api_keys, after.groups, after.revoked_nodes) == (
+        state.instances, state.tasks, state.nodes, state.custom_model_cards, state.desires, state.adapters,
+        state.api_keys, state.groups, state.revoked_nodes)
     assert "c1" not in after.answered_commands
     assert [s.reason for s in after.skipped_events] == ["a master's event without a term"] * len(forged)
 

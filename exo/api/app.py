@@ -10,7 +10,7 @@ from exo.api.anthropic import count_tokens as anthropic_count_tokens
 from exo.api.anthropic import messages as anthropic_messages
 from exo.api.auth import auth_middleware
 from exo.api.bus_outage import bus_middleware
-from exo.api.cluster import adapters, cancel, downloads, events, instances, keys, models, node_status, prometheus
+from exo.api.cluster import adapters, cancel, downloads, events, instances, keys, models, node_status, nodes, prometheus
 from exo.api.context import CONTEXT_KEY, ApiContext
 from exo.api.errors import error_middleware
 from exo.api.metrics_history import add_to as add_metrics_history
@@ -108,6 +108,7 @@ def _cluster(router: web.UrlDispatcher) -> None:
     router.add_get("/state", node_status.get_state)
     router.add_get("/events", events.events)
     router.add_get("/node_id", node_status.get_node_id)
+    router.add_post("/nodes/{node}/remove", nodes.remove_node)
     router.add_get("/health", node_status.health)
     router.add_get("/livez", node_status.livez)
     router.add_get("/metrics", prometheus.metrics)

@@ -38,6 +38,10 @@ class ChunkSigner:
     def from_file(cls, node_id: str, seed_file: Path) -> ChunkSigner:
         return cls(node_id, seed_file.read_bytes().strip())
 
+    @property
+    def public_key(self) -> str:
+        return bytes(self._keys.public_key).decode()
+
     def headers(self, subject: str, payload: bytes) -> dict[str, str]:
         signature = self._keys.sign(signed_bytes(subject, payload))
         return {SIGNER_HEADER: self.node_id, SIGNATURE_HEADER: base64.b64encode(signature).decode()}

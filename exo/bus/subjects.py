@@ -117,6 +117,11 @@ SHARED = LogNames(group="", events_stream=EVENTS_STREAM, all_events=ALL_EVENTS, 
                   all_commands=ALL_COMMANDS, leader_key=LEADER_KEY, snapshot_key=SNAPSHOT_KEY)
 
 
+def snapshot_subject(names: LogNames) -> str:
+    """Where a log's snapshot is stored (nats-py's KV layout); its signature covers this subject."""
+    return f"$KV.{STATE_BUCKET}.{names.snapshot_key}"
+
+
 def group_names(group: str) -> LogNames:
     """A master group's log (`group` is checked by exo/core/groups.py: letters, digits, _ and -)."""
     if not group:

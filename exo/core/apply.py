@@ -61,6 +61,7 @@ from exo.core.events import (
     LeaderElected,
     NodeHeartbeat,
     NodeRegistered,
+    NodeRemoved,
     NodeSuspected,
     NodeTimedOut,
     RunnerStatusChanged,
@@ -73,6 +74,7 @@ from exo.core.events import (
     event_tag,
 )
 from exo.core.groups import GROUP_KINDS, on_groups_set
+from exo.core.revocation import on_node_removed, refuse_if_revoked
 from exo.core.skip import Skip
 from exo.core.state import MAX_ANSWERED_COMMANDS, State
 from exo.core.types import DownloadProgress, RunnerInfo
@@ -83,7 +85,7 @@ from exo.core.types import DownloadProgress, RunnerInfo
 MASTER_KINDS: frozenset[type] = frozenset({
     NodeTimedOut, NodeSuspected, InstanceCreated, InstanceDeleted, TaskCreated, TaskCancelRequested,
     CustomCardAdded, CustomCardDeleted, AdapterAdded, AdapterDeleted, KeySet, KeyDeleted, CommandRejected, DesireSet,
-    DesireEnded, AdapterDeleting, DesireScaled, TaskMigrated, GroupsSet,
+    DesireEnded, AdapterDeleting, DesireScaled, TaskMigrated, GroupsSet, NodeRemoved,
 })
 
 
@@ -121,6 +123,8 @@ def fold_into(draft: Draft, event: AnyEvent, seq: int) -> str:
             raise Skip(f"a {event_tag(event)} event in master group {draft.group}'s log, which holds requests only")
         if type(event) in MASTER_KINDS or (event.term and not isinstance(event, LeaderElected)):
             _check_term(draft, event.term)
+        if draft.revoked_nodes:
+            refuse_if_revoked(draft, event)
         _HANDLERS[type(event)](draft, event, seq)
     except Skip as skip:
         reason = str(skip)
@@ -290,6 +294,7 @@ _HANDLERS: dict[type, Callable[[Draft, Any, int], None]] = {
     NodeRegistered: _on_node_registered,
     NodeHeartbeat: _on_node_registered,
     NodeTimedOut: _on_node_timed_out,
+    NodeRemoved: on_node_removed,
     NodeSuspected: _on_node_suspected,
     InstanceCreated: _on_instance_created,
     InstanceDeleted: _on_instance_deleted,

@@ -28,7 +28,8 @@ def run_signers(state: State, task_id: TaskId, attempt: int) -> dict[NodeId, str
         return {node_id: node.public_key for node_id, node in state.nodes.items()} or None
     if not nodes:
         return None
-    return {node: _key_of(state, node) for node in nodes}
+    earlier = attempt < len(task.migrations)
+    return {node: _key_of(state, node) or (_revoked_key(state, node) if earlier else "") for node in nodes}
 
 
 def may_run_unseen(state: State, signer: str, signed: bool) -> bool:
@@ -45,6 +46,12 @@ def may_run_unseen(state: State, signer: str, signed: bool) -> bool:
 def _key_of(state: State, node_id: NodeId) -> str:
     node = state.nodes.get(node_id)
     return node.public_key if node is not None else ""
+
+
+def _revoked_key(state: State, node_id: NodeId) -> str:
+    """A removed node's key verifies the runs it ran before its removal (a resume reads them), none after."""
+    revoked = state.revoked_nodes.get(node_id)
+    return revoked.public_key if revoked is not None else ""
 
 
 def chunk_refusal(signers: dict[NodeId, str], signer: str, signed: bool) -> str:

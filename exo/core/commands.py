@@ -6,7 +6,7 @@ from __future__ import annotations
 import msgspec
 
 from exo.core.adapters import Adapter
-from exo.core.ids import CommandId, InstanceId, ModelId, TaskId
+from exo.core.ids import CommandId, InstanceId, ModelId, NodeId, TaskId
 from exo.core.keys import ApiKey
 from exo.core.requests import GenerationParams
 from exo.core.types import ModelCard, Sharding
@@ -99,8 +99,17 @@ class DeleteKey(Command, frozen=True, tag="delete_key", kw_only=True):
     key_id: str
 
 
+class RemoveNode(Command, frozen=True, tag="remove_node", kw_only=True):
+    """Revoke a node (POST /nodes/{node}/remove): its instances end, it leaves State for good."""
+
+    node_id: NodeId
+    reason: str = ""
+    removed_by: str = ""  # who asked, for the log and the removed node's own last line
+    at: float = 0.0  # the API's wall clock: its tasks' moves are stamped with it
+
+
 AnyCommand = (PlaceInstance | DeleteInstance | DeleteDesire | GenerateText | CancelTask | AddCustomCard | DeleteCustomCard
-              | AddAdapter | DeleteAdapter | SetKey | DeleteKey)
+              | AddAdapter | DeleteAdapter | SetKey | DeleteKey | RemoveNode)
 
 _decoder = msgspec.json.Decoder(AnyCommand)
 _encoder = msgspec.json.Encoder()

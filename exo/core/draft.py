@@ -25,7 +25,7 @@ class Draft:
         "runners",
         "tasks", "custom_model_cards", "skipped_events", "finished_task_ids", "answered_commands", "downloads",
         "instance_end_reasons", "cluster", "desires", "migrations_total", "adapters", "api_keys", "key_windows", "usage",
-        "usage_totals", "group", "groups", "group_logs",
+        "usage_totals", "group", "groups", "group_logs", "revoked_nodes",
     )
 
     def __init__(self, state: State) -> None:
@@ -56,6 +56,7 @@ class Draft:
         self.group = state.group
         self.groups = state.groups
         self.group_logs = state.group_logs
+        self.revoked_nodes = state.revoked_nodes
 
     def state(self) -> State:
         """The State so far. The draft can go on: from here it copies again what it changes."""
@@ -68,7 +69,7 @@ class Draft:
             downloads=self.downloads, instance_end_reasons=self.instance_end_reasons, cluster=self.cluster,
             desires=self.desires, migrations_total=self.migrations_total, adapters=self.adapters,
             api_keys=self.api_keys, key_windows=self.key_windows, usage=self.usage, usage_totals=self.usage_totals,
-            group=self.group, groups=self.groups, group_logs=self.group_logs,
+            group=self.group, groups=self.groups, group_logs=self.group_logs, revoked_nodes=self.revoked_nodes,
         )
         self._base = state
         self._own_downloads_of = set()

@@ -40,6 +40,9 @@ class LeaderElected(Event, frozen=True, tag="leader.elected", kw_only=True):
 
     node_id: NodeId
     lease_revision: int = 0  # the lease's KV revision the master won; 0: an election of the old scheme
+    # The master's node key (public half): a starting node checks its snapshots' signatures with it
+    # when the node never registered one (a master-only node). "": an older master, or none.
+    public_key: str = ""
 
 
 class NodeRegistered(Event, frozen=True, tag="node.registered", kw_only=True):
@@ -65,6 +68,18 @@ class NodeTimedOut(Event, frozen=True, tag="node.timed_out", kw_only=True):
 
     node_id: NodeId
     reason: str = ""
+
+
+class NodeRemoved(Event, frozen=True, tag="node.removed", kw_only=True):
+    """An admin removed the node (`exo node remove`): it leaves State for good. Its instances ended
+    just before (their tasks moved), and the reducer ignores what it says of itself from here on
+    (exo/core/revocation.py); State keeps its key as revoked."""
+
+    command_id: CommandId = CommandId("")
+    node_id: NodeId
+    public_key: str = ""  # its key in State when removed ("": it had none)
+    reason: str = ""
+    removed_by: str = ""  # who asked: the API key (or "an admin") and the API node that took the request
 
 
 class NodeSuspected(Event, frozen=True, tag="node.suspect", kw_only=True):
@@ -253,6 +268,7 @@ AnyEvent = (
     | NodeRegistered
     | NodeHeartbeat
     | NodeTimedOut
+    | NodeRemoved
     | NodeSuspected
     | InstanceCreated
     | InstanceDeleted

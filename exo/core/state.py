@@ -16,6 +16,18 @@ MAX_FINISHED_TASKS = 1000
 MAX_ANSWERED_COMMANDS = 1024
 
 
+MAX_REVOKED_NODES = 1000  # removed nodes State remembers; past that the oldest is forgotten (it could register again)
+
+
+class RevokedNode(msgspec.Struct, frozen=True, kw_only=True):
+    """A node an admin removed (NodeRemoved): what it may no longer do is in exo/core/revocation.py."""
+
+    public_key: str = ""  # its key when removed: still verifies the chunks of runs it ran before
+    seq: int = 0  # the node.removed event's sequence
+    reason: str = ""
+    removed_by: str = ""
+
+
 class SkippedEvent(msgspec.Struct, frozen=True, kw_only=True):
     seq: int
     reason: str
@@ -53,6 +65,7 @@ class State(msgspec.Struct, frozen=True, kw_only=True):
     group: str = ""
     groups: dict[str, list[str]] = {}
     group_logs: list[str] = []
+    revoked_nodes: dict[NodeId, RevokedNode] = {}  # node id -> its removal, oldest first (MAX_REVOKED_NODES)
 
     def open_rows_of_key(self, key_id: str) -> int:
         """The batch rows the key's open tasks decode: a task of n choices counts n."""

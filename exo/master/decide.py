@@ -20,6 +20,7 @@ from exo.core.commands import (
     DeleteKey,
     GenerateText,
     PlaceInstance,
+    RemoveNode,
     SetKey,
     command_tag,
     replica_bounds_problem,
@@ -49,9 +50,10 @@ from exo.core.types import Desire, Instance, ModelCard, RejectionCode, Task
 from exo.core.usage import day_of, tokens_in_day, tokens_in_month
 from exo.master.adapters import add_adapter, delete_adapter
 from exo.master.eviction import place_making_room
-from exo.master.heal import place_for
+from exo.master.heal import HealLimits, place_for
 from exo.master.memo import DecideMemo
 from exo.master.on_demand import kept_alive, task_created, without_instance
+from exo.master.removal import remove_node
 from exo.master.routing import NO_REPORTS, base_serving, choose_instance
 from exo.settings.services import MasterSettings
 
@@ -80,6 +82,7 @@ def decide(
     keep_alive_s: float = DEFAULT_KEEP_ALIVE_S,
     cache_dropped: Mapping[InstanceId, Set[TaskId]] = NO_REPORTS,
     adapters_share_base: bool = DEFAULT_ADAPTERS_SHARE_BASE,
+    heal: HealLimits = HealLimits(),
 ) -> list[Event]:
     """`cache_dropped`: what runners report their prompt caches no longer hold (routing.py); the
     one input that is not State: a soft hint, so a redecided command may route elsewhere."""
@@ -110,6 +113,8 @@ def decide(
             return _set_key(state, command)
         case DeleteKey():
             return _delete_key(state, command)
+        case RemoveNode():
+            return remove_node(state, command, heal)
 
 
 def _reject(command: AnyCommand, code: RejectionCode, reason: str, retry_after_s: float = 0.0) -> list[Event]:

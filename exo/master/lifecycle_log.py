@@ -19,6 +19,7 @@ from exo.core.events import (
     InstanceDeleted,
     NodeHeartbeat,
     NodeRegistered,
+    NodeRemoved,
     NodeSuspected,
     NodeTimedOut,
     RunnerStatusChanged,
@@ -57,6 +58,9 @@ def lifecycle_lines(before: State, event: AnyEvent, after: State, recall: Recall
             why = event.reason.removeprefix(f"node {_label(before, event.node_id)} ")  # the reason names it
             return [Line(f"master: node {_label(before, event.node_id)} gone: {why}", {"node_id": event.node_id},
                          logging.WARNING)]
+        case NodeRemoved() if event.node_id in before.nodes and event.node_id not in after.nodes:  # not skipped
+            return [Line(f"master: node {_label(before, event.node_id)} removed by {event.removed_by or 'an admin'}"
+                         f"{': ' + event.reason if event.reason else ''}", {"node_id": event.node_id}, logging.WARNING)]
         case NodeSuspected() if _marked(before, event.node_id) != _marked(after, event.node_id):  # not skipped
             return [_suspected(after, event)]
         case InstanceCreated():

@@ -60,16 +60,13 @@ def choose_instance(state: State, candidates: list[Instance], params: Generation
 def base_serving(state: State, model_id: ModelId,
                  serving: ServingInstances) -> tuple[list[Instance], dict[InstanceId, RunnerInfo]]:
     """EXO_ADAPTERS_SHARE_BASE: "<base>:<adapter>" without an instance of its own is served by its
-    base's single-node instances, the adapter applied to its rows (exo/runner/adapter_rows.py).
-    Multi-node instances are left out: their ranks do not select adapters per row yet; so is DoRA,
-    which rescales whole weights, and gets an instance of its own."""
+    base's instances, single-node or multi-node (every rank selects the adapter for its rows:
+    exo/runner/adapter_rows.py), the adapter applied to its rows. DoRA, which rescales whole
+    weights, is not: it gets an instance of its own."""
     adapter = adapter_of(state, model_id)
     if adapter is None or adapter.fine_tune_type != "lora":
         return [], {}
-    instances, failures = serving.of(state, adapter.base_model)
-    single = [i for i in instances if len(i.shards) == 1]
-    kept = {i.instance_id for i in single}
-    return single, {i: runner for i, runner in failures.items() if i in kept}
+    return serving.of(state, adapter.base_model)
 
 
 def _dropped(task: Task, dropped: Mapping[InstanceId, Set[TaskId]]) -> bool:

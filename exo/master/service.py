@@ -20,6 +20,7 @@ from msgspec.structs import replace
 from exo.bus import broker_trouble
 from exo.bus.atomic_append import AtomicAppendFailed
 from exo.bus.cache_reports import listen_for_cache_reports
+from exo.bus.chunk_signing import ChunkSigner
 from exo.bus.command_queue import NotLeader, RetryBatch, consume_commands
 from exo.bus.connection import Connection
 from exo.bus.errors import BROKER_ERRORS, BusError, raise_if_cancelled
@@ -76,10 +77,11 @@ def ids_for(command_id: CommandId) -> Iterator[str]:
 class Master:
     def __init__(
         self, nc: Connection, view: StateView, builtin_cards: Mapping[ModelId, ModelCard], node_id: NodeId,
-        settings: MasterSettings = MasterSettings(), shared: StateView | None = None,
+        settings: MasterSettings = MasterSettings(), shared: StateView | None = None, signer: ChunkSigner | None = None,
     ) -> None:
         """`view` follows this master's own log: the shared one, or (with `shared`, the shared
-        log's view) a master group's, whose requests it decides on both (exo/core/groups.py)."""
+        log's view) a master group's, whose requests it decides on both (exo/core/groups.py).
+        `signer` (the node's key) signs its snapshots; its public half goes into its elections."""
         self._settings = settings
         self._nc = nc
         self._view = view
@@ -90,7 +92,8 @@ class Master:
         self._builtin_cards = builtin_cards
         self._lease = Lease(nc, node_id, key=self._names.leader_key)
         self._node_id = node_id
-        self._snapshotter = Snapshotter(nc, view, settings.snapshot_every, settings.snapshot_interval_s)
+        self._snapshotter = Snapshotter(nc, view, settings.snapshot_every, settings.snapshot_interval_s, signer)
+        self._public_key = signer.public_key if signer is not None else ""
         self._copied_keys: dict[str, ApiKey] = {}  # a group's: the keys its log has copies of
         self._node_timeout = settings.node_timeout_s
         self._heal = HealLimits(suspect_s=settings.suspect_s, deadline_s=settings.migration_deadline_s,
@@ -154,7 +157,7 @@ class Master:
             return
         # The term is this election's sequence in the log (see LeaderElected): a new election on
         # every campaign, so one that a forged election displaced takes over again at once.
-        seq = await self._log.append(LeaderElected(node_id=self._node_id, lease_revision=revision),
+        seq = await self._log.append(LeaderElected(node_id=self._node_id, lease_revision=revision, public_key=self._public_key),
                                      event_id=f"leader:{revision}:{uuid.uuid4().hex[:8]}")
         await self._view.wait_for(seq)
         if self._view.state.leader_term != seq:
@@ -293,7 +296,7 @@ class Master:
             state, command, builtin_cards=self._builtin_cards, ids=ids_for(command.command_id),
             cache_routing=self._settings.cache_routing, default_max_queue=self._settings.max_queue,
             memo=self._memo, on_demand=self._settings.on_demand, keep_alive_s=self._settings.keep_alive_s,
-            cache_dropped=self._caches.dropped, adapters_share_base=self._settings.adapters_share_base,
+            cache_dropped=self._caches.dropped, adapters_share_base=self._settings.adapters_share_base, heal=self._heal,
         )]
         if not self._log.atomic or time.monotonic() < self._one_by_one_until:
             self._ahead = await self._append_folding(state, events, term, f"{command.command_id}:{term}")

@@ -8,6 +8,7 @@ import logging
 import time
 from collections.abc import Callable
 
+from exo.bus.chunk_signing import ChunkSigner
 from exo.bus.connection import Connection
 from exo.bus.snapshots import write_snapshot
 from exo.bus.state_view import StateView
@@ -20,8 +21,10 @@ log = logging.getLogger("exo.master.service")  # the master's lines under one na
 class Snapshotter:
     """Writes State to the KV bucket every `every` events or `interval` seconds, whichever first."""
 
-    def __init__(self, nc: Connection, view: StateView, every: int, interval: float) -> None:
+    def __init__(self, nc: Connection, view: StateView, every: int, interval: float,
+                 signer: ChunkSigner | None = None) -> None:
         self._nc = nc
+        self._signer = signer  # this node's key: a starting node uses only snapshots a master signed
         self._names = view.names
         self._view = view
         self._every = every
@@ -42,7 +45,7 @@ class Snapshotter:
             state = self._view.state
             if state.last_seq > self._written_seq and still_leader():
                 started = time.perf_counter()
-                written = await write_snapshot(self._nc, state, names=self._names)
+                written = await write_snapshot(self._nc, state, names=self._names, signer=self._signer)
                 self._written_seq = state.last_seq  # not written: try again with the next `every` events
                 if written:
                     log.info("snapshot at sequence %d (%.0f ms)", state.last_seq, (time.perf_counter() - started) * 1000)

@@ -57,9 +57,14 @@ def time_out_node(state: State, node_id: NodeId, timeout: float, now: float = 0.
                   limits: HealLimits = HealLimits()) -> list[Event]:
     """The node leaves State; instances using it go first (their generations move elsewhere)."""
     reason = f"node {node_display(state, node_id)} timed out: no heartbeat for {timeout:g} s"
+    return [*end_instances_on(state, node_id, reason, now, limits), NodeTimedOut(node_id=node_id, reason=reason)]
+
+
+def end_instances_on(state: State, node_id: NodeId, reason: str, now: float = 0.0,
+                     limits: HealLimits = HealLimits()) -> list[Event]:
+    """The node is gone: every instance with a rank on it ends, its generations move elsewhere."""
     ending = {i.instance_id: reason for i in _sorted(state) if any(s.node_id == node_id for s in i.shards)}
-    return [*_end_all(state, ending, set(), now, limits, frozenset({node_id})),
-            NodeTimedOut(node_id=node_id, reason=reason)]
+    return _end_all(state, ending, set(), now, limits, frozenset({node_id}))
 
 
 def failing_instances(state: State, max_failures: int, skip: frozenset[InstanceId] = frozenset(), now: float = 0.0,

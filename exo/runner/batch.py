@@ -13,8 +13,8 @@ multi-node instance it takes the single path (the ranks agree on one sampler per
 do requests with images.
 
 In a multi-node instance the batch runs on every rank in lockstep: before each step rank 0
-tells the others who joins and who leaves (`BatchStep`), and every sampled token is rank 0's
-(distributed.py); the other ranks replay the steps (follower.py).
+tells the others who joins (with its LoRA adapter, if any) and who leaves (`BatchStep`), and
+every sampled token is rank 0's (distributed.py); the other ranks replay the steps (follower.py).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from exo.runner.adapter_rows import ResidentAdapters, RowSelectingModel
 from exo.runner.batch_steps import insert, keep_caches, new_generator, warm_up_batch
 from exo.runner.choices import Choices, first_of_choices, ranks_candidates, row_seed, sibling
 from exo.runner.decoding import Decoding, GenerationResult, OnOutput, Output, RequestRefused
-from exo.runner.distributed import AgreedSamplers, BatchJoin, BatchStep, Lockstep, Sampler, Sampling
+from exo.runner.distributed import AdapterRef, AgreedSamplers, BatchJoin, BatchStep, Lockstep, Sampler, Sampling
 from exo.runner.engine import check_logit_bias, sampling_of, seeded_sampler, vocabulary_size
 from exo.runner.engine_api import ModelEngine
 from exo.runner.prompt_cache import Reuse
@@ -218,13 +218,14 @@ class Batcher:
             reuse = self._engine.prompt_cache.take(tokens, scope=params.cache_scope)
             assert job.decoding is not None
             job.decoding.cached = reuse.cached
+            generator = self._batch()
+            self._hold_adapter(job, job.adapter_path)
             join = BatchJoin(tokens=tokens, max_tokens=max_tokens, cached=reuse.cached, cache_scope=params.cache_scope,
                              sampling=sampling_of(params, job.defaults, vocabulary_size(self._engine.model)),
                              logit_bias=params.logit_bias, repetition_penalty=params.repetition_penalty,
                              repetition_context_size=params.repetition_context_size,
-                             presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty)
-            generator = self._batch()
-            self._hold_adapter(job, job.adapter_path)
+                             presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
+                             adapter=self._adapter_ref(job))
             sampler = self._row_sampler(params, join, job.choice)
             uid = insert(generator, join, sampler, reuse, self._engine.constraint_for(params, tokens))
         except Exception as error:
@@ -253,6 +254,12 @@ class Batcher:
             done(outcome)
 
         job.on_done = released
+
+    def _adapter_ref(self, job: Job) -> AdapterRef | None:
+        """Multi-node: the job's adapter as the other ranks make it resident and select it for its rows."""
+        adapters = resident_adapters(self._engine)
+        name = adapters.held_by(job) if adapters is not None and self._lockstep() is not None else None
+        return None if adapters is None or name is None else adapters.ref_of(name)
 
     def _row_sampler(self, params: GenerationParams, join: BatchJoin, choice: int) -> Sampler:
         if params.seed is not None and self._lockstep() is None:

@@ -115,6 +115,15 @@ def broadcast_bytes(group: mx.distributed.Group, data: bytes | None) -> bytes:
         return data if is_root and data else bytes(memoryview(received.astype(mx.uint8)))  # type: ignore[arg-type]
 
 
+class AdapterRef(msgspec.Struct, frozen=True, kw_only=True):
+    """A request's LoRA adapter, as every rank can make it resident: rank 0 has its folder from
+    the worker; the others fetch its weights from the object store by sha256 (adapter_rows.py)."""
+
+    name: str  # its folder's name on rank 0: the weights' and the config's hashes (the adapter's identity)
+    digest: str  # the sha256 of its adapters.safetensors
+    config: str  # its adapter_config.json
+
+
 class StepAnnouncement(msgspec.Struct, frozen=True, kw_only=True, tag="generate"):
     """Rank 0 runs this request on the single path: run it too."""
 
@@ -124,6 +133,7 @@ class StepAnnouncement(msgspec.Struct, frozen=True, kw_only=True, tag="generate"
     cached: int = 0  # prompt tokens rank 0 reuses from its prompt cache: every rank reuses as many
     cache_entries: int = 0  # rank 0's prompt-cache entries before this request: the others drop as many
     resume_tokens: list[int] = []  # a resumed request's earlier tokens (protocol.Resume): every rank prefills them
+    adapter: AdapterRef | None = None  # the LoRA adapter of its row (None: the bare base)
 
 
 Sampling = tuple[float, float, int, float]  # temperature, top_p, top_k, min_p
@@ -143,6 +153,7 @@ class BatchJoin(msgspec.Struct, frozen=True, kw_only=True):
     frequency_penalty: float | None = None
     cached: int = 0  # prompt tokens reused from rank 0's prompt cache (see StepAnnouncement)
     cache_scope: str = ""  # the request's GenerationParams.cache_scope: every rank stores and looks up there
+    adapter: AdapterRef | None = None  # its rows' LoRA adapter (None: the bare base), selected on every rank
 
 
 class BatchStep(msgspec.Struct, frozen=True, kw_only=True, tag="step"):

@@ -135,7 +135,8 @@ class Engine:
         if self.lockstep is not None:  # every rank takes rank 0's tokens and stops when rank 0 does
             sampler, is_cancelled = self._in_lockstep(sampler, is_cancelled, StepAnnouncement(
                 task_id=task_id, params=params, defaults=defaults, cached=reuse.cached,
-                cache_entries=self.prompt_cache.entries, resume_tokens=prior))
+                cache_entries=self.prompt_cache.entries, resume_tokens=prior,
+                adapter=self.adapters.selected_ref() if told is None else None))
         generated: list[int] = []
         result = None
         draft = {"draft_model": self.draft_model, "num_draft_tokens": self.num_draft_tokens} if drafting else {}

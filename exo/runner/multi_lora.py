@@ -16,6 +16,10 @@ Which linears an adapter targets comes from its adapter_config.json, read as mlx
 `load_adapters` / `linear_to_lora_layers` read it. LoRA only: DoRA rescales the whole weight per
 adapter, which a shared base cannot do per row. Adapters of different dtypes on one linear are
 stacked in the wider one (mlx-lm would compute the narrower one's terms in its own dtype).
+
+On a rank of a multi-node instance the same holds for the layers it has: a pipeline rank's
+adapters touch only its block of layers (the others' weights are skipped), and a tensor rank
+holds each adapter sliced as the linear it wraps (lora_shards.py).
 """
 
 from __future__ import annotations
@@ -29,6 +33,9 @@ from typing import Any, Literal
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
+
+from exo.runner.lora_shards import SHARDED_LINEARS, full_dims, partial_product, shard_pair, summed, sums_over_ranks
+from exo.runner.pipeline import SkippedLayer, StageBoundary
 
 Strategy = Literal["gather", "grouped"]
 DEFAULT_STRATEGY: Strategy = "gather"  # the faster with mixed rows on this CPU (bench/multi_lora.py, docs/benchmarks.md)
@@ -113,17 +120,15 @@ class RowAdapters:
 
 
 def linear_dims(linear: nn.Module) -> tuple[int, int]:
-    """(input, output) widths of a plain or quantized linear (or the one a MultiLoRALinear wraps)."""
+    """(input, output) widths of a plain, quantized or tensor-sharded linear, whole (or the one a MultiLoRALinear wraps)."""
     if isinstance(linear, MultiLoRALinear):
         return linear.input_dims, linear.output_dims
-    output_dims, input_dims = linear.weight.shape
-    if isinstance(linear, nn.QuantizedLinear):
-        input_dims = input_dims * 32 // linear.bits
-    return int(input_dims), int(output_dims)
+    return full_dims(linear)
 
 
 class MultiLoRALinear(nn.Module):
-    """A base linear plus the stacked adapters that touch it: lora_a (n, in, r), lora_b (n, r, out)."""
+    """A base linear plus the stacked adapters that touch it: lora_a (n, in, r), lora_b (n, r, out),
+    each this rank's slice where the linear is tensor-sharded (`input_dims`, `output_dims`: whole)."""
 
     def __init__(self, linear: nn.Module, batch: RowAdapters) -> None:
         super().__init__()
@@ -139,6 +144,8 @@ class MultiLoRALinear(nn.Module):
         return self._names
 
     def add(self, name: str, lora_a: mx.array, lora_b: mx.array) -> None:
+        """`lora_a`, `lora_b`: the adapter's whole arrays for this linear."""
+        lora_a, lora_b = shard_pair(self.linear, lora_a, lora_b)
         if not self._names:  # the adapter's own arrays and dtype, not promoted by an empty stack's
             self.lora_a, self.lora_b = lora_a[None], lora_b[None]
         else:
@@ -158,17 +165,21 @@ class MultiLoRALinear(nn.Module):
         mx.eval(self.lora_a, self.lora_b)
 
     def __call__(self, x: mx.array) -> mx.array:
-        y: mx.array = self.linear(x)
         if not self._batch.rows:  # nothing selected: every row is the base's (a warm-up, a plain call)
-            return y
+            return self._plain(x)
         if x.shape[0] != len(self._batch.rows):
             raise ValueError(f"the batch has {x.shape[0]} rows but adapters were selected for {len(self._batch.rows)}")
         view = self._batch.view(self._names, self.lora_a.dtype)
         if view is None:
-            return y
-        if self._batch.strategy == "gather":
-            return y + self._gathered(x, view)
-        return self._grouped(x, y, view)
+            return self._plain(x)
+        partial = sums_over_ranks(self.linear)  # the terms join the base's partial sums before its all_sum
+        y: mx.array = partial_product(self.linear, x) if partial else self.linear(x)
+        y = y + self._gathered(x, view) if self._batch.strategy == "gather" else self._grouped(x, y, view)
+        return summed(self.linear, y) if partial else y
+
+    def _plain(self, x: mx.array) -> mx.array:
+        y: mx.array = self.linear(x)
+        return y
 
     def _grouped(self, x: mx.array, y: mx.array, view: RowView) -> mx.array:
         for slot, rank, scale, rows in view.groups:
@@ -184,7 +195,7 @@ class MultiLoRALinear(nn.Module):
         rows = x.reshape(x.shape[0], -1, x.shape[-1])  # one (tokens, in) matrix per row
         z = mx.gather_mm(rows, self.lora_a, rhs_indices=view.slots)
         z = mx.gather_mm(z, self.lora_b, rhs_indices=view.slots)
-        delta: mx.array = (view.scales * z).astype(x.dtype).reshape(*x.shape[:-1], self.output_dims)
+        delta: mx.array = (view.scales * z).astype(x.dtype).reshape(*x.shape[:-1], z.shape[-1])
         return delta
 
 
@@ -195,13 +206,13 @@ def _pad(stack: mx.array, axis: int, size: int) -> mx.array:
 
 
 def _is_linear(module: nn.Module) -> bool:
-    return isinstance(module, (nn.Linear, nn.QuantizedLinear, MultiLoRALinear))
+    return isinstance(module, (nn.Linear, nn.QuantizedLinear, MultiLoRALinear, *SHARDED_LINEARS))
 
 
 def _lora_kind(module: nn.Module) -> bool:
     """What mlx-lm's linear_to_lora_layers converts when the config names no keys."""
-    kinds = (nn.Linear, nn.QuantizedLinear, MultiLoRALinear, SwitchLinear, QuantizedSwitchLinear, nn.Embedding,
-             nn.QuantizedEmbedding)
+    kinds = (nn.Linear, nn.QuantizedLinear, MultiLoRALinear, *SHARDED_LINEARS, SwitchLinear, QuantizedSwitchLinear,
+             nn.Embedding, nn.QuantizedEmbedding)
     return isinstance(module, kinds) or hasattr(module, "to_lora")
 
 
@@ -212,15 +223,29 @@ def _base_modules(module: nn.Module) -> list[tuple[str, nn.Module]]:
             if not any(path.startswith(w + ".") for w in wrapped)]
 
 
-def target_paths(model: nn.Module, config: AdapterConfig) -> list[str]:
-    """The module paths mlx-lm's linear_to_lora_layers turns into LoRA layers for this config."""
+def _held(layer: nn.Module) -> nn.Module | None:
+    """A block as this rank has it: itself, the one a pipeline boundary wraps, or None (another rank's,
+    skipped here: the model's last layer is a boundary on every rank, around a skipped one on most)."""
+    inner = layer.layer if isinstance(layer, StageBoundary) else layer
+    return None if isinstance(inner, SkippedLayer) else inner
+
+
+def target_paths(model: nn.Module, config: AdapterConfig) -> dict[str, str | None]:
+    """The modules mlx-lm's linear_to_lora_layers turns into LoRA layers for this config, by the
+    paths the adapter's weights name them, each with its path in this rank's model (None: a layer
+    another pipeline rank holds; its weights are that rank's to apply)."""
     where = {id(m): path for path, m in model.named_modules()}
+    blocks = [(where[id(layer)], _held(layer)) for layer in model.layers]
     keys = set(config.keys) if config.keys is not None else {
-        key for layer in model.layers for key, m in _base_modules(layer) if _lora_kind(m)}
-    chosen = [f"{where[id(layer)]}.{key}" for layer in model.layers[-max(config.num_layers, 0):]
-              for key, _ in _base_modules(layer) if key in keys]
-    chosen += [path for path, _ in _base_modules(model) if path in keys]  # mlx-lm's second pass: e.g. "lm_head"
-    return list(dict.fromkeys(chosen))
+        key for _, held in blocks if held is not None for key, m in _base_modules(held) if _lora_kind(m)}
+    chosen: dict[str, str | None] = {}
+    for block, held in blocks[-max(config.num_layers, 0):]:
+        if held is None:
+            chosen.update((f"{block}.{key}", None) for key in sorted(keys))
+        else:
+            chosen.update((f"{block}.{key}", f"{where[id(held)]}.{key}") for key, _ in _base_modules(held) if key in keys)
+    chosen.update((path, path) for path, _ in _base_modules(model) if path in keys)  # mlx-lm's second pass: "lm_head"
+    return chosen
 
 
 class MultiLoRA:
@@ -284,30 +309,33 @@ class MultiLoRA:
 
     def _pairs(self, name: str, config: AdapterConfig,
                weights: Mapping[str, mx.array]) -> dict[str, tuple[mx.array, mx.array]]:
-        """Each target's (lora_a, lora_b), checked as mlx-lm's load_adapters checks them. A target
-        without lora_b is left out: mlx-lm starts lora_b at zero, so it does not change the layer."""
+        """Each target's (lora_a, lora_b) by its path in this rank's model, checked as mlx-lm's
+        load_adapters checks them (whole: a tensor rank slices them as it adds them). A target without
+        lora_b is left out: mlx-lm starts lora_b at zero, so it does not change the layer."""
         modules = dict(_base_modules(self.model))
-        paths = target_paths(self.model, config)
-        allowed = {f"{path}.{leaf}" for path in paths for leaf in LEAVES}
+        targets = target_paths(self.model, config)
+        allowed = {f"{path}.{leaf}" for path in targets for leaf in LEAVES}
         if unknown := sorted(set(weights) - allowed):
             raise ValueError(f"adapter {name!r}: {unknown[0]} is not an adapter parameter in the model")
         pairs = {}
-        for path in paths:
-            if not _is_linear(modules[path]):
-                raise ValueError(f"adapter {name!r}: {path} is a {type(modules[path]).__name__}, "
+        for path, here in targets.items():
+            if here is None:
+                continue
+            if not _is_linear(modules[here]):
+                raise ValueError(f"adapter {name!r}: {path} is a {type(modules[here]).__name__}, "
                                  "only linear layers take adapters per row")
             lora_a, lora_b = (weights.get(f"{path}.{leaf}") for leaf in LEAVES)
             if lora_b is None:
                 continue
             if lora_a is None:
                 raise ValueError(f"adapter {name!r}: {path}.lora_b comes without its lora_a")
-            input_dims, output_dims = linear_dims(modules[path])
+            input_dims, output_dims = linear_dims(modules[here])
             for leaf, got, want in (("lora_a", lora_a, (input_dims, config.rank)),
                                     ("lora_b", lora_b, (config.rank, output_dims))):
                 if tuple(got.shape) != want:
                     raise ValueError(f"adapter {name!r}: {path}.{leaf} has shape {tuple(got.shape)}, "
                                      f"the model and its rank need {want}")
-            pairs[path] = (lora_a, lora_b)
+            pairs[here] = (lora_a, lora_b)
         return pairs
 
 

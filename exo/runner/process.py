@@ -21,6 +21,7 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import BinaryIO, TypeGuard, cast
 
+from exo.bus.adapters import fetch_adapter
 from exo.bus.chunk_signing import ChunkSigner
 from exo.bus.connection import Connection
 from exo.core.catalogue import is_vision_config
@@ -58,6 +59,7 @@ from exo.runner.transcription_engine import TranscriptionEngine, is_speech_to_te
 from exo.settings.services import RunnerSettings
 
 PULSE_S = 1.0  # how often the runner tells the worker it is alive (protocol.Alive)
+ADAPTER_FETCH_TIMEOUT_S = 600.0  # as the worker's: an adapter of a large model is hundreds of MB
 WORKER_GONE_GRACE_S = 5.0  # stdin closed: the runner has exited by then, whatever its model thread does
 
 
@@ -77,6 +79,7 @@ class Runner:
         self._generating: dict[str, asyncio.Task[None]] = {}  # batched generations in flight, by task id
         self._in_flight: set[str] = set()  # generations the model thread has not finished yet
         self._traces = GenerationTraces()  # the spans of traced requests (exo/telemetry); none otherwise
+        self._nc = nc  # for the adapters a follower fetches (adapter_rows.py)
         self._replies = Replies(nc, reports, self._traces, lambda: self._engine.prompt_cache.stats(), signer)
 
     async def run(self) -> None:
@@ -128,7 +131,10 @@ class Runner:
             error = done.exception()
             self._replies.report(Failed(error=f"lost rank 0: {type(error).__name__}: {error}" if error else "rank 0 left"))
 
-        loop.run_in_executor(self._mlx_thread, follow, self._engine).add_done_callback(on_end)
+        def fetch(digest: str) -> bytes:  # on the model thread, with the loop free to do the I/O
+            return asyncio.run_coroutine_threadsafe(fetch_adapter(self._nc, digest, ADAPTER_FETCH_TIMEOUT_S), loop).result()
+
+        loop.run_in_executor(self._mlx_thread, follow, self._engine, fetch).add_done_callback(on_end)
 
     async def _leave_group(self, loop: asyncio.AbstractEventLoop) -> None:
         """Rank 0 tells the followers it is leaving; a follower cannot finish its thread, so it just exits."""

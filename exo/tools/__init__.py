@@ -7,4 +7,5 @@ TOOLS: dict[str, str] = {
     "inspect": "exo.tools.inspect",
     "nats-context": "exo.tools.nats_context",
     "keys": "exo.tools.keys",
+    "node": "exo.tools.nodes",
 }

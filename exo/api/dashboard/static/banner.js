@@ -30,6 +30,11 @@ export class Troubles {
       const reason = (data.reason || "timed out").replace(/^node .+? (?=timed out)/, ""); // it names the node
       this.gone.set(data.node_id, {node, reason, at});
       this.suspect.delete(data.node_id);
+    } else if (kind === "node.removed") {
+      const node = (state && state.nodes[data.node_id]) || this.known.get(data.node_id) || {node_id: data.node_id};
+      const reason = `removed by ${data.removed_by || "an admin"}${data.reason ? ": " + data.reason : ""}`;
+      this.gone.set(data.node_id, {node, reason, at});
+      this.suspect.delete(data.node_id);
     } else if (kind === "node.suspect" && data.suspect) {
       this.suspect.set(data.node_id, (data.reason || "").replace(SUSPECT_REASON, ""));
     } else if (kind === "node.suspect") {
