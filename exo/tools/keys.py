@@ -36,7 +36,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="exo keys", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
-    create = _command(commands, "create", "add a key; its secret is printed once")
+    create = admin_command(commands, "create", "add a key; its secret is printed once")
     create.add_argument("--name", required=True, help="what people call the key")
     create.add_argument("--models", nargs="+", default=None, metavar="PATTERN",
                         help="glob patterns of the model ids it may use (default: all)")
@@ -48,9 +48,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         create.add_argument(f"--{limit.replace('_', '-')}", dest=limit, type=int, default=None, metavar="N",
                             help="0: no limit")
     create.add_argument("--json", action="store_true", help="print the API's answer (secret and key) as JSON")
-    _command(commands, "list", "every key, without secrets").add_argument("--json", action="store_true")
-    _command(commands, "delete", "delete a key: it fails on every node at once").add_argument("key_id")
-    usage = _command(commands, "usage", "requests, tokens and audio seconds by key, UTC day and model")
+    admin_command(commands, "list", "every key, without secrets").add_argument("--json", action="store_true")
+    admin_command(commands, "delete", "delete a key: it fails on every node at once").add_argument("key_id")
+    usage = admin_command(commands, "usage", "requests, tokens and audio seconds by key, UTC day and model")
     usage.add_argument("key_id", nargs="?", default="", help="one key's (default: every key's)")
     usage.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
@@ -59,7 +59,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def _command(commands: Any, name: str, summary: str) -> argparse.ArgumentParser:
+def admin_command(commands: Any, name: str, summary: str) -> argparse.ArgumentParser:
+    """A subcommand that talks to a node's API with an admin key (`exo keys`, `exo node`)."""
     command: argparse.ArgumentParser = commands.add_parser(name, help=summary, description=summary)
     command.add_argument("--url", default=f"http://127.0.0.1:{value_of(NodeSettings, 'api_port')}",
                          help="the node's API (default http://127.0.0.1:EXO_API_PORT, 52415)")

@@ -16,34 +16,23 @@ import argparse
 import json
 import sys
 import urllib.parse
-from typing import Any
 
-from exo.settings.declare import value_of
-from exo.settings.services import NodeSettings, ToolSettings
 from exo.tools.cli import EXIT_ERROR, EXIT_OK, ToolError, table
-from exo.tools.keys import KeysApi
+from exo.tools.keys import KeysApi, admin_command
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="exo node", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
-    _command(commands, "list", "the nodes in State, and those removed").add_argument("--json", action="store_true")
-    remove = _command(commands, "remove", "revoke a node: it leaves the cluster for good")
+    admin_command(commands, "list", "the nodes in State, and those removed").add_argument("--json", action="store_true")
+    remove = admin_command(commands, "remove", "revoke a node: it leaves the cluster for good")
     remove.add_argument("node", help="its id, name or short id")
     remove.add_argument("--reason", default="", help="why, for the log, State and the node's own last line")
     args = parser.parse_args(argv)
     if not args.url.startswith(("http://", "https://")):
         parser.error(f"--url {args.url!r} is not an http:// or https:// URL")
     return args
-
-
-def _command(commands: Any, name: str, summary: str) -> argparse.ArgumentParser:
-    command: argparse.ArgumentParser = commands.add_parser(name, help=summary, description=summary)
-    command.add_argument("--url", default=f"http://127.0.0.1:{value_of(NodeSettings, 'api_port')}",
-                         help="a node's API (default http://127.0.0.1:EXO_API_PORT, 52415)")
-    command.add_argument("--key", default=value_of(ToolSettings, "api_key"), help="an admin API key (env EXO_API_KEY)")
-    return command
 
 
 def main(argv: list[str]) -> int:
