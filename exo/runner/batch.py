@@ -1,16 +1,11 @@
 """Continuous batching: concurrent requests to one instance decode together, one step for all.
 
-The batch is mlx-lm's own `BatchGenerator` (what `mlx_lm.server` runs). The runner submits
-jobs from its event loop; one drive loop on the model thread inserts them, steps the batch and
-feeds each request's tokens, detokenized the way `stream_generate` does it, through the same
-`Decoding` as the single path (engine.py): text, stop strings, tool calls and logprobs come out
-the same. A request leaves the batch at EOS or max_tokens (mlx-lm), at a stop string, or when
-cancelled (checked after every step); others join as they come, up to `EXO_MAX_BATCH`.
-
-A request with a seed samples with a random key of its own (engine.seeded_sampler), so it
-shares the batch like any other and its tokens do not depend on who else is in it. On a
-multi-node instance it takes the single path (the ranks agree on one sampler per setting), as
-do requests with images.
+The batch is mlx-lm's own `BatchGenerator` (what `mlx_lm.server` runs). One drive loop on the
+model thread inserts the runner's jobs, steps the batch and feeds each request's tokens,
+detokenized as `stream_generate` does, through the single path's `Decoding` (engine.py). A
+request leaves at EOS or max_tokens, a stop string, or when cancelled (checked every step);
+others join as they come, up to `EXO_MAX_BATCH`. A seeded request samples with a key of its own
+(engine.seeded_sampler); on a multi-node instance it takes the single path, as images do.
 
 In a multi-node instance the batch runs on every rank in lockstep: before each step rank 0
 tells the others who joins (with its LoRA adapter, if any) and who leaves (`BatchStep`), and
