@@ -124,8 +124,12 @@ class TwoServerCluster:
             self.processes.append(subprocess.Popen([nats_server_binary(), "-c", str(config)], stdout=log, stderr=log))
             log.close()
         # A monitor port refuses connections until its server is up: not yet, not a failure.
-        wait_until(lambda: all(self._routes(i) for i in range(2)), 15, what="the two servers routed",
-                   tolerate=(httpx.TransportError,))
+        try:
+            wait_until(lambda: all(self._routes(i) for i in range(2)), 15, what="the two servers routed",
+                       tolerate=(httpx.TransportError,))
+        except BaseException:
+            self.stop()  # no fixture teardown runs for a setup that failed: leave no server behind
+            raise
 
     def _routes(self, i: int) -> int:
         return int(httpx.get(f"http://127.0.0.1:{self.monitors[i]}/routez", timeout=2).json()["num_routes"])
