@@ -176,6 +176,10 @@ def test_a_migrated_request_shows_both_runs_in_its_trace(traced, receiver):
     stream = stream_chat(traced.head.url, chat_body([{"role": "user", "content": "tell me about the sea"}], 1000))
     wait_until(lambda: stream.text_chunks() >= 10 or stream.done.is_set(), 60, 0.005, "the stream under way")
     assert not stream.done.is_set(), "the stream ended before its worker could be killed"
+    # a span is exported after it ends (every 100 ms here): kill the worker once its forward is out, not before
+    wait_until(lambda: any(s.attributes.get("exo.task_id") == stream.task_id for s in receiver.named("exo.worker.forward"))
+               or stream.done.is_set(), 30, 0.005, "the first run's forward span exported")
+    assert not stream.done.is_set(), "the stream ended before its worker could be killed"
     kill_9(victim)
     assert stream.done.wait(120) and stream.status == 200 and not stream.errors, stream.errors
     spans = trace_of(receiver, stream.task_id, {"exo.api.generation", "exo.runner.generate"})
