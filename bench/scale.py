@@ -9,6 +9,7 @@ in the log by kind under load and idle, State size and snapshot write time, a ne
 catch-up time, the followers' lag, and the API node's memory.
 
     uv run python -m bench.scale [--nodes 10 100 1000] [--instances 100] [--rates 50 100 200 400] [--seconds 6]
+    uv run python -m bench.scale --quick   # the regression guard: CPU per request of each process
 """
 
 from __future__ import annotations
@@ -282,6 +283,7 @@ def report(result: SizeResult) -> None:
     busiest = max(steps, key=lambda s: s["achieved"])
     per_request = {k: v / 100 / busiest["achieved"] * 1000 for k, v in busiest["cpu"].items()}
     print("  CPU per request (ms): " + ", ".join(f"{k} {v:.2f}" for k, v in per_request.items())
+          + f"; sum {sum(per_request.values()):.2f}"
           + f"; one core each would cap the master at {1000 / per_request['master']:.0f} req/s")
     total = sum(busiest["cpu"].values())
     cores = os.cpu_count() or 1
@@ -315,7 +317,11 @@ def main() -> None:
     parser.add_argument("--idle", type=float, default=20.0, help="seconds of idle measured after the load")
     parser.add_argument("--delay-ms", type=float, default=5.0, help="the fake runner's time per request")
     parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--quick", action="store_true",
+                        help="the regression guard (about a minute): 1,000 nodes, 200 and 300 req/s for 8 s each, 2 s idle")
     args = parser.parse_args()
+    if args.quick:
+        args.nodes, args.rates, args.seconds, args.idle = [1000], [200, 300], 8.0, 2.0
     results: list[SizeResult] = []
     with tempfile.TemporaryDirectory(prefix="exo-scale-") as tmp:
         for nodes in args.nodes:

@@ -74,6 +74,21 @@ def test_a_shared_system_prompt_alone_does_not_route_and_ties_go_to_the_least_bu
     assert where == first
 
 
+def test_an_adapters_earlier_turn_does_not_draw_the_bases_request_to_its_instance():
+    """An instance of a base serving its adapters keeps each adapter's cache entries apart
+    (exo/runner/adapter_rows.py): a turn run under an adapter holds nothing for the bare base."""
+    for earlier_model, expected in (("org/builtin", "first"), ("org/builtin:pirate", "second")):
+        state, (first, second) = two_instances()
+        state, where = ask(state, "g1", chat(("user", "Hello")))
+        assert where == first
+        task = state.tasks["g1"]
+        state = msgspec.structs.replace(state, tasks={**state.tasks, "g1": msgspec.structs.replace(task, model_id=earlier_model)})
+        state, where = ask(state, "g2", chat(("user", "Something else")), finish=False)
+        assert where == first  # a tie: the first; it is now the busier one
+        state, where = ask(state, "g3", chat(("user", "Hello"), ("assistant", "Hi"), ("user", "More")), finish=False)
+        assert where == {"first": first, "second": second}[expected], earlier_model
+
+
 def test_a_busier_instance_still_gets_its_conversation_while_it_has_room():
     state, (first, second) = two_instances()
     state, _ = ask(state, "g1", chat(("user", "Hello")))

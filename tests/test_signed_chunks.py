@@ -8,7 +8,9 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import os
 import secrets
+import signal
 import threading
 import uuid
 from collections.abc import Iterator
@@ -237,6 +239,23 @@ def streamed_text(node: ExoProcess) -> tuple[str, str | None]:
     return text, finish
 
 
+def _runner_pids(node: ExoProcess) -> list[int]:
+    """The node's runner processes (`python -m exo.runner`, children of its exo process)."""
+    assert node.process is not None
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ")
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == node.process.pid and b"exo.runner" in command:
+            pids.append(int(entry.name))
+    return pids
+
+
 async def attack_while(node: ExoProcess, signer: ChunkSigner | None, attempt: int,
                        register: NodeInfo | None = None) -> tuple[str, str | None, str]:
     """A client's greedy stream, and with the shared `exo` credential, as soon as its first chunk is out:
@@ -247,19 +266,36 @@ async def attack_while(node: ExoProcess, signer: ChunkSigner | None, attempt: in
             await EventLog(nc).append(NodeRegistered(node=register), uuid.uuid4().hex)
         seen: asyncio.Future[str] = asyncio.get_running_loop().create_future()
 
+        # The runner is paused from its first chunk on while the forgeries go out: its 120 tokens can
+        # all be out before this process (on a loaded machine) publishes them, and a forgery reaching
+        # the API after the stream ended meets no listener: nothing is dropped, nothing said (a race a
+        # CI run could lose). It resumes once the API said it dropped them, the client's stream still open.
+        runners = _runner_pids(node)
+        assert runners, "no runner process of the node"
+
         async def on_chunk(msg) -> None:  # type: ignore[no-untyped-def]
             if not seen.done():
+                for pid in runners:
+                    os.kill(pid, signal.SIGSTOP)
                 seen.set_result(msg.subject.rsplit(".", 1)[1])
 
         sub = await nc.subscribe(token_subject(CommandId("*")), cb=on_chunk)
         result: list[tuple[str, str | None]] = []
         reader = threading.Thread(target=lambda: result.append(streamed_text(node)))
         reader.start()
-        task_id = await asyncio.wait_for(seen, 60)
-        await sub.unsubscribe()
-        for chunk in (TokenChunk(command_id=CommandId(task_id), index=1, text=" FORGED TEXT", attempt=attempt),
-                      TokenChunk(command_id=CommandId(task_id), index=2, attempt=attempt, finish_reason="stop")):
-            await publish_chunk(nc, chunk, signer)
+        try:
+            task_id = await asyncio.wait_for(seen, 60)
+            await sub.unsubscribe()
+            for chunk in (TokenChunk(command_id=CommandId(task_id), index=1, text=" FORGED TEXT", attempt=attempt),
+                          TokenChunk(command_id=CommandId(task_id), index=2, attempt=attempt, finish_reason="stop")):
+                await publish_chunk(nc, chunk, signer)
+            deadline = asyncio.get_running_loop().time() + 20  # well within EXO_RUNNER_STALL_S (30 s)
+            while f"dropped a forged token chunk of task {task_id} " not in node.output():  # noqa: ASYNC110
+                assert asyncio.get_running_loop().time() < deadline, "the API never said it dropped the forgery"
+                await asyncio.sleep(0.05)
+        finally:
+            for pid in runners:
+                os.kill(pid, signal.SIGCONT)
         await asyncio.to_thread(reader.join, 120)
         return *result[0], task_id
     finally:

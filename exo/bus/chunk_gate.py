@@ -62,9 +62,11 @@ class ChunkGate:
             attempt = _run_decoder.decode(payload).attempt
         except (msgspec.DecodeError, msgspec.ValidationError):
             attempt = 0  # unreadable: judged as run 0's, and its signature still decides
-        if not self._worth_waiting_for(task_id, attempt, subject, payload, signer, signature):
-            return f"State shows no run {attempt} of this task, and no node of its instances signed it"
-        signers = await self._signers(task_id, attempt)
+        signers = run_signers(self._state(), task_id, attempt)  # the common case: State shows the run
+        if signers is None:
+            if not self._worth_waiting_for(subject, payload, signer, signature):
+                return f"State shows no run {attempt} of this task, and no node of its instances signed it"
+            signers = await self._signers(task_id, attempt)
         if signers is None:
             return f"State shows no run {attempt} of this task (after {self._state_lag_s:.0f} s)"
         refusal = chunk_refusal(signers, signer, bool(signature))
@@ -74,12 +76,9 @@ class ChunkGate:
             return f"its signature does not verify against node {signer}'s key"
         return ""
 
-    def _worth_waiting_for(self, task_id: TaskId, attempt: int, subject: str, payload: bytes, signer: str,
-                           signature: str) -> bool:
-        """A run State shows, or one it may soon (see may_run_unseen): only then may a chunk wait."""
+    def _worth_waiting_for(self, subject: str, payload: bytes, signer: str, signature: str) -> bool:
+        """A run State does not show yet, but may soon (see may_run_unseen): only then may a chunk wait."""
         state = self._state()
-        if run_signers(state, task_id, attempt) is not None:
-            return True
         if not may_run_unseen(state, signer, bool(signature)):
             return False
         return not signature or signature_valid(state.nodes[NodeId(signer)].public_key, subject, payload, signature)

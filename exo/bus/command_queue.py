@@ -28,6 +28,7 @@ Confirm = Callable[[], Awaitable[None]]  # raises NotLeader when the batch's eve
 # Commands taken per fetch: those already waiting, no more. Deciding a batch costs one wait for
 # State to fold its events and one ack round, not one per command (docs/scaling.md).
 BATCH = 64
+BEHIND_TIMEOUT_S = 3.0  # fetching the commands queued behind the first (see _waiting_commands)
 
 # A command whose handling failed this many times is answered with an error and dropped: a bug
 # must not loop one command forever (the consumer itself allows any number of deliveries).
@@ -91,7 +92,9 @@ async def _waiting_commands(subscription: JetStreamContext.PullSubscription) -> 
     if behind <= 0:
         return first
     try:
-        return first + await subscription.fetch(batch=behind, timeout=1)
+        # The server answers this fetch at once (no_wait): the timeout only bounds a slow round trip,
+        # and at 1 s a starved machine split batches that were all waiting (tests/test_atomic_batches.py).
+        return first + await subscription.fetch(batch=behind, timeout=BEHIND_TIMEOUT_S)
     except (TimeoutError, NatsTimeout):  # taken meanwhile: decide the first alone
         return first
 

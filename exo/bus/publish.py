@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import weakref
 from contextvars import ContextVar
 
 import nats.errors
 import nats.js.errors
 from nats.aio.client import Client
 from nats.js.api import PubAck
+from nats.js.client import JetStreamContext
 
 from exo.bus import broker_trouble
 from exo.bus.errors import BusError
@@ -38,6 +40,18 @@ RETRY_FOR_S = 30.0
 publish_patience: ContextVar[float] = ContextVar("publish_patience", default=RETRY_FOR_S)
 
 
+_contexts: weakref.WeakKeyDictionary[Client, JetStreamContext] = weakref.WeakKeyDictionary()
+
+
+def jetstream_of(nc: Client) -> JetStreamContext:
+    """One JetStream context per connection: making one per publish was a measurable part of an
+    API node's CPU per request (docs/scaling.md); its publish holds no state between calls."""
+    context = _contexts.get(nc)
+    if context is None:
+        context = _contexts[nc] = nc.jetstream()
+    return context
+
+
 async def publish_durably(
     nc: Client, subject: str, payload: bytes, stream: str, msg_id: str, retry_for: float | None = None, traceparent: str = "",
     headers: dict[str, str] | None = None,
@@ -46,7 +60,7 @@ async def publish_durably(
     `headers`: more of them (a chunk's signature)."""
     retry_for = publish_patience.get() if retry_for is None else retry_for
     headers = with_traceparent({**(headers or {}), "Nats-Msg-Id": msg_id}, traceparent)
-    js = nc.jetstream()
+    js = jetstream_of(nc)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + retry_for
     delay = 0.05

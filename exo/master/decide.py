@@ -242,7 +242,7 @@ def _generate(state: State, command: GenerateText, builtin: Mapping[ModelId, Mod
     if not with_room:
         return _full_queues(command, instances, rows, default_max_queue)
     chosen = choose_instance(state, with_room, params, open_rows, by_conversation=cache_routing,
-                             index=memo.tasks, dropped=cache_dropped)
+                             index=memo.tasks, dropped=cache_dropped, model_id=command.model_id)
     return [task_created(command, params, chosen.instance_id)]
 
 

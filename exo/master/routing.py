@@ -42,16 +42,19 @@ NO_REPORTS: Mapping[InstanceId, Set[TaskId]] = {}
 
 def choose_instance(state: State, candidates: list[Instance], params: GenerationParams,
                     open_tasks: Mapping[InstanceId, int], by_conversation: bool = True,
-                    index: TaskIndex | None = None, dropped: Mapping[InstanceId, Set[TaskId]] = NO_REPORTS) -> Instance:
+                    index: TaskIndex | None = None, dropped: Mapping[InstanceId, Set[TaskId]] = NO_REPORTS,
+                    model_id: str = "") -> Instance:
     """The candidate that served the longest shared conversation still in its cache; ties (and none):
     the least busy. `dropped`: by instance, the finished tasks whose entries its runner reports gone.
+    `model_id`: the request's; only its own tasks count (an instance of a base serving its adapters
+    keeps each adapter's entries apart: exo/runner/adapter_rows.py). "": any model's.
     `index` (the master keeps one across requests) only saves time: the choice is the same without it."""
     shared = {i.instance_id: 0 for i in candidates}
     if by_conversation and len(candidates) > 1:
         later = digest_conversation(params)
         for task in index.alike(state, later) if index is not None else _all_alike(state, later, params):
             if task.instance_id in shared and task.params.cache_scope == params.cache_scope \
-                    and not _dropped(task, dropped):
+                    and (not model_id or task.model_id == model_id) and not _dropped(task, dropped):
                 here = shared_conversation(task.conversation, later, params.prompt)
                 shared[task.instance_id] = max(shared[task.instance_id], here)
     return min(candidates, key=lambda i: (-shared[i.instance_id], open_tasks[i.instance_id]))

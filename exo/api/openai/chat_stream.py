@@ -77,24 +77,28 @@ async def stream_chat(request: web.Request, generation: Generation, model: str, 
     calls_sent: dict[int, int] = {}  # by choice
     ended: set[int] = set()  # choices whose finish chunk was sent
     async for chunk in generation.chunks():
+        # A chunk's events are held and written together: one write per chunk, and the last
+        # chunk's events go out with [DONE] and the end of the body (SseStream.close).
         event_id = f"{generation.command_id}:{chunk.index}"
         delta = _delta(chunk, calls_sent.get(chunk.choice, 0))
         calls_sent[chunk.choice] = calls_sent.get(chunk.choice, 0) + len(chunk.tool_calls)
         if delta or (with_logprobs and chunk.logprobs):
             await sse.send(choice(delta, None, logprobs_json(chunk.logprobs) if with_logprobs else None, chunk.choice),
-                           event_id=event_id)
+                           event_id=event_id, hold=True)
         if chunk.finish_reason in ("error", "cancelled"):
             message = chunk.error or "generation was cancelled"
             kind = "invalid_request_error" if chunk.error_code else "internal_error"
             await sse.send({"error": {"message": message, "type": kind, "code": chunk.error_code or chunk.finish_reason}},
-                           event_id=event_id)
+                           event_id=event_id, hold=True)
             continue
         for index, finished in newly_ended(chunk, ended):  # each choice's at its own end, as OpenAI streams n
             reason = "tool_calls" if calls_sent.get(index) and finished == "stop" else finished
-            await sse.send(choice({}, reason, index=index), event_id=event_id)
+            await sse.send(choice({}, reason, index=index), event_id=event_id, hold=True)
         if chunk.finish_reason and include_usage:
-            await sse.send(base | {"choices": [], "usage": usage(chunk)}, event_id=event_id)
-    await sse.send("[DONE]")
+            await sse.send(base | {"choices": [], "usage": usage(chunk)}, event_id=event_id, hold=True)
+        if chunk.finish_reason is None:
+            await sse.flush()
+    await sse.send("[DONE]", hold=True)
     return await sse.close()
 
 
