@@ -14,7 +14,7 @@ At the end it checks, and exits 1 unless all hold (each printed PASS or FAIL):
 - State equals a replay of the log, and no request hung.
 
     uv run python -m bench.soak --duration 1800 --fault-every 180   # the report's run
-    uv run python -m bench.soak --duration 110 --fault-every 50     # CI's run (tests/test_soak.py)
+    uv run python -m bench.soak --duration 90 --fault-every 44 --restart-after 24   # CI's run (tests/test_soak.py)
 """
 
 from __future__ import annotations
