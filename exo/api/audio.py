@@ -13,7 +13,6 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
-import miniaudio
 import msgspec
 from aiohttp import BodyPartReader, web
 
@@ -27,8 +26,7 @@ from exo.core.requests import GenerationParams, TokenChunk, TranscribeInputs, Tr
 
 MAX_FIELD_BYTES = 64 * 1024  # a form field besides the file: a prompt is a few hundred words
 FORMATS = "WAV, MP3 or FLAC"
-_INFO: dict[str, Callable[[bytes], miniaudio.SoundFileInfo]] = {
-    "wav": miniaudio.wav_get_info, "mp3": miniaudio.mp3_get_info, "flac": miniaudio.flac_get_info}
+_INFO = {"wav": "wav_get_info", "mp3": "mp3_get_info", "flac": "flac_get_info"}  # miniaudio's readers by format
 
 
 @dataclass
@@ -85,8 +83,11 @@ def audio_seconds(data: bytes | None, max_seconds: float) -> float:
     if kind is None:
         raise ApiError(400, f"file must be {FORMATS} audio (other formats need ffmpeg, which exo does not ship)",
                        param="file")
+    import miniaudio  # here: it imports numpy, a third of a node's start-up, for a route most never use
+
+    read_info: Callable[[bytes], miniaudio.SoundFileInfo] = getattr(miniaudio, _INFO[kind])
     try:
-        info = _INFO[kind](data)
+        info = read_info(data)
     except miniaudio.DecodeError as error:
         raise ApiError(400, f"file is not readable {kind.upper()} audio: {error}", param="file") from None
     seconds = info.num_frames / info.sample_rate if info.sample_rate else 0.0

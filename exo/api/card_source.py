@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-from huggingface_hub import constants
 
 from exo.api.errors import ApiError
 from exo.bus.connection import redact
@@ -108,6 +107,8 @@ def _hub_message(card: ModelCard, error: DownloadError) -> str:
                 f'({{"model_id": "{card.model_id}", "path": "/abs/model/dir"}}), copy it into the model directory, '
                 "or start exo without --offline / EXO_OFFLINE")
     if error.code in ("network", "rate_limited"):
+        from huggingface_hub import constants  # imported by the failed fetch already
+
         return (f"cannot reach the model hub ({redact(constants.ENDPOINT)}) for {repo}: {error.reason}; check the network "
                 "or HF_ENDPOINT, add the model by path, or retry later")
     return error.reason

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import base64
 from dataclasses import dataclass
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from exo.api.collect import raise_if_failed
 from exo.api.context import ApiContext
@@ -15,6 +13,9 @@ from exo.api.errors import ApiError
 from exo.api.generation import generating
 from exo.core.ids import ModelId
 from exo.core.requests import EmbedInputs, GenerationParams
+
+if TYPE_CHECKING:
+    import numpy as np  # imported where a vector is decoded: not at every node's start
 
 MAX_INPUTS = 2048  # per request, as OpenAI's embeddings API
 # A request's inputs go into the log and State with its task: bounded as OpenAI bounds a request
@@ -101,6 +102,8 @@ async def run_embeddings(ctx: ApiContext, model_id: ModelId, inputs: EmbedInputs
 def decoded_vector(text: str) -> np.ndarray:
     """A chunk's vector (little-endian float32, base64), checked: anyone with exo's credentials can
     publish on exo.tokens, so what does not decode to finite floats is a 502 naming it, not a 500."""
+    import numpy as np
+
     try:
         raw = base64.b64decode(text, validate=True)
     except ValueError:

@@ -6,9 +6,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from huggingface_hub import HfApi, hf_hub_download
-from huggingface_hub.hf_api import RepoFile
-
 from exo.models.card_facts import HUB_TIMEOUT_S
 from exo.models.hub import classify
 from exo.models.transfer import DownloadError
@@ -31,6 +28,9 @@ class AdapterDownload:
 def hub_adapter(repo_id: str, revision: str, max_bytes: int, endpoint: str | None = None) -> AdapterDownload:
     """Raises DownloadError naming the cause (offline, not_found, gated, unauthorized, network,
     rate_limited, unknown), or AdapterTooLarge."""
+    from huggingface_hub import HfApi, hf_hub_download  # here, not at start-up: exo/models/hub.py says why
+    from huggingface_hub.hf_api import RepoFile
+
     api = HfApi(endpoint=endpoint)
     what = f"{repo_id}@{revision}"
     try:

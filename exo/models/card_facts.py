@@ -16,9 +16,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from huggingface_hub import HfApi, hf_hub_download
-from huggingface_hub.hf_api import RepoFile
-
 from exo.core.embedding_files import EmbeddingFilesError, embedding_of
 from exo.core.types import EmbeddingSpec
 from exo.models.files import INDEX_FILE, is_safe_path
@@ -64,6 +61,9 @@ def weight_bytes(sizes: Mapping[str, int], index_text: str | None) -> int:
 def hub_card_facts(repo_id: str, revision: str, endpoint: str | None = None) -> CardFacts:
     """config.json and the weights' size at `revision`. Raises DownloadError naming the cause
     (offline, not_found, gated, unauthorized, network, rate_limited, unknown), or NoWeights."""
+    from huggingface_hub import HfApi  # here, not at start-up: exo/models/hub.py says why
+    from huggingface_hub.hf_api import RepoFile
+
     api = HfApi(endpoint=endpoint)
     what = f"{repo_id}@{revision}"
     try:
@@ -85,6 +85,8 @@ def hub_card_facts(repo_id: str, revision: str, endpoint: str | None = None) -> 
 
 
 def _hub_text(repo_id: str, filename: str, commit: str) -> str:
+    from huggingface_hub import hf_hub_download
+
     return small_text(Path(hf_hub_download(repo_id, filename, revision=commit, etag_timeout=HUB_TIMEOUT_S)))
 
 

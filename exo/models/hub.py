@@ -12,25 +12,18 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
-
-import httpx2
-from huggingface_hub import HfApi, constants, hf_hub_url
-from huggingface_hub.errors import (
-    GatedRepoError,
-    HfHubHTTPError,
-    OfflineModeIsEnabled,
-    RemoteEntryNotFoundError,
-    RepositoryNotFoundError,
-    RevisionNotFoundError,
-)
-from huggingface_hub.hf_api import RepoFile
-from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
+from typing import TYPE_CHECKING, TypeVar
 
 from exo.core.types import DownloadErrorCode
 from exo.models.files import FileMeta, Manifest
 from exo.models.progress import RetryPolicy, next_delay
 from exo.models.transfer import Corrupt, DownloadCancelled, DownloadError, PartialFile
+
+if TYPE_CHECKING:
+    import httpx2
+
+# huggingface-hub (and httpx2 under it) is imported where a download or a listing needs it, not
+# when a node starts: it was a third of every exo process's start-up CPU, and most never touch the Hub.
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +42,10 @@ class _Retry(Exception):
 
 
 def set_offline() -> None:
-    """`exo --offline`: huggingface-hub itself refuses to touch the network from now on."""
+    """`exo --offline`: huggingface-hub itself refuses to touch the network from now on (its
+    constants module alone is cheap to import: the package loads the rest on first use)."""
+    from huggingface_hub import constants
+
     constants.HF_HUB_OFFLINE = True
 
 
@@ -57,6 +53,15 @@ def classify(error: BaseException, what: str) -> DownloadError | _Retry:
     """What a Hub failure means for a download of `what` (a repository or a file)."""
     if isinstance(error, (DownloadError, _Retry)):
         return error
+    import httpx2
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        OfflineModeIsEnabled,
+        RemoteEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
     if isinstance(error, OfflineModeIsEnabled):
         return DownloadError("offline", f"offline mode: cannot fetch {what} from the Hub")
     # Repository-wide refusals name the repository, whichever of its files met them first.
@@ -121,6 +126,9 @@ def with_retries(action: Callable[[], T], what: str, policy: RetryPolicy, cancel
 def hub_manifest(repo_id: str, revision: str, endpoint: str | None, policy: RetryPolicy,
                  cancelled: threading.Event) -> Manifest:
     """Every file of the repository at the commit `revision` points to now."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.hf_api import RepoFile
+
     api = HfApi(endpoint=endpoint)
 
     def listing() -> Manifest:
@@ -137,6 +145,8 @@ def hub_manifest(repo_id: str, revision: str, endpoint: str | None, policy: Retr
 def fetch_from_hub(manifest: Manifest, partial: PartialFile, endpoint: str | None, policy: RetryPolicy,
                    cancelled: threading.Event) -> FileMeta:
     """Download one file of `manifest` into `partial` (opened), resuming, verifying, retrying."""
+    from huggingface_hub import hf_hub_url
+
     url = hf_hub_url(manifest.repo_id, partial.path, revision=manifest.commit or manifest.revision, endpoint=endpoint)
     what = f"{manifest.repo_id}/{partial.path}"
     for attempt in range(_CORRUPT_REFETCHES + 1):
@@ -163,6 +173,10 @@ def _grew(partial: PartialFile) -> Callable[[], bool]:
 
 
 def _get_into(url: str, partial: PartialFile, cancelled: threading.Event) -> None:
+    import httpx2
+    from huggingface_hub import constants
+    from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
+
     start = partial.size
     if start == partial.meta.size:
         return  # all there already: only verification is left
