@@ -27,7 +27,6 @@ import msgspec
 from mlx.utils import tree_unflatten
 from mlx_lm.generate import generation_stream
 from mlx_lm.sample_utils import make_sampler
-from mlx_lm.tuner.utils import load_adapters
 from mlx_lm.utils import load_model, load_tokenizer, sharded_load
 
 from exo.core.ids import TaskId
@@ -80,6 +79,8 @@ def load_shard(model_path: str, group: mx.distributed.Group, sharding: str, star
         return loaded
     model, config = load_model(path, lazy=True, strict=False)
     if adapter_path:
+        from mlx_lm.tuner.utils import load_adapters  # here: mlx-lm's trainer (and rich) load only with an adapter
+
         load_adapters(model, adapter_path)
     if sharding == "tensor":
         _fuse_adapter(model)
