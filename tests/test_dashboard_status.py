@@ -38,7 +38,7 @@ from tests.support.exo_process import ExoProcess
 from tests.support.tiny_model import TINY_MODEL_ID, make_tiny_model
 
 GONE = "exo-test/gone"  # a card whose repository the Hub does not have: its download fails
-NODE_TIMEOUT_S = 10  # the master times out a silent node this soon: a node gone costs the test this long
+NODE_TIMEOUT_S = 7  # the master times out a silent node this soon: a node gone costs the test this long
 
 
 @pytest.fixture(scope="module")

@@ -13,13 +13,17 @@ import httpx
 import pytest
 
 from exo.core.events import CustomCardAdded, LeaderElected
-from tests.support.cluster import NatsServer, replay, start_node, state_of, wait_until
+from tests.support.cluster import NatsServer, quick_takeover_streams, replay, start_node, state_of, wait_until
 from tests.support.exo_process import ExoProcess
 from tests.support.tiny_model import make_tiny_model
 
 pytestmark = pytest.mark.slow
 
-LEASE_TTL_S = 10.0  # streams/KV_exo-leader.json
+# The lease's TTL in these tests: streams/KV_exo-leader.json's 10 s halved through EXO_STREAMS_DIR
+# (the master renews every TTL/5 and holds the lease for 0.6 TTL after a renewal, whatever the TTL),
+# and the master consumer's ack wait with it (the command the dead master had taken comes back
+# after it): a takeover and the commands behind it wait ~5 s less.
+LEASE_TTL_S = 5
 
 
 @pytest.fixture
@@ -27,6 +31,12 @@ def nats(tmp_path: Path):
     server = NatsServer(tmp_path / "nats")
     yield server
     server.stop()
+
+
+@pytest.fixture
+def lease(tmp_path: Path) -> dict[str, str]:
+    """The env of a node whose lease TTL and master consumer's ack wait are LEASE_TTL_S."""
+    return quick_takeover_streams(tmp_path / "streams", LEASE_TTL_S)
 
 
 def node_id(node: ExoProcess) -> str:
@@ -69,10 +79,10 @@ def assert_each_command_applied_once(nats_url: str, upto: int, cards: list[str])
     return state
 
 
-def test_kill_9_the_master_under_load_and_the_other_takes_over(tmp_path, nats):
-    first = start_node(tmp_path, "first", nats.url, "--no-worker")
+def test_kill_9_the_master_under_load_and_the_other_takes_over(tmp_path, nats, lease):
+    first = start_node(tmp_path, "first", nats.url, "--no-worker", env=lease)
     wait_until(lambda: state_of(first).leader_node == node_id(first), 20, what="first node leads")
-    second = start_node(tmp_path, "second", nats.url, "--no-worker")
+    second = start_node(tmp_path, "second", nats.url, "--no-worker", env=lease)
     try:
         with CardSender(second.url, "load") as sender:
             wait_until(lambda: len(sender.results) >= 10, 30, what="commands flowing")
@@ -92,11 +102,11 @@ def test_kill_9_the_master_under_load_and_the_other_takes_over(tmp_path, nats):
         second.interrupt()
 
 
-def test_a_stale_master_resumed_after_its_lease_cannot_change_state(tmp_path, nats):
-    stale = start_node(tmp_path, "stale", nats.url, "--no-worker")
+def test_a_stale_master_resumed_after_its_lease_cannot_change_state(tmp_path, nats, lease):
+    stale = start_node(tmp_path, "stale", nats.url, "--no-worker", env=lease)
     wait_until(lambda: state_of(stale).leader_node == node_id(stale), 20, what="first node leads")
     stale_term = state_of(stale).leader_term
-    other = start_node(tmp_path, "other", nats.url, "--no-worker")
+    other = start_node(tmp_path, "other", nats.url, "--no-worker", env=lease)
     try:
         with CardSender(other.url, "paused") as sender:
             wait_until(lambda: len(sender.results) >= 5, 30, what="commands flowing")

@@ -5,6 +5,7 @@ process with requests joining a batch, and on two ranks (tensor and pipeline) in
 
 from __future__ import annotations
 
+from functools import cache
 from pathlib import Path
 
 import mlx_lm
@@ -36,6 +37,7 @@ def models(tmp_path_factory) -> dict[str, Path]:
             "llama-4bit": make_4bit(llama, root / "llama-4bit")}
 
 
+@cache  # greedy: the same for each of a model's tests (a model's directory is made once, per module)
 def mlx_lm_reference(model_dir: Path) -> list[list]:
     """[text, finish reason] of each request, from mlx-lm's stream_generate, greedy."""
     model, tokenizer = mlx_lm.load(str(model_dir))

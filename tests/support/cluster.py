@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import re
+import shutil
 from pathlib import Path
 
 import httpx
@@ -14,6 +16,7 @@ from exo.bus.server.embedded import EmbeddedNats
 from exo.core.apply import apply, skip_event, was_skipped
 from exo.core.events import AnyEvent
 from exo.core.state import State, decode_state
+from exo.resources import streams_dir
 from tests.support.exo_process import ExoProcess
 from tests.support.polling import wait_until as wait_until  # where tests import it from
 
@@ -83,3 +86,16 @@ def replay(nats_url: str | list[str], upto: int) -> tuple[State, list[tuple[int,
         return state, seen
 
     return asyncio.run(run())
+
+
+def quick_takeover_streams(folder: Path, ttl_s: int = 5) -> dict[str, str]:
+    """The env of nodes on the shipped streams (copied into `folder`) but for the master's lease TTL
+    and its command consumer's ack wait, `ttl_s` each instead of 10 s: a killed master's place is
+    taken, and the command it had taken redelivered, sooner. The master renews every TTL/5 and holds
+    the lease 0.6 TTL past a renewal, whatever the TTL, so only the waits shrink."""
+    shutil.copytree(streams_dir(), folder)
+    for file, fields in (("KV_exo-leader.json", ("max_age", "duplicate_window")),
+                         ("consumers/EXO_COMMANDS.exo-master.json", ("ack_wait",))):
+        config = json.loads((folder / file).read_text())
+        (folder / file).write_text(json.dumps(config | dict.fromkeys(fields, ttl_s * 1_000_000_000)))
+    return {"EXO_STREAMS_DIR": str(folder)}
