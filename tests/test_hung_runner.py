@@ -9,33 +9,18 @@ import json
 import os
 import signal
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
 from tests.support.cluster import wait_until
 from tests.support.e2e import exo_serving, place
+from tests.support.exo_process import runner_pids
 from tests.support.tiny_model import TINY_MODEL_ID, make_tiny_model
 
 pytestmark = pytest.mark.slow
 
 STALL_S = 3
-
-
-def runner_pids(parent: int) -> list[int]:
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ")
-        except (OSError, IndexError, ValueError):
-            continue
-        if ppid == parent and b"exo.runner" in command:
-            pids.append(int(entry.name))
-    return pids
 
 
 def test_a_hung_runner_fails_its_request_within_the_bound_and_comes_back(tmp_path):

@@ -17,7 +17,7 @@ import pytest
 
 from exo.core.state import State
 from tests.support.e2e import Reference
-from tests.support.exo_process import ExoProcess
+from tests.support.exo_process import ExoProcess, runner_pids
 from tests.support.healing import SharedNatsCluster, chat_body, kill_9, state_of, stream_chat, wait_until
 from tests.support.tiny_model import Dims, make_tiny_model
 
@@ -46,16 +46,7 @@ def cluster(tmp_path_factory, model_dir) -> Iterator[SharedNatsCluster]:
 def _runner_pids(node: ExoProcess) -> set[int]:
     """The node's runners: children of its exo process (each leads a session of its own)."""
     assert node.process is not None
-    found = set()
-    for pid in map(int, filter(str.isdigit, os.listdir("/proc"))):
-        try:
-            command = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-            parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        if parent == node.process.pid and b"exo.runner" in command:
-            found.add(pid)
-    return found
+    return set(runner_pids(node.process.pid))
 
 
 def _running(pid: int) -> bool:

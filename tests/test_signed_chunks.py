@@ -35,7 +35,7 @@ from exo.core.state import State
 from exo.core.types import Instance, NodeInfo, ShardAssignment, Task
 from tests.support import as_master
 from tests.support.e2e import Reference, exo_serving, place
-from tests.support.exo_process import ExoProcess
+from tests.support.exo_process import ExoProcess, runner_pids
 from tests.support.tiny_model import TINY_MODEL_ID, make_tiny_model
 
 
@@ -239,23 +239,6 @@ def streamed_text(node: ExoProcess) -> tuple[str, str | None]:
     return text, finish
 
 
-def _runner_pids(node: ExoProcess) -> list[int]:
-    """The node's runner processes (`python -m exo.runner`, children of its exo process)."""
-    assert node.process is not None
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ")
-        except (OSError, IndexError, ValueError):
-            continue
-        if ppid == node.process.pid and b"exo.runner" in command:
-            pids.append(int(entry.name))
-    return pids
-
-
 async def attack_while(node: ExoProcess, signer: ChunkSigner | None, attempt: int,
                        register: NodeInfo | None = None) -> tuple[str, str | None, str]:
     """A client's greedy stream, and with the shared `exo` credential, as soon as its first chunk is out:
@@ -270,7 +253,8 @@ async def attack_while(node: ExoProcess, signer: ChunkSigner | None, attempt: in
         # all be out before this process (on a loaded machine) publishes them, and a forgery reaching
         # the API after the stream ended meets no listener: nothing is dropped, nothing said (a race a
         # CI run could lose). It resumes once the API said it dropped them, the client's stream still open.
-        runners = _runner_pids(node)
+        assert node.process is not None
+        runners = runner_pids(node.process.pid)
         assert runners, "no runner process of the node"
 
         async def on_chunk(msg) -> None:  # type: ignore[no-untyped-def]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from nats.aio.client import Client
 
-from exo.bus.blobs import Bucket, delete_blob, fetch_blob, store_blob
+from exo.bus.blobs import Bucket, delete_blob, fetch_blob, store_blob, stored_blobs
 from exo.bus.subjects import ADAPTERS_BUCKET
 
 ADAPTERS = Bucket(ADAPTERS_BUCKET, "adapter", "delete adapters no longer used (DELETE /adapters/{name})")
@@ -22,3 +22,9 @@ async def delete_adapter(nc: Client, digest: str) -> None:
 
 async def fetch_adapter(nc: Client, digest: str, timeout: float) -> bytes:
     return await fetch_blob(nc, ADAPTERS, digest, timeout)
+
+
+
+async def stored_adapter_weights(nc: Client) -> dict[str, float]:
+    """Every adapter's weights in exo-adapters, by sha256, and when they were written (epoch s)."""
+    return await stored_blobs(nc, ADAPTERS)

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import hashlib
 from dataclasses import dataclass
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext, api
-from nats.js.errors import APIError, ObjectNotFoundError
+from nats.js.errors import APIError, NotFoundError, ObjectNotFoundError
 from nats.js.object_store import ObjectStore
 
 from exo.bus.errors import BROKER_ERRORS, BusError
@@ -91,6 +92,25 @@ async def delete_blob(nc: Client, bucket: Bucket, digest: str) -> None:
     store = _store(nc, bucket)
     with contextlib.suppress(ObjectNotFoundError):
         await store.delete(digest)
+
+
+async def stored_blobs(nc: Client, bucket: Bucket, timeout: float = 30.0) -> dict[str, float]:
+    """Every object in the bucket (deleted ones left out) and when it was written, in epoch seconds
+    by its writer's clock. One that says no readable time counts as written now: never old."""
+    try:
+        infos = await asyncio.wait_for(_store(nc, bucket).list(ignore_deletes=True), timeout)
+    except NotFoundError:  # nats-py's answer for an empty bucket
+        return {}
+    now = datetime.datetime.now(datetime.UTC).timestamp()
+    return {info.name: _written_at(info.mtime, now) for info in infos if info.name}
+
+
+def _written_at(mtime: str | None, now: float) -> float:
+    try:
+        written = datetime.datetime.fromisoformat(mtime or "")
+    except ValueError:
+        return now
+    return written.timestamp() if written.tzinfo is not None else now
 
 
 async def fetch_blob(nc: Client, bucket: Bucket, digest: str, timeout: float = 60.0) -> bytes:

@@ -62,5 +62,14 @@ def deletions_due(state: State) -> list[Event]:
             if adapter.deleting and not open_requests_of(state, adapter.model_id)]
 
 
+def orphan_weights(state: State, stored: Mapping[str, float], now: float, grace_s: float) -> list[str]:
+    """The objects of exo-adapters (sha256 -> when written, epoch seconds) that no adapter in State
+    names and that were written more than `grace_s` ago: weights whose deletion was lost (the API
+    node that would have removed them stopped first) or whose upload never became an adapter. The
+    grace spares an upload whose AddAdapter is still on its way."""
+    named = {adapter.digest for adapter in state.adapters.values()}
+    return sorted(digest for digest, written in stored.items() if digest not in named and now - written > grace_s)
+
+
 def _reject(command: AddAdapter | DeleteAdapter, code: RejectionCode, reason: str) -> list[Event]:
     return [CommandRejected(command_id=command.command_id, command_kind=command_tag(command), code=code, reason=reason)]

@@ -49,6 +49,7 @@ from exo.core.ids import CommandId, ModelId, NodeId
 from exo.core.keys import ApiKey
 from exo.core.state import State
 from exo.core.types import ModelCard
+from exo.master.adapter_sweep import sweep_adapter_weights_while
 from exo.master.autoscale import ScalePolicy
 from exo.master.cache_view import CacheView
 from exo.master.decide import decide
@@ -175,6 +176,10 @@ class Master:
                       asyncio.create_task(self._supervise(term))]
         if not named:
             background.append(asyncio.create_task(self._name_groups_until_written(term)))
+        if self._shared is None and self._settings.adapter_sweep_s > 0:  # adapters are the shared log's
+            background.append(asyncio.create_task(sweep_adapter_weights_while(
+                lambda: self._still_leading(term), self._nc, lambda: self._view.state,
+                self._settings.adapter_sweep_s, self._settings.adapter_sweep_grace_s)))
         try:
             await consume_commands(self._nc, self.handle, lambda: self._still_leading(term), self.give_up, self.confirm,
                                    self._names)

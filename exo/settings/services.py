@@ -165,6 +165,13 @@ class MasterSettings(Frozen, frozen=True):
     adapters_share_base: Annotated[bool, Env("EXO_ADAPTERS_SHARE_BASE", "serve a request for \"<base>:<adapter>\" "
                                              "on a running single-node instance of its base, the adapter applied "
                                              "per row (off: each adapter needs an instance of its own)")] = True
+    adapter_sweep_s: Annotated[float, NonNegative, Env("EXO_ADAPTER_SWEEP_S", "seconds between the leading master's "
+                                                       "sweeps of adapter weights that no adapter names any more "
+                                                       "(0: none)")] = 600.0
+    adapter_sweep_grace_s: Annotated[float, NonNegative, Env("EXO_ADAPTER_SWEEP_GRACE_S", "how long ago unnamed "
+                                                             "adapter weights must have been written before a sweep "
+                                                             "deletes them (an upload's adapter may be on its "
+                                                             "way)")] = 600.0
     cache_reports: Annotated[bool, Env("EXO_CACHE_REPORTS", "route by what runners report their prompt caches "
                                        "hold, so an evicted conversation attracts nothing (off: by the tasks "
                                        "in State alone)")] = True

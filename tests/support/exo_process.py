@@ -149,3 +149,17 @@ def interrupt_all(processes: Sequence[ExoProcess], timeout: float = 30.0) -> lis
     if late is not None:
         raise late
     return codes
+
+
+def runner_pids(parent: int) -> list[int]:
+    """The runners a node's exo process (`parent`) started: its children running `-m exo.runner`."""
+    found = []
+    for pid in map(int, filter(str.isdigit, os.listdir("/proc"))):
+        try:
+            command = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == parent and b"exo.runner" in command:
+            found.append(pid)
+    return found

@@ -90,6 +90,8 @@ async def add_adapter(request: web.Request) -> web.Response:
             await delete_adapter(ctx.nc, adapter.digest)  # refused: nothing refers to the weights
         raise
     assert isinstance(event, AdapterAdded)
+    if not uploaded:  # the weights were in the store already, unnamed: the master's sweep may have just taken them
+        await store_adapter(ctx.nc, weights, adapter.digest)  # one look when they are still there
     return web.json_response({"message": "adapter added", "adapter": adapter_entry(event.adapter, ctx.view.state)})
 
 
