@@ -16,7 +16,6 @@ from collections.abc import Callable
 
 from exo.bus.adapters import delete_adapter, stored_adapter_weights
 from exo.bus.connection import Connection
-from exo.bus.errors import BROKER_ERRORS
 from exo.core.state import State
 from exo.master.adapters import orphan_weights
 
@@ -32,7 +31,7 @@ async def sweep_adapter_weights_while(leading: Callable[[], bool], nc: Connectio
     while leading():
         try:
             await sweep_once(nc, state, grace_s)
-        except (TimeoutError, *BROKER_ERRORS) as error:  # type: ignore[misc]  # the broker's errors are classes
+        except Exception as error:  # noqa: BLE001 - the broker's errors or a malformed object: the next sweep tries again
             log.warning("master: the adapter weights were not swept (%r); trying again in %.0f s", error, every_s)
         await asyncio.sleep(every_s)
 
