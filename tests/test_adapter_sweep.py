@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import pytest
+from nats.aio.client import Client
 
 from exo.bus.adapters import store_adapter, stored_adapter_weights
 from exo.bus.connection import connect
@@ -20,6 +23,7 @@ from tests.support import as_master
 from tests.support.cluster import NatsServer, start_node, wait_until
 
 BASE = "org/tiny"
+T = TypeVar("T")
 
 
 def adapter(name: str, digest: str) -> Adapter:
@@ -54,6 +58,14 @@ async def test_a_sweep_deletes_the_unnamed_weights_and_keeps_the_named(fresh_nat
         await nc.close()
 
 
+async def on_bus(url: str, action: Callable[[Client], Awaitable[T]]) -> T:
+    nc = await connect([url], name="test-sweep")
+    try:
+        return await action(nc)
+    finally:
+        await nc.close()
+
+
 @pytest.mark.slow
 def test_the_leading_master_sweeps_weights_left_behind(tmp_path):
     """Weights stored with no adapter ever added for them (an API node that stopped between the
@@ -62,23 +74,9 @@ def test_the_leading_master_sweeps_weights_left_behind(tmp_path):
     node = start_node(tmp_path, "node", nats.url, "--no-worker",
                       env={"EXO_ADAPTER_SWEEP_S": "1", "EXO_ADAPTER_SWEEP_GRACE_S": "0"})
     try:
-        async def left_behind() -> str:
-            nc = await connect([nats.url], name="test-sweep")
-            try:
-                digest, _ = await store_adapter(nc, b"weights nobody named")
-                return digest
-            finally:
-                await nc.close()
-
-        async def stored() -> dict[str, float]:
-            nc = await connect([nats.url], name="test-sweep")
-            try:
-                return await stored_adapter_weights(nc)
-            finally:
-                await nc.close()
-
-        digest = asyncio.run(left_behind())
-        wait_until(lambda: digest not in asyncio.run(stored()), 30, 0.5, "the orphaned weights swept")
+        digest, _ = asyncio.run(on_bus(nats.url, lambda nc: store_adapter(nc, b"weights nobody named")))
+        wait_until(lambda: digest not in asyncio.run(on_bus(nats.url, stored_adapter_weights)), 30, 0.5,
+                   "the orphaned weights swept")
         assert "deleted the weights of 1 adapters no longer in State" in node.output()
     finally:
         node.interrupt()

@@ -24,7 +24,6 @@ async def fetch_adapter(nc: Client, digest: str, timeout: float) -> bytes:
     return await fetch_blob(nc, ADAPTERS, digest, timeout)
 
 
-
 async def stored_adapter_weights(nc: Client) -> dict[str, float]:
     """Every adapter's weights in exo-adapters, by sha256, and when they were written (epoch s)."""
     return await stored_blobs(nc, ADAPTERS)

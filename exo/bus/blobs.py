@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import datetime
 import hashlib
+import time
 from dataclasses import dataclass
 
 from nats.aio.client import Client
@@ -101,7 +102,7 @@ async def stored_blobs(nc: Client, bucket: Bucket, timeout: float = 30.0) -> dic
         infos = await asyncio.wait_for(_store(nc, bucket).list(ignore_deletes=True), timeout)
     except NotFoundError:  # nats-py's answer for an empty bucket
         return {}
-    now = datetime.datetime.now(datetime.UTC).timestamp()
+    now = time.time()
     return {info.name: _written_at(info.mtime, now) for info in infos if info.name}
 
 

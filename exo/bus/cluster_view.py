@@ -50,8 +50,6 @@ class ClusterView:
 
     @property
     def state(self) -> State:
-        if not self.groups and self._state is not None and len(self._made_of) == 1 and self._made_of[0] is self.shared.state:
-            return self._state  # the common case, read many times per request: no list to build
         logs = [self.shared.state, *(v.state for v in self.groups.values())]
         if self._state is None or len(logs) != len(self._made_of) or any(
                 a is not b for a, b in zip(logs, self._made_of, strict=True)):
