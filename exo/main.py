@@ -116,11 +116,19 @@ def parse_args(argv: list[str] | None = None, environ: Mapping[str, str] = os.en
 
     def auto(field: str) -> bool:  # a default port, not asked for: replaced by a free one if taken
         return not is_given(NodeSettings, field, environ, given_flags(args, NodeSettings))
-    return node_config(settings, nats_port_auto=auto("nats_port"), api_port_auto=auto("api_port"))
+    from exo.join_token import JoinRefused
+
+    try:
+        return node_config(settings, nats_port_auto=auto("nats_port"), api_port_auto=auto("api_port"))
+    except JoinRefused as refused:
+        parser.exit(1, f"exo: cannot join with this token: {refused}\n")
 
 
 def _join_problem(node: NodeSettings, cluster: ClusterSettings) -> str:
     """Why --join cannot be used as given ("" if it can)."""
+    if cluster.join_token and node.nats_url:
+        return ("--join-token (EXO_JOIN_TOKEN) joins a cluster of exo's embedded servers; --nats (EXO_NATS_URL) "
+                "makes this node a client of another server: give one of them")
     if not cluster.join:
         return ""
     if node.nats_url:
@@ -140,8 +148,8 @@ def node_config(settings: Mapping[type[Any], Any], nats_port_auto: bool = False,
     node: NodeSettings = settings[NodeSettings]
     cluster: ClusterSettings = settings[ClusterSettings]
     data_dir = Path(node.data_dir).expanduser()
-    clustered = not node.nats_url and (cluster.discovery or bool(cluster.join))
-    discovery, trusted_lan = _discovery(cluster, data_dir) if clustered else (None, False)
+    clustered = not node.nats_url and (cluster.discovery or bool(cluster.join) or bool(cluster.join_token))
+    discovery, trusted_lan = _discovery(cluster, data_dir, node.name) if clustered else (None, False)
     return NodeConfig(
         data_dir=data_dir, nats_urls=split_urls(node.nats_url), nats_port=node.nats_port, nats_port_auto=nats_port_auto,
         api_host=node.api_host or ("127.0.0.1" if is_loopback(cluster.discovery_address) else "0.0.0.0"),
@@ -153,15 +161,21 @@ def node_config(settings: Mapping[type[Any], Any], nats_port_auto: bool = False,
     )
 
 
-def _discovery(cluster: ClusterSettings, data_dir: Path) -> tuple[DiscoverySettings, bool]:
+def _discovery(cluster: ClusterSettings, data_dir: Path, name: str) -> tuple[DiscoverySettings, bool]:
     """The discovery settings, and whether they trust the LAN (no cluster secret)."""
     from exo.bus.server.cluster_node import DiscoverySettings
-    from exo.bus.server.cluster_secret import lan_address, resolve_secret
+    from exo.bus.server.cluster_secret import SECRET_FILE, lan_address, resolve_secret
 
-    secret = resolve_secret(data_dir / "nats", cluster.cluster_secret, cluster.namespace)
+    given, join = cluster.cluster_secret, cluster.join
+    if cluster.join_token and not given and not (data_dir / "nats" / SECRET_FILE).exists():
+        from exo.join_token import redeem  # the first start with a token: what it admits to
+
+        given, redeemed_join = redeem(cluster.join_token, name, cluster.join_timeout_s)
+        join = join or redeemed_join
+    secret = resolve_secret(data_dir / "nats", given, cluster.namespace)
     return DiscoverySettings(address=cluster.discovery_address or lan_address(), secret=secret.value,
                              secret_id=secret.digest, namespace=cluster.namespace, cluster_port=cluster.cluster_port,
-                             remove_after_s=cluster.peer_remove_after_s, join=cluster.join, mdns=cluster.discovery,
+                             remove_after_s=cluster.peer_remove_after_s, join=join, mdns=cluster.discovery,
                              join_timeout_s=cluster.join_timeout_s), secret.trusted_lan
 
 
@@ -205,6 +219,8 @@ async def run(config: NodeConfig) -> int:
 
 
 def main() -> None:
+    if len(sys.argv) > 2 and sys.argv[1] == "join" and not sys.argv[2].startswith("-"):  # `exo join TOKEN [OPTIONS]`
+        sys.argv[1:3] = ["--join-token", sys.argv[2]]
     if len(sys.argv) > 1 and sys.argv[1] in TOOLS:  # `exo replay ...`, `exo events ...`: the tool parses the rest
         tool = importlib.import_module(TOOLS[sys.argv[1]])
         sys.exit(tool.main(sys.argv[2:]))

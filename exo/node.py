@@ -203,7 +203,14 @@ class Node:
                              models=config.models)
             if (watch := self._disk_watch) is not None:
                 ctx.storage_problem = lambda: watch.problem
+            ctx.cluster_join = self._cluster_join
             await self._start_api(ctx)
+
+    def _cluster_join(self) -> tuple[str, str] | None:
+        """What a join token's user gets: the cluster's secret and this member's cluster address."""
+        cluster, discovery = self.cluster, self.config.discovery
+        usable = cluster is not None and discovery is not None and not self.config.trusted_lan and cluster.join_address
+        return (discovery.secret, cluster.join_address) if usable and cluster and discovery else None
 
     def _groups_wanted(self, node_id: NodeId) -> Callable[[State], set[str]] | None:
         """The group logs this node folds: every one for an API node (it routes to them all); else

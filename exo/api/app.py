@@ -10,7 +10,19 @@ from exo.api.anthropic import count_tokens as anthropic_count_tokens
 from exo.api.anthropic import messages as anthropic_messages
 from exo.api.auth import auth_middleware
 from exo.api.bus_outage import bus_middleware
-from exo.api.cluster import adapters, cancel, downloads, events, instances, keys, models, node_status, nodes, prometheus
+from exo.api.cluster import (
+    adapters,
+    cancel,
+    downloads,
+    events,
+    instances,
+    join_tokens,
+    keys,
+    models,
+    node_status,
+    nodes,
+    prometheus,
+)
 from exo.api.context import CONTEXT_KEY, ApiContext
 from exo.api.errors import error_middleware
 from exo.api.metrics_history import add_to as add_metrics_history
@@ -88,6 +100,9 @@ def _anthropic_and_ollama(router: web.UrlDispatcher) -> None:
 
 def _cluster(router: web.UrlDispatcher) -> None:
     router.add_post("/place_instance", instances.place_instance)
+    router.add_post("/cluster/join_tokens", join_tokens.create_token)
+    router.add_get("/cluster/join_tokens", join_tokens.list_tokens)
+    router.add_post("/cluster/join", join_tokens.join)
     router.add_get("/instance/previews", instances.instance_previews)
     router.add_get("/instance/{instance_id}", instances.get_instance)
     router.add_delete("/instance/{instance_id}", instances.delete_instance)

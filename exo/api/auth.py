@@ -28,7 +28,8 @@ from exo.core.types import Task
 
 log = logging.getLogger(__name__)
 
-OPEN_PATHS = frozenset({"/health", "/livez", "/"})
+# /cluster/join: a new node has no API key; its join token is the credential (exo/api/cluster/join_tokens.py).
+OPEN_PATHS = frozenset({"/health", "/livez", "/", "/cluster/join"})
 # The dashboard's static files hold no cluster data; a browser cannot send a Bearer header when
 # it loads a page, so the page is public and asks for the key itself for its data requests.
 OPEN_PREFIXES = ("/dashboard/",)

@@ -63,6 +63,9 @@ class ApiContext:
     readers: Counter[str] = field(default_factory=Counter)
     # Why this node's NATS cannot store anything now (its embedded server's disk is full), or None.
     storage_problem: Callable[[], str | None] = lambda: None
+    # (the cluster's secret, a member's cluster address) where this node is a member of a discovered
+    # cluster with a secret, for join tokens (exo/api/cluster/join_tokens.py); None: not such a member.
+    cluster_join: Callable[[], tuple[str, str] | None] = lambda: None
     _background: Background = field(default_factory=lambda: Background("api"))
     cluster_metrics: ClusterCollector = field(init=False)
     models: ModelSettings = field(default_factory=ModelSettings)

@@ -15,6 +15,7 @@ leaves the draft as it was.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable
 from typing import Any, get_args
 
@@ -56,6 +57,8 @@ from exo.core.events import (
     GroupsSet,
     InstanceCreated,
     InstanceDeleted,
+    JoinTokenCreated,
+    JoinTokenRedeemed,
     KeyDeleted,
     KeySet,
     LeaderElected,
@@ -74,6 +77,7 @@ from exo.core.events import (
     event_tag,
 )
 from exo.core.groups import GROUP_KINDS, on_groups_set
+from exo.core.join_tokens import on_token_created, on_token_redeemed
 from exo.core.revocation import on_node_removed, refuse_if_revoked
 from exo.core.skip import Skip
 from exo.core.state import MAX_ANSWERED_COMMANDS, State
@@ -85,7 +89,7 @@ from exo.core.types import DownloadProgress, RunnerInfo
 MASTER_KINDS: frozenset[type] = frozenset({
     NodeTimedOut, NodeSuspected, InstanceCreated, InstanceDeleted, TaskCreated, TaskCancelRequested,
     CustomCardAdded, CustomCardDeleted, AdapterAdded, AdapterDeleted, KeySet, KeyDeleted, CommandRejected, DesireSet,
-    DesireEnded, AdapterDeleting, DesireScaled, TaskMigrated, GroupsSet, NodeRemoved,
+    DesireEnded, AdapterDeleting, DesireScaled, TaskMigrated, GroupsSet, NodeRemoved, JoinTokenCreated, JoinTokenRedeemed,
 })
 
 
@@ -218,10 +222,24 @@ def _on_runner_status(draft: Draft, event: RunnerStatusChanged, seq: int) -> Non
     if (event.node_id, event.instance_id) != (runner.node_id, runner.instance_id):
         raise Skip(f"runner {event.runner_id} runs on node {runner.node_id} for instance {runner.instance_id}, "
                     f"not on {event.node_id} for {event.instance_id}")
-    updated = replace(runner, status=event.status, error=event.error, failures=event.failures)
+    updated = replace(runner, status=event.status, error=event.error, failures=event.failures,
+                      prefill_address=_prefill_address(event))
     draft.own("runners")[event.runner_id] = updated
     if event.status == "ready" and (instance := draft.instances.get(runner.instance_id)) is not None:
         stamp_desire_use(draft, instance.desire_id, event.at)  # a model that took long to load is not idle yet
+
+
+_HOST = re.compile(r"[A-Za-z0-9.-]+|\[[0-9A-Fa-f:.]+\]")  # a name, an IPv4 address or a bracketed IPv6 one
+
+
+def _prefill_address(event: RunnerStatusChanged) -> str:
+    """A ready runner's "host:port", if it is one: it names where decode runners connect (they check
+    the cache's signature by the node's key, so a wrong one costs a fallback, never a wrong text)."""
+    address = event.prefill_address
+    host, _, port = address.rpartition(":")
+    fine = event.status == "ready" and len(address) <= 128 and bool(_HOST.fullmatch(host)) and port.isdigit() \
+        and 0 < int(port) < 65536
+    return address if fine else ""
 
 
 def _on_desire_set(draft: Draft, event: DesireSet, seq: int) -> None:
@@ -295,6 +313,9 @@ _HANDLERS: dict[type, Callable[[Draft, Any, int], None]] = {
     NodeHeartbeat: _on_node_registered,
     NodeTimedOut: _on_node_timed_out,
     NodeRemoved: on_node_removed,
+    JoinTokenCreated: lambda draft, event, seq: on_token_created(draft, event.token),
+    JoinTokenRedeemed: lambda draft, event, seq: on_token_redeemed(draft, event.token_id, event.secret_sha256,
+                                                                   event.node_name, event.at),
     NodeSuspected: _on_node_suspected,
     InstanceCreated: _on_instance_created,
     InstanceDeleted: _on_instance_deleted,

@@ -9,7 +9,7 @@ from exo.core.adapters import Adapter
 from exo.core.ids import CommandId, InstanceId, ModelId, NodeId, TaskId
 from exo.core.keys import ApiKey
 from exo.core.requests import GenerationParams
-from exo.core.types import ModelCard, Sharding
+from exo.core.types import InstanceRole, ModelCard, Sharding
 
 
 class Command(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind"):
@@ -31,6 +31,7 @@ class PlaceInstance(Command, frozen=True, tag="place_instance", kw_only=True):
     num_draft_tokens: int = 0  # tokens it proposes per step (0: DEFAULT_DRAFT_TOKENS)
     keep_alive_s: float = -1.0  # unloaded after this many seconds without requests; negative: kept until deleted
     at: float = 0.0  # the API's wall clock when asked: the idle time of a keep_alive counts from here
+    role: InstanceRole = "both"  # "prefill" or "decode": half of a split (Instance.role)
 
     def replica_bounds(self) -> tuple[int | None, int | None]:
         """(min, max) as the desire keeps them: one given, the other is `replicas`; neither: fixed (None)."""
@@ -108,8 +109,28 @@ class RemoveNode(Command, frozen=True, tag="remove_node", kw_only=True):
     at: float = 0.0  # the API's wall clock: its tasks' moves are stamped with it
 
 
+class CreateJoinToken(Command, frozen=True, tag="create_join_token", kw_only=True):
+    """A join token (`exo token create`): the API made its id and secret; the command carries the digest."""
+
+    token_id: str
+    secret_sha256: str
+    ttl_s: float
+    uses: int = 1
+    created_by: str = ""
+    at: float = 0.0  # the API's wall clock: the token expires ttl_s after it
+
+
+class RedeemJoinToken(Command, frozen=True, tag="redeem_join_token", kw_only=True):
+    """A new node presents a join token (POST /cluster/join): one of its uses, if it has one left."""
+
+    token_id: str
+    secret_sha256: str
+    node_name: str = ""
+    at: float = 0.0
+
+
 AnyCommand = (PlaceInstance | DeleteInstance | DeleteDesire | GenerateText | CancelTask | AddCustomCard | DeleteCustomCard
-              | AddAdapter | DeleteAdapter | SetKey | DeleteKey | RemoveNode)
+              | AddAdapter | DeleteAdapter | SetKey | DeleteKey | RemoveNode | CreateJoinToken | RedeemJoinToken)
 
 _decoder = msgspec.json.Decoder(AnyCommand)
 _encoder = msgspec.json.Encoder()

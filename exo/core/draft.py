@@ -25,7 +25,7 @@ class Draft:
         "runners",
         "tasks", "custom_model_cards", "skipped_events", "finished_task_ids", "answered_commands", "downloads",
         "instance_end_reasons", "cluster", "desires", "migrations_total", "adapters", "api_keys", "key_windows", "usage",
-        "usage_totals", "group", "groups", "group_logs", "revoked_nodes",
+        "usage_totals", "group", "groups", "group_logs", "revoked_nodes", "join_tokens",
     )
 
     def __init__(self, state: State) -> None:
@@ -57,6 +57,7 @@ class Draft:
         self.groups = state.groups
         self.group_logs = state.group_logs
         self.revoked_nodes = state.revoked_nodes
+        self.join_tokens = state.join_tokens
 
     def state(self) -> State:
         """The State so far. The draft can go on: from here it copies again what it changes."""
@@ -70,6 +71,7 @@ class Draft:
             desires=self.desires, migrations_total=self.migrations_total, adapters=self.adapters,
             api_keys=self.api_keys, key_windows=self.key_windows, usage=self.usage, usage_totals=self.usage_totals,
             group=self.group, groups=self.groups, group_logs=self.group_logs, revoked_nodes=self.revoked_nodes,
+            join_tokens=self.join_tokens,
         )
         self._base = state
         self._own_downloads_of = set()

@@ -10,6 +10,7 @@ import msgspec
 
 from exo.core.adapters import Adapter
 from exo.core.ids import CommandId, InstanceId, ModelId, NodeId, RunnerId, TaskId
+from exo.core.join_tokens import JoinToken
 from exo.core.keys import ApiKey
 from exo.core.types import (
     ClusterLayout,
@@ -80,6 +81,23 @@ class NodeRemoved(Event, frozen=True, tag="node.removed", kw_only=True):
     public_key: str = ""  # its key in State when removed ("": it had none)
     reason: str = ""
     removed_by: str = ""  # who asked: the API key (or "an admin") and the API node that took the request
+
+
+class JoinTokenCreated(Event, frozen=True, tag="join_token.created", kw_only=True):
+    """An admin made a join token (`exo token create`): State keeps its digest, expiry and uses."""
+
+    command_id: CommandId = CommandId("")
+    token: JoinToken
+
+
+class JoinTokenRedeemed(Event, frozen=True, tag="join_token.redeemed", kw_only=True):
+    """A new node used a join token (POST /cluster/join): one use fewer."""
+
+    command_id: CommandId = CommandId("")
+    token_id: str
+    secret_sha256: str  # what was presented, checked again by the reducer
+    node_name: str = ""  # the name the new node gave, for the log
+    at: float = 0.0  # the API's wall clock when it was used: the expiry is checked against it
 
 
 class NodeSuspected(Event, frozen=True, tag="node.suspect", kw_only=True):
@@ -154,6 +172,7 @@ class RunnerStatusChanged(Event, frozen=True, tag="runner.status", kw_only=True)
     failures: int = 0  # consecutive failures of this runner (restarts since it was last ready)
     at: float = 0.0  # the worker's clock (wall) when it changed: a keep_alive counts from readiness
     warm_up_s: float = 0.0  # "ready": what the runner's warm-up took (0: not said)
+    prefill_address: str = ""  # "ready", a prefill instance's runner: where it serves prompts' KV caches
 
 
 class TaskCreated(Event, frozen=True, tag="task.created", kw_only=True):
@@ -269,6 +288,8 @@ AnyEvent = (
     | NodeHeartbeat
     | NodeTimedOut
     | NodeRemoved
+    | JoinTokenCreated
+    | JoinTokenRedeemed
     | NodeSuspected
     | InstanceCreated
     | InstanceDeleted

@@ -6,6 +6,7 @@ import msgspec
 
 from exo.core.adapters import Adapter
 from exo.core.ids import CommandId, InstanceId, ModelId, NodeId, RunnerId, TaskId
+from exo.core.join_tokens import JoinToken
 from exo.core.keys import ApiKey, KeyWindow
 from exo.core.requests import rows_of
 from exo.core.types import ClusterLayout, Desire, DownloadProgress, Instance, ModelCard, NodeInfo, RunnerInfo, Task
@@ -66,6 +67,7 @@ class State(msgspec.Struct, frozen=True, kw_only=True):
     groups: dict[str, list[str]] = {}
     group_logs: list[str] = []
     revoked_nodes: dict[NodeId, RevokedNode] = {}  # node id -> its removal, oldest first (MAX_REVOKED_NODES)
+    join_tokens: dict[str, JoinToken] = {}  # by token id, oldest first: digests only (exo/core/join_tokens.py)
 
     def open_rows_of_key(self, key_id: str) -> int:
         """The batch rows the key's open tasks decode: a task of n choices counts n."""

@@ -16,6 +16,7 @@ from exo.core.ids import CommandId, InstanceId, ModelId, NodeId, RunnerId, TaskI
 from exo.core.requests import GenerationParams
 
 Sharding = Literal["pipeline", "tensor"]
+InstanceRole = Literal["both", "prefill", "decode"]
 RunnerStatus = Literal[
     "created", "downloading", "downloaded", "loading", "warming_up", "ready", "failed", "stopped"
 ]
@@ -167,6 +168,9 @@ class Instance(msgspec.Struct, frozen=True, kw_only=True):
     # Speculative decoding: a smaller model of the same vocabulary proposes this many tokens per step.
     draft_model: ModelId = ModelId("")
     num_draft_tokens: int = 0
+    # Prefill on one instance, decode on another (docs/multinode.md): "prefill" instances take a
+    # request's prompt, "decode" ones its answer; "both" (every instance before roles) does both.
+    role: InstanceRole = "both"
 
 
 class Desire(msgspec.Struct, frozen=True, kw_only=True):
@@ -190,6 +194,7 @@ class Desire(msgspec.Struct, frozen=True, kw_only=True):
     on_demand: bool = False  # placed by a request for a model with no instance, not by POST /place_instance
     # Seconds without requests after which the master unloads it (negative: never, as Ollama's keep_alive).
     keep_alive_s: float = -1.0
+    role: InstanceRole = "both"  # what its instances do (Instance.role)
     last_used_at: float = 0.0  # wall clock: its latest task's creation or end (the reducer's); 0: never stamped
     # Bounds the master scales `replicas` within, following the load (exo/master/autoscale.py); None: replicas.
     min_replicas: int | None = None
@@ -214,6 +219,7 @@ class RunnerInfo(msgspec.Struct, frozen=True, kw_only=True):
     status: RunnerStatus = "created"
     error: str = ""
     failures: int = 0  # failures since the runner was last ready; the master deletes the instance past a bound
+    prefill_address: str = ""  # "host:port" a prefill instance's runner serves prompts' KV caches on ("" : none)
 
 
 class PromptCacheStats(msgspec.Struct, frozen=True, kw_only=True):
@@ -306,6 +312,8 @@ class Task(msgspec.Struct, frozen=True, kw_only=True):
     # Set by the reducer: the nodes of each run's instance, by run (attempt), when it began: who may
     # sign its chunks, still known once a migrated run's instance is deleted. []: not known (an older log).
     run_nodes: list[list[NodeId]] = []
+    # A prefill instance that computes its prompt's KV cache for its (decode) instance's first run ("" : none).
+    prefill_instance: InstanceId = InstanceId("")
 
 
 class ClusterServer(msgspec.Struct, frozen=True, kw_only=True):

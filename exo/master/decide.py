@@ -13,6 +13,7 @@ from exo.core.commands import (
     AddCustomCard,
     AnyCommand,
     CancelTask,
+    CreateJoinToken,
     DeleteAdapter,
     DeleteCustomCard,
     DeleteDesire,
@@ -20,6 +21,7 @@ from exo.core.commands import (
     DeleteKey,
     GenerateText,
     PlaceInstance,
+    RedeemJoinToken,
     RemoveNode,
     SetKey,
     command_tag,
@@ -49,8 +51,10 @@ from exo.core.state import State
 from exo.core.types import Desire, Instance, ModelCard, RejectionCode, Task
 from exo.core.usage import day_of, tokens_in_day, tokens_in_month
 from exo.master.adapters import add_adapter, delete_adapter
+from exo.master.disaggregation import decoders, prefill_instance_for
 from exo.master.eviction import place_making_room
 from exo.master.heal import HealLimits, place_for
+from exo.master.join_tokens import create_join_token, redeem_join_token
 from exo.master.memo import DecideMemo
 from exo.master.on_demand import kept_alive, task_created, without_instance
 from exo.master.removal import remove_node
@@ -115,6 +119,10 @@ def decide(
             return _delete_key(state, command)
         case RemoveNode():
             return remove_node(state, command, heal)
+        case CreateJoinToken():
+            return create_join_token(state, command)
+        case RedeemJoinToken():
+            return redeem_join_token(state, command)
 
 
 def _reject(command: AnyCommand, code: RejectionCode, reason: str, retry_after_s: float = 0.0) -> list[Event]:
@@ -128,6 +136,8 @@ def _place(state: State, command: PlaceInstance, builtin: Mapping[ModelId, Model
         return _reject(command, "invalid", f"replicas must be between 1 and {MAX_REPLICAS}, not {command.replicas}")
     if problem := replica_bounds_problem(command.min_replicas, command.replicas, command.max_replicas, MAX_REPLICAS):
         return _reject(command, "invalid", problem[1])
+    if command.role != "both" and command.min_nodes != 1:
+        return _reject(command, "invalid", f"a {command.role} instance runs on one node: min_nodes must be 1")
     card = find_card(state, builtin, command.model_id)
     if card is None:
         return _reject(command, "not_found", f"unknown model {command.model_id!r}")
@@ -143,7 +153,7 @@ def _place(state: State, command: PlaceInstance, builtin: Mapping[ModelId, Model
                     kv_bits=command.kv_bits, force=command.force, replicas=command.replicas,
                     draft_model=command.draft_model,
                     num_draft_tokens=command.num_draft_tokens or (DEFAULT_DRAFT_TOKENS if command.draft_model else 0),
-                    keep_alive_s=command.keep_alive_s, last_used_at=command.at,
+                    keep_alive_s=command.keep_alive_s, last_used_at=command.at, role=command.role,
                     min_replicas=command.replica_bounds()[0], max_replicas=command.replica_bounds()[1])
     room = place_making_room(state, desire, builtin, ids)
     if isinstance(room, Unplaceable):
@@ -241,9 +251,10 @@ def _generate(state: State, command: GenerateText, builtin: Mapping[ModelId, Mod
     with_room = [i for i in instances if open_rows[i.instance_id] + rows <= (i.max_queue or default_max_queue)]
     if not with_room:
         return _full_queues(command, instances, rows, default_max_queue)
-    chosen = choose_instance(state, with_room, params, open_rows, by_conversation=cache_routing,
+    chosen = choose_instance(state, decoders(with_room), params, open_rows, by_conversation=cache_routing,
                              index=memo.tasks, dropped=cache_dropped, model_id=command.model_id)
-    return [task_created(command, params, chosen.instance_id)]
+    prefill = prefill_instance_for(state, chosen, instances, params, command.model_id, open_rows)
+    return [task_created(command, params, chosen.instance_id, prefill)]
 
 
 def _open_rows(state: State, instances: list[Instance]) -> dict[InstanceId, int]:

@@ -146,10 +146,13 @@ def place_for(state: State, desire: Desire, builtin: Mapping[ModelId, ModelCard]
         if isinstance(placed, Instance) and desire.draft_model and len(placed.shards) > 1:
             placed = Unplaceable("conflict", f"{desire.model_id} and its draft {desire.draft_model} do not fit on one "
                                              "node: an instance with a draft model runs on one node")
+        if isinstance(placed, Instance) and desire.role != "both" and len(placed.shards) > 1:
+            placed = Unplaceable("conflict", f"{desire.model_id} does not fit on one node: a {desire.role} instance "
+                                             "runs on one node")
         if isinstance(placed, Instance):
             return replace(placed, model_id=desire.model_id, max_queue=desire.max_queue, command_id=CommandId(desire.desire_id),
                            desire_id=desire.desire_id, draft_model=desire.draft_model,
-                           num_draft_tokens=desire.num_draft_tokens)
+                           num_draft_tokens=desire.num_draft_tokens, role=desire.role)
     return placed
 
 

@@ -36,7 +36,8 @@ def kept_alive(state: State, command: GenerateText, events: list[Event]) -> list
     return [DesireSet(desire=replace(desire, keep_alive_s=command.keep_alive_s)), *events]
 
 
-def task_created(command: GenerateText, params: GenerationParams, instance_id: InstanceId) -> TaskCreated:
+def task_created(command: GenerateText, params: GenerationParams, instance_id: InstanceId,
+                 prefill_instance: str = "") -> TaskCreated:
     task = Task(
         task_id=TaskId(command.command_id),  # a task is named after the command that asked for it
         instance_id=instance_id,  # "": it waits for an instance of its model (exo/master/heal.py)
@@ -45,6 +46,7 @@ def task_created(command: GenerateText, params: GenerationParams, instance_id: I
         created_at=command.at,
         key_id=command.key_id,
         priority=command.priority,
+        prefill_instance=InstanceId(prefill_instance),
     )
     return TaskCreated(command_id=command.command_id, task=task)
 

@@ -38,10 +38,12 @@ from exo.runner.engine import Engine
 from exo.runner.engine_api import ModelEngine
 from exo.runner.follower import follow
 from exo.runner.other_requests import serve_embedding, serve_speech, serve_transcription
+from exo.runner.prefill_split import PrefillSplit
 from exo.runner.protocol import (
     Alive,
     AnyRequest,
     Cancel,
+    ExpectPrefill,
     Failed,
     Generate,
     Load,
@@ -81,6 +83,9 @@ class Runner:
         self._traces = GenerationTraces()  # the spans of traced requests (exo/telemetry); none otherwise
         self._nc = nc  # for the adapters a follower fetches (adapter_rows.py)
         self._replies = Replies(nc, reports, self._traces, lambda: self._engine.prompt_cache.stats(), signer)
+        # Prefill on a prefill instance, decode here (or the other way round): exo/runner/prefill_split.py.
+        self._split = PrefillSplit(self._engine, self._mlx_thread, signer, settings.prefill_timeout_s)
+        self._model_id = ""  # the instance's (Load)
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -108,6 +113,7 @@ class Runner:
         reader.cancel()
         pulse.cancel()
         cache_reports.cancel()
+        await self._split.close()
 
     async def _pulse(self) -> None:
         """Alive every PULSE_S while idle or while the model thread has moved since the last one:
@@ -196,7 +202,9 @@ class Runner:
                 if request.draft_path:
                     await loop.run_in_executor(self._mlx_thread, self._engine.load_draft, request.draft_path,
                                                request.num_draft_tokens)
-                self._replies.report(Loaded())
+                self._model_id, self._split.engine = request.model_id, self._engine
+                port = await self._split.serve(request.model_id) if request.serve_prefills else 0
+                self._replies.report(Loaded(prefill_port=port))
             elif isinstance(request, WarmUp):
                 started = time.perf_counter()
                 await loop.run_in_executor(self._mlx_thread, self._warm_up)
@@ -235,6 +243,8 @@ class Runner:
             for chunk in chunks.add(out, time.perf_counter()):
                 loop.call_soon_threadsafe(self._replies.send, chunk)
 
+        if request.prefill is not None and request.resume is None:
+            await self._split.fetch_into_cache(request, self._model_id)  # the prompt's cache, from a prefill instance
         running = self._start(loop, request, self._traces.watching(task_id, on_output))
         self._replies.report(Started(task_id=task_id))  # after the model thread has its work: off the first token's path
         self._in_flight.add(task_id)
@@ -303,6 +313,8 @@ class Runner:
             request = request_decoder.decode(line)
             if isinstance(request, Cancel):
                 self._cancelled.add(request.task_id)  # the model thread sees it at its next decode step
+            elif isinstance(request, ExpectPrefill):
+                self._split.expect(request)
             else:
                 self._requests.put_nowait(request)
         self._on_worker_gone()

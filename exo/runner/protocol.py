@@ -44,12 +44,14 @@ class RankSetup(msgspec.Struct, frozen=True, kw_only=True):
 
 class Load(Request, frozen=True, tag="load", kw_only=True):
     model_path: str
+    model_id: str = ""  # the instance's: a prefill split's peers check they serve the same one
     shard: RankSetup | None = None  # None: the whole model on this runner
     max_context: int = 0  # the instance's context (placement reserved its KV cache); 0: the model's
     kv_bits: int = 0  # the instance's KV cache quantized to this many bits; 0: not quantized
     draft_path: str = ""  # speculative decoding: the draft model's directory ("" : none)
     num_draft_tokens: int = 0
     adapter_path: str = ""  # a LoRA adapter's folder (mlx-lm's layout), applied to the model ("" : none)
+    serve_prefills: bool = False  # a prefill instance's runner: serve prompts' KV caches (exo/runner/prefill_peer.py)
 
 
 class WarmUp(Request, frozen=True, tag="warm_up", kw_only=True):
@@ -64,6 +66,14 @@ class Resume(msgspec.Struct, frozen=True, kw_only=True):
     attempt: int  # the task's run: len(task.migrations)
 
 
+class PrefillPeer(msgspec.Struct, frozen=True, kw_only=True):
+    """The prefill instance's runner that computes this generation's prompt cache (the master's choice)."""
+
+    address: str  # "host:port"
+    node_id: str
+    public_key: str  # its node's key: the cache it sends is signed with it
+
+
 class Generate(Request, frozen=True, tag="generate", kw_only=True):
     task_id: TaskId
     params: GenerationParams
@@ -72,6 +82,15 @@ class Generate(Request, frozen=True, tag="generate", kw_only=True):
     resume: Resume | None = None  # continue after these tokens instead of starting afresh
     traceparent: str = ""  # the worker's span that forwarded it (W3C): the runner's spans join its trace
     adapter_path: str = ""  # a LoRA adapter's folder, applied to this request's rows only (adapter_rows.py)
+    prefill: PrefillPeer | None = None  # ask it for the prompt's KV cache first (None: prefill here)
+
+
+class ExpectPrefill(Request, frozen=True, tag="expect_prefill", kw_only=True):
+    """A prefill runner may serve this task's prompt cache, once, to this node's runner only."""
+
+    task_id: TaskId
+    asker: str  # the decoding instance's node
+    asker_public_key: str
 
 
 class Cancel(Request, frozen=True, tag="cancel", kw_only=True):
@@ -87,7 +106,7 @@ class Report(msgspec.Struct, frozen=True, kw_only=True, tag_field="op"):
 
 
 class Loaded(Report, frozen=True, tag="loaded", kw_only=True):
-    pass
+    prefill_port: int = 0  # where it serves prompts' KV caches (Load.serve_prefills); 0: it does not
 
 
 class WarmedUp(Report, frozen=True, tag="warmed_up", kw_only=True):
@@ -125,7 +144,7 @@ class CacheHeld(Report, frozen=True, tag="cache_held", kw_only=True):
     contents: CacheContents = EMPTY
 
 
-AnyRequest = Load | WarmUp | Generate | Cancel | Shutdown
+AnyRequest = Load | WarmUp | Generate | ExpectPrefill | Cancel | Shutdown
 AnyReport = Loaded | WarmedUp | Started | Done | Failed | Alive | CacheHeld
 
 request_decoder = msgspec.json.Decoder(AnyRequest)

@@ -105,6 +105,9 @@ class ClusterSettings(Frozen, frozen=True):
     join: Annotated[str, Env("EXO_JOIN", "a member's cluster address (HOST:PORT, as its start banner prints it): "
                              "join that cluster as a full member, taking stream replicas, without mDNS", flag="--join",
                              metavar="HOST:PORT")] = ""
+    join_token: Annotated[str, Env("EXO_JOIN_TOKEN", "a join token (`exo token create` on a member prints one): "
+                                   "join that cluster with it; kept as the cluster secret after the first use "
+                                   "(`exo join TOKEN` says the same)", flag="--join-token", metavar="TOKEN")] = ""
     join_timeout_s: Annotated[float, Positive, Env(
         "EXO_JOIN_TIMEOUT_S", "seconds a first join through announced routes may take before the node decides "
         "again without that cluster (a stale or spoofed announcement)", flag="--join-timeout")] = 60.0
@@ -229,6 +232,9 @@ class RunnerSettings(Frozen, frozen=True):
                                                          "a vision instance keeps")] = 8
     ring_join_timeout_s: Annotated[float, Positive, Env("EXO_RING_JOIN_TIMEOUT_S", "seconds a multi-node instance's "
                                                         "ring may take to form before its runner exits to retry")] = 60.0
+    prefill_timeout_s: Annotated[float, Positive, Env("EXO_PREFILL_TIMEOUT_S", "seconds a decode instance's runner "
+                                                      "waits for a prefill instance's runner to send a prompt's KV "
+                                                      "cache (prefill included) before it prefills alone")] = 120.0
 
 
 class ApiSettings(Frozen, frozen=True):

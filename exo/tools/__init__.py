@@ -8,4 +8,5 @@ TOOLS: dict[str, str] = {
     "nats-context": "exo.tools.nats_context",
     "keys": "exo.tools.keys",
     "node": "exo.tools.nodes",
+    "token": "exo.tools.tokens",
 }

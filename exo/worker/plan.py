@@ -41,6 +41,8 @@ class LocalRunner(msgspec.Struct, frozen=True, kw_only=True):
     phase: LocalPhase = "spawning"
     forwarded: frozenset[TaskId] = frozenset()  # task ids handed to the runner process
     cancels_sent: frozenset[TaskId] = frozenset()
+    expected: frozenset[TaskId] = frozenset()  # a prefill runner: tasks whose prompt cache it was told to serve
+    prefill_port: int = 0  # a prefill runner: where it serves prompt caches (0: it does not)
     error: str = ""  # why it failed, told to the callers of the tasks it cannot serve
     failures: int = 0  # its own failures since it was last ready (a peer's failure does not count)
     failed_at: float = 0.0  # the worker's clock when it failed: restarts back off from here
@@ -126,6 +128,13 @@ class CancelForwardedTask(Step, frozen=True, tag="cancel_task", kw_only=True):
     task_id: TaskId
 
 
+class ExpectPrefillTask(Step, frozen=True, tag="expect_prefill", kw_only=True):
+    """Tell a prefill runner that a task's decoding runner will ask it for the prompt's cache."""
+
+    runner_id: RunnerId
+    task_id: TaskId
+
+
 class FetchImages(Step, frozen=True, tag="fetch_images", kw_only=True):
     digests: list[str]
 
@@ -155,7 +164,17 @@ def plan(view: WorkerView) -> list[Step]:
         steps.extend(_lifecycle_steps(view, instance, local))
         if shard.rank == 0:  # the other ranks follow rank 0; only it is given tasks
             steps.extend(_task_steps(view, instance, local, open_tasks.get(instance.instance_id, [])))
+        if instance.role == "prefill" and local.phase == "ready":
+            steps.extend(_prefill_steps(instance, local, open_tasks))
     return steps
+
+
+def _prefill_steps(instance: Instance, local: LocalRunner, open_tasks: dict[InstanceId, list[Task]]) -> list[Step]:
+    """The first runs, not yet begun, that will ask this prefill runner for their prompt's cache."""
+    return [ExpectPrefillTask(runner_id=local.runner_id, task_id=t.task_id)
+            for tasks in open_tasks.values() for t in tasks
+            if t.prefill_instance == instance.instance_id and t.status == "pending" and not t.migrations
+            and t.task_id not in local.expected]
 
 
 # Local phases in which a runner is (or is joining) its group: a failed peer breaks it.
@@ -275,6 +294,9 @@ def nodes_concerned(state: State, event: AnyEvent) -> frozenset[NodeId] | None:
     instance runs on need to plan again. (With every node planning on every event, a worker's
     cost grew with the whole cluster's traffic; see docs/scaling.md.)"""
     match event:
+        case TaskCreated() if event.task.prefill_instance:  # its prefill runner expects it too
+            decoding, prefilling = _nodes_of(state, event.task.instance_id), _nodes_of(state, event.task.prefill_instance)
+            return None if decoding is None or prefilling is None else decoding | prefilling
         case TaskCreated():
             return _nodes_of(state, event.task.instance_id)
         case TaskStarted() | TaskFinished() | TaskCancelRequested():

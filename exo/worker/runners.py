@@ -47,6 +47,7 @@ from exo.worker.plan import (
     RestartRunner,
     restart_due,
 )
+from exo.worker.prefill_peers import expectation_of
 from exo.worker.runner_host import RunnerFactory, RunnerLink
 from exo.worker.task_runs import TaskRuns
 
@@ -96,7 +97,8 @@ class Runners:
     def forget_tasks(self, done: set[TaskId]) -> None:
         """Tasks State has settled: the records need not remember them (they stay bounded)."""
         if done:
-            self._records = {runner_id: replace(r, forwarded=r.forwarded - done, cancels_sent=r.cancels_sent - done)
+            self._records = {runner_id: replace(r, forwarded=r.forwarded - done, cancels_sent=r.cancels_sent - done,
+                                                expected=r.expected - done)
                              for runner_id, r in self._records.items()}
 
     def prompt_caches(self) -> dict[InstanceId, PromptCacheStats]:
@@ -165,10 +167,12 @@ class Runners:
         state = self._state()
         instance = instance_of(state, runner_id)
         draft = self._draft_paths.get(runner_id)
-        load = Load(model_path=str(self._model_paths[runner_id]), shard=rank_setup(state, runner_id),
+        load = Load(model_path=str(self._model_paths[runner_id]), model_id=instance.model_id if instance else "",
+                    shard=rank_setup(state, runner_id),
                     max_context=instance.max_context if instance else 0, kv_bits=instance.kv_bits if instance else 0,
                     draft_path=str(draft) if draft else "", num_draft_tokens=instance.num_draft_tokens if instance else 0,
-                    adapter_path=str(self._adapter_paths.get(runner_id, "")))
+                    adapter_path=str(self._adapter_paths.get(runner_id, "")),
+                    serve_prefills=instance is not None and instance.role == "prefill")
         await self._send_lifecycle(runner_id, "loading", load)
 
     async def warm_up(self, runner_id: RunnerId) -> None:
@@ -188,6 +192,15 @@ class Runners:
     async def send(self, runner_id: RunnerId, request: Request) -> None:
         await self._hosts[runner_id].send(request)
 
+    async def expect_prefill(self, runner_id: RunnerId, task_id: TaskId) -> None:
+        runner = self._records.get(runner_id)
+        task = self._state().tasks.get(task_id)
+        if runner is None or task is None:
+            return
+        self._records[runner_id] = replace(runner, expected=runner.expected | {task_id})
+        if (expectation := expectation_of(self._state(), task)) is not None:  # None: its asker has no key: nobody may ask
+            await self._hosts[runner_id].send(expectation)
+
     async def cancel(self, runner_id: RunnerId, task_id: TaskId) -> None:
         runner = self._records[runner_id]
         self._records[runner_id] = replace(runner, cancels_sent=runner.cancels_sent | {task_id})
@@ -198,7 +211,7 @@ class Runners:
             self._records[runner_id] = replace(self._records[runner_id], heard_at=time.monotonic())
         match report:
             case Loaded():
-                self._set_phase(runner_id, "loaded")
+                self._set_phase(runner_id, "loaded", prefill_port=report.prefill_port)
             case WarmedUp():
                 self._set_phase(runner_id, "ready", failures=0)
                 await self._publish_status(runner_id, "ready", warm_up_s=report.seconds)
@@ -339,7 +352,16 @@ class Runners:
         await self._publish(RunnerStatusChanged(
             runner_id=runner_id, instance_id=runner.instance_id, node_id=self._node_id, status=status, error=error,
             failures=runner.failures, at=time.time(), warm_up_s=warm_up_s,
+            prefill_address=self._prefill_address(runner) if status == "ready" else "",
         ))
+
+    def _prefill_address(self, runner: LocalRunner) -> str:
+        """Where peers reach a prefill runner: this node's first address (as placement's ring does)."""
+        node = self._state().nodes.get(self._node_id)
+        if not runner.prefill_port or node is None or not node.addresses:
+            return ""
+        host = node.addresses[0]
+        return f"[{host}]:{runner.prefill_port}" if ":" in host else f"{host}:{runner.prefill_port}"
 
 
 def instance_of(state: State, runner_id: RunnerId) -> Instance | None:

@@ -47,6 +47,7 @@ from exo.worker.plan import (
     CreateRunner,
     DownloadModel,
     EndTask,
+    ExpectPrefillTask,
     FetchImages,
     ForwardTask,
     KillHungRunner,
@@ -65,6 +66,7 @@ from exo.worker.plan import (
     plan,
     tasks_needing,
 )
+from exo.worker.prefill_peers import prefill_peer_of
 from exo.worker.runner_host import RunnerFactory, RunnerHost
 from exo.worker.runners import Runners, wake_after
 from exo.worker.task_images import TaskImages
@@ -236,6 +238,8 @@ class Worker:
                 await self._forward(step)
             case CancelForwardedTask():
                 await self._runners.cancel(step.runner_id, step.task_id)
+            case ExpectPrefillTask():
+                await self._runners.expect_prefill(step.runner_id, step.task_id)
             case EndTask():
                 await self._end_task(step.task_id, step.status, step.reason)
             case FetchImages():
@@ -303,7 +307,8 @@ class Worker:
                           {"exo.task_id": task.task_id, "exo.attempt": len(task.migrations)}) as forwarding:
             await self._runners.send(step.runner_id, Generate(
                 task_id=task.task_id, params=task.params, defaults=defaults, image_paths=images, resume=resume,
-                traceparent=forwarding.traceparent, adapter_path=adapter_path))
+                traceparent=forwarding.traceparent, adapter_path=adapter_path,
+                prefill=prefill_peer_of(self._view.state, task) if not adapter_path else None))
 
     async def _row_adapter(self, task: Task) -> str:
         """The folder of the adapter a task names when it runs on its base's instance

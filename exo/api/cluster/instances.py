@@ -125,7 +125,8 @@ async def place_instance(request: web.Request) -> web.Response:
                                 max_context=body.max_context, kv_bits=body.kv_bits, force=body.force,
                                 replicas=body.replicas, min_replicas=body.min_replicas,
                                 max_replicas=body.max_replicas, draft_model=body.draft_model,
-                                num_draft_tokens=body.num_draft_tokens, keep_alive_s=keep_alive_s, at=time.time())
+                                num_draft_tokens=body.num_draft_tokens, keep_alive_s=keep_alive_s, at=time.time(),
+                                role=body.role)
         event = await ctx.outcomes.call(command)
         assert isinstance(event, InstanceCreated)
         instance, evicted = event.instance, msgspec.to_builtins(event.evicted)

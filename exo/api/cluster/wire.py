@@ -8,7 +8,7 @@ from __future__ import annotations
 import msgspec
 
 from exo.core.ids import ModelId, NodeId, RunnerId
-from exo.core.types import Sharding
+from exo.core.types import InstanceRole, Sharding
 
 
 class PlaceInstanceRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -27,6 +27,7 @@ class PlaceInstanceRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=T
     draft_model: ModelId = ModelId("")  # speculative decoding: a smaller model of the same vocabulary (one node)
     num_draft_tokens: int = 0  # tokens the draft proposes per step; 0: 3 (mlx_lm.server's default)
     keep_alive: str | int | float | None = None  # unloaded after this long without requests; absent: until deleted
+    role: InstanceRole = "both"  # "prefill" or "decode": half of a prefill/decode split (docs/multinode.md)
 
 
 class DownloadReport(msgspec.Struct, frozen=True, kw_only=True):

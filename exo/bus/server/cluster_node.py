@@ -166,7 +166,9 @@ class ClusterNode:
                 if self.settings.join and isinstance(error, BusError):  # asked for this cluster: no other will do
                     await self._forget_failed_join()
                     raise BusError(f"{error} (--join {self.settings.join}: is this node's cluster secret, or "
-                                   "namespace in trusted-LAN mode, the same as the cluster's?)") from None
+                                   "namespace in trusted-LAN mode, the same as the cluster's? A cluster with a "
+                                   "secret admits a new node with a join token: `exo token create` on a member, "
+                                   "then `exo join <token>` here)") from None
                 if standalone or not isinstance(role, Join) or not isinstance(error, BusError):
                     raise
                 log.warning("could not join cluster %s through %s (%s); not trusting its announcements, deciding again",
