@@ -12,13 +12,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import mlx_lm
 import pytest
 
 from exo.core.ids import TaskId
 from tests.support.cluster import state_of, wait_until
 from tests.support.e2e import Reference, exo_serving, place
 from tests.support.exo_process import ExoProcess, runner_pids
-from tests.support.tiny_model import TINY_MODEL_ID, make_tiny_model
+from tests.support.tiny_model import TINY_MODEL_ID, Dims, make_tiny_model
 
 MAX_TOKENS = 12
 PREFILL_TIMEOUT_S = 15.0  # 8,000 tokens take a few seconds to prefill here; a paused runner costs this much
@@ -155,7 +156,28 @@ def test_a_killed_prefill_runner_is_replaced_and_meanwhile_the_decode_side_prefi
     assert state_of(node).tasks[TaskId(task_id)].prefill_instance == prefill
 
 
-def test_a_role_is_one_of_three(http):
+def test_a_quantized_cache_travels_quantized_and_gives_mlx_lms_quantized_text(http, tmp_path_factory):
+    """kv_bits 4 on both halves: the prefill runner quantizes as the decode runner would have."""
+    wide = Reference(make_tiny_model(tmp_path_factory.mktemp("wide") / "model",
+                                     Dims(hidden=128, intermediate=256, heads=4, kv_heads=2)))  # head dim 32
+    assert http.post("/models/add", json={"model_id": "local/q4-split", "path": str(wide.model_dir)}).status_code == 200
+    for role in ("prefill", "decode"):
+        placed = http.post("/place_instance", json={"model_id": "local/q4-split", "kv_bits": 4, "role": role,
+                                                    "wait": True})
+        assert placed.status_code == 200, placed.text
+    messages = [{"role": "user", "content": prompt_of(wide, 400, "quantized")}]
+    quantized = mlx_lm.generate(wide.model, wide.tokenizer, wide.chat_prompt(messages), max_tokens=MAX_TOKENS,
+                                kv_bits=4, kv_group_size=32, quantized_kv_start=0)
+    assert quantized != wide.generate(wide.chat_prompt(messages), MAX_TOKENS)  # 4 bits change it: the test can fail
+    answer = http.post("/v1/chat/completions", json={"model": "local/q4-split", "messages": messages,
+                                                     "max_tokens": MAX_TOKENS, "temperature": 0})
+    assert answer.status_code == 200, answer.text
+    usage = answer.json()["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"] - 1, usage
+    assert answer.json()["choices"][0]["message"]["content"] == quantized
+
+
+def test_a_role_is_one_of_three(http, split):
     refused = http.post("/place_instance", json={"model_id": TINY_MODEL_ID, "role": "sideways"})
     assert refused.status_code == 400 and "role" in refused.text, refused.text
     refused = http.post("/place_instance", json={"model_id": TINY_MODEL_ID, "role": "decode", "min_nodes": 2})

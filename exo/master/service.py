@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import time
 import uuid
 from collections.abc import Iterator, Mapping
@@ -58,7 +59,7 @@ from exo.master.heal import HealLimits
 from exo.master.lifecycle_log import LifecycleLog
 from exo.master.memo import DecideMemo
 from exo.master.snapshotter import Snapshotter
-from exo.master.supervise import seed_heard_at, silent_nodes, supervise, suspect_marks
+from exo.master.supervise import supervision_round
 from exo.settings.services import MasterSettings
 from exo.telemetry import tracing
 
@@ -107,6 +108,7 @@ class Master:
         self._lifecycle = LifecycleLog(view.state, self._lease.valid)
         view.add_listener(self._lifecycle.on_event)
         self.term = 0
+        self._renew_at = math.inf  # when the term in progress is renewed (EXO_MASTER_TERM_RENEW_S)
         self._ahead: State | None = None  # State plus this batch's own events, until the view has them
         self._memo = DecideMemo()  # kept across decisions: saves scans of every task and instance per request
         self._staged: list[tuple[Event, str]] = []  # this batch's decided events and their ids, not yet appended
@@ -164,6 +166,7 @@ class Master:
         if self._view.state.leader_term != seq:
             return  # a newer election came meanwhile
         term = self.term = seq
+        self._renew_at = time.monotonic() + self._settings.term_renew_s
         self._ahead, self._staged = None, []
         self._memo = DecideMemo()  # what it saw of earlier terms' States is not carried into this one
         await self._log.check_atomic()
@@ -187,7 +190,9 @@ class Master:
             for task in background:
                 task.cancel()
             self.term = 0
-            log.warning("master%s: no longer leading (term %d)", self._group_label, term)
+            renewing = time.monotonic() >= self._renew_at  # EXO_MASTER_TERM_RENEW_S: it elects itself again
+            (log.info if renewing else log.warning)("master%s: %s (term %d)", self._group_label,
+                                                    "renewing its term" if renewing else "no longer leading", term)
 
     @property
     def _group_label(self) -> str:
@@ -224,8 +229,10 @@ class Master:
             delay = min(delay * 2, NAMING_RETRY_MAX_S)
 
     def _still_leading(self, term: int) -> bool:
-        """The lease is ours and the log's latest election is ours (else: campaign, and elect again)."""
-        return self._lease.valid() and self._view.state.leader_term == term
+        """The lease is ours, the log's latest election is ours (else: campaign, and elect again) and
+        the term is not due for renewal: an election older than the log's retention would leave no
+        signer of snapshots to check (exo/core/snapshot_trust.py); the lease is kept meanwhile."""
+        return self._lease.valid() and self._view.state.leader_term == term and time.monotonic() < self._renew_at
 
     async def _keep_lease(self) -> None:
         while await self._lease.renew():  # noqa: ASYNC110  # periodic renewal, not polling
@@ -246,15 +253,9 @@ class Master:
             # may be held up by the same trouble, so it gets a full suspect window after it.
             troubled = now - broker_trouble.last() < self._heal.suspect_s
             stalled, last_tick = now - last_tick > 2.5 * interval, now
-            suspect_s = min(self._heal.suspect_s, self._node_timeout)
-            seed_heard_at(state, self._heard_at, now, suspect_s)
-            wall = time.time()
-            events = [*suspect_marks(state, silent_nodes(state, self._heard_at, now, suspect_s), wall, suspect_s,
-                                     may_mark=not (stalled or troubled)),
-                      *supervise(state, self._heard_at, now, node_timeout=self._node_timeout, wall_now=wall,
-                                 limits=replace(self._heal, suspect_s=float("inf")) if stalled or troubled else self._heal,
-                                 builtin=self._builtin_cards, scale=self._scale,
-                                 ids=ids_for(CommandId(f"heal:{term}:{state.last_seq}")))]
+            events = supervision_round(state, self._heard_at, now, time.time(), node_timeout=self._node_timeout,
+                                       limits=self._heal, builtin=self._builtin_cards, scale=self._scale,
+                                       ids=ids_for(CommandId(f"heal:{term}:{state.last_seq}")), quiet=stalled or troubled)
             try:
                 await self._append_all(events, term, f"supervise:{term}:{state.last_seq}")
             except (TimeoutError, *BROKER_ERRORS, NotLeader) as error:  # type: ignore[misc]  # as above

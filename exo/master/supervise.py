@@ -11,6 +11,8 @@ from __future__ import annotations
 import itertools
 from collections.abc import Collection, Iterator, Mapping, MutableMapping
 
+from msgspec.structs import replace
+
 from exo.core.events import DesireEnded, Event, InstanceDeleted, NodeSuspected, NodeTimedOut
 from exo.core.ids import InstanceId, ModelId, NodeId
 from exo.core.node_names import node_display
@@ -115,6 +117,19 @@ def supervise(
     # A desire healed or unloaded this round scales in the next: two whole-record DesireSets of one
     # desire in one round would lose the first's change.
     return [*kept, *scale_desires(state, wall, scale, skip=desires_touched(state, kept))]
+
+
+def supervision_round(state: State, heard_at: MutableMapping[NodeId, float], now: float, wall: float, *,
+                      node_timeout: float, limits: HealLimits, builtin: Mapping[ModelId, ModelCard],
+                      scale: ScalePolicy, ids: Iterator[str], quiet: bool) -> list[Event]:
+    """One round of the master's supervision: nodes marked suspect, then `supervise`. `quiet`: the
+    silence of this round proves nothing (the master's loop stalled, or the broker was in trouble)."""
+    suspect_s = min(limits.suspect_s, node_timeout)
+    seed_heard_at(state, heard_at, now, suspect_s)
+    return [*suspect_marks(state, silent_nodes(state, heard_at, now, suspect_s), wall, suspect_s, may_mark=not quiet),
+            *supervise(state, heard_at, now, node_timeout=node_timeout, wall_now=wall,
+                       limits=replace(limits, suspect_s=float("inf")) if quiet else limits,
+                       builtin=builtin, scale=scale, ids=ids)]
 
 
 def idle_desires(state: State, now: float) -> list[Event]:

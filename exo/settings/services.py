@@ -175,6 +175,10 @@ class MasterSettings(Frozen, frozen=True):
                                                              "adapter weights must have been written before a sweep "
                                                              "deletes them (an upload's adapter may be on its "
                                                              "way)")] = 600.0
+    term_renew_s: Annotated[float, Positive, Env("EXO_MASTER_TERM_RENEW_S", "seconds a master leads before it "
+                                                 "elects itself again, so that the event log always holds an "
+                                                 "election younger than its retention (EXO_EVENTS keeps 30 days): "
+                                                 "a starting node can check who signed the snapshot")] = 7 * 86400.0
     cache_reports: Annotated[bool, Env("EXO_CACHE_REPORTS", "route by what runners report their prompt caches "
                                        "hold, so an evicted conversation attracts nothing (off: by the tasks "
                                        "in State alone)")] = True
