@@ -11,8 +11,8 @@ bytes that crossed between the runners. Every split answer must equal the single
 All runners share this machine's two cores, so the split cannot gain here (no machine prefills
 faster than another): what it measures is what the split costs, the transfer and the extra hop.
 
-    uv run python -m bench.prefill_split [--lengths 1000 8000] [--runs 5] [--max-tokens 64]
-        [--hidden 256 --layers 8]
+    uv run python -m bench.prefill_split [--lengths 1000 4000 8000] [--runs 3] [--max-tokens 64]
+        [--hidden 128 --layers 4]
 """
 
 from __future__ import annotations
@@ -77,18 +77,19 @@ def streamed(http: httpx.Client, model: str, content: str, max_tokens: int) -> t
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--lengths", type=int, nargs="+", default=[1000, 8000])
-    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--lengths", type=int, nargs="+", default=[1000, 4000, 8000])
+    parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=4)
     args = parser.parse_args()
     dims = Dims(hidden=args.hidden, intermediate=args.hidden * 2, layers=args.layers, heads=8, kv_heads=4)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         model_dir = make_tiny_model(root / "model", dims)
         _, tokenizer = load(str(model_dir))
-        hub, exo = start_exo(model_dir, root, extra_env={"EXO_LOG_LEVEL": "WARNING"})
+        # A long prompt's prefill on this CPU can outlast the default 120 s the decode side waits.
+        hub, exo = start_exo(model_dir, root, extra_env={"EXO_LOG_LEVEL": "WARNING", "EXO_PREFILL_TIMEOUT_S": "1800"})
         try:
             with httpx.Client(base_url=exo.url, timeout=600) as http:
                 place_split(http, model_dir)

@@ -1,4 +1,7 @@
-"""A new node's first start with a join token (`exo join TOKEN`, EXO_JOIN_TOKEN): it presents the
+"""A join token as a string, and a new node's first start with one (`exo join TOKEN`, EXO_JOIN_TOKEN).
+
+The token's string is exo/api/cluster/token_string.py's; the rest is pure (exo/core/join_tokens.py).
+The new node presents the
 token at the member API the token names and keeps what comes back, the cluster's secret (in its
 store, as EXO_CLUSTER_SECRET is kept) and a member's cluster address (joined like --join). A node
 whose store holds a secret already (a restart) uses that and never presents the token again.
@@ -13,14 +16,12 @@ import time
 import urllib.error
 import urllib.request
 
-from exo.core.join_tokens import BadToken, decode_token
+from exo.api.cluster.token_string import BadToken, decode_token
 
 log = logging.getLogger(__name__)
 
 RETRY_S = 1.0
 _MAX_ANSWER_BYTES = 64 * 1024
-
-
 class JoinRefused(Exception):
     """The token cannot be used: the text says why and what to do."""
 

@@ -64,6 +64,8 @@ def test_a_masters_event_kind_without_a_term_is_skipped_whoever_wrote_it():
         DesireScaled,
         DesireSet,
         GroupsSet,
+        JoinTokenCreated,
+        JoinTokenRedeemed,
         KeyDeleted,
         KeySet,
         NodeRegistered,
@@ -74,6 +76,7 @@ def test_a_masters_event_kind_without_a_term_is_skipped_whoever_wrote_it():
         TaskCreated,
         TaskMigrated,
     )
+    from exo.core.join_tokens import JoinToken
     from exo.core.keys import ApiKey
     from exo.core.types import Desire, ModelCard, NodeInfo, Task
 
@@ -96,13 +99,16 @@ def test_a_masters_event_kind_without_a_term_is_skipped_whoever_wrote_it():
               TaskMigrated(task_id="t1"), AdapterAdded(adapter=replace(adapter, name="x")),
               AdapterDeleted(name="real"), AdapterDeleting(name="real"), KeySet(key=replace(key, admin=True)),
               KeyDeleted(key_id=key.key_id),
-              GroupsSet(groups={"g": ["m/*"]})]
+              GroupsSet(groups={"g": ["m/*"]}),
+              JoinTokenCreated(token=JoinToken(token_id="0" * 16, secret_sha256="c" * 64, expires_at=9e9, uses_left=9,
+                                               created_at=1.0)),
+              JoinTokenRedeemed(token_id="0" * 16, secret_sha256="c" * 64)]
     assert {type(e) for e in forged} == MASTER_KINDS  # every master kind is tried
     after = apply_all(state, [(event, state.last_seq + n) for n, event in enumerate(forged, start=1)])  # as written
     assert (after.instances, after.tasks, after.nodes, after.custom_model_cards, after.desires, after.adapters,
-            after.api_keys, after.groups, after.revoked_nodes) == (
+            after.api_keys, after.groups, after.revoked_nodes, after.join_tokens) == (
         state.instances, state.tasks, state.nodes, state.custom_model_cards, state.desires, state.adapters,
-        state.api_keys, state.groups, state.revoked_nodes)
+        state.api_keys, state.groups, state.revoked_nodes, state.join_tokens)
     assert "c1" not in after.answered_commands
     assert [s.reason for s in after.skipped_events] == ["a master's event without a term"] * len(forged)
 

@@ -1,9 +1,9 @@
 """Join tokens (pure): how a new machine joins a cluster that has a secret, as k3s, Docker swarm and
 Tailscale let one: `exo token create` on an admin node, `exo join <token>` on the new one.
 
-A token is `exo-join-1.` and base64url of `{"api": <a member's API URL>, "id": <token id>,
-"secret": <its secret>}`. State keeps only the secret's sha256 (readers of the log never see a
-usable token), its expiry and how many uses it has left. The new node posts the token to that
+A token names a member's API, its id and its secret (the string: exo/join_token.py). State keeps
+only the secret's sha256 (readers of the log never see a usable token), its expiry and how many
+uses it has left. The new node posts the token to that
 API (`POST /cluster/join`, no API key: the token is the credential); the API checks it against
 State, the master decides the use (one at a time: two nodes racing for a single-use token get one
 each only if it had two uses), and the API answers with the cluster's secret and a member's
@@ -12,9 +12,6 @@ cluster address, which the new node keeps and joins with (exo/join_token.py).
 
 from __future__ import annotations
 
-import base64
-import binascii
-import datetime
 import hashlib
 import re
 from collections.abc import Mapping
@@ -27,15 +24,13 @@ from exo.core.skip import Skip
 if TYPE_CHECKING:  # State holds JoinToken: the draft of a State cannot be imported here at run time
     from exo.core.draft import Draft
 
-PREFIX = "exo-join-1."
 MAX_TOKENS = 1000  # kept in State, newest last: created tokens beyond it drop the oldest
 MAX_TTL_S = 30 * 86400.0
 MIN_TTL_S = 60.0
 MAX_USES = 100
 MAX_REDEEMERS = 100  # names kept per token, for `exo token list` and the log
-_TOKEN_ID = re.compile(r"[0-9a-f]{16}")
+TOKEN_ID = re.compile(r"[0-9a-f]{16}")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
-_SECRET = re.compile(r"[A-Za-z0-9_-]{32,128}")
 
 
 class JoinToken(msgspec.Struct, frozen=True, kw_only=True):
@@ -48,46 +43,14 @@ class JoinToken(msgspec.Struct, frozen=True, kw_only=True):
     redeemed_by: list[str] = []  # the names the nodes that used it gave, oldest first
 
 
-class TokenParts(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """What a token string holds."""
-
-    api: str  # a member's API, where the new node redeems it
-    id: str
-    secret: str
-
-
-class BadToken(ValueError):
-    """Not a join token (its text says why, never the secret)."""
-
-
 def secret_digest(secret: str) -> str:
     return hashlib.sha256(f"exo-join-token:{secret}".encode()).hexdigest()
-
-
-def encode_token(parts: TokenParts) -> str:
-    return PREFIX + base64.urlsafe_b64encode(msgspec.json.encode(parts)).decode().rstrip("=")
-
-
-def decode_token(token: str) -> TokenParts:
-    token = token.strip()
-    if not token.startswith(PREFIX):
-        raise BadToken(f"a join token starts with {PREFIX!r} (`exo token create` prints one)")
-    body = token.removeprefix(PREFIX)
-    try:
-        parts = msgspec.json.decode(base64.urlsafe_b64decode(body + "=" * (-len(body) % 4)), type=TokenParts)
-    except (binascii.Error, ValueError, msgspec.DecodeError):
-        raise BadToken("the join token is damaged (copy it whole, as `exo token create` printed it)") from None
-    if not _TOKEN_ID.fullmatch(parts.id) or not _SECRET.fullmatch(parts.secret):
-        raise BadToken("the join token is damaged (its id or secret is malformed)")
-    if not parts.api.startswith(("http://", "https://")):
-        raise BadToken(f"the join token names no member API ({parts.api[:60]!r})")
-    return parts
 
 
 def create_problem(token_id: str, secret_sha256: str, ttl_s: float, uses: int,
                    tokens: Mapping[str, JoinToken]) -> str | None:
     """Why a token cannot be made (None: it can)."""
-    if not _TOKEN_ID.fullmatch(token_id) or not _SHA256.fullmatch(secret_sha256):
+    if not TOKEN_ID.fullmatch(token_id) or not _SHA256.fullmatch(secret_sha256):
         return "a join token's id is 16 hex digits and its digest a sha256"
     if token_id in tokens:
         return f"join token {token_id} exists already"
@@ -104,7 +67,7 @@ def redeem_problem(tokens: Mapping[str, JoinToken], token_id: str, secret_sha256
     if token is None or not _digests_equal(token.secret_sha256, secret_sha256):
         return "this join token is not valid here (unknown to this cluster, or its secret is wrong)"
     if now >= token.expires_at:
-        return f"this join token expired at {_utc(token.expires_at)}: make another with `exo token create`"
+        return "this join token has expired: make another with `exo token create`"
     if token.uses_left <= 0:
         return "this join token was used already: make another with `exo token create`"
     return None
@@ -112,10 +75,6 @@ def redeem_problem(tokens: Mapping[str, JoinToken], token_id: str, secret_sha256
 
 def _digests_equal(a: str, b: str) -> bool:
     return hashlib.sha256(a.encode()).digest() == hashlib.sha256(b.encode()).digest()  # no early exit on a's bytes
-
-
-def _utc(at: float) -> str:
-    return datetime.datetime.fromtimestamp(at, datetime.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
 def on_token_created(draft: Draft, token: JoinToken) -> None:

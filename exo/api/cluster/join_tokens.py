@@ -21,23 +21,13 @@ import msgspec
 from aiohttp import web
 
 from exo.api.auth import current_grant
+from exo.api.cluster.token_string import BadToken, TokenParts, decode_token, encode_token
 from exo.api.context import context_of
 from exo.api.errors import ApiError
 from exo.api.outcomes import new_command_id
 from exo.api.request_body import decode_body
 from exo.core.commands import CreateJoinToken, RedeemJoinToken
-from exo.core.join_tokens import (
-    MAX_TTL_S,
-    MAX_USES,
-    MIN_TTL_S,
-    BadToken,
-    TokenParts,
-    decode_token,
-    describe,
-    encode_token,
-    redeem_problem,
-    secret_digest,
-)
+from exo.core.join_tokens import MAX_TTL_S, MAX_USES, MIN_TTL_S, describe, redeem_problem, secret_digest
 from exo.core.node_names import node_display
 
 DEFAULT_TTL_S = 3600.0
