@@ -68,6 +68,9 @@ def test_every_route_but_health_needs_a_key(http, method, path):
     if path in ("/health", "/livez"):
         assert status == 200
         return
+    if path == "/cluster/join":  # a new node has no key: its join token is the credential, and {} has none
+        assert status == 400 and body["error"]["param"] == "token", body
+        return
     if is_open_path(path):  # the dashboard's page and static files hold no data
         assert status == (200 if path == "/" else 404)  # /dashboard/x is no such file
         return
@@ -99,9 +102,9 @@ INFERENCE = {("POST", "/v1/chat/completions"), ("GET", "/v1/chat/completions/x/s
              ("POST", "/tokenize"), ("POST", "/detokenize"), ("POST", "/v1/messages/count_tokens"),
              ("POST", "/v1/rerank"), ("POST", "/rerank"), ("POST", "/v2/rerank"),
              ("POST", "/v1/audio/transcriptions"), ("POST", "/v1/audio/translations"), ("POST", "/v1/audio/speech")}
-# The probes, and the dashboard's page and files: they hold no data.
+# The probes, and the dashboard's page and files: they hold no data. A join token's use: the token is the credential.
 PUBLIC = {("GET", "/health"), ("GET", "/livez"), ("GET", "/"), ("GET", "/dashboard/x"),
-          ("GET", "/dashboard/vendor/x")}
+          ("GET", "/dashboard/vendor/x"), ("POST", "/cluster/join")}
 
 
 def test_a_key_without_admin_gets_403_on_every_route_but_inference(http):

@@ -34,7 +34,8 @@ def test_help_lists_every_subcommand_and_the_defaults():
              "inspect": "what NATS holds for exo, for machines without the `nats` CLI",
              "nats-context": "a `nats` CLI context for this machine's node, as its read-only operator",
              "keys": "create, list and delete API keys and read their usage, through a node's API",
-             "node": "list the cluster's nodes, or remove one, through a node's API"}
+             "node": "list the cluster's nodes, or remove one, through a node's API",
+             "token": "join tokens, through a node's API: how a new machine joins a cluster with a secret"}
     assert set(shown) == set(TOOLS)  # a new tool gets its line here too
     for name, summary in shown.items():
         assert f"{name} {summary}" in listed, (name, summary)

@@ -65,18 +65,26 @@ def test_a_request_decodes_on_the_decode_instance_and_is_prefilled_on_the_prefil
     assert (task.instance_id, task.prefill_instance) == (decode.instance_id, prefill.instance_id)
 
 
-def test_without_a_ready_prefill_runner_the_decode_instance_prefills_alone():
-    state = fold(with_node(), NodeRegistered(node=NodeInfo(node_id="n1", memory_available=10_000)))
+def test_without_a_ready_prefill_runner_or_node_keys_the_decode_instance_prefills_alone():
+    state = fold(with_node(), NodeRegistered(node=NodeInfo(node_id="n1", memory_available=10_000, public_key=KEY_N1)))
     state, prefill = placed(state, "p", "prefill")
     state, decode = placed(state, "d", "decode")
     _, task = ask(state)  # the prefill runner is still loading: no address yet
     assert (task.instance_id, task.prefill_instance) == (decode.instance_id, "")
     _, task = ask(ready(state, prefill, address=""))  # ready, but serving nothing
     assert (task.instance_id, task.prefill_instance) == (decode.instance_id, "")
+    assert ask(ready(state, prefill))[1].prefill_instance == prefill.instance_id
+    # A node without a key (an older release) can neither sign an ask nor a cache.
+    keyless = fold(ready(state, prefill), NodeRegistered(node=NodeInfo(node_id="n1", memory_available=10_000)))
+    assert keyless.nodes["n1"].public_key == KEY_N1  # the first key stays (trust on first use)
+    unkeyed = fold(with_node(), NodeRegistered(node=NodeInfo(node_id="n1", memory_available=10_000)))
+    unkeyed, prefill = placed(unkeyed, "p", "prefill")
+    unkeyed, decode = placed(unkeyed, "d", "decode")
+    assert ask(ready(unkeyed, prefill))[1].prefill_instance == ""
 
 
 def test_a_full_decode_side_leaves_the_prefill_instance_to_decode_alone():
-    state = fold(with_node(), NodeRegistered(node=NodeInfo(node_id="n1", memory_available=10_000)))
+    state = fold(with_node(), NodeRegistered(node=NodeInfo(node_id="n1", memory_available=10_000, public_key=KEY_N1)))
     state, prefill = placed(state, "p", "prefill")
     state, decode = placed(state, "d", "decode", max_queue=1)
     state = ready(state, prefill)
@@ -87,7 +95,7 @@ def test_a_full_decode_side_leaves_the_prefill_instance_to_decode_alone():
 
 
 def test_instances_without_roles_are_routed_as_before_and_never_paired():
-    state = fold(with_node(), NodeRegistered(node=NodeInfo(node_id="n1", memory_available=10_000)))
+    state = fold(with_node(), NodeRegistered(node=NodeInfo(node_id="n1", memory_available=10_000, public_key=KEY_N1)))
     state, prefill = placed(state, "p", "prefill")
     state, both = placed(state, "b", "both")
     _, task = ask(ready(state, prefill))
@@ -99,7 +107,7 @@ def test_images_and_another_kv_precision_are_prefilled_where_they_decode():
     with_image = GenerationParams(messages=[ChatMessage(role="user", content="what is this", images=["ab" * 32])])
     _, task = ask(state, params=with_image)
     assert (task.instance_id, task.prefill_instance) == (decode.instance_id, "")
-    state = fold(with_node(), NodeRegistered(node=NodeInfo(node_id="n1", memory_available=10_000)))
+    state = fold(with_node(), NodeRegistered(node=NodeInfo(node_id="n1", memory_available=10_000, public_key=KEY_N1)))
     state, prefill = placed(state, "p", "prefill")
     state, decode = placed(state, "d", "decode", kv_bits=8)
     _, task = ask(ready(state, prefill))

@@ -14,6 +14,7 @@ from nats.errors import Error as NatsError
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js.client import JetStreamContext
 
+from exo.bus.errors import raise_if_cancelled
 from exo.bus.publish import publish_durably
 from exo.bus.subjects import MASTER_CONSUMER, SHARED, LogNames
 from exo.core.commands import AnyCommand, Command, command_tag, decode_command, encode_command
@@ -68,8 +69,10 @@ async def consume_commands(nc: Client, on_command: OnCommand, still_leader: Call
             try:
                 messages = await _waiting_commands(subscription)
             except (TimeoutError, NatsTimeout):  # nothing waiting; nats-py's batch fetch can raise the bare one
+                raise_if_cancelled()  # a cancellation that met the fetch's timeout comes out as one (Python 3.11)
                 continue
             except NatsError as error:  # a reconnect or a stream leader change: ask again
+                raise_if_cancelled()
                 log.info("fetching commands: %r", error)
                 await asyncio.sleep(0.5)
                 continue

@@ -30,11 +30,11 @@ def prefill_instance_for(state: State, chosen: Instance, candidates: list[Instan
                          model_id: ModelId, open_rows: Mapping[InstanceId, int]) -> InstanceId:
     """The prefill instance that computes the prompt's cache for `chosen`, a decode instance; ""
     where none may: it prefills alone. `candidates`: the model's serving instances."""
-    if chosen.role != "decode" or model_id != chosen.model_id or _has_images(params):
+    if chosen.role != "decode" or model_id != chosen.model_id or _has_images(params) or not _keyed(state, chosen):
         return InstanceId("")  # an adapter's rows (model_id is "<base>:<adapter>") or images: prefilled where they decode
     prefilling = [i for i in candidates
                   if i.role == "prefill" and i.model_id == chosen.model_id and i.kv_bits == chosen.kv_bits
-                  and len(i.shards) == 1 and _serves_prefills(state, i)]
+                  and len(i.shards) == 1 and _serves_prefills(state, i) and _keyed(state, i)]
     if not prefilling:
         return InstanceId("")
     asked = _prefills_asked(state)
@@ -44,6 +44,12 @@ def prefill_instance_for(state: State, chosen: Instance, candidates: list[Instan
 
 def _has_images(params: GenerationParams) -> bool:
     return any(message.images for message in params.messages)
+
+
+def _keyed(state: State, instance: Instance) -> bool:
+    """Its node has a key in State: both halves sign what they send (an older node has none)."""
+    node = state.nodes.get(instance.shards[0].node_id) if instance.shards else None
+    return node is not None and bool(node.public_key)
 
 
 def _serves_prefills(state: State, instance: Instance) -> bool:

@@ -105,7 +105,7 @@ class Report(msgspec.Struct, frozen=True, kw_only=True, tag_field="op"):
     pass
 
 
-class Loaded(Report, frozen=True, tag="loaded", kw_only=True):
+class Loaded(Report, frozen=True, tag="loaded", kw_only=True, omit_defaults=True):
     prefill_port: int = 0  # where it serves prompts' KV caches (Load.serve_prefills); 0: it does not
 
 
