@@ -32,6 +32,7 @@ from exo.runner.kv_wire import TransferLimits
 from exo.runner.prefill import PREFILL_STEP
 from exo.runner.prefill_peer import NONCE_BYTES, PrefillAsk, PrefillRefused, PrefillServer, ask_prefill, encode_ask, sign_ask
 from tests.support.tiny_model import make_tiny_model
+from tests.test_kv_transfer import prompt_of
 
 MODEL = ModelId("local/tiny")
 TASK = TaskId("task-1")
@@ -75,14 +76,6 @@ SERVER_KEY, ASKER_KEY = new_signer("prefill-node"), new_signer("decode-node")
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any]:
     return load(str(make_tiny_model(tmp_path_factory.mktemp("prefill_peer") / "tiny")))
-
-
-def prompt_of(tokenizer: Any, length: int) -> list[int]:
-    text = " ".join(f"Day {n}: the fisherman went out on the sea at {n % 12} o'clock and came home with "
-                    f"{n * 7 % 13} fish, bread and news of the river." for n in range(length // 50 + 2))
-    tokens: list[int] = tokenizer.encode(text)[:length]
-    assert len(tokens) == length
-    return tokens
 
 
 @dataclass

@@ -22,6 +22,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from exo.core.keys import KeyLimits
@@ -53,10 +54,28 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     usage = admin_command(commands, "usage", "requests, tokens and audio seconds by key, UTC day and model")
     usage.add_argument("key_id", nargs="?", default="", help="one key's (default: every key's)")
     usage.add_argument("--json", action="store_true")
+    return parsed_with_url(parser, argv)
+
+
+def parsed_with_url(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """The arguments of an admin tool (`exo keys`, `exo node`, `exo token`), its --url checked."""
     args = parser.parse_args(argv)
     if not args.url.startswith(("http://", "https://")):
         parser.error(f"--url {args.url!r} is not an http:// or https:// URL")
     return args
+
+
+def run_admin_tool(name: str, args: argparse.Namespace,
+                   commands: Mapping[str, Callable[[KeysApi, argparse.Namespace], list[str]]]) -> int:
+    """Run the subcommand `args.command` against the node's API; its lines, or the error, printed."""
+    api = KeysApi(args.url.rstrip("/"), args.key)
+    try:
+        lines = commands[args.command](api, args)
+    except ToolError as error:
+        print(f"exo {name}: {error}", file=sys.stderr, flush=True)
+        return EXIT_ERROR
+    print("\n".join(lines), flush=True)
+    return EXIT_OK
 
 
 def admin_command(commands: Any, name: str, summary: str) -> argparse.ArgumentParser:
@@ -70,15 +89,8 @@ def admin_command(commands: Any, name: str, summary: str) -> argparse.ArgumentPa
 
 
 def main(argv: list[str]) -> int:
-    args = parse_args(argv)
-    api = KeysApi(args.url.rstrip("/"), args.key)
-    try:
-        lines = {"create": _create, "list": _list, "delete": _delete, "usage": _usage}[args.command](api, args)
-    except ToolError as error:
-        print(f"exo keys: {error}", file=sys.stderr, flush=True)
-        return EXIT_ERROR
-    print("\n".join(lines), flush=True)
-    return EXIT_OK
+    return run_admin_tool("keys", parse_args(argv), {"create": _create, "list": _list, "delete": _delete,
+                                                     "usage": _usage})
 
 
 class KeysApi:

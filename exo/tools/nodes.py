@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import urllib.parse
 
-from exo.tools.cli import EXIT_ERROR, EXIT_OK, ToolError, table
-from exo.tools.keys import KeysApi, admin_command
+from exo.tools.cli import table
+from exo.tools.keys import KeysApi, admin_command, parsed_with_url, run_admin_tool
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -29,22 +28,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     remove = admin_command(commands, "remove", "revoke a node: it leaves the cluster for good")
     remove.add_argument("node", help="its id, name or short id")
     remove.add_argument("--reason", default="", help="why, for the log, State and the node's own last line")
-    args = parser.parse_args(argv)
-    if not args.url.startswith(("http://", "https://")):
-        parser.error(f"--url {args.url!r} is not an http:// or https:// URL")
-    return args
+    return parsed_with_url(parser, argv)
 
 
 def main(argv: list[str]) -> int:
-    args = parse_args(argv)
-    api = KeysApi(args.url.rstrip("/"), args.key)
-    try:
-        lines = _remove(api, args) if args.command == "remove" else _list(api, args)
-    except ToolError as error:
-        print(f"exo node: {error}", file=sys.stderr, flush=True)
-        return EXIT_ERROR
-    print("\n".join(lines), flush=True)
-    return EXIT_OK
+    return run_admin_tool("node", parse_args(argv), {"remove": _remove, "list": _list})
 
 
 def _remove(api: KeysApi, args: argparse.Namespace) -> list[str]:

@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 
-from exo.tools.cli import EXIT_ERROR, EXIT_OK, ToolError, table
-from exo.tools.keys import KeysApi, admin_command
+from exo.tools.cli import table
+from exo.tools.keys import KeysApi, admin_command, parsed_with_url, run_admin_tool
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
@@ -40,22 +39,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     create.add_argument("--api-url", default="", help="where new nodes reach this API (default: the node's "
                                                       "cluster address, on the port of --url)")
     admin_command(commands, "list", "the tokens State keeps").add_argument("--json", action="store_true")
-    args = parser.parse_args(argv)
-    if not args.url.startswith(("http://", "https://")):
-        parser.error(f"--url {args.url!r} is not an http:// or https:// URL")
-    return args
+    return parsed_with_url(parser, argv)
 
 
 def main(argv: list[str]) -> int:
-    args = parse_args(argv)
-    api = KeysApi(args.url.rstrip("/"), args.key)
-    try:
-        lines = _create(api, args) if args.command == "create" else _list(api, args)
-    except ToolError as error:
-        print(f"exo token: {error}", file=sys.stderr, flush=True)
-        return EXIT_ERROR
-    print("\n".join(lines), flush=True)
-    return EXIT_OK
+    return run_admin_tool("token", parse_args(argv), {"create": _create, "list": _list})
 
 
 def _create(api: KeysApi, args: argparse.Namespace) -> list[str]:
