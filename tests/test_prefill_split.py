@@ -7,7 +7,7 @@ import msgspec
 
 from exo.core.apply import apply
 from exo.core.commands import GenerateText, PlaceInstance
-from exo.core.events import InstanceCreated, NodeRegistered, RunnerStatusChanged, TaskCreated
+from exo.core.events import InstanceCreated, NodeRegistered, RunnerStatusChanged, TaskCreated, TaskFinished
 from exo.core.requests import ChatMessage, GenerationParams
 from exo.core.state import State
 from exo.core.types import Instance, Migration, NodeInfo, ShardAssignment, Task
@@ -63,6 +63,22 @@ def test_a_request_decodes_on_the_decode_instance_and_is_prefilled_on_the_prefil
     state, prefill, decode = split()
     _, task = ask(state)
     assert (task.instance_id, task.prefill_instance) == (decode.instance_id, prefill.instance_id)
+
+
+def test_a_later_turn_whose_decode_instance_holds_the_conversation_prefills_there():
+    """Its cache holds the earlier turns: it computes only the new ones, no transfer needed."""
+    state, prefill, decode = split()
+    system = ChatMessage(role="system", content="You are a coding agent. " * 20)
+    first = GenerationParams(messages=[system, ChatMessage(role="user", content="Fix the bug in parse().")])
+    state, task = ask(state, "turn1", first)
+    assert task.prefill_instance == prefill.instance_id  # nothing of it cached anywhere yet
+    state = fold(state, TaskFinished(task_id="turn1", status="completed"))
+    later = GenerationParams(messages=[*first.messages, ChatMessage(role="assistant", content="Done."),
+                                       ChatMessage(role="user", content="Now the tests.")])
+    _, task = ask(state, "turn2", later)
+    assert (task.instance_id, task.prefill_instance) == (decode.instance_id, "")
+    _, task = ask(state, "other", GenerationParams(messages=[ChatMessage(role="user", content="unrelated")]))
+    assert task.prefill_instance == prefill.instance_id
 
 
 def test_without_a_ready_prefill_runner_or_node_keys_the_decode_instance_prefills_alone():

@@ -58,7 +58,7 @@ from exo.master.join_tokens import create_join_token, redeem_join_token
 from exo.master.memo import DecideMemo
 from exo.master.on_demand import kept_alive, task_created, without_instance
 from exo.master.removal import remove_node
-from exo.master.routing import NO_REPORTS, base_serving, choose_instance
+from exo.master.routing import NO_REPORTS, base_serving, choose_sharing
 from exo.settings.services import MasterSettings
 
 MAX_REPLICAS = 64
@@ -251,9 +251,10 @@ def _generate(state: State, command: GenerateText, builtin: Mapping[ModelId, Mod
     with_room = [i for i in instances if open_rows[i.instance_id] + rows <= (i.max_queue or default_max_queue)]
     if not with_room:
         return _full_queues(command, instances, rows, default_max_queue)
-    chosen = choose_instance(state, decoders(with_room), params, open_rows, by_conversation=cache_routing,
-                             index=memo.tasks, dropped=cache_dropped, model_id=command.model_id)
-    prefill = prefill_instance_for(state, chosen, instances, params, command.model_id, open_rows)
+    chosen, cached = choose_sharing(state, decoders(with_room), params, open_rows, by_conversation=cache_routing,
+                                    index=memo.tasks, dropped=cache_dropped, model_id=command.model_id)
+    # A decode instance that holds the conversation's earlier turns prefills only the new ones itself.
+    prefill = "" if cached else prefill_instance_for(state, chosen, instances, params, command.model_id, open_rows)
     return [task_created(command, params, chosen.instance_id, prefill)]
 
 

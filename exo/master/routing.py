@@ -49,15 +49,24 @@ def choose_instance(state: State, candidates: list[Instance], params: Generation
     `model_id`: the request's; only its own tasks count (an instance of a base serving its adapters
     keeps each adapter's entries apart: exo/runner/adapter_rows.py). "": any model's.
     `index` (the master keeps one across requests) only saves time: the choice is the same without it."""
+    return choose_sharing(state, candidates, params, open_tasks, by_conversation, index, dropped, model_id)[0]
+
+
+def choose_sharing(state: State, candidates: list[Instance], params: GenerationParams,
+                   open_tasks: Mapping[InstanceId, int], by_conversation: bool = True,
+                   index: TaskIndex | None = None, dropped: Mapping[InstanceId, Set[TaskId]] = NO_REPORTS,
+                   model_id: str = "") -> tuple[Instance, int]:
+    """choose_instance's choice, and how much of the conversation its cache holds (0: none known)."""
     shared = {i.instance_id: 0 for i in candidates}
-    if by_conversation and len(candidates) > 1:
+    if by_conversation and (len(candidates) > 1 or candidates[0].role == "decode"):  # a decode instance: may skip a prefill
         later = digest_conversation(params)
         for task in index.alike(state, later) if index is not None else _all_alike(state, later, params):
             if task.instance_id in shared and task.params.cache_scope == params.cache_scope \
                     and (not model_id or task.model_id == model_id) and not _dropped(task, dropped):
                 here = shared_conversation(task.conversation, later, params.prompt)
                 shared[task.instance_id] = max(shared[task.instance_id], here)
-    return min(candidates, key=lambda i: (-shared[i.instance_id], open_tasks[i.instance_id]))
+    chosen = min(candidates, key=lambda i: (-shared[i.instance_id], open_tasks[i.instance_id]))
+    return chosen, shared[chosen.instance_id]
 
 
 def base_serving(state: State, model_id: ModelId,
