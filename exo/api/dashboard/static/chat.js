@@ -56,16 +56,19 @@ export class Chat {
     return takes;
   }
 
-  async attach(files) {
+  attach(files) {
     const images = [...files].filter((file) => file.type.startsWith("image/"));
-    if (!images.length || !this.showAttach()) return;
-    const urls = await Promise.all(images.map((file) => new Promise((resolve, reject) => {
+    if (!images.length || !this.showAttach()) return this.attaching;
+    const reading = Promise.all(images.map((file) => new Promise((resolve, reject) => {
       const reader = new FileReader();
       reader.onload = () => resolve(reader.result); // data:<mime>;base64,...
       reader.onerror = () => reject(reader.error);
       reader.readAsDataURL(file);
     }))).catch((error) => { this.ctx.toast(`Could not read the image: ${error.message}`); return []; });
-    this.setImages([...this.images, ...urls]);
+    // Added in the order they were picked or pasted, however long each takes to read.
+    this.attaching = (this.attaching || Promise.resolve()).then(() => reading)
+      .then((urls) => this.setImages([...this.images, ...urls]));
+    return this.attaching;
   }
 
   setImages(urls) {
