@@ -235,10 +235,13 @@ def test_events_replay_the_log_from_since_and_follow_it_live(http, client, tiny)
         model=TINY_MODEL_ID, messages=MESSAGES, temperature=0, max_tokens=4)))
     with http.stream("GET", "/events") as response:
         ask.start()
-        live = []
+        live, created = [], set()
         for event in sse_events(response.iter_lines()):
             live.append(event)
-            if event["event"] == "task.finished":
+            if event["event"] == "task.created":
+                created.add(event["data"]["task"]["task_id"])
+            # The end of a task created here: an earlier test's cancelled task may end in between.
+            if event["event"] == "task.finished" and event["data"]["task_id"] in created:
                 break
     ask.join()
     task_id = reply[0].id.removeprefix("chatcmpl-")
