@@ -77,18 +77,20 @@ def chat(http: httpx.Client, content: str, **extra: object) -> tuple[str, dict, 
     return reply["choices"][0]["message"]["content"], reply["usage"], reply["id"].removeprefix("chatcmpl-")
 
 
-def prefill_runner_pid(node: ExoProcess, prefill: str) -> int:
-    """The runner process listening on the prefill instance's port (from State)."""
+def prefill_runner_pid(node: ExoProcess, prefill: str, worker: ExoProcess | None = None) -> int:
+    """The runner process listening on the prefill instance's port (from `node`'s State), a child of
+    `worker` (default: `node`)."""
     runner = state_of(node).runners[state_of(node).instances[prefill].shards[0].runner_id]
     port = int(runner.prefill_address.rpartition(":")[2])
+    worker = worker or node
     inodes = set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         for line in Path(table).read_text().splitlines()[1:]:
             fields = line.split()
             if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "0A":  # LISTEN
                 inodes.add(fields[9])
-    assert node.process is not None
-    for pid in runner_pids(node.process.pid):
+    assert worker.process is not None
+    for pid in runner_pids(worker.process.pid):
         for fd in Path(f"/proc/{pid}/fd").iterdir():
             try:
                 if os.readlink(fd).removeprefix("socket:[").removesuffix("]") in inodes:
@@ -98,7 +100,7 @@ def prefill_runner_pid(node: ExoProcess, prefill: str) -> int:
     raise AssertionError(f"no runner listens on port {port}")
 
 
-@pytest.mark.parametrize("length", [25, 1000, pytest.param(8000, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("length", [25, 1000])  # 8,000: across two nodes, tests/test_prefill_split_nodes.py
 def test_greedy_text_through_the_split_is_mlx_lms_and_the_decode_side_computes_one_prompt_token(
         node, http, split, reference, length):
     prefill, decode = split
