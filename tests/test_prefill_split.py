@@ -7,7 +7,7 @@ import msgspec
 
 from exo.core.apply import apply
 from exo.core.commands import GenerateText, PlaceInstance
-from exo.core.events import InstanceCreated, NodeRegistered, RunnerStatusChanged, TaskCreated, TaskFinished
+from exo.core.events import InstanceCreated, InstanceDeleted, NodeRegistered, RunnerStatusChanged, TaskCreated, TaskFinished
 from exo.core.requests import ChatMessage, GenerationParams
 from exo.core.state import State
 from exo.core.types import Instance, Migration, NodeInfo, ShardAssignment, Task
@@ -106,8 +106,14 @@ def test_a_full_decode_side_leaves_the_prefill_instance_to_decode_alone():
     state = ready(state, prefill)
     state, first = ask(state, "g1")
     assert first.instance_id == decode.instance_id
-    _, second = ask(state, "g2")
+    assert first.split_note == ""
+    state, second = ask(state, "g2")
     assert (second.instance_id, second.prefill_instance) == (prefill.instance_id, "")
+    assert second.split_note == f"decoded on prefill instance {prefill.instance_id}, alone: every decode instance is full"
+    state = fold(state, InstanceDeleted(instance_id=decode.instance_id, reason="gone"))
+    _, third = ask(state, "g3")
+    assert third.split_note == f"decoded on prefill instance {prefill.instance_id}, alone: " \
+                               "no decode instance of the model is serving"
 
 
 def test_instances_without_roles_are_routed_as_before_and_never_paired():

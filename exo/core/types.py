@@ -314,6 +314,8 @@ class Task(msgspec.Struct, frozen=True, kw_only=True):
     run_nodes: list[list[NodeId]] = []
     # A prefill instance that computes its prompt's KV cache for its (decode) instance's first run ("" : none).
     prefill_instance: InstanceId = InstanceId("")
+    # Why a split model's request decodes on a prefill instance, alone ("" : it does not): the fallback, in its event.
+    split_note: str = ""
 
 
 class ClusterServer(msgspec.Struct, frozen=True, kw_only=True):

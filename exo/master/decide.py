@@ -51,7 +51,7 @@ from exo.core.state import State
 from exo.core.types import Desire, Instance, ModelCard, RejectionCode, Task
 from exo.core.usage import day_of, tokens_in_day, tokens_in_month
 from exo.master.adapters import add_adapter, delete_adapter
-from exo.master.disaggregation import decoders, prefill_instance_for
+from exo.master.disaggregation import decode_fallback_note, decoders, prefill_instance_for
 from exo.master.eviction import place_making_room
 from exo.master.heal import HealLimits, place_for
 from exo.master.join_tokens import create_join_token, redeem_join_token
@@ -255,7 +255,7 @@ def _generate(state: State, command: GenerateText, builtin: Mapping[ModelId, Mod
                                     index=memo.tasks, dropped=cache_dropped, model_id=command.model_id)
     # A decode instance that holds the conversation's earlier turns prefills only the new ones itself.
     prefill = "" if cached else prefill_instance_for(state, chosen, instances, params, command.model_id, open_rows)
-    return [task_created(command, params, chosen.instance_id, prefill)]
+    return [task_created(command, params, chosen.instance_id, prefill, decode_fallback_note(chosen, instances))]
 
 
 def _open_rows(state: State, instances: list[Instance]) -> dict[InstanceId, int]:

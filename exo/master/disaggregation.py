@@ -26,6 +26,15 @@ def decoders(with_room: list[Instance]) -> list[Instance]:
     return decoding or with_room
 
 
+def decode_fallback_note(chosen: Instance, serving: list[Instance]) -> str:
+    """Why `chosen`, a prefill instance, decodes a request alone; "" when it is no prefill instance."""
+    if chosen.role != "prefill":
+        return ""
+    why = "every decode instance is full" if any(i.role == "decode" for i in serving) else \
+        "no decode instance of the model is serving"
+    return f"decoded on prefill instance {chosen.instance_id}, alone: {why}"
+
+
 def prefill_instance_for(state: State, chosen: Instance, candidates: list[Instance], params: GenerationParams,
                          model_id: ModelId, open_rows: Mapping[InstanceId, int]) -> InstanceId:
     """The prefill instance that computes the prompt's cache for `chosen`, a decode instance; ""

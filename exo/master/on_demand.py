@@ -37,7 +37,7 @@ def kept_alive(state: State, command: GenerateText, events: list[Event]) -> list
 
 
 def task_created(command: GenerateText, params: GenerationParams, instance_id: InstanceId,
-                 prefill_instance: str = "") -> TaskCreated:
+                 prefill_instance: str = "", split_note: str = "") -> TaskCreated:
     task = Task(
         task_id=TaskId(command.command_id),  # a task is named after the command that asked for it
         instance_id=instance_id,  # "": it waits for an instance of its model (exo/master/heal.py)
@@ -47,6 +47,7 @@ def task_created(command: GenerateText, params: GenerationParams, instance_id: I
         key_id=command.key_id,
         priority=command.priority,
         prefill_instance=InstanceId(prefill_instance),
+        split_note=split_note,
     )
     return TaskCreated(command_id=command.command_id, task=task)
 
