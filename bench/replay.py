@@ -36,6 +36,7 @@ from exo.bus.server.embedded import EmbeddedNats
 from exo.bus.subjects import EVENTS_STREAM, event_subject
 from exo.bus.tooling.log_reader import log_bounds, read_log, read_log_batches, read_log_fetching, read_log_ordered
 from exo.bus.tooling.log_records import LogRecord, OnBatch
+from exo.bus.tooling.raw_reader import SIGNED
 from exo.core.events import (
     CustomCardAdded,
     Event,
@@ -126,9 +127,9 @@ class Variants:
         assert len(seen) == self.count and seen[-1] == self.count
 
     async def replay_batched(self) -> None:
-        """What `exo replay` does: the raw reader, no headers, a batch fold per socket read."""
+        """What `exo replay` does: the raw reader, signed records' headers only, a batch fold per socket read."""
         replayer = BatchReplayer()
-        await read_log_batches(self.nc, replayer.feed_all, headers=False)
+        await read_log_batches(self.nc, replayer.feed_all, headers=SIGNED)
         self.check(replayer)
 
     async def replay_per_event(self) -> None:

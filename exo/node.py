@@ -268,7 +268,7 @@ class Node:
         self.worker = worker = Worker(nc, view, node_id, config.data_dir, self.nats_urls, builtin,
                                       DownloadSettings.of(config.models, config.data_dir), settings=config.worker,
                                       runner_start=start, suspect_s=config.master.suspect_s)
-        events = EventLog(nc)
+        events = EventLog(nc, signer=ChunkSigner.from_file(node_id, key.seed_file))  # its heartbeats are signed
 
         async def append(event: Event) -> None:
             await events.append(event, uuid.uuid4().hex)

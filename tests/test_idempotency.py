@@ -41,5 +41,5 @@ async def test_two_waiters_for_one_command_each_get_the_answer_when_one_gives_up
     outcomes.forget(KEYED, first)
     answer = stamped(view.state, InstanceCreated(command_id=KEYED, instance=Instance(instance_id=InstanceId("i1"),
                                                                                      model_id=ModelId("m"))))
-    await view._on_event(view.state.last_seq + 1, answer)
+    await view._on_event(view.state.last_seq + 1, answer, lambda key: False)  # unsigned: with_leader names no key
     assert await asyncio.wait_for(second, 1) == answer

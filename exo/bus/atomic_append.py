@@ -19,8 +19,10 @@ from collections.abc import Sequence
 import nats.errors
 from nats.aio.client import Client
 
+from exo.bus.chunk_signing import ChunkSigner
 from exo.bus.errors import BusError
 from exo.bus.subjects import SHARED, LogNames
+from exo.core.event_signers import is_signed
 from exo.core.events import Event, encode_event, event_tag
 from exo.telemetry.tracing import with_traceparent
 
@@ -41,21 +43,25 @@ class AtomicAppendFailed(BusError):
 
 
 async def append_atomically(nc: Client, events: Sequence[Event], names: LogNames = SHARED,
-                            traceparents: Sequence[str] = ()) -> int:
+                            traceparents: Sequence[str] = (), signer: ChunkSigner | None = None) -> int:
     """Append `events` (at most MAX_ATOMIC) all or none, in order; the last one's sequence.
-    `traceparents`: each event's, carried in its headers (none: no event is traced)."""
+    `traceparents`: each event's, carried in its headers (none: no event is traced); `signer`: the
+    node's key, which signs each (exo/core/event_signers.py)."""
     if not 0 < len(events) <= MAX_ATOMIC:
         raise ValueError(f"an atomic batch holds 1 to {MAX_ATOMIC} events, not {len(events)}")
     batch_id = uuid.uuid4().hex
-    last = events[-1]
+    messages = [(names.event_subject(event_tag(event)), encode_event(event)) for event in events]
+    signatures = [signer.headers(subject, payload) if signer and is_signed(event) else {}
+                  for event, (subject, payload) in zip(events, messages, strict=True)]
     try:
-        for n, event in enumerate(events[:-1], start=1):
-            await nc.publish(names.event_subject(event_tag(event)), encode_event(event),
-                             headers=with_traceparent({"Nats-Batch-Id": batch_id, "Nats-Batch-Sequence": str(n)},
-                                                      traceparents[n - 1] if traceparents else ""))
-        reply = await nc.request(names.event_subject(event_tag(last)), encode_event(last), timeout=COMMIT_TIMEOUT_S,
-                                 headers=with_traceparent({"Nats-Batch-Id": batch_id, "Nats-Batch-Sequence": str(len(events)),
-                                                           "Nats-Batch-Commit": "1"}, traceparents[-1] if traceparents else ""))
+        for n, (subject, payload) in enumerate(messages[:-1], start=1):
+            await nc.publish(subject, payload, headers=with_traceparent(
+                {**signatures[n - 1], "Nats-Batch-Id": batch_id, "Nats-Batch-Sequence": str(n)},
+                traceparents[n - 1] if traceparents else ""))
+        subject, payload = messages[-1]
+        reply = await nc.request(subject, payload, timeout=COMMIT_TIMEOUT_S, headers=with_traceparent(
+            {**signatures[-1], "Nats-Batch-Id": batch_id, "Nats-Batch-Sequence": str(len(events)), "Nats-Batch-Commit": "1"},
+            traceparents[-1] if traceparents else ""))
     except (nats.errors.TimeoutError, nats.errors.ConnectionReconnectingError, nats.errors.StaleConnectionError,
             nats.errors.ConnectionClosedError) as error:  # the commit may have been sent, or be sent on reconnecting
         raise AtomicAppendFailed(f"the batch's commit was not answered: {error!r}") from error

@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import binascii
 import functools
+from collections.abc import Callable
 from pathlib import Path
 
 import nacl.exceptions
@@ -68,3 +69,20 @@ def signature_valid(public_key: str, subject: str, payload: bytes, signature: st
     except (nacl.exceptions.BadSignatureError, binascii.Error, ValueError):
         return False
     return True
+
+
+def message_check(subject: str, payload: bytes, headers: dict[str, str] | None) -> Callable[[str], bool]:
+    """Whether this message was signed by a given public key: what the reducer asks of an event
+    (exo/core/event_signers.py). An unsigned message answers False without any crypto."""
+    signature = (headers or {}).get(SIGNATURE_HEADER, "")
+    if not signature:
+        return _unsigned
+    return functools.partial(_signed_by, subject, payload, signature)
+
+
+def _unsigned(public_key: str) -> bool:
+    return False
+
+
+def _signed_by(subject: str, payload: bytes, signature: str, public_key: str) -> bool:
+    return signature_valid(public_key, subject, payload, signature)

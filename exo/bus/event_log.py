@@ -17,31 +17,37 @@ from nats.aio.subscription import Subscription
 from nats.js import api
 
 from exo.bus.atomic_append import MAX_ATOMIC, NOT_ENABLED, AtomicAppendFailed, append_atomically
+from exo.bus.chunk_signing import ChunkSigner, message_check
 from exo.bus.errors import LogGap
 from exo.bus.publish import publish_durably
 from exo.bus.subjects import SHARED, LogNames
+from exo.core.event_signers import SignatureCheck, is_signed
 from exo.core.events import AnyEvent, Event, decode_event, encode_event, event_tag
 from exo.telemetry import tracing
 
 log = logging.getLogger(__name__)
 
-# Called with (sequence, event) for decodable events and (sequence, reason) for the rest.
-OnEvent = Callable[[int, AnyEvent], Awaitable[None]]
+# Called with (sequence, event, signature check) for decodable events and (sequence, reason) for
+# the rest. The check says whether the event was signed by a given key (exo/core/event_signers.py).
+OnEvent = Callable[[int, AnyEvent, SignatureCheck], Awaitable[None]]
 OnUndecodable = Callable[[int, str], Awaitable[None]]
 
 
 class EventLog:
-    def __init__(self, nc: Client, names: LogNames = SHARED) -> None:
+    def __init__(self, nc: Client, names: LogNames = SHARED, signer: ChunkSigner | None = None) -> None:
+        """`signer`: the node's key, which signs each event appended (exo/core/event_signers.py)."""
         self._nc = nc
         self._js = nc.jetstream()
         self.names = names
         self.atomic = False  # the stream stores atomic batches (see `check_atomic`)
+        self._signer = signer
 
     async def append(self, event: Event, event_id: str, traceparent: str = "") -> int:
         """Append one event; returns its sequence (the original one if it was a duplicate)."""
         names = self.names
-        ack = await publish_durably(self._nc, names.event_subject(event_tag(event)), encode_event(event),
-                                    names.events_stream, event_id, traceparent=traceparent)
+        subject, payload = names.event_subject(event_tag(event)), encode_event(event)
+        ack = await publish_durably(self._nc, subject, payload, names.events_stream, event_id, traceparent=traceparent,
+                                    headers=self._signer.headers(subject, payload) if self._signer and is_signed(event) else None)
         return ack.seq
 
     async def check_atomic(self) -> bool:
@@ -62,7 +68,8 @@ class EventLog:
             chunk = [event for event, _ in batch]
             try:
                 last = await append_atomically(self._nc, chunk, self.names,
-                                               [traces.get(event_id, "") for _, event_id in batch] if traces else ())
+                                               [traces.get(event_id, "") for _, event_id in batch] if traces else (),
+                                               self._signer)
             except AtomicAppendFailed as error:
                 if error.err_code != NOT_ENABLED:
                     raise
@@ -138,4 +145,4 @@ class EventFollower:
         # A traced request's event: this node's listeners (its worker's plan) act inside the trace.
         with tracing.span("exo.events.deliver", tracing.traceparent_of(msg.headers), "consumer",
                           {"exo.event": msg.subject, "exo.seq": seq}):
-            await self._on_event(seq, event)
+            await self._on_event(seq, event, message_check(msg.subject, msg.data, msg.headers))

@@ -12,6 +12,7 @@ from nats.aio.client import Client
 from exo.bus.event_log import EventFollower
 from exo.bus.subjects import SHARED, LogNames
 from exo.core.apply import apply, skip_event
+from exo.core.event_signers import SignatureCheck
 from exo.core.events import AnyEvent
 from exo.core.ids import TaskId
 from exo.core.state import State
@@ -75,8 +76,8 @@ class StateView:
             await asyncio.wait_for(self._advanced.wait_for(lambda: self.state.last_seq >= seq), timeout)
         return self.state
 
-    async def _on_event(self, seq: int, event: AnyEvent) -> None:
-        self.state = apply(self.state, event, seq)
+    async def _on_event(self, seq: int, event: AnyEvent, verify: SignatureCheck) -> None:
+        self.state = apply(self.state, event, seq, verify)
         await self._advance(seq, event)
 
     async def _on_undecodable(self, seq: int, reason: str) -> None:

@@ -39,6 +39,7 @@ from exo.core.apply_tasks import (
     stamp_desire_use,
 )
 from exo.core.draft import Draft
+from exo.core.event_signers import PER_REQUEST_KINDS, SignatureCheck, check_signer, note_signer
 from exo.core.events import (
     AdapterAdded,
     AdapterDeleted,
@@ -93,9 +94,11 @@ MASTER_KINDS: frozenset[type] = frozenset({
 })
 
 
-def apply(state: State, event: AnyEvent, seq: int) -> State:
+def apply(state: State, event: AnyEvent, seq: int, verify: SignatureCheck | None = None) -> State:
+    """`verify`: whether the event's message was signed by a key (exo/core/event_signers.py); None:
+    the caller appended it itself, and nothing is checked."""
     draft = Draft(state)
-    fold_into(draft, event, seq)
+    fold_into(draft, event, seq, verify)
     return draft.state()
 
 
@@ -120,16 +123,22 @@ def skip_event(state: State, seq: int, reason: str) -> State:
     return draft.state()
 
 
-def fold_into(draft: Draft, event: AnyEvent, seq: int) -> str:
+def fold_into(draft: Draft, event: AnyEvent, seq: int, verify: SignatureCheck | None = None) -> str:
     """Fold one event into the draft; returns why it was skipped, or "" if it was used."""
     try:
         if draft.group and type(event) not in GROUP_KINDS:
             raise Skip(f"a {event_tag(event)} event in master group {draft.group}'s log, which holds requests only")
-        if type(event) in MASTER_KINDS or (event.term and not isinstance(event, LeaderElected)):
+        by_master = type(event) in MASTER_KINDS or bool(event.term and not isinstance(event, LeaderElected))
+        if by_master:
             _check_term(draft, event.term)
         if draft.revoked_nodes:
             refuse_if_revoked(draft, event)
+        signed = verify is not None and type(event) not in PER_REQUEST_KINDS  # a request's own: none asked
+        if signed:
+            check_signer(draft, event, verify, by_master)
         _HANDLERS[type(event)](draft, event, seq)
+        if signed or isinstance(event, LeaderElected):
+            note_signer(draft, event, verify)
     except Skip as skip:
         reason = str(skip)
         draft.skip(seq, reason)
@@ -170,8 +179,9 @@ def _on_node_registered(draft: Draft, event: NodeRegistered | NodeHeartbeat, seq
     # Trust on first use: the first key stays, so a forged registration cannot swap in a key of its
     # own (or none) to sign chunks as this node; the rest of the event is folded as ever.
     key = known.public_key if known is not None and known.public_key else node.public_key
-    if node.suspect_since != kept or node.public_key != key:
-        node = replace(node, suspect_since=kept, public_key=key)
+    signs = known is not None and known.signs_events  # the reducer's to set (exo/core/event_signers.py)
+    if node.suspect_since != kept or node.public_key != key or node.signs_events != signs:
+        node = replace(node, suspect_since=kept, public_key=key, signs_events=signs)
     draft.own("nodes")[node.node_id] = node
 
 

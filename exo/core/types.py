@@ -252,6 +252,8 @@ class NodeInfo(msgspec.Struct, frozen=True, kw_only=True):
     # sees stays (trust on first use); "": a node from before keys.
     public_key: str = ""
     offline: bool = False  # --offline: it fetches no model (from the Hub or peers), it uses only what is on its disks
+    # Set by the reducer once one of its events was signed with public_key: every later one must be.
+    signs_events: bool = False
 
 
 class FileProgress(msgspec.Struct, frozen=True, kw_only=True):

@@ -90,7 +90,7 @@ class Master:
         self._shared = shared
         self._names = view.names
         self._wanted_groups = parse_groups(settings.groups) if shared is None else {}
-        self._log = EventLog(nc, self._names)
+        self._log = EventLog(nc, self._names, signer)  # its decisions are signed: exo/core/event_signers.py
         self._builtin_cards = builtin_cards
         self._lease = Lease(nc, node_id, key=self._names.leader_key)
         self._node_id = node_id

@@ -17,6 +17,7 @@ from typing import BinaryIO
 
 import msgspec
 
+from exo.bus.chunk_signing import message_check
 from exo.bus.tooling.log_reader import LogFollower, LogRecord, log_bounds, read_log
 from exo.core.apply import apply
 from exo.core.events import AnyEvent, decode_event
@@ -107,7 +108,7 @@ class _Tail:
         kind = kind_of(record.subject, event)
         shown = matches(self._filter, kind, event, self._context)
         if event is not None:
-            self._context = apply(self._context, event, record.seq)
+            self._context = apply(self._context, event, record.seq, message_check(record.subject, record.data, record.headers))
         if shown:
             self._show(record, kind, event, reason)
 

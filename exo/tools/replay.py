@@ -25,8 +25,10 @@ from typing import Any
 
 import msgspec
 
+from exo.bus.chunk_signing import message_check
 from exo.bus.subjects import group_names
 from exo.bus.tooling.log_reader import LogRecord, log_bounds, read_log_batches
+from exo.bus.tooling.raw_reader import SIGNED
 from exo.bus.tooling.snapshot_reader import StoredSnapshot, stored_snapshots
 from exo.core.apply import fold_into
 from exo.core.draft import Draft
@@ -126,7 +128,7 @@ class BatchReplayer(Replayer):
                 reason = f"undecodable event on {record.subject}: {error}"
                 draft.skip(seq, reason)
             else:
-                reason = fold_into(draft, event, seq)
+                reason = fold_into(draft, event, seq, message_check(record.subject, record.data, record.headers))
             if reason:
                 self.skipped.append(SkippedEvent(seq=seq, reason=reason))
             self.replayed += 1
@@ -176,7 +178,7 @@ async def _fold_stream(args: argparse.Namespace, out: Output) -> tuple[Replayer,
             start, checkpoints = _verify_start(checkpoints, (await log_bounds(nc, names)).first_seq, empty)
         replayer = _new_replayer(args, out, start, checkpoints if args.verify else [])
         await read_log_batches(nc, replayer.feed_all, first_seq=start.last_seq + 1, last_seq=args.until,
-                               headers=False, names=names)
+                               headers=SIGNED, names=names)
     finally:
         await nc.close()
     return replayer, unreadable
@@ -189,7 +191,7 @@ async def _fold_groups(args: argparse.Namespace, out: Output, shared: Replayer) 
     try:
         for group in shared.state.group_logs:
             replayer = _new_replayer(args, out, State(group=group))
-            await read_log_batches(nc, replayer.feed_all, headers=False, names=group_names(group))
+            await read_log_batches(nc, replayer.feed_all, headers=SIGNED, names=group_names(group))
             shared.replayed += replayer.replayed
             shared.skipped += [SkippedEvent(seq=s.seq, reason=f"group {group}: {s.reason}") for s in replayer.skipped]
             groups.append(replayer.state)

@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterable
 
 import msgspec
 
+from exo.bus.chunk_signing import message_check
 from exo.bus.tooling.log_reader import LogRecord
 from exo.core.apply import apply, skip_event
 from exo.core.events import AnyEvent, decode_event
@@ -116,7 +117,7 @@ def _fold(state: State, record: LogRecord) -> tuple[State, AnyEvent | None, str]
     except (msgspec.DecodeError, msgspec.ValidationError) as error:
         reason = f"undecodable event on {record.subject}: {error}"
         return skip_event(state, record.seq, reason), None, reason
-    new_state = apply(state, event, record.seq)
+    new_state = apply(state, event, record.seq, message_check(record.subject, record.data, record.headers))
     if new_state.skipped_events is not state.skipped_events:  # the reducer recorded a skip
         return new_state, event, new_state.skipped_events[-1].reason
     return new_state, event, ""

@@ -209,7 +209,7 @@ class Worker:
     async def _publish(self, event: Event) -> None:
         names = self._view.names_for_task(event.task_id) if isinstance(event, (TaskStarted, TaskFinished)) else SHARED
         if (events := self._logs.get(names)) is None:
-            events = self._logs[names] = EventLog(self._nc, names)
+            events = self._logs[names] = EventLog(self._nc, names, self._signer)
         await events.append(event, event_id=uuid.uuid4().hex)
 
     def _in_background(self, coroutine: Coroutine[Any, Any, Any]) -> None:

@@ -14,6 +14,7 @@ from exo.bus.connection import connect
 from exo.bus.event_log import EventFollower
 from exo.bus.server.embedded import EmbeddedNats
 from exo.core.apply import apply, skip_event, was_skipped
+from exo.core.event_signers import SignatureCheck
 from exo.core.events import AnyEvent
 from exo.core.state import State, decode_state
 from exo.resources import streams_dir
@@ -62,11 +63,11 @@ def replay(nats_url: str | list[str], upto: int) -> tuple[State, list[tuple[int,
         seen: list[tuple[int, AnyEvent, bool]] = []
         done = asyncio.get_running_loop().create_future()
 
-        async def on_event(seq: int, event: AnyEvent) -> None:
+        async def on_event(seq: int, event: AnyEvent, verify: SignatureCheck) -> None:
             nonlocal state
             if seq > upto:  # events appended since (heartbeats) still arrive until the follower stops
                 return
-            state = apply(state, event, seq)
+            state = apply(state, event, seq, verify)
             seen.append((seq, event, not was_skipped(state, seq)))
             if seq >= upto and not done.done():
                 done.set_result(None)

@@ -20,6 +20,7 @@ from exo.api.sse import SseStream
 from exo.bus.errors import LogGap
 from exo.bus.event_log import EventFollower
 from exo.bus.subjects import SHARED, LogNames
+from exo.core.event_signers import SignatureCheck
 from exo.core.events import AnyEvent, encode_event, event_tag
 
 log = logging.getLogger(__name__)
@@ -34,7 +35,7 @@ async def events(request: web.Request) -> web.StreamResponse:
     since = _since(request, default=position)
     queue: asyncio.Queue[tuple[int, str, str]] = asyncio.Queue(_QUEUE_BOUND)
 
-    async def on_event(seq: int, event: AnyEvent) -> None:
+    async def on_event(seq: int, event: AnyEvent, verify: SignatureCheck) -> None:
         await queue.put((seq, event_tag(event), encode_event(event).decode()))
 
     async def on_undecodable(seq: int, reason: str) -> None:

@@ -23,7 +23,7 @@ from exo.bus.connection import connect_like
 from exo.bus.errors import BusError, LogGap
 from exo.bus.subjects import ALL_EVENTS, EVENTS_STREAM, SHARED, LogNames
 from exo.bus.tooling.log_records import HEARTBEAT_S, LogBounds, LogRecord, OnBatch, OnRecord, unsubscribe_quietly
-from exo.bus.tooling.raw_reader import RawParser, RawRangeReader
+from exo.bus.tooling.raw_reader import HeaderMode, RawParser, RawRangeReader
 
 __all__ = ["LogBounds", "LogFollower", "LogRecord", "log_bounds", "read_log", "read_log_batches", "read_log_ordered",
            "read_log_fetching", "record_of"]
@@ -67,11 +67,12 @@ async def read_log(
 
 async def read_log_batches(
     nc: Client, on_batch: OnBatch, first_seq: int = 1, last_seq: int | None = None, stall_timeout: float = 10.0,
-    headers: bool = True, names: LogNames = SHARED,
+    headers: HeaderMode = True, names: LogNames = SHARED,
 ) -> int:
     """`read_log`, handing over records as they arrive, many at a time (whatever one read
-    from the socket holds, ~100), in order. `headers=False` leaves every record's headers None
-    (replay does not need them, and parsing them costs about as much as the rest of a read).
+    from the socket holds, ~100), in order. `headers=False` leaves every record's headers None,
+    `headers=SIGNED` all but a signed one's (replay checks events' signatures; parsing every
+    record's headers costs about as much as the rest of a read).
 
     It reads on a connection of its own whose protocol parser hands this consumer's messages
     over raw (`RawParser`), several times faster than nats-py's Msg per message; if that

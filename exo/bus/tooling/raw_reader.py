@@ -8,6 +8,7 @@ import json
 import logging
 import re
 from collections.abc import Awaitable, Callable
+from typing import Literal
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -16,6 +17,7 @@ from nats.errors import ProtocolError
 from nats.js import api
 from nats.protocol.parser import AWAITING_CONTROL_LINE, ERR_RE, INFO_RE, OK_RE, PING_RE, PONG_RE, Parser
 
+from exo.bus.chunk_signing import SIGNATURE_HEADER
 from exo.bus.errors import BusError, LogGap
 from exo.bus.subjects import SHARED, LogNames
 from exo.bus.tooling.log_records import HEARTBEAT_S, LogRecord, OnBatch, unsubscribe_quietly
@@ -148,6 +150,13 @@ class RawParser(Parser):
             raise ProtocolError("nats: unknown protocol")
 
 
+# Which records get their headers: all (True), none (False), or only signed ones (SIGNED: a replay
+# checks events' signatures, and parsing every record's headers costs about as much as the rest of a read).
+SIGNED: Literal["signed"] = "signed"
+HeaderMode = bool | Literal["signed"]
+_SIGNATURE = SIGNATURE_HEADER.encode() + b":"
+
+
 def _raw_message(subject: bytes, reply: bytes, headers: bytes, data: bytes) -> RawMessage:
     """A message the parser's fast path did not take: a status message, or a stored one whose
     reply subject has the longer form (with a JetStream domain and account hash)."""
@@ -164,7 +173,7 @@ class RawRangeReader:
 
     MAX_RESTARTS = 10  # consumers recreated without progress before the read gives up
 
-    def __init__(self, nc: Client, reader_nc: Client, on_batch: OnBatch, first: int, end: int, headers: bool,
+    def __init__(self, nc: Client, reader_nc: Client, on_batch: OnBatch, first: int, end: int, headers: HeaderMode,
                  names: LogNames = SHARED) -> None:
         self._names = names
         self._js = nc.jetstream()  # consumers are created and deleted over the caller's connection
@@ -294,7 +303,8 @@ class RawRangeReader:
             if name is None:
                 name = subjects[subject] = subject.decode()
             records.append(LogRecord(seq=seq, subject=name, time_ns=time_ns,
-                                     headers=headers_of(headers) if with_headers else None, data=data))
+                                     headers=headers_of(headers) if with_headers is True
+                                     or (with_headers == SIGNED and _SIGNATURE in headers) else None, data=data))
             if seq == self._end:
                 self._finish()
                 break
