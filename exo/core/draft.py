@@ -22,7 +22,7 @@ class Draft:
     # list vs 0.7 us written out). tests/test_fold.py fails if a State field is missing here.
     __slots__ = (
         "_base", "_own_downloads_of", "last_seq", "leader_term", "leader_node", "leader_by_sequence", "leader_key",
-        "signed_elections", "nodes", "instances",
+        "nodes", "instances",
         "runners",
         "tasks", "custom_model_cards", "skipped_events", "finished_task_ids", "answered_commands", "downloads",
         "instance_end_reasons", "cluster", "desires", "migrations_total", "adapters", "api_keys", "key_windows", "usage",
@@ -37,7 +37,6 @@ class Draft:
         self.leader_node = state.leader_node
         self.leader_by_sequence = state.leader_by_sequence
         self.leader_key = state.leader_key
-        self.signed_elections = state.signed_elections
         self.nodes = state.nodes
         self.instances = state.instances
         self.runners = state.runners
@@ -67,7 +66,7 @@ class Draft:
         state = State(
             last_seq=self.last_seq, leader_term=self.leader_term, leader_node=self.leader_node,
             leader_by_sequence=self.leader_by_sequence, leader_key=self.leader_key,
-            signed_elections=self.signed_elections, nodes=self.nodes,
+            nodes=self.nodes,
             instances=self.instances, runners=self.runners, tasks=self.tasks,
             custom_model_cards=self.custom_model_cards, skipped_events=self.skipped_events,
             finished_task_ids=self.finished_task_ids, answered_commands=self.answered_commands,

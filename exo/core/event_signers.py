@@ -20,8 +20,12 @@ event's message was signed by a given public key. None: a caller that appended t
 (the master folding its own decisions) and checks nothing.
 
 Upgrades: a leader elected without a signature (an older master) and a node none of whose events
-was signed yet (an older release) are not asked for one, so a cluster upgrades node by node. Once
-an election was signed, an unsigned one is skipped.
+was signed yet (an older release) are not asked for one, so a cluster upgrades node by node, and
+a master of either release may take over from the other. The price: a forger with the shared
+credential can still append an unsigned election, and its term then asks for nothing until the
+real master elects itself again (at once). Skipping unsigned elections once one was signed would
+close that, and would wedge a mixed cluster whose older master wins the lease (it would lead with
+an election nobody folds); per-node NATS permissions close it instead.
 """
 
 from __future__ import annotations
@@ -65,9 +69,8 @@ def check_signer(draft: Draft, event: AnyEvent, verify: SignatureCheck | None, b
     if verify is None or not is_signed(event):
         return
     if isinstance(event, LeaderElected):
-        if draft.signed_elections and not (event.public_key and verify(event.public_key)):
-            raise Skip(f"an election of node {event.node_id} not signed by the key it names, after signed elections")
-    elif by_master:
+        return  # checked by the term rules; whether it was signed decides only the key it gives its term
+    if by_master:
         if draft.leader_key and not verify(draft.leader_key):
             raise Skip(f"a master's event not signed by the key of term {draft.leader_term}'s leader")
     elif (node := _writer(draft, event)) is not None and node.signs_events and not verify(node.public_key):
@@ -80,7 +83,6 @@ def note_signer(draft: Draft, event: AnyEvent, verify: SignatureCheck | None) ->
     if isinstance(event, LeaderElected):
         signed = bool(event.public_key) and (verify is None or verify(event.public_key))
         draft.leader_key = event.public_key if signed else ""
-        draft.signed_elections = draft.signed_elections or (signed and verify is not None)
     elif verify is not None and (node := _writer(draft, event)) is not None and not node.signs_events \
             and node.public_key and verify(node.public_key):
         draft.own("nodes")[node.node_id] = replace(node, signs_events=True)

@@ -40,7 +40,6 @@ class State(msgspec.Struct, frozen=True, kw_only=True):
     leader_node: str = ""
     leader_by_sequence: bool = False  # the leader's term is its election's sequence (see LeaderElected)
     leader_key: str = ""  # the key that signed the current term's election: its master's events need it ("": none)
-    signed_elections: bool = False  # an election was signed: unsigned ones are skipped (exo/core/event_signers.py)
     nodes: dict[NodeId, NodeInfo] = {}
     instances: dict[InstanceId, Instance] = {}
     runners: dict[RunnerId, RunnerInfo] = {}
