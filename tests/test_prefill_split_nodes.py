@@ -101,15 +101,19 @@ def ask(content: str, max_tokens: int, stream: bool = False) -> dict:
             "temperature": 0, "stream": stream}
 
 
+@pytest.mark.parametrize("seeded", [False, True], ids=["greedy", "seeded"])
 @pytest.mark.parametrize("length", [10, 1000, 8000])
-def test_the_cache_crosses_machines_and_the_text_is_mlx_lms(cluster, split, reference, length):
+def test_the_cache_crosses_machines_and_the_text_is_mlx_lms(cluster, split, reference, length, seeded):
     head, _, http = cluster
     prefill, decode = split
-    content = prompt_of(reference, length, f"across{length}")
-    answer = http.post("/v1/chat/completions", json=ask(content, 16))
+    content = prompt_of(reference, length, f"across{length}{'s' if seeded else 'g'}")
+    messages = [{"role": "user", "content": content}]
+    sampling = {"temperature": 0.8, "seed": 11} if seeded else {}
+    answer = http.post("/v1/chat/completions", json=ask(content, 16) | sampling)
     assert answer.status_code == 200, answer.text
     reply = answer.json()
-    assert reply["choices"][0]["message"]["content"] == reference.chat([{"role": "user", "content": content}], 16)
+    expected = reference.sampled_chat(messages, 16, seed=11, temperature=0.8) if seeded else reference.chat(messages, 16)
+    assert reply["choices"][0]["message"]["content"] == expected
     usage = reply["usage"]
     assert usage["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"] - 1, usage
     task = state_of(head).tasks[TaskId(reply["id"].removeprefix("chatcmpl-"))]
