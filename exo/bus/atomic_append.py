@@ -51,7 +51,7 @@ async def append_atomically(nc: Client, events: Sequence[Event], names: LogNames
         raise ValueError(f"an atomic batch holds 1 to {MAX_ATOMIC} events, not {len(events)}")
     batch_id = uuid.uuid4().hex
     messages = [(names.event_subject(event_tag(event)), encode_event(event)) for event in events]
-    signatures = [signer.headers(subject, payload) if signer and is_signed(event) else {}
+    signatures = [signature_headers(signer, event, subject, payload)
                   for event, (subject, payload) in zip(events, messages, strict=True)]
     try:
         for n, (subject, payload) in enumerate(messages[:-1], start=1):
@@ -68,6 +68,11 @@ async def append_atomically(nc: Client, events: Sequence[Event], names: LogNames
     except nats.errors.Error as error:  # refused before the commit left (too big, no stream leader...): none stored
         raise AtomicAppendFailed(f"the batch could not be sent: {error!r}", stored_none=True) from error
     return _committed_seq(reply.data, batch_id, len(events))
+
+
+def signature_headers(signer: ChunkSigner | None, event: Event, subject: str, payload: bytes) -> dict[str, str]:
+    """The headers that sign `event` as its node appends it ({}: no key, or a request's own event)."""
+    return signer.headers(subject, payload) if signer is not None and is_signed(event) else {}
 
 
 def _committed_seq(data: bytes, batch_id: str, count: int) -> int:

@@ -16,12 +16,12 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js import api
 
-from exo.bus.atomic_append import MAX_ATOMIC, NOT_ENABLED, AtomicAppendFailed, append_atomically
+from exo.bus.atomic_append import MAX_ATOMIC, NOT_ENABLED, AtomicAppendFailed, append_atomically, signature_headers
 from exo.bus.chunk_signing import ChunkSigner, message_check
 from exo.bus.errors import LogGap
 from exo.bus.publish import publish_durably
 from exo.bus.subjects import SHARED, LogNames
-from exo.core.event_signers import SignatureCheck, is_signed
+from exo.core.event_signers import SignatureCheck
 from exo.core.events import AnyEvent, Event, decode_event, encode_event, event_tag
 from exo.telemetry import tracing
 
@@ -47,7 +47,7 @@ class EventLog:
         names = self.names
         subject, payload = names.event_subject(event_tag(event)), encode_event(event)
         ack = await publish_durably(self._nc, subject, payload, names.events_stream, event_id, traceparent=traceparent,
-                                    headers=self._signer.headers(subject, payload) if self._signer and is_signed(event) else None)
+                                    headers=signature_headers(self._signer, event, subject, payload))
         return ack.seq
 
     async def check_atomic(self) -> bool:

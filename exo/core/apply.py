@@ -39,7 +39,7 @@ from exo.core.apply_tasks import (
     stamp_desire_use,
 )
 from exo.core.draft import Draft
-from exo.core.event_signers import PER_REQUEST_KINDS, SignatureCheck, check_signer, note_signer
+from exo.core.event_signers import SignatureCheck, check_signer, is_signed, note_signer
 from exo.core.events import (
     AdapterAdded,
     AdapterDeleted,
@@ -133,11 +133,11 @@ def fold_into(draft: Draft, event: AnyEvent, seq: int, verify: SignatureCheck | 
             _check_term(draft, event.term)
         if draft.revoked_nodes:
             refuse_if_revoked(draft, event)
-        signed = verify is not None and type(event) not in PER_REQUEST_KINDS  # a request's own: none asked
-        if signed:
-            check_signer(draft, event, verify, by_master)
+        check = verify if verify is not None and is_signed(event) else None  # a request's own: none asked
+        if check is not None:
+            check_signer(draft, event, check, by_master)
         _HANDLERS[type(event)](draft, event, seq)
-        if signed or isinstance(event, LeaderElected):
+        if check is not None or isinstance(event, LeaderElected):
             note_signer(draft, event, verify)
     except Skip as skip:
         reason = str(skip)

@@ -64,10 +64,9 @@ def is_signed(event: object) -> bool:
     return type(event) not in PER_REQUEST_KINDS
 
 
-def check_signer(draft: Draft, event: AnyEvent, verify: SignatureCheck | None, by_master: bool) -> None:
-    """Skip `event` unless the key it must be signed with signed it. `by_master`: a master's event."""
-    if verify is None or not is_signed(event):
-        return
+def check_signer(draft: Draft, event: AnyEvent, verify: SignatureCheck, by_master: bool) -> None:
+    """Skip `event` unless the key it must be signed with signed it. `by_master`: a master's event.
+    The reducer asks this of signed kinds only (`is_signed`), when it has a check."""
     if isinstance(event, LeaderElected):
         return  # checked by the term rules; whether it was signed decides only the key it gives its term
     if by_master:
